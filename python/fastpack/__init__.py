@@ -1,0 +1,29 @@
+"""fastpack: fast, correct sequence packing for LLM training.
+
+>>> import fastpack
+>>> plan = fastpack.pack([3, 5, 2, 6], max_len=8)
+>>> plan.num_packs, plan.efficiency
+(2, 1.0)
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+
+from ._errors import FastpackError, FastpackTypeError
+from ._plan import OVERLONG_POLICIES, STRATEGIES, Plan, pack
+
+try:
+    __version__ = version("fastpack")
+except PackageNotFoundError:  # pragma: no cover - running from a source tree
+    __version__ = "0.0.0"
+
+__all__ = [
+    "OVERLONG_POLICIES",
+    "STRATEGIES",
+    "FastpackError",
+    "FastpackTypeError",
+    "Plan",
+    "__version__",
+    "pack",
+]

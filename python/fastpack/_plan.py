@@ -1,0 +1,309 @@
+"""`pack()` and the `Plan` it returns: a thin, typed layer over the Rust core."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from typing import Any, Union
+
+import numpy as np
+
+from . import _core
+from ._errors import FastpackError, FastpackTypeError
+
+__all__ = ["OVERLONG_POLICIES", "STRATEGIES", "Plan", "pack"]
+
+STRATEGIES = ("bfd", "ffd", "next_fit", "wrapped")
+OVERLONG_POLICIES = ("error", "truncate", "split", "drop")
+
+# Dtypes the core reads in place; anything else integral is converted once to int64.
+_NATIVE_DTYPES = frozenset(
+    np.dtype(t) for t in (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32,
+                          np.uint64)
+)
+
+PackIndex = Union[int, slice, range, Sequence[int], np.ndarray]
+
+
+def _int_arg(name: str, value: Any, *, minimum: int, maximum: int | None = None) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise FastpackTypeError(
+            f"{name}: expected an integer, got {type(value).__name__} {value!r}"
+        )
+    value = int(value)
+    if value < minimum or (maximum is not None and value > maximum):
+        accepted = f">= {minimum}" if maximum is None else f"in {minimum}..={maximum}"
+        raise FastpackError(f"{name}: got {value}; expected an integer {accepted}")
+    return value
+
+
+def _choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
+    if not isinstance(value, str):
+        raise FastpackTypeError(f"{name}: expected a string, got {type(value).__name__}")
+    if value not in choices:
+        raise FastpackError(
+            f"{name}: unknown value {value!r}; expected one of {', '.join(map(repr, choices))}"
+        )
+    return value
+
+
+def as_lengths(lengths: Any, name: str = "lengths") -> np.ndarray:
+    """`lengths` as a 1-D contiguous integer numpy array, without a copy when it already
+    is one (any integer dtype, numpy or CPU torch)."""
+    if type(lengths).__module__.startswith("torch"):
+        tensor = lengths.detach()
+        if tensor.device.type != "cpu":
+            tensor = tensor.cpu()
+        if tensor.dtype.is_floating_point or tensor.dtype.is_complex or str(tensor.dtype) in (
+            "torch.bool",
+        ):
+            if str(tensor.dtype) == "torch.bool":
+                raise FastpackTypeError(f"{name}: expected integers, got a bool tensor")
+        lengths = tensor.contiguous().numpy()
+    if isinstance(lengths, (str, bytes, dict)) or np.isscalar(lengths):
+        raise FastpackTypeError(
+            f"{name}: expected a 1-D array-like of integers, got {type(lengths).__name__}"
+        )
+    array = lengths if isinstance(lengths, np.ndarray) else np.asarray(lengths)
+    if array.ndim != 1:
+        raise FastpackError(f"{name}: expected a 1-D array, got shape {array.shape}")
+    kind = array.dtype.kind
+    if kind == "b":
+        raise FastpackTypeError(f"{name}: expected integers, got booleans (dtype bool)")
+    if kind in "iu":
+        if array.dtype not in _NATIVE_DTYPES or not array.dtype.isnative:
+            array = array.astype(np.int64)
+    elif kind == "f" or (kind == "O" and array.size == 0):
+        array = _integral_floats(array.astype(np.float64), name)
+    elif kind == "O":
+        array = _integral_objects(array, name)
+    else:
+        raise FastpackTypeError(
+            f"{name}: expected integers, got dtype {array.dtype} ({type(lengths).__name__})"
+        )
+    return np.ascontiguousarray(array)
+
+
+def _integral_floats(array: np.ndarray, name: str) -> np.ndarray:
+    if array.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    bad = ~np.isfinite(array) | (array != np.floor(array))
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise FastpackError(
+            f"{name}: {array[i]!r} at index {i} is not a whole number; lengths must be "
+            f"non-negative integers"
+        )
+    if array.max() >= 2.0**63:
+        raise FastpackError(f"{name}: {array.max()!r} does not fit in int64")
+    return array.astype(np.int64)
+
+
+def _integral_objects(array: np.ndarray, name: str) -> np.ndarray:
+    for i, value in enumerate(array):
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+            if isinstance(value, (float, np.floating)) and float(value).is_integer():
+                continue
+            raise FastpackTypeError(
+                f"{name}: element {i} is {type(value).__name__} {value!r}; expected integers"
+            )
+    try:
+        return array.astype(np.int64)
+    except OverflowError as e:
+        raise FastpackError(f"{name}: a length does not fit in int64 ({e})") from None
+
+
+def _readonly(array: np.ndarray) -> np.ndarray:
+    array.flags.writeable = False
+    return array
+
+
+class Plan:
+    """A packing plan: which segment of which sequence goes into which pack.
+
+    Flat CSR arrays (numpy, read-only, moved out of Rust without a copy):
+
+    - ``sample_ids`` (int64 [S]): the input sequence each segment comes from,
+    - ``starts`` (int64 [S]): the segment's token offset inside its sequence,
+    - ``seqlens`` (int32 [S]): tokens the segment occupies, its reserved separator slots
+      included,
+    - ``pack_offsets`` (int64 [P+1]): pack ``p`` holds segments
+      ``pack_offsets[p]:pack_offsets[p+1]``.
+    """
+
+    __slots__ = (
+        "sample_ids", "starts", "seqlens", "pack_offsets", "max_len", "reserve", "strategy",
+        "overlong", "num_sequences", "empty_sequences", "dropped_sequences", "dropped_tokens",
+        "truncated_sequences", "truncated_tokens", "split_sequences", "total_tokens",
+    )
+
+    sample_ids: np.ndarray
+    starts: np.ndarray
+    seqlens: np.ndarray
+    pack_offsets: np.ndarray
+    max_len: int
+    reserve: int
+    strategy: str
+    overlong: str
+    num_sequences: int
+    empty_sequences: int
+    dropped_sequences: int
+    dropped_tokens: int
+    truncated_sequences: int
+    truncated_tokens: int
+    split_sequences: int
+    total_tokens: int
+
+    def __init__(self, fields: dict[str, Any]) -> None:
+        for name in self.__slots__:
+            value = fields[name]
+            setattr(self, name, _readonly(value) if isinstance(value, np.ndarray) else value)
+
+    @property
+    def num_packs(self) -> int:
+        return len(self.pack_offsets) - 1
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.seqlens)
+
+    def __len__(self) -> int:
+        return self.num_packs
+
+    @property
+    def lower_bound(self) -> int:
+        """``ceil(total_tokens / max_len)``: no plan can use fewer packs."""
+        return -(-self.total_tokens // self.max_len)
+
+    @property
+    def efficiency(self) -> float:
+        """``total_tokens / (num_packs * max_len)``; 1.0 for an empty plan."""
+        if self.num_packs == 0:
+            return 1.0
+        return self.total_tokens / (self.num_packs * self.max_len)
+
+    @property
+    def pack_tokens(self) -> np.ndarray:
+        """Tokens in each pack (int64 [P])."""
+        cumulative = np.concatenate(([0], np.cumsum(self.seqlens, dtype=np.int64)))
+        return np.diff(cumulative[self.pack_offsets])
+
+    def _packs(self, packs: PackIndex) -> np.ndarray:
+        n = self.num_packs
+        if isinstance(packs, (bool, np.bool_)):
+            raise FastpackTypeError("packs: expected an int, slice, range or array of ints")
+        if isinstance(packs, (int, np.integer)):
+            p = int(packs)
+            if not -n <= p < n:
+                raise FastpackError(f"packs: pack {p} out of range; the plan has {n} packs")
+            return np.array([p % n], dtype=np.int64)
+        if isinstance(packs, slice):
+            return np.arange(n, dtype=np.int64)[packs]
+        if isinstance(packs, range):
+            return np.asarray(packs, dtype=np.int64)
+        index = np.asarray(packs)
+        if index.ndim != 1 or (index.size and index.dtype.kind not in "iu"):
+            raise FastpackTypeError("packs: expected an int, slice, range or 1-D array of ints")
+        return np.ascontiguousarray(index, dtype=np.int64)
+
+    def segments(self, pack: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(sample_ids, starts, seqlens)`` of one pack, as views."""
+        p = int(self._packs(pack)[0])
+        lo, hi = int(self.pack_offsets[p]), int(self.pack_offsets[p + 1])
+        return self.sample_ids[lo:hi], self.starts[lo:hi], self.seqlens[lo:hi]
+
+    def cu_seqlens(self, packs: PackIndex) -> np.ndarray:
+        """``cu_seqlens`` (int32, from 0) of one pack, or of several laid end to end as one
+        varlen row (boundaries at every segment)."""
+        return _core.cu_seqlens(self.seqlens, self.pack_offsets, self._packs(packs))
+
+    def position_ids(self, packs: PackIndex) -> np.ndarray:
+        """Position ids (int64) restarting at 0 in every segment."""
+        return self.varlen(packs)[1]
+
+    def varlen(
+        self, packs: PackIndex, *, threads: int | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``(cu_seqlens, position_ids)`` for ``packs`` in one Rust call."""
+        return _core.varlen(self.seqlens, self.pack_offsets, self._packs(packs), threads)
+
+    def summary(self) -> str:
+        """A few lines a person can read: packs, efficiency and every token not packed."""
+        lines = [
+            f"{self.num_sequences:,} sequences -> {self.num_packs:,} packs of {self.max_len:,} "
+            f"tokens ({self.strategy}, overlong={self.overlong!r})",
+            f"tokens packed: {self.total_tokens:,}; efficiency {self.efficiency:.4%}; "
+            f"packs / lower bound {self.num_packs}/{self.lower_bound}",
+        ]
+        lost = []
+        if self.dropped_sequences:
+            lost.append(f"dropped {self.dropped_tokens:,} tokens "
+                        f"({self.dropped_sequences:,} sequences)")
+        if self.truncated_sequences:
+            lost.append(f"truncated {self.truncated_tokens:,} tokens "
+                        f"({self.truncated_sequences:,} sequences)")
+        if self.split_sequences:
+            lost.append(f"split {self.split_sequences:,} sequences (no token lost)")
+        if self.empty_sequences:
+            lost.append(f"skipped {self.empty_sequences:,} empty sequences")
+        if lost:
+            lines.append("; ".join(lost))
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return (
+            f"Plan(num_packs={self.num_packs}, num_segments={self.num_segments}, "
+            f"max_len={self.max_len}, strategy={self.strategy!r}, "
+            f"efficiency={self.efficiency:.4f}, lower_bound={self.lower_bound}, "
+            f"dropped_tokens={self.dropped_tokens}, truncated_tokens={self.truncated_tokens})"
+        )
+
+
+def pack(
+    lengths: Any,
+    max_len: int,
+    *,
+    strategy: str = "bfd",
+    overlong: str = "error",
+    reserve: int = 0,
+    shuffle: bool = False,
+    seed: int = 0,
+    threads: int | None = None,
+) -> Plan:
+    """Pack sequences of the given token ``lengths`` into packs of at most ``max_len``.
+
+    Args:
+        lengths: 1-D integers: a numpy array (any integer dtype; int32/int64/uint16/uint32
+            and the other native widths are read in place), a list, or a torch tensor.
+        max_len: tokens per pack.
+        strategy: ``"bfd"`` best-fit decreasing (fewest packs), ``"ffd"`` first-fit
+            decreasing, ``"next_fit"`` (keeps input order), ``"wrapped"`` (concatenate and
+            cut every ``max_len`` tokens; ``overlong`` does not apply).
+        overlong: what to do with a sequence longer than ``max_len - reserve``:
+            ``"error"`` (raise, giving how many and the first index), ``"truncate"``,
+            ``"split"`` into pieces each packed on its own, or ``"drop"``. Every dropped
+            or truncated token is counted in the plan.
+        reserve: tokens to reserve after every sequence (say an EOS inserted later), so no
+            pack overflows once they are added. ``seqlens`` include them.
+        shuffle: shuffle the pack order (deterministically for a ``seed``); packs otherwise
+            come roughly sorted by size, which hurts training.
+        threads: worker threads (default: ``RAYON_NUM_THREADS`` or all cores). The plan
+            does not depend on it.
+
+    Sequences of length 0 are skipped and counted in ``empty_sequences``.
+    """
+    array = as_lengths(lengths)
+    max_len = _int_arg("max_len", max_len, minimum=1)
+    strategy = _choice("strategy", strategy, STRATEGIES)
+    overlong = _choice("overlong", overlong, OVERLONG_POLICIES)
+    reserve = _int_arg("reserve", reserve, minimum=0)
+    seed = _int_arg("seed", seed, minimum=0, maximum=2**64 - 1)
+    if threads is not None:
+        threads = _int_arg("threads", threads, minimum=1, maximum=4096)
+    if not isinstance(shuffle, (bool, np.bool_)):
+        raise FastpackTypeError(f"shuffle: expected a bool, got {type(shuffle).__name__}")
+    max_len = operator.index(max_len)
+    fields = _core.pack(
+        array, max_len, strategy, overlong, reserve, seed if shuffle else None, threads
+    )
+    return Plan(fields)

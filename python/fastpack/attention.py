@@ -1,0 +1,572 @@
+"""Variable-length (packed) attention for people writing their own model.
+
+:func:`varlen_attention` takes the packed layout that flash-attn uses: ``q`` of shape
+``(total_tokens, Hq, D)``, ``k``/``v`` of shape ``(total_tokens, Hkv, D)`` and
+``cu_seqlens`` (``[N+1]``, starting at 0) marking where each sequence begins.  Tokens
+attend only to tokens of their own sequence (causally by default).
+
+Backends (``backend="auto"`` picks the first that applies):
+
+``"flash"``
+    ``flash_attn.flash_attn_varlen_func`` (flash-attn 2); CUDA, fp16/bf16.
+``"varlen"``
+    ``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.10); CUDA, fp16/bf16.  The
+    signature changed between releases and is detected by inspection:
+    ``is_causal=`` (2.10), ``window_size=(-1, 0)`` as a *tuple* for causal (2.11+;
+    a list is silently read as non-causal) and ``enable_gqa=True`` (2.12+; older
+    releases get repeated k/v heads instead).
+``"flex"``
+    ``torch.compile(flex_attention)`` with a document mask.  The ``BlockMask`` is
+    built directly from ``cu_seqlens`` with ``BlockMask.from_kv_blocks``: only
+    block-level tables of size ``(T/128)**2`` exist, never a ``T x T`` mask (eager
+    ``create_block_mask`` materializes the dense mask, so it is not used).  CUDA only.
+``"sdpa"``
+    A loop over the sequences calling ``torch.nn.functional.scaled_dot_product_attention``
+    on each slice: memory is O(max_seqlen**2) per call, never O(T**2) for the
+    batch.  Works everywhere (this is the CPU path).
+
+Validating ``cu_seqlens`` reads it on the host once (a device sync when it lives on
+the GPU); pass ``validate=False`` in hot loops or under ``torch.compile`` once the
+batches are known to be well formed.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import inspect
+import math
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+
+    CuSeqlens = torch.Tensor | npt.NDArray[np.integer[Any]] | Sequence[int]
+
+__all__ = ["BACKENDS", "Backend", "available_backends", "varlen_attention"]
+
+Backend = Literal["auto", "flash", "varlen", "flex", "sdpa"]
+BACKENDS: tuple[str, ...] = ("auto", "flash", "varlen", "flex", "sdpa")
+
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+_FLEX_BLOCK_SIZE = 128
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def _error_type() -> type[ValueError]:
+    """``fastpack.FastpackError`` when the package provides it, else ``ValueError``."""
+    try:
+        pkg = importlib.import_module("fastpack")
+    except Exception:  # the package (or its Rust extension) may not import
+        return ValueError
+    exc = getattr(pkg, "FastpackError", None)
+    if isinstance(exc, type) and issubclass(exc, ValueError):
+        return exc
+    return ValueError
+
+
+def _error(message: str) -> ValueError:
+    return _error_type()(message)
+
+
+# ------------------------------------------------------------------ optional imports
+
+
+@functools.lru_cache(maxsize=None)
+def _flash_varlen_func() -> Callable[..., torch.Tensor] | None:
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except Exception:  # ImportError, or a broken CUDA build raising something else
+        return None
+    return flash_attn_varlen_func  # type: ignore[no-any-return]
+
+
+@functools.lru_cache(maxsize=None)
+def _torch_varlen_attn() -> Callable[..., Any] | None:
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except Exception:
+        return None
+    return varlen_attn
+
+
+@functools.lru_cache(maxsize=None)
+def _signature_params(fn: Callable[..., Any]) -> frozenset[str]:
+    try:
+        return frozenset(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return frozenset()
+
+
+@functools.lru_cache(maxsize=None)
+def _flex_unavailable_reason() -> str | None:
+    try:
+        from torch.nn.attention.flex_attention import BlockMask, flex_attention  # noqa: F401
+    except Exception:
+        return f"torch {torch.__version__} has no torch.nn.attention.flex_attention"
+    if not hasattr(BlockMask, "from_kv_blocks"):
+        return f"torch {torch.__version__} has no BlockMask.from_kv_blocks"
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed (torch.compile of flex_attention needs it)"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_flex_attention() -> Callable[..., torch.Tensor]:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    # Uncompiled flex_attention falls back to a dense implementation that
+    # materializes the full score matrix, so the compiled kernel is mandatory.
+    return torch.compile(flex_attention)  # type: ignore[return-value]
+
+
+@functools.lru_cache(maxsize=None)
+def _sdpa_has_enable_gqa() -> bool:
+    # scaled_dot_product_attention is a builtin without an inspectable signature.
+    x = torch.zeros(1, 2, 1, 1)
+    y = torch.zeros(1, 1, 1, 1)
+    try:
+        torch.nn.functional.scaled_dot_product_attention(x, y, y, enable_gqa=True)
+    except TypeError:
+        return False
+    except RuntimeError:
+        return False
+    return True
+
+
+# ---------------------------------------------------------------- backend selection
+
+
+def _is_cuda(t: torch.Tensor) -> bool:
+    return t.device.type == "cuda"
+
+
+def _unavailable_reason(backend: str, q: torch.Tensor) -> str | None:
+    """Why ``backend`` cannot run on inputs like ``q``; ``None`` when it can."""
+    if backend == "sdpa":
+        return None
+    if not _is_cuda(q):
+        return f"it needs CUDA tensors, got device {q.device.type!r}"
+    if backend == "flash":
+        if q.dtype not in _HALF_DTYPES:
+            return f"it needs float16 or bfloat16 inputs, got {q.dtype}"
+        if _flash_varlen_func() is None:
+            return "the flash-attn package is not installed (pip install flash-attn)"
+        return None
+    if backend == "varlen":
+        if q.dtype not in _HALF_DTYPES:
+            return f"it needs float16 or bfloat16 inputs, got {q.dtype}"
+        if _torch_varlen_attn() is None:
+            return (
+                f"torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn "
+                "(added in torch 2.10)"
+            )
+        return None
+    if backend == "flex":
+        return _flex_unavailable_reason()
+    raise AssertionError(backend)  # pragma: no cover
+
+
+def available_backends(q: torch.Tensor) -> list[str]:
+    """Backends that :func:`varlen_attention` could use for inputs like ``q``, in
+    ``backend="auto"`` priority order (``"sdpa"`` is always last and always there)."""
+    return [b for b in BACKENDS[1:] if _unavailable_reason(b, q) is None]
+
+
+def _resolve_backend(backend: str, q: torch.Tensor) -> str:
+    if backend == "auto":
+        return available_backends(q)[0]
+    reason = _unavailable_reason(backend, q)
+    if reason is not None:
+        raise _error(f"backend={backend!r} is not available: {reason}")
+    return backend
+
+
+# ------------------------------------------------------------------------ validation
+
+
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.ndim != 3:
+            raise _error(
+                f"{name} must have 3 dimensions (total_tokens, heads, head_dim), "
+                f"got shape {tuple(t.shape)}"
+            )
+        if not t.is_floating_point():
+            raise _error(f"{name} must be a floating-point tensor, got {t.dtype}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise _error(
+            f"q, k and v must share a dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}"
+        )
+    if k.device != q.device or v.device != q.device:
+        raise _error(
+            f"q, k and v must be on one device, got q={q.device}, k={k.device}, v={v.device}"
+        )
+    if k.shape != v.shape:
+        raise _error(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[0] != q.shape[0]:
+        raise _error(
+            f"q and k/v must have the same number of tokens (dim 0), got {q.shape[0]} and {k.shape[0]}"
+        )
+    if k.shape[2] != q.shape[2]:
+        raise _error(
+            f"q and k/v must have the same head_dim (dim 2), got {q.shape[2]} and {k.shape[2]}"
+        )
+    hq, hkv = q.shape[1], k.shape[1]
+    if hkv == 0 or hq % hkv != 0:
+        raise _error(
+            f"the number of query heads must be a multiple of the number of key/value heads "
+            f"(q has {hq} heads, k/v have {hkv})"
+        )
+
+
+def _check_max_seqlen(max_seqlen: object) -> int:
+    if isinstance(max_seqlen, bool):
+        raise TypeError("max_seqlen must be an int, got bool")
+    if isinstance(max_seqlen, torch.Tensor):
+        if max_seqlen.numel() != 1 or max_seqlen.is_floating_point():
+            raise TypeError("max_seqlen must be an int (or a one-element integer tensor)")
+        value = int(max_seqlen.item())
+    else:
+        try:
+            value = int(max_seqlen.__index__())  # type: ignore[attr-defined]
+        except AttributeError:
+            raise TypeError(f"max_seqlen must be an int, got {type(max_seqlen).__name__}") from None
+    if value < 0:
+        raise _error(f"max_seqlen must be >= 0, got {value}")
+    return value
+
+
+def _as_cu_tensor(cu_seqlens: CuSeqlens) -> torch.Tensor:
+    if isinstance(cu_seqlens, torch.Tensor):
+        t = cu_seqlens
+    else:
+        try:
+            t = torch.as_tensor(cu_seqlens)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise _error(
+                "cu_seqlens must be a 1-D integer torch tensor, numpy array or sequence of ints "
+                f"({exc})"
+            ) from None
+    if t.ndim != 1:
+        raise _error(f"cu_seqlens must be 1-D of shape [N+1], got shape {tuple(t.shape)}")
+    if t.numel() == 0:
+        raise _error("cu_seqlens must have at least one element (it starts with 0)")
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise _error(f"cu_seqlens must hold integers, got dtype {t.dtype}")
+    return t
+
+
+def _check_cu_values(host: torch.Tensor, total_tokens: int, max_seqlen: int) -> None:
+    """``host`` is an int64 CPU copy of cu_seqlens."""
+    first, last = int(host[0]), int(host[-1])
+    if first != 0:
+        raise _error(f"cu_seqlens must start at 0, got {first}")
+    lengths = host[1:] - host[:-1]
+    if lengths.numel() and bool((lengths < 0).any()):
+        i = int(torch.nonzero(lengths < 0)[0, 0])
+        raise _error(
+            f"cu_seqlens must be non-decreasing, got cu_seqlens[{i}]={int(host[i])} > "
+            f"cu_seqlens[{i + 1}]={int(host[i + 1])}"
+        )
+    if last != total_tokens:
+        raise _error(
+            f"cu_seqlens[-1] must equal total_tokens = q.shape[0] = {total_tokens}, got {last}"
+        )
+    longest = int(lengths.max()) if lengths.numel() else 0
+    if longest > max_seqlen:
+        raise _error(
+            f"max_seqlen={max_seqlen} is smaller than the longest sequence in cu_seqlens ({longest})"
+        )
+
+
+# -------------------------------------------------------------------------- backends
+
+
+def _repeat_kv(k: torch.Tensor, v: torch.Tensor, groups: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if groups == 1:
+        return k, v
+    return k.repeat_interleave(groups, dim=dim), v.repeat_interleave(groups, dim=dim)
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _flash_forward(
+    fn: Callable[..., torch.Tensor],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu: torch.Tensor,
+    max_seqlen: int,
+    causal: bool,
+    scale: float | None,
+) -> torch.Tensor:
+    # flash-attn handles GQA natively when Hq is a multiple of Hkv.
+    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+    return fn(q, k, v, cu, cu, max_seqlen, max_seqlen, dropout_p=0.0, softmax_scale=scale, causal=causal)
+
+
+def _torch_varlen_forward(
+    fn: Callable[..., Any],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu: torch.Tensor,
+    max_seqlen: int,
+    causal: bool,
+    scale: float | None,
+) -> torch.Tensor:
+    params = _signature_params(fn)
+    kwargs: dict[str, Any] = {}
+    if "window_size" in params:  # torch >= 2.11: causal is window_size == (-1, 0)
+        # Must be a tuple: torch compares `window_size == (-1, 0)`, a list is non-causal.
+        kwargs["window_size"] = (-1, 0) if causal else (-1, -1)
+    elif "is_causal" in params:  # torch 2.10
+        kwargs["is_causal"] = causal
+    elif causal:
+        raise _error(
+            "backend='varlen': this torch's varlen_attn takes neither window_size nor is_causal; "
+            "cannot request causal attention"
+        )
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        if "enable_gqa" in params:  # torch >= 2.12
+            kwargs["enable_gqa"] = True
+        else:
+            k, v = _repeat_kv(k, v, groups, dim=1)
+    if scale is not None:
+        if "scale" in params:
+            kwargs["scale"] = scale
+        else:  # torch 2.10 always uses 1/sqrt(D): fold the requested scale into q
+            q = q * (scale * math.sqrt(q.shape[-1]))
+    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+    # One tensor object for q and k: cuDNN's causal path requires `cu_seq_q is cu_seq_k`.
+    out = fn(q, k, v, cu, cu, max_seqlen, max_seqlen, **kwargs)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _document_block_tables(
+    cu: torch.Tensor, total_tokens: int, block_size: int, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Block-sparse tables of the document mask given by ``cu`` (no ``T x T`` tensor).
+
+    Returns ``(doc_id, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)``
+    in ``BlockMask.from_kv_blocks`` layout (``[1, 1, nb]`` / ``[1, 1, nb, nb]``, int32),
+    where ``doc_id`` (int32, length ``nb * block_size``) maps each token to its
+    sequence and is ``-1`` past ``total_tokens``.  "Full" blocks are those where every
+    query attends every key (the mask_mod is skipped there); the other listed blocks
+    are partial and get the mask_mod.  Every block holding at least one allowed
+    (query, key) pair is listed, and no other block is.
+    """
+    device = cu.device
+    cu64 = cu.to(torch.int64)
+    lengths = cu64[1:] - cu64[:-1]
+    n_seqs = lengths.numel()
+    nb = -(-total_tokens // block_size)
+    doc_id = torch.full((nb * block_size,), -1, dtype=torch.int32, device=device)
+    doc_id[:total_tokens] = torch.repeat_interleave(
+        torch.arange(n_seqs, dtype=torch.int32, device=device), lengths, output_size=total_tokens
+    )
+    starts = torch.arange(nb, device=device, dtype=torch.int64) * block_size
+    lasts = torch.clamp(starts + block_size, max=total_tokens) - 1
+    first_doc = doc_id[starts]
+    last_doc = doc_id[lasts]
+    # Rows: query blocks; columns: key blocks.  Documents are contiguous, so two blocks
+    # share a document iff their [first_doc, last_doc] intervals overlap.
+    touch = (first_doc[None, :] <= last_doc[:, None]) & (last_doc[None, :] >= first_doc[:, None])
+    uniform = (first_doc == last_doc) & (lasts - starts + 1 == block_size)
+    full = uniform[:, None] & uniform[None, :] & (first_doc[:, None] == first_doc[None, :])
+    if causal:
+        touch &= starts[None, :] <= lasts[:, None]
+        full &= lasts[None, :] <= starts[:, None]
+    partial = touch & ~full
+
+    def ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        num = dense.sum(dim=-1, dtype=torch.int32)
+        idx = torch.argsort(dense.to(torch.int8), dim=-1, descending=True, stable=True)
+        return num[None, None], idx.to(torch.int32)[None, None]
+
+    kv_num, kv_idx = ordered(partial)
+    full_num, full_idx = ordered(full)
+    return doc_id, kv_num, kv_idx, full_num, full_idx
+
+
+def _document_mask_mod(doc_id: torch.Tensor, causal: bool) -> Callable[..., torch.Tensor]:
+    if causal:
+
+        def causal_document_mask(
+            b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
+        ) -> torch.Tensor:
+            return (doc_id[q_idx] == doc_id[kv_idx]) & (q_idx >= kv_idx)
+
+        return causal_document_mask
+
+    def document_mask(
+        b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
+    ) -> torch.Tensor:
+        return doc_id[q_idx] == doc_id[kv_idx]
+
+    return document_mask
+
+
+def _document_block_mask(cu: torch.Tensor, total_tokens: int, causal: bool) -> Any:
+    from torch.nn.attention.flex_attention import BlockMask
+
+    doc_id, kv_num, kv_idx, full_num, full_idx = _document_block_tables(
+        cu, total_tokens, _FLEX_BLOCK_SIZE, causal
+    )
+    kwargs: dict[str, Any] = {}
+    if "seq_lengths" in _signature_params(BlockMask.from_kv_blocks):
+        kwargs["seq_lengths"] = (total_tokens, total_tokens)
+    return BlockMask.from_kv_blocks(
+        kv_num,
+        kv_idx,
+        full_num,
+        full_idx,
+        BLOCK_SIZE=_FLEX_BLOCK_SIZE,
+        mask_mod=_document_mask_mod(doc_id, causal),
+        **kwargs,
+    )
+
+
+def _flex_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu: torch.Tensor,
+    causal: bool,
+    scale: float | None,
+    *,
+    compile: bool = True,
+) -> torch.Tensor:
+    if compile:
+        flex = _compiled_flex_attention()
+    else:  # dense reference implementation; only for testing the plumbing on CPU
+        from torch.nn.attention.flex_attention import flex_attention as flex
+    total = q.shape[0]
+    block_mask = _document_block_mask(cu, total, causal)
+    groups = q.shape[1] // k.shape[1]
+    kwargs: dict[str, Any] = {}
+    if groups > 1:
+        kwargs["enable_gqa"] = True
+    # (T, H, D) -> (1, H, T, D) views; flex returns its output in q's stride order, so
+    # the transpose back is contiguous.
+    q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    out = flex(q4, k4, v4, block_mask=block_mask, scale=scale, **kwargs)
+    return out[0].transpose(0, 1)
+
+
+def _sdpa_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bounds: Sequence[int],
+    causal: bool,
+    scale: float | None,
+) -> torch.Tensor:
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    groups = q.shape[1] // k.shape[1]
+    native_gqa = groups > 1 and _sdpa_has_enable_gqa()
+    kwargs: dict[str, Any] = {"is_causal": causal, "scale": scale}
+    if native_gqa:
+        kwargs["enable_gqa"] = True
+    outs: list[torch.Tensor] = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end == start:
+            continue
+        qi = q[start:end].transpose(0, 1).unsqueeze(0)  # (1, Hq, L, D)
+        ki = k[start:end].transpose(0, 1).unsqueeze(0)  # (1, Hkv, L, D)
+        vi = v[start:end].transpose(0, 1).unsqueeze(0)
+        if groups > 1 and not native_gqa:
+            ki, vi = _repeat_kv(ki, vi, groups, dim=1)
+        outs.append(sdpa(qi, ki, vi, **kwargs)[0].transpose(0, 1))
+    return torch.cat(outs, dim=0)
+
+
+# ------------------------------------------------------------------------ public API
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: CuSeqlens,
+    max_seqlen: int,
+    *,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    backend: Backend = "auto",
+    validate: bool = True,
+) -> torch.Tensor:
+    """Attention over packed sequences, each attending only to itself.
+
+    Args:
+        q: ``(total_tokens, Hq, D)``.
+        k, v: ``(total_tokens, Hkv, D)``; ``Hq`` must be a multiple of ``Hkv`` (GQA/MQA).
+        cu_seqlens: ``[N+1]`` cumulative sequence lengths starting at 0 and ending at
+            ``total_tokens``; repeated values (empty sequences) are allowed.  An int32
+            tensor on ``q``'s device is used as is; int64 tensors, numpy arrays and
+            lists are converted once.
+        max_seqlen: the longest sequence length (an upper bound is accepted).
+        causal: causal attention within each sequence (default) or bidirectional.
+        softmax_scale: defaults to ``1 / sqrt(D)``.
+        backend: ``"auto"`` (flash -> varlen -> flex -> sdpa, first that applies),
+            or one of ``"flash"``, ``"varlen"``, ``"flex"``, ``"sdpa"`` to force a path;
+            a forced backend that cannot run raises.
+        validate: check ``cu_seqlens`` values (costs a host read, i.e. a device sync
+            when it lives on the GPU).
+
+    Returns:
+        ``(total_tokens, Hq, D)`` in ``q``'s dtype.
+
+    Raises:
+        fastpack.FastpackError (a ``ValueError``; plain ``ValueError`` when fastpack
+        does not define it): invalid inputs or an unavailable forced backend.
+    """
+    _check_qkv(q, k, v)
+    max_len = _check_max_seqlen(max_seqlen)
+    if softmax_scale is not None:
+        softmax_scale = float(softmax_scale)
+        if not softmax_scale > 0 or math.isinf(softmax_scale):
+            raise _error(f"softmax_scale must be a positive finite number, got {softmax_scale}")
+    if backend not in BACKENDS:
+        raise _error(f"backend must be one of {', '.join(map(repr, BACKENDS))}; got {backend!r}")
+    chosen = _resolve_backend(backend, q)
+
+    total = q.shape[0]
+    cu_in = _as_cu_tensor(cu_seqlens)
+    host: torch.Tensor | None = None
+    if validate or chosen == "sdpa":
+        host = cu_in.detach().to(device="cpu", dtype=torch.int64)  # the one host read
+    if validate:
+        assert host is not None
+        _check_cu_values(host, total, max_len)
+
+    if total == 0:
+        return q.clone()
+
+    if chosen == "sdpa":
+        assert host is not None
+        return _sdpa_forward(q, k, v, host.tolist(), causal, softmax_scale)
+
+    cu = cu_in.to(device=q.device, dtype=torch.int32).contiguous()
+    if chosen == "flash":
+        flash = _flash_varlen_func()
+        assert flash is not None
+        return _flash_forward(flash, q, k, v, cu, max_len, causal, softmax_scale)
+    if chosen == "varlen":
+        fn = _torch_varlen_attn()
+        assert fn is not None
+        return _torch_varlen_forward(fn, q, k, v, cu, max_len, causal, softmax_scale)
+    return _flex_forward(q, k, v, cu, causal, softmax_scale)

@@ -1,0 +1,26 @@
+//! fastpack-core: sequence packing for LLM training, with no Python in sight.
+//!
+//! [`pack`] bin-packs an array of token lengths into packs of at most `max_len` tokens
+//! and returns a [`Plan`] in CSR form (see `plan.rs`). [`layout`] turns packs into
+//! attention metadata (`cu_seqlens`, `position_ids`).
+//!
+//! ```
+//! use fastpack_core::{pack, PackOptions};
+//! let plan = pack(&[3u32, 5, 2, 6], &PackOptions::new(8)).unwrap();
+//! assert_eq!(plan.num_packs(), 2);
+//! assert_eq!(plan.stats.total_tokens, 16);
+//! ```
+
+mod error;
+mod fit;
+pub mod layout;
+mod length;
+mod pack;
+mod plan;
+pub mod pool;
+mod shuffle;
+
+pub use error::{Error, Result};
+pub use length::Length;
+pub use pack::pack;
+pub use plan::{Overlong, PackOptions, Plan, Stats, Strategy, MAX_ITEMS, MAX_LEN_LIMIT};

@@ -1,0 +1,580 @@
+//! `pack`: validate and classify the lengths, place them with the chosen strategy, and lay
+//! the result out as a CSR [`Plan`], shuffled or not, in two passes (count, then write)
+//! so every output array is allocated once at its final size.
+
+use rayon::prelude::*;
+
+use crate::error::{Error, Result};
+use crate::fit;
+use crate::length::Length;
+use crate::plan::{Overlong, PackOptions, Plan, Stats, Strategy, MAX_ITEMS};
+use crate::shuffle::permutation;
+
+/// What the over-long policy makes of one sequence.
+#[derive(Clone, Copy)]
+enum Class {
+    Empty,
+    /// One segment of this many tokens (truncated to the cap when `cut > 0`).
+    Whole { len: u64, cut: u64 },
+    /// `full` segments of `max_len`, then one of `rest` tokens if `rest > 0`.
+    Split { full: u64, rest: u64 },
+    Dropped,
+    Overlong,
+    Negative,
+}
+
+#[inline(always)]
+fn classify(raw: Option<u64>, opts: &PackOptions) -> Class {
+    let Some(len) = raw else { return Class::Negative };
+    if len == 0 {
+        return Class::Empty;
+    }
+    // Lengths come from at most i64/u64 and `reserve` < 2^24: saturating keeps absurd
+    // inputs over-long instead of wrapping them into short ones.
+    let extended = len.saturating_add(opts.reserve);
+    if extended <= opts.max_len || opts.strategy == Strategy::Wrapped {
+        return Class::Whole { len: extended, cut: 0 };
+    }
+    match opts.overlong {
+        Overlong::Error => Class::Overlong,
+        Overlong::Truncate => Class::Whole { len: opts.max_len, cut: extended - opts.max_len },
+        Overlong::Drop => Class::Dropped,
+        Overlong::Split => Class::Split { full: extended / opts.max_len, rest: extended % opts.max_len },
+    }
+}
+
+/// Per-chunk tallies, merged in chunk order (integer sums: thread-count independent).
+#[derive(Default, Clone)]
+struct Tally {
+    empty: u64,
+    dropped_sequences: u64,
+    dropped_tokens: u128,
+    truncated_sequences: u64,
+    truncated_tokens: u128,
+    split_sequences: u64,
+    /// Segments of exactly `max_len` from split sequences (each a pack of its own).
+    full_pieces: u64,
+    /// Segments that go through the sort: whole sequences and split remainders.
+    items: u64,
+    tokens: u128,
+    overlong: u64,
+    first_overlong: Option<(u64, u64)>,
+    first_negative: Option<(u64, i128)>,
+}
+
+impl Tally {
+    fn add(&mut self, i: u64, raw: Option<u64>, class: Class, value: impl FnOnce() -> i128) {
+        match class {
+            Class::Empty => self.empty += 1,
+            Class::Whole { len, cut } => {
+                self.items += 1;
+                self.tokens += len as u128;
+                if cut > 0 {
+                    self.truncated_sequences += 1;
+                    self.truncated_tokens += cut as u128;
+                }
+            }
+            Class::Split { full, rest } => {
+                self.split_sequences += 1;
+                self.full_pieces += full;
+                self.items += (rest > 0) as u64;
+                self.tokens += raw.unwrap_or(0) as u128;
+            }
+            Class::Dropped => {
+                self.dropped_sequences += 1;
+                self.dropped_tokens += raw.unwrap_or(0) as u128;
+            }
+            Class::Overlong => {
+                self.overlong += 1;
+                if self.first_overlong.is_none() {
+                    self.first_overlong = Some((i, raw.unwrap_or(0)));
+                }
+            }
+            Class::Negative => {
+                if self.first_negative.is_none() {
+                    self.first_negative = Some((i, value()));
+                }
+            }
+        }
+    }
+
+    fn merge(mut self, other: &Tally) -> Tally {
+        self.empty += other.empty;
+        self.dropped_sequences += other.dropped_sequences;
+        self.dropped_tokens += other.dropped_tokens;
+        self.truncated_sequences += other.truncated_sequences;
+        self.truncated_tokens += other.truncated_tokens;
+        self.split_sequences += other.split_sequences;
+        self.full_pieces += other.full_pieces;
+        self.items += other.items;
+        self.tokens += other.tokens;
+        self.overlong += other.overlong;
+        self.first_overlong = self.first_overlong.or(other.first_overlong);
+        self.first_negative = self.first_negative.or(other.first_negative);
+        self
+    }
+}
+
+/// Split tokens of a split sequence include its reserved slots: count them once here.
+fn split_tokens_with_reserve(t: &mut Tally, opts: &PackOptions) {
+    t.tokens += t.split_sequences as u128 * opts.reserve as u128;
+}
+
+fn check_tally(t: &Tally, n: usize, opts: &PackOptions) -> Result<Stats> {
+    if let Some((i, v)) = t.first_negative {
+        return Err(Error::invalid(
+            "lengths",
+            format!("negative length {v} at index {i}; lengths must be non-negative integers"),
+        ));
+    }
+    if let Some((i, len)) = t.first_overlong {
+        return Err(Error::Overlong {
+            count: t.overlong,
+            first_index: i,
+            first_length: len,
+            cap: opts.max_len,
+            reserve_note: if opts.reserve > 0 {
+                format!(" with {} reserved separator token(s) each", opts.reserve)
+            } else {
+                String::new()
+            },
+        });
+    }
+    let segments = t.items as u128 + t.full_pieces as u128;
+    if segments > MAX_ITEMS as u128 {
+        return Err(Error::overflow(
+            "lengths",
+            format!("the plan would hold {segments} segments; at most {MAX_ITEMS} are supported"),
+        ));
+    }
+    let limit = i64::MAX as u128;
+    if t.tokens > limit || t.dropped_tokens > limit || t.truncated_tokens > limit {
+        return Err(Error::overflow("lengths", "the total number of tokens exceeds 2^63 - 1"));
+    }
+    Ok(Stats {
+        num_sequences: n as u64,
+        empty_sequences: t.empty,
+        dropped_sequences: t.dropped_sequences,
+        dropped_tokens: t.dropped_tokens as u64,
+        truncated_sequences: t.truncated_sequences,
+        truncated_tokens: t.truncated_tokens as u64,
+        split_sequences: t.split_sequences,
+        total_tokens: t.tokens as u64,
+    })
+}
+
+/// Raw output pointers shared by the writers of disjoint slots.
+#[derive(Clone, Copy)]
+struct Out {
+    sample_ids: *mut i64,
+    starts: *mut i64,
+    seqlens: *mut i32,
+}
+
+// SAFETY: every slot is written by exactly one writer (each pack's slots belong to one
+// shard or one chunk), and the arrays outlive the parallel section.
+unsafe impl Send for Out {}
+unsafe impl Sync for Out {}
+
+impl Out {
+    #[inline(always)]
+    unsafe fn write(self, slot: usize, sample: u64, start: u64, len: u64) {
+        *self.sample_ids.add(slot) = sample as i64;
+        *self.starts.add(slot) = start as i64;
+        *self.seqlens.add(slot) = len as i32;
+    }
+}
+
+/// Where each pack's first slot goes, after shuffling, and the CSR offsets.
+fn lay_out(counts: &[u32], opts: &PackOptions) -> (Vec<i64>, Vec<usize>) {
+    let packs = counts.len();
+    let perm = opts.shuffle_seed.map(|seed| permutation(packs, seed));
+    let mut sizes = vec![0u32; packs];
+    match &perm {
+        Some(perm) => counts.iter().zip(perm).for_each(|(&c, &to)| sizes[to as usize] = c),
+        None => sizes.copy_from_slice(counts),
+    }
+    let mut offsets = Vec::with_capacity(packs + 1);
+    let mut acc = 0i64;
+    offsets.push(0);
+    for &s in &sizes {
+        acc += s as i64;
+        offsets.push(acc);
+    }
+    drop(sizes);
+    let dest = match &perm {
+        Some(perm) => perm.iter().map(|&to| offsets[to as usize] as usize).collect(),
+        None => offsets[..packs].iter().map(|&o| o as usize).collect(),
+    };
+    (offsets, dest)
+}
+
+fn chunking(n: usize, max_len: u64) -> usize {
+    let threads = rayon::current_num_threads();
+    // Per-chunk histograms cost (max_len + 1) * 4 bytes each: bound them to 32 MiB.
+    let by_memory = ((1usize << 23) / (max_len as usize + 1)).max(1);
+    (n >> 16).clamp(1, 4 * threads).min(by_memory)
+}
+
+/// Packs `lengths` into packs of at most `opts.max_len` tokens.
+pub fn pack<L: Length>(lengths: &[L], opts: &PackOptions) -> Result<Plan> {
+    opts.validate()?;
+    if lengths.len() as u64 > MAX_ITEMS {
+        return Err(Error::overflow(
+            "lengths",
+            format!("got {} sequences; at most {MAX_ITEMS} are supported", lengths.len()),
+        ));
+    }
+    let (stats, sample_ids, starts, seqlens, pack_offsets) = match opts.strategy {
+        Strategy::BestFitDecreasing | Strategy::FirstFitDecreasing => pack_fit(lengths, opts)?,
+        Strategy::NextFit | Strategy::Wrapped => pack_in_order(lengths, opts)?,
+    };
+    Ok(Plan {
+        sample_ids,
+        starts,
+        seqlens,
+        pack_offsets,
+        max_len: opts.max_len,
+        reserve: opts.reserve,
+        strategy: opts.strategy,
+        overlong: opts.overlong,
+        stats,
+    })
+}
+
+type Arrays = (Stats, Vec<i64>, Vec<i64>, Vec<i32>, Vec<i64>);
+
+fn pack_fit<L: Length>(lengths: &[L], opts: &PackOptions) -> Result<Arrays> {
+    let n = lengths.len();
+    let max_len = opts.max_len as usize;
+    let chunks = chunking(n, opts.max_len);
+    let chunk_len = n.div_ceil(chunks).max(1);
+
+    // Pass 1: classify, tally and histogram each chunk.
+    let per_chunk: Vec<(Tally, Vec<u32>)> = lengths
+        .par_chunks(chunk_len)
+        .enumerate()
+        .map(|(c, chunk)| {
+            let mut tally = Tally::default();
+            let mut hist = vec![0u32; max_len + 1];
+            let base = (c * chunk_len) as u64;
+            for (j, &raw) in chunk.iter().enumerate() {
+                let value = raw.to_u64();
+                let class = classify(value, opts);
+                match class {
+                    Class::Whole { len, .. } => hist[len as usize] += 1,
+                    Class::Split { rest, .. } if rest > 0 => hist[rest as usize] += 1,
+                    _ => {}
+                }
+                tally.add(base + j as u64, value, class, || raw.to_i128());
+            }
+            (tally, hist)
+        })
+        .collect();
+    let mut tally = per_chunk.iter().fold(Tally::default(), |acc, (t, _)| acc.merge(t));
+    split_tokens_with_reserve(&mut tally, opts);
+    let stats = check_tally(&tally, n, opts)?;
+
+    // Stable counting sort, longest first: bucket `len` starts after all longer buckets.
+    let mut hist = vec![0usize; max_len + 1];
+    for (_, h) in &per_chunk {
+        for (total, &c) in hist.iter_mut().zip(h) {
+            *total += c as usize;
+        }
+    }
+    let mut bucket_start = vec![0usize; max_len + 2];
+    for len in (1..=max_len).rev() {
+        bucket_start[len] = bucket_start[len + 1] + hist[len];
+    }
+    for len in 1..=max_len {
+        bucket_start[len] -= hist[len];
+    }
+    let mut cursors: Vec<Vec<u32>> = Vec::with_capacity(chunks);
+    let mut running: Vec<usize> = bucket_start[..=max_len].to_vec();
+    for (_, h) in &per_chunk {
+        cursors.push(running.iter().map(|&r| r as u32).collect());
+        for (r, &c) in running.iter_mut().zip(h) {
+            *r += c as usize;
+        }
+    }
+    let full_before: Vec<u64> = per_chunk
+        .iter()
+        .scan(0u64, |acc, (t, _)| {
+            let before = *acc;
+            *acc += t.full_pieces;
+            Some(before)
+        })
+        .collect();
+    drop(per_chunk);
+
+    let items = tally.items as usize;
+    let mut order = vec![0u32; items];
+    {
+        let order_ptr = SyncPtr(order.as_mut_ptr());
+        lengths.par_chunks(chunk_len).zip(cursors.par_iter_mut()).enumerate().for_each(
+            |(c, (chunk, cursor))| {
+                let base = (c * chunk_len) as u32;
+                for (j, &raw) in chunk.iter().enumerate() {
+                    let len = match classify(raw.to_u64(), opts) {
+                        Class::Whole { len, .. } => len,
+                        Class::Split { rest, .. } if rest > 0 => rest,
+                        _ => continue,
+                    };
+                    let slot = &mut cursor[len as usize];
+                    // SAFETY: chunk cursors cover disjoint ranges of `order`.
+                    unsafe { *order_ptr.get().add(*slot as usize) = base + j as u32 };
+                    *slot += 1;
+                }
+            },
+        );
+    }
+    drop(cursors);
+
+    // Shards: each takes an even share of every bucket and is packed on its own.
+    let shards = items.div_ceil(opts.shard_items).max(1);
+    let bucket = |shard: usize| {
+        let hist = &hist;
+        let bucket_start = &bucket_start;
+        move |len: u32| {
+            let h = hist[len as usize];
+            let lo = h * shard / shards;
+            let hi = h * (shard + 1) / shards;
+            (bucket_start[len as usize] + lo, hi - lo)
+        }
+    };
+    let place = |shard: usize, emit: &mut dyn FnMut(u32, usize, usize, u32)| -> u32 {
+        let max_len = opts.max_len as u32;
+        match opts.strategy {
+            Strategy::FirstFitDecreasing => first_fit_dyn(max_len, bucket(shard), emit),
+            _ => best_fit_dyn(max_len, bucket(shard), emit),
+        }
+    };
+
+    let shard_counts: Vec<Vec<u32>> = (0..shards)
+        .into_par_iter()
+        .map(|shard| {
+            let mut counts: Vec<u32> = Vec::new();
+            place(shard, &mut |pack, _pos, k, _len| {
+                if pack as usize == counts.len() {
+                    counts.push(0);
+                }
+                counts[pack as usize] += k as u32;
+            });
+            counts
+        })
+        .collect();
+
+    let full = tally.full_pieces as usize;
+    let packs_total = full + shard_counts.iter().map(Vec::len).sum::<usize>();
+    if packs_total as u64 > MAX_ITEMS {
+        return Err(Error::overflow("lengths", format!("the plan would hold {packs_total} packs")));
+    }
+    let mut counts = Vec::with_capacity(packs_total);
+    counts.resize(full, 1u32);
+    let mut shard_base = Vec::with_capacity(shards);
+    for c in &shard_counts {
+        shard_base.push(counts.len());
+        counts.extend_from_slice(c);
+    }
+    drop(shard_counts);
+    let (pack_offsets, dest) = lay_out(&counts, opts);
+    drop(counts);
+
+    let segments = items + full;
+    let mut sample_ids = vec![0i64; segments];
+    let mut starts = vec![0i64; segments];
+    let mut seqlens = vec![0i32; segments];
+    let out = Out {
+        sample_ids: sample_ids.as_mut_ptr(),
+        starts: starts.as_mut_ptr(),
+        seqlens: seqlens.as_mut_ptr(),
+    };
+    let split = opts.overlong == Overlong::Split;
+    let m = opts.max_len;
+    let reserve = opts.reserve;
+    // Offset of a sorted item inside its sequence: the remainder of a split comes last.
+    let start_of = |sample: u32| -> u64 {
+        if !split {
+            return 0;
+        }
+        let extended = lengths[sample as usize].to_u64().unwrap_or(0).saturating_add(reserve);
+        if extended > m {
+            extended / m * m
+        } else {
+            0
+        }
+    };
+
+    // Pass 2a: pieces of exactly max_len, one pack each, in input order.
+    if full > 0 {
+        let dest = &dest;
+        lengths.par_chunks(chunk_len).enumerate().for_each(|(c, chunk)| {
+            let mut pack = full_before[c] as usize;
+            let first_sample = c * chunk_len;
+            for (j, &raw) in chunk.iter().enumerate() {
+                if let Class::Split { full, .. } = classify(raw.to_u64(), opts) {
+                    for piece in 0..full {
+                        // SAFETY: one slot per full-piece pack, written once.
+                        unsafe { out.write(dest[pack], (first_sample + j) as u64, piece * m, m) };
+                        pack += 1;
+                    }
+                }
+            }
+        });
+    }
+
+    // Pass 2b: replay each shard's placement, writing segments into their packs' slots.
+    (0..shards).into_par_iter().for_each(|shard| {
+        let base = shard_base[shard];
+        let mut filled: Vec<u32> = Vec::new();
+        let order = &order;
+        let dest = &dest;
+        place(shard, &mut |pack, pos, k, len| {
+            let g = base + pack as usize;
+            if pack as usize == filled.len() {
+                filled.push(0);
+            }
+            let first = dest[g] + filled[pack as usize] as usize;
+            filled[pack as usize] += k as u32;
+            for (j, &sample) in order[pos..pos + k].iter().enumerate() {
+                // SAFETY: pack g's slots belong to this shard alone.
+                unsafe { out.write(first + j, sample as u64, start_of(sample), len as u64) };
+            }
+        });
+    });
+
+    Ok((stats, sample_ids, starts, seqlens, pack_offsets))
+}
+
+#[derive(Clone, Copy)]
+struct SyncPtr(*mut u32);
+// SAFETY: used only for writes to disjoint indices (see the scatter above).
+unsafe impl Send for SyncPtr {}
+unsafe impl Sync for SyncPtr {}
+impl SyncPtr {
+    fn get(self) -> *mut u32 {
+        self.0
+    }
+}
+
+fn best_fit_dyn(
+    max_len: u32,
+    bucket: impl Fn(u32) -> (usize, usize),
+    emit: &mut dyn FnMut(u32, usize, usize, u32),
+) -> u32 {
+    fit::best_fit(max_len, bucket, emit)
+}
+
+fn first_fit_dyn(
+    max_len: u32,
+    bucket: impl Fn(u32) -> (usize, usize),
+    emit: &mut dyn FnMut(u32, usize, usize, u32),
+) -> u32 {
+    fit::first_fit(max_len, bucket, emit)
+}
+
+/// Order-preserving strategies: one sequential walk, run twice (count, then write).
+fn pack_in_order<L: Length>(lengths: &[L], opts: &PackOptions) -> Result<Arrays> {
+    let n = lengths.len();
+    let chunk_len = n.div_ceil(chunking(n, 1)).max(1);
+    let mut tally = lengths
+        .par_chunks(chunk_len)
+        .enumerate()
+        .map(|(c, chunk)| {
+            let mut tally = Tally::default();
+            let base = (c * chunk_len) as u64;
+            for (j, &raw) in chunk.iter().enumerate() {
+                let value = raw.to_u64();
+                tally.add(base + j as u64, value, classify(value, opts), || raw.to_i128());
+            }
+            tally
+        })
+        .reduce(Tally::default, |a, b| a.merge(&b));
+    split_tokens_with_reserve(&mut tally, opts);
+    let mut stats = check_tally(&tally, n, opts)?;
+
+    let mut counts: Vec<u32> = Vec::new();
+    let mut segments = 0usize;
+    let split = walk(lengths, opts, |pack, _, _, _| {
+        if pack as usize == counts.len() {
+            counts.push(0);
+        }
+        counts[pack as usize] += 1;
+        segments += 1;
+    });
+    if segments as u64 > MAX_ITEMS {
+        return Err(Error::overflow("lengths", format!("the plan would hold {segments} segments")));
+    }
+    if opts.strategy == Strategy::Wrapped {
+        stats.split_sequences = split;
+    }
+    let (pack_offsets, dest) = lay_out(&counts, opts);
+    let mut filled = vec![0u32; counts.len()];
+    drop(counts);
+    let mut sample_ids = vec![0i64; segments];
+    let mut starts = vec![0i64; segments];
+    let mut seqlens = vec![0i32; segments];
+    walk(lengths, opts, |pack, sample, start, len| {
+        let slot = dest[pack as usize] + filled[pack as usize] as usize;
+        filled[pack as usize] += 1;
+        sample_ids[slot] = sample as i64;
+        starts[slot] = start as i64;
+        seqlens[slot] = len as i32;
+    });
+    Ok((stats, sample_ids, starts, seqlens, pack_offsets))
+}
+
+/// Emits `(pack, sample, start, len)` in input order; returns how many sequences were cut
+/// across packs (wrapped only).
+fn walk<L: Length>(lengths: &[L], opts: &PackOptions, mut emit: impl FnMut(u32, u64, u64, u64)) -> u64 {
+    let m = opts.max_len;
+    let mut packs = 0u32;
+    let mut fill = m; // no open pack yet: "full"
+    let mut cut = 0u64;
+    for (i, &raw) in lengths.iter().enumerate() {
+        let i = i as u64;
+        match (opts.strategy, classify(raw.to_u64(), opts)) {
+            (Strategy::Wrapped, Class::Whole { len, .. }) => {
+                let mut start = 0;
+                let mut pieces = 0u64;
+                while start < len {
+                    if fill == m {
+                        packs += 1;
+                        fill = 0;
+                    }
+                    let take = (m - fill).min(len - start);
+                    emit(packs - 1, i, start, take);
+                    fill += take;
+                    start += take;
+                    pieces += 1;
+                }
+                cut += (pieces > 1) as u64;
+            }
+            (_, Class::Whole { len, .. }) => {
+                if fill + len > m {
+                    packs += 1;
+                    fill = 0;
+                }
+                emit(packs - 1, i, 0, len);
+                fill += len;
+            }
+            (_, Class::Split { full, rest }) => {
+                for piece in 0..full {
+                    packs += 1;
+                    emit(packs - 1, i, piece * m, m);
+                    fill = m;
+                }
+                if rest > 0 {
+                    if fill + rest > m {
+                        packs += 1;
+                        fill = 0;
+                    }
+                    emit(packs - 1, i, full * m, rest);
+                    fill += rest;
+                }
+            }
+            _ => {}
+        }
+    }
+    cut
+}

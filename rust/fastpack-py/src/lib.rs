@@ -1,0 +1,167 @@
+//! The Python binding: converts arguments, releases the GIL around the core, and maps the
+//! core's errors to `fastpack.FastpackError`. No algorithm lives here.
+
+use fastpack_core::{layout, pool, Error, Overlong, PackOptions, Plan, Strategy};
+use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1, PyUntypedArrayMethods};
+use pyo3::exceptions::PyRuntimeError;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+/// Raises `fastpack.FastpackError` (a `ValueError`) with the core's message.
+fn to_py(err: Error) -> PyErr {
+    fastpack_error(&err.to_string())
+}
+
+fn fastpack_error(message: &str) -> PyErr {
+    Python::attach(|py| {
+        match py.import("fastpack._errors").and_then(|m| m.getattr("FastpackError")) {
+            Ok(cls) => match cls.call1((message,)) {
+                Ok(instance) => PyErr::from_value(instance),
+                Err(e) => e,
+            },
+            Err(_) => PyRuntimeError::new_err(message.to_string()),
+        }
+    })
+}
+
+fn options(
+    max_len: u64,
+    strategy: &str,
+    overlong: &str,
+    reserve: u64,
+    seed: Option<u64>,
+    shard_items: Option<usize>,
+) -> PyResult<PackOptions> {
+    let mut opts = PackOptions::new(max_len);
+    opts.strategy = Strategy::parse(strategy).map_err(to_py)?;
+    opts.overlong = Overlong::parse(overlong).map_err(to_py)?;
+    opts.reserve = reserve;
+    opts.shuffle_seed = seed;
+    if let Some(n) = shard_items {
+        opts.shard_items = n;
+    }
+    Ok(opts)
+}
+
+fn plan_to_dict<'py>(py: Python<'py>, plan: Plan) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    let s = &plan.stats;
+    d.set_item("num_sequences", s.num_sequences)?;
+    d.set_item("empty_sequences", s.empty_sequences)?;
+    d.set_item("dropped_sequences", s.dropped_sequences)?;
+    d.set_item("dropped_tokens", s.dropped_tokens)?;
+    d.set_item("truncated_sequences", s.truncated_sequences)?;
+    d.set_item("truncated_tokens", s.truncated_tokens)?;
+    d.set_item("split_sequences", s.split_sequences)?;
+    d.set_item("total_tokens", s.total_tokens)?;
+    d.set_item("max_len", plan.max_len)?;
+    d.set_item("reserve", plan.reserve)?;
+    d.set_item("strategy", plan.strategy.name())?;
+    d.set_item("overlong", plan.overlong.name())?;
+    // Moved, not copied: numpy takes ownership of each Vec's buffer.
+    d.set_item("sample_ids", plan.sample_ids.into_pyarray(py))?;
+    d.set_item("starts", plan.starts.into_pyarray(py))?;
+    d.set_item("seqlens", plan.seqlens.into_pyarray(py))?;
+    d.set_item("pack_offsets", plan.pack_offsets.into_pyarray(py))?;
+    Ok(d)
+}
+
+macro_rules! pack_dtypes {
+    ($py:expr, $lengths:expr, $opts:expr, $threads:expr, $($t:ty),*) => {{
+        $(
+            if let Ok(array) = $lengths.extract::<PyReadonlyArray1<$t>>() {
+                let slice = array.as_slice().map_err(|_| fastpack_error(
+                    "lengths: expected a contiguous array"))?;
+                let opts = &$opts;
+                let result = $py.detach(|| pool::install($threads, || fastpack_core::pack(slice, opts)));
+                let plan = result.map_err(to_py)?.map_err(to_py)?;
+                return plan_to_dict($py, plan);
+            }
+        )*
+    }};
+}
+
+/// `pack(lengths, max_len, strategy, overlong, reserve, seed, threads, shard_items)`:
+/// `lengths` is a 1-D contiguous numpy integer array (the Python layer converts anything
+/// else once); returns a dict of the plan's arrays and counts.
+#[pyfunction]
+#[pyo3(signature = (lengths, max_len, strategy="bfd", overlong="error", reserve=0, seed=None, threads=None, shard_items=None))]
+#[allow(clippy::too_many_arguments)]
+fn pack<'py>(
+    py: Python<'py>,
+    lengths: &Bound<'py, PyAny>,
+    max_len: u64,
+    strategy: &str,
+    overlong: &str,
+    reserve: u64,
+    seed: Option<u64>,
+    threads: Option<usize>,
+    shard_items: Option<usize>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let opts = options(max_len, strategy, overlong, reserve, seed, shard_items)?;
+    pack_dtypes!(py, lengths, opts, threads, i64, i32, u32, u16, u64, u8, i8, i16);
+    Err(fastpack_error("lengths: expected a 1-D numpy array of an integer dtype"))
+}
+
+type Csr<'py> = (PyReadonlyArray1<'py, i32>, PyReadonlyArray1<'py, i64>, PyReadonlyArray1<'py, i64>);
+
+fn check_contiguous(arrays: &Csr<'_>) -> PyResult<()> {
+    if !(arrays.0.is_contiguous() && arrays.1.is_contiguous() && arrays.2.is_contiguous()) {
+        return Err(fastpack_error("seqlens, pack_offsets, packs: expected contiguous arrays"));
+    }
+    Ok(())
+}
+
+/// `cu_seqlens` (int32) over the segments of `packs` laid end to end.
+#[pyfunction]
+fn cu_seqlens<'py>(
+    py: Python<'py>,
+    seqlens: PyReadonlyArray1<'py, i32>,
+    pack_offsets: PyReadonlyArray1<'py, i64>,
+    packs: PyReadonlyArray1<'py, i64>,
+) -> PyResult<Bound<'py, PyArray1<i32>>> {
+    let arrays = (seqlens, pack_offsets, packs);
+    check_contiguous(&arrays)?;
+    let (s, o, p) = (arrays.0.as_slice()?, arrays.1.as_slice()?, arrays.2.as_slice()?);
+    let cu = py.detach(|| layout::cu_seqlens(s, o, p)).map_err(to_py)?;
+    Ok(cu.into_pyarray(py))
+}
+
+type Varlen<'py> = (Bound<'py, PyArray1<i32>>, Bound<'py, PyArray1<i64>>);
+
+/// `(cu_seqlens, position_ids)` of `packs` laid end to end, in one call.
+#[pyfunction]
+fn varlen<'py>(
+    py: Python<'py>,
+    seqlens: PyReadonlyArray1<'py, i32>,
+    pack_offsets: PyReadonlyArray1<'py, i64>,
+    packs: PyReadonlyArray1<'py, i64>,
+    threads: Option<usize>,
+) -> PyResult<Varlen<'py>> {
+    let arrays = (seqlens, pack_offsets, packs);
+    check_contiguous(&arrays)?;
+    let (s, o, p) = (arrays.0.as_slice()?, arrays.1.as_slice()?, arrays.2.as_slice()?);
+    let (cu, positions) = py
+        .detach(|| {
+            pool::install(threads, || {
+                let cu = layout::cu_seqlens(s, o, p)?;
+                let positions = layout::positions_from_cu(&cu);
+                Ok((cu, positions))
+            })
+        })
+        .map_err(to_py)?
+        .map_err(to_py)?;
+    Ok((cu.into_pyarray(py), positions.into_pyarray(py)))
+}
+
+/// The thread count used when `threads=None`.
+#[pyfunction]
+fn default_threads() -> usize {
+    pool::default_threads()
+}
+
+#[pymodule(gil_used = false)]
+mod _core {
+    #[pymodule_export]
+    use super::{cu_seqlens, default_threads, pack, varlen};
+}

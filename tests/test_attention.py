@@ -1,0 +1,481 @@
+"""Tests for fastpack.attention.varlen_attention (CPU; GPU paths are in benches/gpu_check.py)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from fastpack import attention as attn_mod  # noqa: E402
+from fastpack.attention import varlen_attention  # noqa: E402
+
+Tensor = torch.Tensor
+ATOL = 1e-5
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def cu_from_lengths(lengths: Sequence[int], dtype: Any = None) -> Tensor:
+    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=dtype or torch.int32)
+
+
+def make_qkv(
+    lengths: Sequence[int],
+    hq: int = 4,
+    hkv: int = 4,
+    d: int = 16,
+    *,
+    seed: int = 0,
+    dtype: Any = None,
+    requires_grad: bool = False,
+) -> tuple[Tensor, Tensor, Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    total = sum(lengths)
+    dtype = dtype or torch.float32
+    q = torch.randn(total, hq, d, generator=gen, dtype=dtype)
+    k = torch.randn(total, hkv, d, generator=gen, dtype=dtype)
+    v = torch.randn(total, hkv, d, generator=gen, dtype=dtype)
+    for t in (q, k, v):
+        t.requires_grad_(requires_grad)
+    return q, k, v
+
+
+def reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    lengths: Sequence[int],
+    causal: bool,
+    scale: float | None = None,
+) -> Tensor:
+    """Per-sequence attention written out (matmul + softmax), in float64."""
+    groups = q.shape[1] // k.shape[1]
+    sc = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    outs = []
+    start = 0
+    for n in lengths:
+        if n == 0:
+            continue
+        qi = q[start : start + n].double().transpose(0, 1)  # (H, L, D)
+        ki = k[start : start + n].double().transpose(0, 1).repeat_interleave(groups, 0)
+        vi = v[start : start + n].double().transpose(0, 1).repeat_interleave(groups, 0)
+        scores = qi @ ki.transpose(-1, -2) * sc
+        if causal:
+            future = torch.ones(n, n, dtype=torch.bool).triu(1)
+            scores = scores.masked_fill(future, float("-inf"))
+        outs.append((scores.softmax(-1) @ vi).transpose(0, 1))
+        start += n
+    if not outs:
+        return torch.zeros(0, q.shape[1], q.shape[2], dtype=torch.float64)
+    return torch.cat(outs)
+
+
+def max_diff(a: Tensor, b: Tensor) -> float:
+    assert a.shape == b.shape, (a.shape, b.shape)
+    if a.numel() == 0:
+        return 0.0
+    return float((a.double() - b.double()).abs().max())
+
+
+LENGTHS = [5, 0, 17, 1, 0, 9, 3]
+
+
+# ----------------------------------------------------------------------- correctness
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2), (6, 1)])
+def test_matches_per_sequence_reference(causal: bool, hq: int, hkv: int) -> None:
+    q, k, v = make_qkv(LENGTHS, hq, hkv)
+    out = varlen_attention(q, k, v, cu_from_lengths(LENGTHS), max(LENGTHS), causal=causal)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert max_diff(out, reference(q, k, v, LENGTHS, causal)) <= ATOL
+
+
+def test_single_sequence() -> None:
+    q, k, v = make_qkv([23], 8, 2)
+    out = varlen_attention(q, k, v, cu_from_lengths([23]), 23)
+    assert max_diff(out, reference(q, k, v, [23], True)) <= ATOL
+    # one sequence, causal, equals plain causal SDPA over the whole batch
+    dense = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.repeat_interleave(4, 1).transpose(0, 1),
+        v.repeat_interleave(4, 1).transpose(0, 1), is_causal=True,
+    ).transpose(0, 1)
+    assert max_diff(out, dense) <= ATOL
+
+
+@pytest.mark.parametrize("lengths", [[0, 0, 4, 0, 3, 0], [0, 6], [6, 0], [1, 1, 1, 0, 1]])
+def test_zero_length_sequences(lengths: list[int]) -> None:
+    q, k, v = make_qkv(lengths, 4, 2)
+    out = varlen_attention(q, k, v, cu_from_lengths(lengths), max(lengths), causal=True)
+    assert max_diff(out, reference(q, k, v, lengths, True)) <= ATOL
+
+
+@pytest.mark.parametrize("cu", [[0], [0, 0, 0]])
+def test_empty_batch(cu: list[int]) -> None:
+    q, k, v = make_qkv([], 4, 2)
+    out = varlen_attention(q, k, v, torch.tensor(cu), 0)
+    assert out.shape == (0, 4, 16)
+
+
+def test_softmax_scale() -> None:
+    q, k, v = make_qkv(LENGTHS, 4, 2)
+    for causal in (True, False):
+        out = varlen_attention(
+            q, k, v, cu_from_lengths(LENGTHS), 17, causal=causal, softmax_scale=0.07
+        )
+        assert max_diff(out, reference(q, k, v, LENGTHS, causal, 0.07)) <= ATOL
+
+
+def test_max_seqlen_upper_bound_accepted() -> None:
+    q, k, v = make_qkv(LENGTHS)
+    out = varlen_attention(q, k, v, cu_from_lengths(LENGTHS), 1000)
+    assert max_diff(out, reference(q, k, v, LENGTHS, True)) <= ATOL
+
+
+@pytest.mark.parametrize(
+    "make_cu",
+    [
+        lambda ls: cu_from_lengths(ls, torch.int32),
+        lambda ls: cu_from_lengths(ls, torch.int64),
+        lambda ls: cu_from_lengths(ls, torch.int64).numpy(),
+        lambda ls: cu_from_lengths(ls, torch.int64).numpy().astype("int32"),
+        lambda ls: [0, *itertools.accumulate(ls)],
+    ],
+    ids=["int32", "int64", "numpy-int64", "numpy-int32", "list"],
+)
+def test_cu_seqlens_input_types(make_cu: Callable[[list[int]], Any]) -> None:
+    q, k, v = make_qkv(LENGTHS, 4, 2)
+    out = varlen_attention(q, k, v, make_cu(LENGTHS), max(LENGTHS))
+    assert max_diff(out, reference(q, k, v, LENGTHS, True)) <= ATOL
+
+
+def test_fp64_and_bf16_inputs() -> None:
+    q, k, v = make_qkv(LENGTHS, 4, 2, dtype=torch.float64)
+    out = varlen_attention(q, k, v, cu_from_lengths(LENGTHS), 17)
+    assert out.dtype == torch.float64
+    assert max_diff(out, reference(q, k, v, LENGTHS, True)) <= 1e-12
+    qb, kb, vb = (t.bfloat16() for t in (q, k, v))
+    outb = varlen_attention(qb, kb, vb, cu_from_lengths(LENGTHS), 17)
+    assert outb.dtype == torch.bfloat16
+    refb = reference(qb, kb, vb, LENGTHS, True)
+    eps = torch.finfo(torch.bfloat16).eps
+    assert max_diff(outb, refb) <= 2 * eps * max(1.0, float(refb.abs().max()))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    lengths=st.lists(st.integers(0, 24), min_size=1, max_size=7),
+    heads=st.sampled_from([(1, 1), (2, 2), (4, 1), (6, 3), (8, 2)]),
+    d=st.sampled_from([4, 8, 16]),
+    causal=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_random_seqlens(
+    lengths: list[int], heads: tuple[int, int], d: int, causal: bool, seed: int
+) -> None:
+    q, k, v = make_qkv(lengths, *heads, d, seed=seed)
+    out = varlen_attention(q, k, v, cu_from_lengths(lengths), max(lengths), causal=causal)
+    assert max_diff(out, reference(q, k, v, lengths, causal)) <= ATOL
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2)])
+def test_gradients_match_reference(causal: bool, hq: int, hkv: int) -> None:
+    q, k, v = make_qkv(LENGTHS, hq, hkv, requires_grad=True)
+    grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(1))
+    out = varlen_attention(q, k, v, cu_from_lengths(LENGTHS), 17, causal=causal)
+    (out * grad_out).sum().backward()
+
+    q2, k2, v2 = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+    ref = reference(q2, k2, v2, LENGTHS, causal)
+    (ref * grad_out.double()).sum().backward()
+    for got, want in ((q.grad, q2.grad), (k.grad, k2.grad), (v.grad, v2.grad)):
+        assert got is not None and want is not None
+        assert max_diff(got, want) <= ATOL
+
+
+def test_no_cross_sequence_gradient() -> None:
+    lengths = [4, 6]
+    q, k, v = make_qkv(lengths, requires_grad=True)
+    out = varlen_attention(q, k, v, cu_from_lengths(lengths), 6)
+    out[:4].sum().backward()  # loss on the first sequence only
+    for t in (q, k, v):
+        assert t.grad is not None
+        assert torch.count_nonzero(t.grad[4:]) == 0
+
+
+# ----------------------------------------------------------- no O(T^2) on the CPU path
+
+
+def test_cpu_path_is_per_sequence(monkeypatch: pytest.MonkeyPatch) -> None:
+    lengths = [7, 0, 30, 2, 11, 0, 19]
+    max_len = max(lengths)
+    real_sdpa = torch.nn.functional.scaled_dot_product_attention
+    calls: list[tuple[int, int]] = []
+
+    def spy(query: Tensor, key: Tensor, value: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        calls.append((query.shape[-2], key.shape[-2]))
+        assert key.shape[-2] <= max_len and query.shape[-2] <= max_len
+        assert kwargs.get("attn_mask") is None and not args
+        return real_sdpa(query, key, value, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    q, k, v = make_qkv(lengths, 8, 2)
+    out = varlen_attention(q, k, v, cu_from_lengths(lengths), max_len, backend="auto")
+    assert calls == [(n, n) for n in lengths if n > 0]
+    assert max_diff(out, reference(q, k, v, lengths, True)) <= ATOL
+
+
+def test_auto_on_cpu_is_sdpa() -> None:
+    q, _, _ = make_qkv([3])
+    assert attn_mod.available_backends(q) == ["sdpa"]
+    assert attn_mod._resolve_backend("auto", q) == "sdpa"
+
+
+# ------------------------------------------------------------------------ validation
+
+
+def _valid_args() -> dict[str, Any]:
+    lengths = [3, 0, 5]
+    q, k, v = make_qkv(lengths, 4, 2)
+    return {"q": q, "k": k, "v": v, "cu_seqlens": cu_from_lengths(lengths), "max_seqlen": 5}
+
+
+def _call(args: dict[str, Any], **kwargs: Any) -> Tensor:
+    return varlen_attention(
+        args["q"], args["k"], args["v"], args["cu_seqlens"], args["max_seqlen"], **kwargs
+    )
+
+
+INVALID: list[tuple[str, dict[str, Any], str]] = [
+    ("cu-not-zero", {"cu_seqlens": torch.tensor([1, 3, 3, 8])}, r"cu_seqlens must start at 0"),
+    ("cu-decreasing", {"cu_seqlens": torch.tensor([0, 5, 3, 8])}, r"non-decreasing"),
+    ("cu-last-short", {"cu_seqlens": torch.tensor([0, 3, 3, 7])}, r"cu_seqlens\[-1\].*8"),
+    ("cu-last-long", {"cu_seqlens": torch.tensor([0, 3, 3, 9])}, r"cu_seqlens\[-1\].*8"),
+    ("cu-2d", {"cu_seqlens": torch.tensor([[0, 3, 3, 8]])}, r"cu_seqlens must be 1-D"),
+    ("cu-empty", {"cu_seqlens": torch.tensor([], dtype=torch.int32)}, r"cu_seqlens.*at least one"),
+    ("cu-float", {"cu_seqlens": torch.tensor([0.0, 3.0, 3.0, 8.0])}, r"cu_seqlens must hold integers"),
+    ("cu-bool", {"cu_seqlens": torch.tensor([False, True])}, r"cu_seqlens must hold integers"),
+    ("max-too-small", {"max_seqlen": 4}, r"max_seqlen=4.*longest.*5"),
+    ("max-negative", {"max_seqlen": -1}, r"max_seqlen must be >= 0"),
+    ("q-2d", {"q": torch.randn(8, 64)}, r"^q must have 3 dimensions"),
+    ("k-4d", {"k": torch.randn(1, 8, 2, 16)}, r"^k must have 3 dimensions"),
+    ("v-2d", {"v": torch.randn(8, 32)}, r"^v must have 3 dimensions"),
+    ("heads", {"k": torch.randn(8, 3, 16), "v": torch.randn(8, 3, 16)}, r"multiple of"),
+    ("dtype-k", {"k": torch.randn(8, 2, 16, dtype=torch.float64)}, r"share a dtype"),
+    ("dtype-v", {"v": torch.randn(8, 2, 16, dtype=torch.bfloat16)}, r"share a dtype"),
+    ("kv-shape", {"v": torch.randn(8, 2, 8)}, r"k and v must have the same shape"),
+    ("tokens", {"k": torch.randn(7, 2, 16), "v": torch.randn(7, 2, 16)}, r"number of tokens"),
+    ("head-dim", {"k": torch.randn(8, 2, 8), "v": torch.randn(8, 2, 8)}, r"head_dim"),
+    ("int-q", {"q": torch.zeros(8, 4, 16, dtype=torch.int64)}, r"^q must be a floating-point"),
+]
+
+
+@pytest.mark.parametrize("name,change,match", INVALID, ids=[x[0] for x in INVALID])
+def test_validation_errors(name: str, change: dict[str, Any], match: str) -> None:
+    args = _valid_args()
+    args.update(change)
+    with pytest.raises(ValueError, match=match):
+        _call(args)
+
+
+def test_validation_type_errors() -> None:
+    args = _valid_args()
+    with pytest.raises(TypeError, match="max_seqlen"):
+        _call({**args, "max_seqlen": 5.0})
+    with pytest.raises(TypeError, match="max_seqlen"):
+        _call({**args, "max_seqlen": True})
+    with pytest.raises(TypeError, match="^q must be a torch.Tensor"):
+        _call({**args, "q": [[[0.0]]]})
+
+
+def test_other_argument_errors() -> None:
+    args = _valid_args()
+    with pytest.raises(ValueError, match="softmax_scale"):
+        _call(args, softmax_scale=0.0)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        _call(args, backend="xformers")
+
+
+def test_validate_false_skips_value_checks() -> None:
+    args = _valid_args()
+    out = _call(args, validate=False)
+    assert out.shape == args["q"].shape
+
+
+@pytest.mark.parametrize("backend", ["flash", "varlen", "flex"])
+def test_forcing_unavailable_backend_raises(backend: str) -> None:
+    with pytest.raises(ValueError, match=rf"backend='{backend}' is not available: .*CUDA"):
+        _call(_valid_args(), backend=backend)
+
+
+def test_errors_use_fastpack_error_when_defined() -> None:
+    import fastpack
+
+    exc_type = getattr(fastpack, "FastpackError", None)
+    if exc_type is None:
+        pytest.skip("fastpack defines no FastpackError")
+    assert issubclass(exc_type, ValueError)
+    with pytest.raises(exc_type):
+        _call(_valid_args(), backend="flash")
+    with pytest.raises(exc_type):
+        _call({**_valid_args(), "max_seqlen": 1})
+
+
+def test_forced_sdpa_backend() -> None:
+    args = _valid_args()
+    out = _call(args, backend="sdpa")
+    assert max_diff(out, reference(args["q"], args["k"], args["v"], [3, 0, 5], True)) <= ATOL
+
+
+# ------------------------------------------------- GPU backends' plumbing, run on CPU
+
+
+def test_torch_varlen_signature_adaptation() -> None:
+    """Drive the varlen_attn call with fakes of the 2.10 / 2.11 / 2.12+ signatures."""
+    lengths = [5, 0, 9, 2]
+    cu = cu_from_lengths(lengths)
+    q, k, v = make_qkv(lengths, 8, 2)
+    seen: dict[str, Any] = {}
+
+    def run(causal: bool, enable_gqa: bool, window: Any, scale: Any, qq: Tensor, kk: Tensor,
+            vv: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int) -> Tensor:
+        seen.update(causal=causal, window=window, cu_same=cu_q is cu_k, max=(max_q, max_k))
+        assert cu_q.dtype == torch.int32
+        if not enable_gqa:
+            assert kk.shape[1] == qq.shape[1]  # heads were repeated for us
+        ref = reference(qq, kk, vv, lengths, causal, scale)
+        return ref.to(qq.dtype)
+
+    def v210(query: Tensor, key: Tensor, value: Tensor, cu_seq_q: Tensor, cu_seq_k: Tensor,
+             max_q: int, max_k: int, is_causal: bool = False, return_aux: Any = None) -> Tensor:
+        return run(is_causal, False, None, None, query, key, value, cu_seq_q, cu_seq_k, max_q, max_k)
+
+    def v211(query: Tensor, key: Tensor, value: Tensor, cu_seq_q: Tensor, cu_seq_k: Tensor,
+             max_q: int, max_k: int, *, return_aux: Any = None, scale: float | None = None,
+             window_size: tuple[int, int] = (-1, -1)) -> Tensor:
+        causal = window_size == (-1, 0)  # what torch 2.11 does: a list would be non-causal
+        return run(causal, False, window_size, scale, query, key, value, cu_seq_q, cu_seq_k,
+                   max_q, max_k)
+
+    def v212(query: Tensor, key: Tensor, value: Tensor, cu_seq_q: Tensor, cu_seq_k: Tensor,
+             max_q: int, max_k: int, *, return_aux: Any = None, scale: float | None = None,
+             window_size: tuple[int, int] = (-1, -1), enable_gqa: bool = False) -> Tensor:
+        assert enable_gqa == (query.shape[1] != key.shape[1])
+        causal = window_size == (-1, 0)
+        return run(causal, enable_gqa, window_size, scale, query, key, value, cu_seq_q, cu_seq_k,
+                   max_q, max_k)
+
+    for fake in (v210, v211, v212):
+        for causal in (True, False):
+            for scale in (None, 0.11):
+                seen.clear()
+                out = attn_mod._torch_varlen_forward(fake, q, k, v, cu, 9, causal, scale)
+                assert seen["causal"] == causal and seen["cu_same"] and seen["max"] == (9, 9)
+                if fake is not v210:
+                    assert isinstance(seen["window"], tuple)
+                    assert seen["window"] == ((-1, 0) if causal else (-1, -1))
+                # on 2.10 a requested scale is folded into q
+                assert max_diff(out, reference(q, k, v, lengths, causal, scale)) <= ATOL
+
+
+def test_flash_call_arguments() -> None:
+    lengths = [4, 0, 6]
+    cu = cu_from_lengths(lengths)
+    q, k, v = make_qkv(lengths, 8, 2)
+    got: dict[str, Any] = {}
+
+    def fake_flash(*args: Any, **kwargs: Any) -> Tensor:
+        got["args"], got["kwargs"] = args, kwargs
+        return args[0]
+
+    attn_mod._flash_forward(fake_flash, q, k, v, cu, 6, True, None)
+    assert got["args"][3] is cu and got["args"][4] is cu and got["args"][5:7] == (6, 6)
+    assert got["args"][1].shape[1] == 2  # GQA passed through natively
+    assert got["kwargs"] == {"dropout_p": 0.0, "softmax_scale": None, "causal": True}
+
+
+def _token_mask(lengths: Sequence[int], causal: bool) -> Tensor:
+    doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    mask = doc[:, None] == doc[None, :]
+    if causal:
+        mask &= torch.ones_like(mask).tril()
+    return mask
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    lengths=st.lists(st.integers(0, 13), min_size=1, max_size=8).filter(lambda ls: sum(ls) > 0),
+    block=st.sampled_from([1, 3, 4, 8]),
+    causal=st.booleans(),
+)
+def test_document_block_tables_are_exact(lengths: list[int], block: int, causal: bool) -> None:
+    total = sum(lengths)
+    doc_id, kv_num, kv_idx, full_num, full_idx = attn_mod._document_block_tables(
+        cu_from_lengths(lengths), total, block, causal
+    )
+    nb = -(-total // block)
+    assert kv_idx.shape == full_idx.shape == (1, 1, nb, nb) and kv_idx.dtype == torch.int32
+    assert doc_id.shape == (nb * block,) and bool((doc_id[total:] == -1).all())
+
+    def listed(num: Tensor, idx: Tensor) -> Tensor:
+        out = torch.zeros(nb, nb, dtype=torch.bool)
+        for i in range(nb):
+            out[i, idx[0, 0, i, : int(num[0, 0, i])].long()] = True
+        return out
+
+    partial, full = listed(kv_num, kv_idx), listed(full_num, full_idx)
+    assert not bool((partial & full).any())
+    mask = torch.zeros(nb * block, nb * block, dtype=torch.bool)
+    mask[:total, :total] = _token_mask(lengths, causal)
+    blocks = mask.reshape(nb, block, nb, block).permute(0, 2, 1, 3).reshape(nb, nb, -1)
+    assert torch.equal(partial | full, blocks.any(-1))  # every needed block, nothing else
+    assert bool(blocks[full].all())  # full blocks really are full
+
+
+def test_document_block_mask_dense_view() -> None:
+    lengths = [100, 0, 200, 1, 90]  # 391 tokens: 4 blocks of 128
+    total = sum(lengths)
+    bm = attn_mod._document_block_mask(cu_from_lengths(lengths), total, True)
+    dense = bm.to_dense()[0, 0].bool()
+    mask = torch.zeros(512, 512, dtype=torch.bool)
+    mask[:total, :total] = _token_mask(lengths, True)
+    assert torch.equal(dense, mask.reshape(4, 128, 4, 128).any(3).any(1))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_flex_plumbing_eager_cpu(causal: bool) -> None:
+    """The flex path's layout, GQA, scale and mask_mod, through flex's eager CPU forward."""
+    lengths = [30, 0, 140, 1, 60]  # crosses 128-token blocks
+    q, k, v = make_qkv(lengths, 8, 2, d=16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with torch.no_grad():
+            out = attn_mod._flex_forward(
+                q, k, v, cu_from_lengths(lengths), causal, 0.2, compile=False
+            )
+    assert out.shape == q.shape and out.is_contiguous()
+    assert max_diff(out, reference(q, k, v, lengths, causal, 0.2)) <= ATOL
+
+
+@pytest.mark.skipif(
+    not os.environ.get("FASTPACK_SLOW_TESTS"), reason="compiles flex for CPU (~30 s); FASTPACK_SLOW_TESTS=1"
+)
+def test_flex_compiled_cpu() -> None:
+    lengths = [100, 0, 250, 1, 170]
+    q, k, v = make_qkv(lengths, 8, 2, d=16)
+    with torch.no_grad():
+        out = attn_mod._flex_forward(q, k, v, cu_from_lengths(lengths), True, None)
+    assert max_diff(out, reference(q, k, v, lengths, True)) <= ATOL
