@@ -91,11 +91,11 @@ def _integral_floats(array: np.ndarray, name: str) -> np.ndarray:
     if bad.any():
         i = int(np.argmax(bad))
         raise FastpackError(
-            f"{name}: {array[i]!r} at index {i} is not a whole number; lengths must be "
+            f"{name}: {float(array[i])!r} at index {i} is not a whole number; lengths must be "
             f"non-negative integers"
         )
     if array.max() >= 2.0**63:
-        raise FastpackError(f"{name}: {array.max()!r} does not fit in int64")
+        raise FastpackError(f"{name}: {float(array.max())!r} does not fit in int64")
     return array.astype(np.int64)
 
 

@@ -1,0 +1,236 @@
+"""`fastpack.pack`: invariants (hypothesis), inputs, errors, zero copy, threads, fork."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import pickle
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from invariants import check_plan
+
+import fastpack
+from fastpack._plan import as_lengths
+
+STRATEGIES = list(fastpack.STRATEGIES)
+POLICIES = list(fastpack.OVERLONG_POLICIES)
+
+
+@st.composite
+def packing_inputs(draw):
+    max_len = draw(st.integers(1, 200))
+    lengths = draw(st.lists(st.integers(0, 3 * max_len), max_size=300))
+    reserve = draw(st.integers(0, min(3, max_len - 1)))
+    return np.array(lengths, dtype=np.int64), max_len, reserve
+
+
+@settings(max_examples=150, deadline=None)
+@given(packing_inputs(), st.sampled_from(STRATEGIES), st.sampled_from(POLICIES))
+def test_invariants_hold_for_every_strategy_and_policy(inputs, strategy, overlong):
+    lengths, max_len, reserve = inputs
+    overlong_count = int(((lengths > 0) & (lengths + reserve > max_len)).sum())
+    if overlong == "error" and strategy != "wrapped" and overlong_count:
+        with pytest.raises(fastpack.FastpackError, match=f"{overlong_count} sequence"):
+            fastpack.pack(lengths, max_len, strategy=strategy, overlong=overlong, reserve=reserve)
+        return
+    plan = fastpack.pack(lengths, max_len, strategy=strategy, overlong=overlong, reserve=reserve)
+    check_plan(plan, lengths, strategy=strategy, overlong=overlong, reserve=reserve)
+
+
+@settings(max_examples=60, deadline=None)
+@given(packing_inputs(), st.sampled_from(STRATEGIES), st.integers(0, 2**64 - 1))
+def test_same_plan_on_one_and_many_threads(inputs, strategy, seed):
+    lengths, max_len, reserve = inputs
+    plans = [
+        fastpack.pack(lengths, max_len, strategy=strategy, overlong="split", reserve=reserve,
+                      shuffle=True, seed=seed, threads=t)
+        for t in (1, 2, 3)
+    ]
+    for other in plans[1:]:
+        for name in ("sample_ids", "starts", "seqlens", "pack_offsets"):
+            np.testing.assert_array_equal(getattr(plans[0], name), getattr(other, name))
+
+
+@settings(max_examples=60, deadline=None)
+@given(packing_inputs(), st.lists(st.integers(0, 10**6), max_size=8))
+def test_cu_seqlens_and_position_ids_match_seqlens(inputs, picks):
+    lengths, max_len, reserve = inputs
+    plan = fastpack.pack(lengths, max_len, overlong="split", reserve=reserve)
+    if plan.num_packs == 0:
+        return
+    packs = [p % plan.num_packs for p in picks]
+    seqlens = np.concatenate([plan.segments(p)[2] for p in packs] or [np.zeros(0, np.int32)])
+    cu, positions = plan.varlen(packs)
+    assert cu.dtype == np.int32 and positions.dtype == np.int64
+    np.testing.assert_array_equal(cu, np.concatenate(([0], np.cumsum(seqlens))))
+    expected = np.concatenate([np.arange(n) for n in seqlens] or [np.zeros(0, np.int64)])
+    np.testing.assert_array_equal(positions, expected)
+    for p in packs[:2]:
+        np.testing.assert_array_equal(plan.cu_seqlens(p), plan.varlen([p])[0])
+        np.testing.assert_array_equal(plan.position_ids(p), plan.varlen(p)[1])
+
+
+def test_bfd_fills_packs_near_the_lower_bound_on_realistic_lengths():
+    rng = np.random.default_rng(0)
+    lengths = np.clip(rng.lognormal(np.log(300) - 0.5, 1.0, 200_000), 1, 4096).astype(np.int64)
+    plan = fastpack.pack(lengths, 4096)
+    check_plan(plan, lengths, strategy="bfd", overlong="error")
+    assert plan.num_packs <= plan.lower_bound * 1.001
+    ffd = fastpack.pack(lengths, 4096, strategy="ffd")
+    next_fit = fastpack.pack(lengths, 4096, strategy="next_fit")
+    assert plan.num_packs <= ffd.num_packs < next_fit.num_packs
+
+
+def test_shuffle_is_deterministic_and_changes_the_order():
+    lengths = np.arange(1, 2000) % 500 + 1
+    a = fastpack.pack(lengths, 1024, shuffle=True, seed=7)
+    b = fastpack.pack(lengths, 1024, shuffle=True, seed=7)
+    c = fastpack.pack(lengths, 1024, shuffle=True, seed=8)
+    plain = fastpack.pack(lengths, 1024)
+    np.testing.assert_array_equal(a.sample_ids, b.sample_ids)
+    assert not np.array_equal(a.sample_ids, c.sample_ids)
+    assert not np.array_equal(a.pack_tokens, plain.pack_tokens)
+    np.testing.assert_array_equal(np.sort(a.pack_tokens), np.sort(plain.pack_tokens))
+
+
+@pytest.mark.parametrize(
+    "dtype", [np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64]
+)
+def test_integer_dtypes_are_read_in_place(dtype):
+    lengths = np.array([3, 5, 2, 6, 0, 7], dtype=dtype)
+    assert as_lengths(lengths) is lengths
+    plan = fastpack.pack(lengths, 8)
+    check_plan(plan, lengths, strategy="bfd", overlong="error")
+
+
+def test_outputs_are_moved_from_rust_not_copied():
+    plan = fastpack.pack(np.arange(1, 1000), 2048)
+    for name in ("sample_ids", "starts", "seqlens", "pack_offsets"):
+        array = getattr(plan, name)
+        # numpy does not own the buffer: it wraps the Rust Vec (the base is its capsule).
+        assert not array.flags.owndata, name
+        assert not isinstance(array.base, np.ndarray), name
+        assert not array.flags.writeable, name
+
+
+def test_lists_tuples_torch_and_integral_floats_are_accepted():
+    expected = fastpack.pack(np.array([3, 5, 2, 6]), 8)
+    inputs = [[3, 5, 2, 6], (3, 5, 2, 6), np.array([3.0, 5.0, 2.0, 6.0]), range(3, 4)]
+    torch = pytest.importorskip("torch")
+    inputs.append(torch.tensor([3, 5, 2, 6]))
+    inputs.append(torch.tensor([3, 5, 2, 6], dtype=torch.int32)[::1])
+    for value in inputs[:3] + inputs[4:]:
+        plan = fastpack.pack(value, 8)
+        np.testing.assert_array_equal(plan.sample_ids, expected.sample_ids)
+    noncontiguous = np.array([3, 99, 5, 99, 2, 99, 6, 99])[::2]
+    np.testing.assert_array_equal(fastpack.pack(noncontiguous, 8).seqlens, expected.seqlens)
+    big_endian = np.array([3, 5, 2, 6], dtype=">i8")
+    np.testing.assert_array_equal(fastpack.pack(big_endian, 8).seqlens, expected.seqlens)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "pattern"),
+    [
+        ({"lengths": [1, -2, 3]}, fastpack.FastpackError, r"lengths: negative length -2 at index 1"),
+        ({"lengths": [1.5, 2]}, fastpack.FastpackError, r"lengths: 1\.5 at index 0 is not a whole"),
+        ({"lengths": [1, float("nan")]}, fastpack.FastpackError, r"lengths: nan at index 1"),
+        ({"lengths": [[1, 2], [3, 4]]}, fastpack.FastpackError, r"lengths: expected a 1-D array"),
+        ({"lengths": [True, False]}, fastpack.FastpackTypeError, r"lengths: expected integers"),
+        ({"lengths": ["a", "b"]}, fastpack.FastpackTypeError, r"lengths: expected integers"),
+        ({"lengths": 5}, fastpack.FastpackTypeError, r"lengths: expected a 1-D array-like"),
+        ({"lengths": [1, None]}, fastpack.FastpackTypeError, r"lengths: element 1 is NoneType"),
+        ({"lengths": [2**70]}, fastpack.FastpackError, r"lengths: .*int64"),
+        ({"max_len": 0}, fastpack.FastpackError, r"max_len: got 0; expected an integer >= 1"),
+        ({"max_len": -3}, fastpack.FastpackError, r"max_len: got -3"),
+        ({"max_len": 2**30}, fastpack.FastpackError, r"max_len: got 1073741824; expected .*16777216"),
+        ({"max_len": 8.0}, fastpack.FastpackTypeError, r"max_len: expected an integer, got float"),
+        ({"max_len": True}, fastpack.FastpackTypeError, r"max_len: expected an integer, got bool"),
+        ({"strategy": "best"}, fastpack.FastpackError, r"strategy: unknown value 'best'; expected"),
+        ({"overlong": "cut"}, fastpack.FastpackError, r"overlong: unknown value 'cut'"),
+        ({"reserve": 8}, fastpack.FastpackError, r"reserve: got 8; expected fewer tokens than max_len"),
+        ({"reserve": -1}, fastpack.FastpackError, r"reserve: got -1"),
+        ({"threads": 0}, fastpack.FastpackError, r"threads: got 0"),
+        ({"seed": -1}, fastpack.FastpackError, r"seed: got -1"),
+        ({"shuffle": "yes"}, fastpack.FastpackTypeError, r"shuffle: expected a bool"),
+        ({"lengths": [3, 9, 4, 12]}, fastpack.FastpackError,
+         r"lengths: 2 sequence\(s\) longer than 8 tokens \(first at index 1, length 9\)"),
+        ({"lengths": [3, 7], "reserve": 2}, fastpack.FastpackError,
+         r"1 sequence\(s\) longer than 8 tokens with 2 reserved separator token\(s\) each"),
+    ],
+)
+def test_bad_input_names_the_argument(kwargs, error, pattern):
+    args = {"lengths": [3, 5], "max_len": 8, **kwargs}
+    lengths = args.pop("lengths")
+    max_len = args.pop("max_len")
+    with pytest.raises(error, match=pattern):
+        fastpack.pack(lengths, max_len, **args)
+
+
+def test_errors_are_value_and_type_errors():
+    assert issubclass(fastpack.FastpackError, ValueError)
+    assert issubclass(fastpack.FastpackTypeError, TypeError)
+    assert issubclass(fastpack.FastpackTypeError, fastpack.FastpackError)
+
+
+def test_empty_input_and_empty_sequences():
+    for strategy in STRATEGIES:
+        plan = fastpack.pack([], 16, strategy=strategy)
+        assert plan.num_packs == 0 and len(plan) == 0 and plan.pack_offsets.tolist() == [0]
+        assert plan.efficiency == 1.0 and plan.lower_bound == 0
+        plan = fastpack.pack([0, 4, 0], 16, strategy=strategy, reserve=1)
+        assert plan.empty_sequences == 2 and plan.sample_ids.tolist() == [1]
+        assert plan.seqlens.tolist() == [5]
+
+
+def test_overlong_policies_count_every_token():
+    lengths = [5, 20, 8, 13]
+    truncated = fastpack.pack(lengths, 8, overlong="truncate", reserve=1)
+    # With the reserved separator, 8 tokens no longer fit in 8 either.
+    assert truncated.truncated_sequences == 3
+    assert truncated.truncated_tokens == (21 - 8) + (9 - 8) + (14 - 8)
+    dropped = fastpack.pack(lengths, 8, overlong="drop")
+    assert dropped.dropped_sequences == 2 and dropped.dropped_tokens == 33
+    split = fastpack.pack(lengths, 8, overlong="split")
+    assert split.split_sequences == 2 and split.total_tokens == sum(lengths)
+    assert "dropped 33 tokens (2 sequences)" in dropped.summary()
+    assert "truncated 20 tokens (3 sequences)" in truncated.summary()
+
+
+def test_pack_index_forms():
+    plan = fastpack.pack(np.arange(1, 50), 64)
+    n = plan.num_packs
+    np.testing.assert_array_equal(plan.cu_seqlens(-1), plan.cu_seqlens(n - 1))
+    np.testing.assert_array_equal(plan.cu_seqlens(slice(0, 3)), plan.cu_seqlens(range(3)))
+    np.testing.assert_array_equal(plan.cu_seqlens(np.array([0, 1, 2])), plan.cu_seqlens([0, 1, 2]))
+    with pytest.raises(fastpack.FastpackError, match="packs: pack .* out of range"):
+        plan.cu_seqlens(n)
+    with pytest.raises(fastpack.FastpackError, match="packs: pack index -1 out of range"):
+        plan.cu_seqlens(np.array([-1]))
+    assert "Plan(num_packs=" in repr(plan)
+
+
+def _pack_in_child(queue):
+    plan = fastpack.pack(np.arange(1, 300_000) % 700 + 1, 1024, threads=2, shuffle=True)
+    queue.put(plan.num_packs)
+
+
+@pytest.mark.timeout(60)
+def test_works_in_a_forked_child_after_the_parent_used_threads():
+    lengths = np.arange(1, 300_000) % 700 + 1
+    expected = fastpack.pack(lengths, 1024, threads=2, shuffle=True).num_packs
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_pack_in_child, args=(queue,))
+    child.start()
+    assert queue.get(timeout=50) == expected
+    child.join(10)
+    assert child.exitcode == 0
+
+
+def test_plan_is_picklable_for_dataloader_workers():
+    plan = fastpack.pack([3, 5, 2, 6], 8)
+    clone = pickle.loads(pickle.dumps(plan))
+    np.testing.assert_array_equal(clone.sample_ids, plan.sample_ids)
+    assert clone.num_packs == plan.num_packs
