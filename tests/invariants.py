@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import numpy as np
-
 import fastpack
+import numpy as np
 
 
 def kept_tokens(length: int, max_len: int, strategy: str, overlong: str, reserve: int) -> int:

@@ -2,6 +2,8 @@ from typing import Any
 
 import numpy as np
 
+__all__ = ["cu_seqlens", "default_threads", "pack", "varlen"]
+
 def pack(
     lengths: np.ndarray,
     max_len: int,

@@ -12,13 +12,7 @@ pub enum Error {
         "lengths: {count} sequence(s) longer than {cap} tokens{reserve_note} (first at index {first_index}, \
          length {first_length}); pass overlong=\"truncate\", \"split\" or \"drop\", or raise the cap"
     )]
-    Overlong {
-        count: u64,
-        first_index: u64,
-        first_length: u64,
-        cap: u64,
-        reserve_note: String,
-    },
+    Overlong { count: u64, first_index: u64, first_length: u64, cap: u64, reserve_note: String },
     /// A size that does not fit the plan's integer types.
     #[error("{arg}: {message}")]
     Overflow { arg: &'static str, message: String },

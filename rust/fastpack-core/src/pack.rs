@@ -15,9 +15,15 @@ use crate::shuffle::permutation;
 enum Class {
     Empty,
     /// One segment of this many tokens (truncated to the cap when `cut > 0`).
-    Whole { len: u64, cut: u64 },
+    Whole {
+        len: u64,
+        cut: u64,
+    },
     /// `full` segments of `max_len`, then one of `rest` tokens if `rest > 0`.
-    Split { full: u64, rest: u64 },
+    Split {
+        full: u64,
+        rest: u64,
+    },
     Dropped,
     Overlong,
     Negative,
@@ -39,7 +45,9 @@ fn classify(raw: Option<u64>, opts: &PackOptions) -> Class {
         Overlong::Error => Class::Overlong,
         Overlong::Truncate => Class::Whole { len: opts.max_len, cut: extended - opts.max_len },
         Overlong::Drop => Class::Dropped,
-        Overlong::Split => Class::Split { full: extended / opts.max_len, rest: extended % opts.max_len },
+        Overlong::Split => {
+            Class::Split { full: extended / opts.max_len, rest: extended % opts.max_len }
+        }
     }
 }
 
@@ -526,7 +534,11 @@ fn pack_in_order<L: Length>(lengths: &[L], opts: &PackOptions) -> Result<Arrays>
 
 /// Emits `(pack, sample, start, len)` in input order; returns how many sequences were cut
 /// across packs (wrapped only).
-fn walk<L: Length>(lengths: &[L], opts: &PackOptions, mut emit: impl FnMut(u32, u64, u64, u64)) -> u64 {
+fn walk<L: Length>(
+    lengths: &[L],
+    opts: &PackOptions,
+    mut emit: impl FnMut(u32, u64, u64, u64),
+) -> u64 {
     let m = opts.max_len;
     let mut packs = 0u32;
     let mut fill = m; // no open pack yet: "full"

@@ -45,7 +45,9 @@ fn pool(threads: usize) -> Result<Arc<ThreadPool>> {
         .num_threads(threads)
         .thread_name(|i| format!("fastpack-{i}"))
         .build()
-        .map_err(|e| Error::invalid("threads", format!("could not start {threads} threads: {e}")))?;
+        .map_err(|e| {
+            Error::invalid("threads", format!("could not start {threads} threads: {e}"))
+        })?;
     let built = Arc::new(built);
     pools.pools.push((threads, built.clone()));
     Ok(built)

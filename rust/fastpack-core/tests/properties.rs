@@ -10,7 +10,8 @@ const STRATEGIES: [Strategy; 4] = [
     Strategy::NextFit,
     Strategy::Wrapped,
 ];
-const POLICIES: [Overlong; 4] = [Overlong::Error, Overlong::Truncate, Overlong::Split, Overlong::Drop];
+const POLICIES: [Overlong; 4] =
+    [Overlong::Error, Overlong::Truncate, Overlong::Split, Overlong::Drop];
 
 /// Tokens of the extended sequence (`len + reserve`) each sequence should contribute.
 fn expected_kept(len: u64, opts: &PackOptions) -> Option<u64> {
@@ -37,7 +38,8 @@ fn check_plan(lengths: &[u32], opts: &PackOptions, plan: &Plan) {
     assert_eq!(plan.starts.len(), s);
     for w in plan.pack_offsets.windows(2) {
         assert!(w[0] < w[1], "every pack holds at least one segment");
-        let tokens: i64 = plan.seqlens[w[0] as usize..w[1] as usize].iter().map(|&n| n as i64).sum();
+        let tokens: i64 =
+            plan.seqlens[w[0] as usize..w[1] as usize].iter().map(|&n| n as i64).sum();
         assert!(tokens as u64 <= opts.max_len, "pack over max_len");
     }
     // Each sequence's segments tile exactly its kept extended tokens.
@@ -79,7 +81,12 @@ fn reference_fit_packs(lengths: &[u32], max_len: u64, best: bool) -> usize {
     let mut rooms: Vec<u64> = Vec::new();
     for len in items {
         let choice = if best {
-            rooms.iter().enumerate().filter(|(_, &r)| r >= len).min_by_key(|(_, &r)| r).map(|(i, _)| i)
+            rooms
+                .iter()
+                .enumerate()
+                .filter(|(_, &r)| r >= len)
+                .min_by_key(|(_, &r)| r)
+                .map(|(i, _)| i)
         } else {
             rooms.iter().position(|&r| r >= len)
         };

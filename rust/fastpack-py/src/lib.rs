@@ -103,7 +103,8 @@ fn pack<'py>(
     Err(fastpack_error("lengths: expected a 1-D numpy array of an integer dtype"))
 }
 
-type Csr<'py> = (PyReadonlyArray1<'py, i32>, PyReadonlyArray1<'py, i64>, PyReadonlyArray1<'py, i64>);
+type Csr<'py> =
+    (PyReadonlyArray1<'py, i32>, PyReadonlyArray1<'py, i64>, PyReadonlyArray1<'py, i64>);
 
 fn check_contiguous(arrays: &Csr<'_>) -> PyResult<()> {
     if !(arrays.0.is_contiguous() && arrays.1.is_contiguous() && arrays.2.is_contiguous()) {
