@@ -11,13 +11,21 @@ from typing import Any
 
 import pytest
 
-torch = pytest.importorskip("torch")
+pytest.importorskip("torch")
 
+import torch  # noqa: E402
+from fastpack import attention as attn_mod  # noqa: E402
+from fastpack.attention import varlen_attention  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from fastpack import attention as attn_mod  # noqa: E402
-from fastpack.attention import varlen_attention  # noqa: E402
+try:
+    from torch.nn.attention.flex_attention import BlockMask
+
+    HAVE_FLEX = hasattr(BlockMask, "from_kv_blocks")
+except ImportError:  # torch < 2.5
+    HAVE_FLEX = False
+needs_flex = pytest.mark.skipif(not HAVE_FLEX, reason="torch has no flex_attention")
 
 Tensor = torch.Tensor
 ATOL = 1e-5
@@ -109,8 +117,10 @@ def test_single_sequence() -> None:
     assert max_diff(out, reference(q, k, v, [23], True)) <= ATOL
     # one sequence, causal, equals plain causal SDPA over the whole batch
     dense = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(0, 1), k.repeat_interleave(4, 1).transpose(0, 1),
-        v.repeat_interleave(4, 1).transpose(0, 1), is_causal=True,
+        q.transpose(0, 1),
+        k.repeat_interleave(4, 1).transpose(0, 1),
+        v.repeat_interleave(4, 1).transpose(0, 1),
+        is_causal=True,
     ).transpose(0, 1)
     assert max_diff(out, dense) <= ATOL
 
@@ -266,7 +276,11 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
     ("cu-last-long", {"cu_seqlens": torch.tensor([0, 3, 3, 9])}, r"cu_seqlens\[-1\].*8"),
     ("cu-2d", {"cu_seqlens": torch.tensor([[0, 3, 3, 8]])}, r"cu_seqlens must be 1-D"),
     ("cu-empty", {"cu_seqlens": torch.tensor([], dtype=torch.int32)}, r"cu_seqlens.*at least one"),
-    ("cu-float", {"cu_seqlens": torch.tensor([0.0, 3.0, 3.0, 8.0])}, r"cu_seqlens must hold integers"),
+    (
+        "cu-float",
+        {"cu_seqlens": torch.tensor([0.0, 3.0, 3.0, 8.0])},
+        r"cu_seqlens must hold integers",
+    ),
     ("cu-bool", {"cu_seqlens": torch.tensor([False, True])}, r"cu_seqlens must hold integers"),
     ("max-too-small", {"max_seqlen": 4}, r"max_seqlen=4.*longest.*5"),
     ("max-negative", {"max_seqlen": -1}, r"max_seqlen must be >= 0"),
@@ -297,7 +311,7 @@ def test_validation_type_errors() -> None:
         _call({**args, "max_seqlen": 5.0})
     with pytest.raises(TypeError, match="max_seqlen"):
         _call({**args, "max_seqlen": True})
-    with pytest.raises(TypeError, match="^q must be a torch.Tensor"):
+    with pytest.raises(TypeError, match=r"^q must be a torch\.Tensor"):
         _call({**args, "q": [[[0.0]]]})
 
 
@@ -332,6 +346,10 @@ def test_errors_use_fastpack_error_when_defined() -> None:
         _call(_valid_args(), backend="flash")
     with pytest.raises(exc_type):
         _call({**_valid_args(), "max_seqlen": 1})
+    type_exc = getattr(fastpack, "FastpackTypeError", None)
+    if type_exc is not None:
+        with pytest.raises(type_exc):
+            _call({**_valid_args(), "max_seqlen": 5.0})
 
 
 def test_forced_sdpa_backend() -> None:
@@ -350,8 +368,19 @@ def test_torch_varlen_signature_adaptation() -> None:
     q, k, v = make_qkv(lengths, 8, 2)
     seen: dict[str, Any] = {}
 
-    def run(causal: bool, enable_gqa: bool, window: Any, scale: Any, qq: Tensor, kk: Tensor,
-            vv: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int) -> Tensor:
+    def run(
+        causal: bool,
+        enable_gqa: bool,
+        window: Any,
+        scale: Any,
+        qq: Tensor,
+        kk: Tensor,
+        vv: Tensor,
+        cu_q: Tensor,
+        cu_k: Tensor,
+        max_q: int,
+        max_k: int,
+    ) -> Tensor:
         seen.update(causal=causal, window=window, cu_same=cu_q is cu_k, max=(max_q, max_k))
         assert cu_q.dtype == torch.int32
         if not enable_gqa:
@@ -359,24 +388,68 @@ def test_torch_varlen_signature_adaptation() -> None:
         ref = reference(qq, kk, vv, lengths, causal, scale)
         return ref.to(qq.dtype)
 
-    def v210(query: Tensor, key: Tensor, value: Tensor, cu_seq_q: Tensor, cu_seq_k: Tensor,
-             max_q: int, max_k: int, is_causal: bool = False, return_aux: Any = None) -> Tensor:
-        return run(is_causal, False, None, None, query, key, value, cu_seq_q, cu_seq_k, max_q, max_k)
+    def v210(
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        cu_seq_q: Tensor,
+        cu_seq_k: Tensor,
+        max_q: int,
+        max_k: int,
+        is_causal: bool = False,
+        return_aux: Any = None,
+    ) -> Tensor:
+        return run(
+            is_causal, False, None, None, query, key, value, cu_seq_q, cu_seq_k, max_q, max_k
+        )
 
-    def v211(query: Tensor, key: Tensor, value: Tensor, cu_seq_q: Tensor, cu_seq_k: Tensor,
-             max_q: int, max_k: int, *, return_aux: Any = None, scale: float | None = None,
-             window_size: tuple[int, int] = (-1, -1)) -> Tensor:
+    def v211(
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        cu_seq_q: Tensor,
+        cu_seq_k: Tensor,
+        max_q: int,
+        max_k: int,
+        *,
+        return_aux: Any = None,
+        scale: float | None = None,
+        window_size: tuple[int, int] = (-1, -1),
+    ) -> Tensor:
         causal = window_size == (-1, 0)  # what torch 2.11 does: a list would be non-causal
-        return run(causal, False, window_size, scale, query, key, value, cu_seq_q, cu_seq_k,
-                   max_q, max_k)
+        return run(
+            causal, False, window_size, scale, query, key, value, cu_seq_q, cu_seq_k, max_q, max_k
+        )
 
-    def v212(query: Tensor, key: Tensor, value: Tensor, cu_seq_q: Tensor, cu_seq_k: Tensor,
-             max_q: int, max_k: int, *, return_aux: Any = None, scale: float | None = None,
-             window_size: tuple[int, int] = (-1, -1), enable_gqa: bool = False) -> Tensor:
+    def v212(
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        cu_seq_q: Tensor,
+        cu_seq_k: Tensor,
+        max_q: int,
+        max_k: int,
+        *,
+        return_aux: Any = None,
+        scale: float | None = None,
+        window_size: tuple[int, int] = (-1, -1),
+        enable_gqa: bool = False,
+    ) -> Tensor:
         assert enable_gqa == (query.shape[1] != key.shape[1])
         causal = window_size == (-1, 0)
-        return run(causal, enable_gqa, window_size, scale, query, key, value, cu_seq_q, cu_seq_k,
-                   max_q, max_k)
+        return run(
+            causal,
+            enable_gqa,
+            window_size,
+            scale,
+            query,
+            key,
+            value,
+            cu_seq_q,
+            cu_seq_k,
+            max_q,
+            max_k,
+        )
 
     for fake in (v210, v211, v212):
         for causal in (True, False):
@@ -445,6 +518,7 @@ def test_document_block_tables_are_exact(lengths: list[int], block: int, causal:
     assert bool(blocks[full].all())  # full blocks really are full
 
 
+@needs_flex
 def test_document_block_mask_dense_view() -> None:
     lengths = [100, 0, 200, 1, 90]  # 391 tokens: 4 blocks of 128
     total = sum(lengths)
@@ -455,6 +529,7 @@ def test_document_block_mask_dense_view() -> None:
     assert torch.equal(dense, mask.reshape(4, 128, 4, 128).any(3).any(1))
 
 
+@needs_flex
 @pytest.mark.parametrize("causal", [True, False])
 def test_flex_plumbing_eager_cpu(causal: bool) -> None:
     """The flex path's layout, GQA, scale and mask_mod, through flex's eager CPU forward."""
@@ -470,8 +545,10 @@ def test_flex_plumbing_eager_cpu(causal: bool) -> None:
     assert max_diff(out, reference(q, k, v, lengths, causal, 0.2)) <= ATOL
 
 
+@needs_flex
 @pytest.mark.skipif(
-    not os.environ.get("FASTPACK_SLOW_TESTS"), reason="compiles flex for CPU (~30 s); FASTPACK_SLOW_TESTS=1"
+    not os.environ.get("FASTPACK_SLOW_TESTS"),
+    reason="compiles flex for CPU (~30 s); FASTPACK_SLOW_TESTS=1",
 )
 def test_flex_compiled_cpu() -> None:
     lengths = [100, 0, 250, 1, 170]

@@ -76,19 +76,34 @@ def _error(message: str) -> ValueError:
     return _error_type()(message)
 
 
+def _type_error(message: str) -> TypeError:
+    """``fastpack.FastpackTypeError`` (a ``TypeError`` and a ``FastpackError``) when
+    defined, else ``TypeError``."""
+    try:
+        pkg = importlib.import_module("fastpack")
+    except Exception:
+        return TypeError(message)
+    exc = getattr(pkg, "FastpackTypeError", None)
+    if isinstance(exc, type) and issubclass(exc, TypeError):
+        err: TypeError = exc(message)
+        return err
+    return TypeError(message)
+
+
 # ------------------------------------------------------------------ optional imports
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _flash_varlen_func() -> Callable[..., torch.Tensor] | None:
     try:
-        from flash_attn import flash_attn_varlen_func
+        module = importlib.import_module("flash_attn")
+        fn: Callable[..., torch.Tensor] = module.flash_attn_varlen_func
     except Exception:  # ImportError, or a broken CUDA build raising something else
         return None
-    return flash_attn_varlen_func  # type: ignore[no-any-return]
+    return fn
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _torch_varlen_attn() -> Callable[..., Any] | None:
     try:
         from torch.nn.attention.varlen import varlen_attn
@@ -97,7 +112,7 @@ def _torch_varlen_attn() -> Callable[..., Any] | None:
     return varlen_attn
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _signature_params(fn: Callable[..., Any]) -> frozenset[str]:
     try:
         return frozenset(inspect.signature(fn).parameters)
@@ -105,7 +120,7 @@ def _signature_params(fn: Callable[..., Any]) -> frozenset[str]:
         return frozenset()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _flex_unavailable_reason() -> str | None:
     try:
         from torch.nn.attention.flex_attention import BlockMask, flex_attention  # noqa: F401
@@ -118,16 +133,17 @@ def _flex_unavailable_reason() -> str | None:
     return None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiled_flex_attention() -> Callable[..., torch.Tensor]:
     from torch.nn.attention.flex_attention import flex_attention
 
     # Uncompiled flex_attention falls back to a dense implementation that
     # materializes the full score matrix, so the compiled kernel is mandatory.
-    return torch.compile(flex_attention)  # type: ignore[return-value]
+    compiled: Callable[..., torch.Tensor] = torch.compile(flex_attention)
+    return compiled
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sdpa_has_enable_gqa() -> bool:
     # scaled_dot_product_attention is a builtin without an inspectable signature.
     x = torch.zeros(1, 2, 1, 1)
@@ -195,7 +211,7 @@ def _resolve_backend(backend: str, q: torch.Tensor) -> str:
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            raise _type_error(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.ndim != 3:
             raise _error(
                 f"{name} must have 3 dimensions (total_tokens, heads, head_dim), "
@@ -204,9 +220,7 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         if not t.is_floating_point():
             raise _error(f"{name} must be a floating-point tensor, got {t.dtype}")
     if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise _error(
-            f"q, k and v must share a dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}"
-        )
+        raise _error(f"q, k and v must share a dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}")
     if k.device != q.device or v.device != q.device:
         raise _error(
             f"q, k and v must be on one device, got q={q.device}, k={k.device}, v={v.device}"
@@ -215,7 +229,8 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise _error(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     if k.shape[0] != q.shape[0]:
         raise _error(
-            f"q and k/v must have the same number of tokens (dim 0), got {q.shape[0]} and {k.shape[0]}"
+            "q and k/v must have the same number of tokens (dim 0), "
+            f"got {q.shape[0]} and {k.shape[0]}"
         )
     if k.shape[2] != q.shape[2]:
         raise _error(
@@ -231,16 +246,18 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 
 def _check_max_seqlen(max_seqlen: object) -> int:
     if isinstance(max_seqlen, bool):
-        raise TypeError("max_seqlen must be an int, got bool")
+        raise _type_error("max_seqlen must be an int, got bool")
     if isinstance(max_seqlen, torch.Tensor):
         if max_seqlen.numel() != 1 or max_seqlen.is_floating_point():
-            raise TypeError("max_seqlen must be an int (or a one-element integer tensor)")
+            raise _type_error("max_seqlen must be an int (or a one-element integer tensor)")
         value = int(max_seqlen.item())
     else:
         try:
             value = int(max_seqlen.__index__())  # type: ignore[attr-defined]
         except AttributeError:
-            raise TypeError(f"max_seqlen must be an int, got {type(max_seqlen).__name__}") from None
+            raise _type_error(
+                f"max_seqlen must be an int, got {type(max_seqlen).__name__}"
+            ) from None
     if value < 0:
         raise _error(f"max_seqlen must be >= 0, got {value}")
     return value
@@ -285,14 +302,17 @@ def _check_cu_values(host: torch.Tensor, total_tokens: int, max_seqlen: int) -> 
     longest = int(lengths.max()) if lengths.numel() else 0
     if longest > max_seqlen:
         raise _error(
-            f"max_seqlen={max_seqlen} is smaller than the longest sequence in cu_seqlens ({longest})"
+            f"max_seqlen={max_seqlen} is smaller than the longest sequence "
+            f"in cu_seqlens ({longest})"
         )
 
 
 # -------------------------------------------------------------------------- backends
 
 
-def _repeat_kv(k: torch.Tensor, v: torch.Tensor, groups: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _repeat_kv(
+    k: torch.Tensor, v: torch.Tensor, groups: int, dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     if groups == 1:
         return k, v
     return k.repeat_interleave(groups, dim=dim), v.repeat_interleave(groups, dim=dim)
@@ -314,7 +334,9 @@ def _flash_forward(
 ) -> torch.Tensor:
     # flash-attn handles GQA natively when Hq is a multiple of Hkv.
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-    return fn(q, k, v, cu, cu, max_seqlen, max_seqlen, dropout_p=0.0, softmax_scale=scale, causal=causal)
+    return fn(
+        q, k, v, cu, cu, max_seqlen, max_seqlen, dropout_p=0.0, softmax_scale=scale, causal=causal
+    )
 
 
 def _torch_varlen_forward(
@@ -353,7 +375,8 @@ def _torch_varlen_forward(
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     # One tensor object for q and k: cuDNN's causal path requires `cu_seq_q is cu_seq_k`.
     out = fn(q, k, v, cu, cu, max_seqlen, max_seqlen, **kwargs)
-    return out[0] if isinstance(out, tuple) else out
+    result: torch.Tensor = out[0] if isinstance(out, tuple) else out
+    return result
 
 
 def _document_block_tables(
@@ -463,7 +486,7 @@ def _flex_forward(
     # (T, H, D) -> (1, H, T, D) views; flex returns its output in q's stride order, so
     # the transpose back is contiguous.
     q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-    out = flex(q4, k4, v4, block_mask=block_mask, scale=scale, **kwargs)
+    out: torch.Tensor = flex(q4, k4, v4, block_mask=block_mask, scale=scale, **kwargs)
     return out[0].transpose(0, 1)
 
 

@@ -8,7 +8,6 @@ use crate::error::{Error, Result};
 use crate::fit;
 use crate::length::Length;
 use crate::plan::{Overlong, PackOptions, Plan, Stats, Strategy, MAX_ITEMS};
-use crate::shuffle::permutation;
 
 /// What the over-long policy makes of one sequence.
 #[derive(Clone, Copy)]
@@ -193,26 +192,27 @@ impl Out {
     }
 }
 
-/// Where each pack's first slot goes, after shuffling, and the CSR offsets.
-fn lay_out(counts: &[u32], opts: &PackOptions) -> (Vec<i64>, Vec<usize>) {
-    let packs = counts.len();
-    let perm = opts.shuffle_seed.map(|seed| permutation(packs, seed));
-    let mut sizes = vec![0u32; packs];
-    match &perm {
-        Some(perm) => counts.iter().zip(perm).for_each(|(&c, &to)| sizes[to as usize] = c),
-        None => sizes.copy_from_slice(counts),
+/// The CSR offsets of packs of the given segment counts, and each pack's first slot. With
+/// a seed, pack `g` moves to position `perm[g]` of a seeded permutation: the writers then
+/// fill the shuffled layout directly, with no second copy of the plan.
+fn lay_out(counts: &[u32], seed: Option<u64>) -> (Vec<i64>, Vec<usize>) {
+    let perm = seed.map(|s| crate::shuffle::permutation(counts.len(), s));
+    let mut sizes = counts.to_vec();
+    if let Some(perm) = &perm {
+        for (g, &q) in perm.iter().enumerate() {
+            sizes[q as usize] = counts[g];
+        }
     }
-    let mut offsets = Vec::with_capacity(packs + 1);
+    let mut offsets = Vec::with_capacity(counts.len() + 1);
     let mut acc = 0i64;
     offsets.push(0);
-    for &s in &sizes {
-        acc += s as i64;
+    for &c in &sizes {
+        acc += c as i64;
         offsets.push(acc);
     }
-    drop(sizes);
     let dest = match &perm {
-        Some(perm) => perm.iter().map(|&to| offsets[to as usize] as usize).collect(),
-        None => offsets[..packs].iter().map(|&o| o as usize).collect(),
+        Some(perm) => perm.iter().map(|&q| offsets[q as usize] as usize).collect(),
+        None => offsets[..counts.len()].iter().map(|&o| o as usize).collect(),
     };
     (offsets, dest)
 }
@@ -237,7 +237,7 @@ pub fn pack<L: Length>(lengths: &[L], opts: &PackOptions) -> Result<Plan> {
         Strategy::BestFitDecreasing | Strategy::FirstFitDecreasing => pack_fit(lengths, opts)?,
         Strategy::NextFit | Strategy::Wrapped => pack_in_order(lengths, opts)?,
     };
-    Ok(Plan {
+    let plan = Plan {
         sample_ids,
         starts,
         seqlens,
@@ -247,7 +247,8 @@ pub fn pack<L: Length>(lengths: &[L], opts: &PackOptions) -> Result<Plan> {
         strategy: opts.strategy,
         overlong: opts.overlong,
         stats,
-    })
+    };
+    Ok(plan)
 }
 
 type Arrays = (Stats, Vec<i64>, Vec<i64>, Vec<i32>, Vec<i64>);
@@ -385,7 +386,7 @@ fn pack_fit<L: Length>(lengths: &[L], opts: &PackOptions) -> Result<Arrays> {
         counts.extend_from_slice(c);
     }
     drop(shard_counts);
-    let (pack_offsets, dest) = lay_out(&counts, opts);
+    let (pack_offsets, dest) = lay_out(&counts, opts.shuffle_seed);
     drop(counts);
 
     let segments = items + full;
@@ -431,24 +432,52 @@ fn pack_fit<L: Length>(lengths: &[L], opts: &PackOptions) -> Result<Arrays> {
         });
     }
 
-    // Pass 2b: replay each shard's placement, writing segments into their packs' slots.
-    (0..shards).into_par_iter().for_each(|shard| {
-        let base = shard_base[shard];
-        let mut filled: Vec<u32> = Vec::new();
-        let order = &order;
+    // Pass 2b: replay each shard's placement, recording each sorted item's slot
+    // (sequential writes, cheap), then scatter the items to their slots in parallel.
+    let mut slots = vec![0u32; items];
+    {
+        let slots_ptr = SyncPtr(slots.as_mut_ptr());
         let dest = &dest;
-        place(shard, &mut |pack, pos, k, len| {
-            let g = base + pack as usize;
-            if pack as usize == filled.len() {
-                filled.push(0);
-            }
-            let first = dest[g] + filled[pack as usize] as usize;
-            filled[pack as usize] += k as u32;
-            for (j, &sample) in order[pos..pos + k].iter().enumerate() {
-                // SAFETY: pack g's slots belong to this shard alone.
-                unsafe { out.write(first + j, sample as u64, start_of(sample), len as u64) };
-            }
+        (0..shards).into_par_iter().for_each(|shard| {
+            let base = shard_base[shard];
+            let mut filled: Vec<u32> = Vec::new();
+            place(shard, &mut |pack, pos, k, _len| {
+                if pack as usize == filled.len() {
+                    filled.push(0);
+                }
+                let first = dest[base + pack as usize] + filled[pack as usize] as usize;
+                filled[pack as usize] += k as u32;
+                for j in 0..k {
+                    // SAFETY: each sorted position belongs to exactly one shard's run.
+                    unsafe { *slots_ptr.get().add(pos + j) = (first + j) as u32 };
+                }
+            });
         });
+    }
+    drop(dest);
+
+    // Pass 3: non-empty buckets, longest first, cut into chunks of sorted positions.
+    let buckets: Vec<(u32, usize, usize)> = (1..=max_len)
+        .rev()
+        .filter(|&len| hist[len] > 0)
+        .map(|len| (len as u32, bucket_start[len], bucket_start[len] + hist[len]))
+        .collect();
+    let scatter_chunks = (items >> 16).clamp(1, 8 * rayon::current_num_threads());
+    (0..scatter_chunks).into_par_iter().for_each(|c| {
+        let (lo, hi) = (items * c / scatter_chunks, items * (c + 1) / scatter_chunks);
+        let first = buckets.partition_point(|&(_, _, end)| end <= lo);
+        for &(len, start, end) in &buckets[first..] {
+            if start >= hi {
+                break;
+            }
+            for pos in start.max(lo)..end.min(hi) {
+                let sample = order[pos];
+                // SAFETY: slots are a permutation of the item slots: each written once.
+                unsafe {
+                    out.write(slots[pos] as usize, sample as u64, start_of(sample), len as u64)
+                };
+            }
+        }
     });
 
     Ok((stats, sample_ids, starts, seqlens, pack_offsets))
@@ -516,7 +545,7 @@ fn pack_in_order<L: Length>(lengths: &[L], opts: &PackOptions) -> Result<Arrays>
     if opts.strategy == Strategy::Wrapped {
         stats.split_sequences = split;
     }
-    let (pack_offsets, dest) = lay_out(&counts, opts);
+    let (pack_offsets, dest) = lay_out(&counts, opts.shuffle_seed);
     let mut filled = vec![0u32; counts.len()];
     drop(counts);
     let mut sample_ids = vec![0i64; segments];

@@ -96,13 +96,14 @@ pub struct PackOptions {
     pub reserve: u64,
     /// Shuffle the pack order with this seed.
     pub shuffle_seed: Option<u64>,
-    /// Items per independent shard of the fit strategies. Fixed by the data, never by the
-    /// thread count, so the plan is the same on any number of threads.
+    /// Items per independent shard of the fit strategies (default: one global shard, the
+    /// exact BFD/FFD). Fixed by the data, never by the thread count, so the plan is the
+    /// same on any number of threads.
     pub shard_items: usize,
 }
 
 impl PackOptions {
-    pub const DEFAULT_SHARD_ITEMS: usize = 1 << 22;
+    pub const DEFAULT_SHARD_ITEMS: usize = usize::MAX;
 
     pub fn new(max_len: u64) -> Self {
         Self {

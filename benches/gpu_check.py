@@ -1,0 +1,730 @@
+#!/usr/bin/env python
+"""GPU check of fastpack.attention.varlen_attention (one short run on a CUDA machine).
+
+    python benches/gpu_check.py               # on a CUDA machine; < 5 min on an H200
+    python benches/gpu_check.py --cpu-smoke   # tiny fp32 run on CPU: checks the script itself
+
+Without CUDA (and without --cpu-smoke) it prints "skipped: no CUDA" and exits 0.
+
+1. Correctness, bf16: every backend that can run here (flash-attn if installed,
+   torch.nn.attention.varlen.varlen_attn, flex attention, the per-sequence SDPA loop)
+   against per-sequence SDPA computed in fp32 from the same bf16 inputs: output and
+   dq/dk/dv, causal and not, MHA and GQA, with empty and 1-token sequences and sequences
+   crossing flex's 128-token blocks.  err = max|x - ref| / max|ref|; a case passes when
+   err <= max(2 * eps_bf16, 2 * err of torch's own bf16 SDPA run per sequence).
+2. Flex: compile time of the first call, and that later calls with new cu_seqlens (new
+   mask_mod closures, other total lengths) do not recompile.
+3. Attention alone, forward+backward: packed varlen_attention per backend vs. padded
+   SDPA (key-padding mask) over the same documents.
+4. A random-init bf16 LlamaForCausalLM (transformers), forward+backward: padded batch
+   (attn_implementation="sdpa", attention_mask) vs. one packed row through
+   varlen_attention (registered as an AttentionInterface function that reads HF's
+   cu_seq_lens_q / max_length_q kwargs), per backend; also the packed loss against the
+   padded loss.
+
+Prints a compact report; writes everything to $OUT/gpu_check.json when OUT is set.
+Exit status 1 when a correctness check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+T_START = time.perf_counter()
+TIME_BUDGET_S = 240.0  # heavy sections are skipped past this, to stay under 5 minutes
+
+
+def elapsed() -> float:
+    return time.perf_counter() - T_START
+
+
+def load_attention_module() -> ModuleType:
+    """fastpack.attention, or the source file loaded standalone when the package (its
+    Rust extension) is not built on this machine; the module needs only torch."""
+    try:
+        from fastpack import attention
+
+        return attention
+    except Exception:
+        path = Path(__file__).resolve().parents[1] / "python" / "fastpack" / "attention.py"
+        spec = importlib.util.spec_from_file_location("fastpack_attention_standalone", path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+        return module
+
+
+def write_json(report: dict[str, Any]) -> None:
+    out_dir = os.environ.get("OUT")
+    if out_dir:
+        path = Path(out_dir) / "gpu_check.json"
+        path.write_text(json.dumps(report, indent=2, default=str))
+        print(f"wrote {path}")
+
+
+# ------------------------------------------------------------------------ helpers
+
+
+def cumulative(lengths: Sequence[int]) -> list[int]:
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    return cu
+
+
+def reference_fp32(
+    torch: Any,
+    q: Any,
+    k: Any,
+    v: Any,
+    lengths: Sequence[int],
+    causal: bool,
+    scale: float | None = None,
+) -> Any:
+    """Per-sequence SDPA in fp32 on upcast copies (autograd flows to q, k, v)."""
+    groups = q.shape[1] // k.shape[1]
+    outs = []
+    start = 0
+    for n in lengths:
+        if n == 0:
+            continue
+        sl = slice(start, start + n)
+        qi = q[sl].float().transpose(0, 1)[None]
+        ki = k[sl].float().transpose(0, 1).repeat_interleave(groups, 0)[None]
+        vi = v[sl].float().transpose(0, 1).repeat_interleave(groups, 0)[None]
+        o = torch.nn.functional.scaled_dot_product_attention(
+            qi, ki, vi, is_causal=causal, scale=scale
+        )
+        outs.append(o[0].transpose(0, 1))
+        start += n
+    return torch.cat(outs)
+
+
+def rel_err(x: Any, ref: Any) -> float:
+    x, ref = x.detach().float(), ref.detach().float()
+    return float((x - ref).abs().max()) / max(float(ref.abs().max()), 1e-12)
+
+
+def timed(torch: Any, fn: Callable[[], Any], device: Any, iters: int, warmup: int) -> float:
+    """Median milliseconds of fn() over iters runs after warmup runs."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def peak_mem_gib(torch: Any, device: Any) -> float | None:
+    if device.type != "cuda":
+        return None
+    return round(torch.cuda.max_memory_allocated() / 2**30, 2)
+
+
+def reset_peak(torch: Any, device: Any) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+# -------------------------------------------------------------------- 1. correctness
+
+
+def run_case(am: ModuleType, backend: str, case: dict[str, Any]) -> list[float]:
+    """Relative errors of (out, dq, dk, dv) of one backend against the fp32 reference."""
+    xs = [t.detach().clone().requires_grad_(True) for t in case["qkv"]]
+    out = am.varlen_attention(
+        *xs, case["cu"], case["max_len"], causal=case["causal"], backend=backend
+    )
+    out.backward(case["grad_out"])
+    assert out.shape == xs[0].shape and out.dtype == xs[0].dtype
+    grads = [rel_err(x.grad, g) for x, g in zip(xs, case["ref_grads"])]
+    return [rel_err(out, case["ref"]), *grads]
+
+
+def check_correctness(
+    torch: Any, am: ModuleType, cfg: dict[str, Any], device: Any, dtype: Any
+) -> list[dict[str, Any]]:
+    lengths = cfg["check_lengths"]
+    total, max_len = sum(lengths), max(lengths)
+    cu = torch.tensor(cumulative(lengths), dtype=torch.int32, device=device)
+    eps = torch.finfo(dtype).eps
+    backends = am.available_backends(torch.empty(1, device=device, dtype=dtype))
+    results: list[dict[str, Any]] = []
+    for hq, hkv in cfg["check_heads"]:
+        for causal in (True, False):
+            gen = torch.Generator(device=device).manual_seed(hq * 10 + hkv + int(causal))
+            d = cfg["head_dim"]
+            q = torch.randn(total, hq, d, device=device, dtype=dtype, generator=gen)
+            k = torch.randn(total, hkv, d, device=device, dtype=dtype, generator=gen)
+            v = torch.randn(total, hkv, d, device=device, dtype=dtype, generator=gen)
+            grad_out = torch.randn(total, hq, d, device=device, dtype=dtype, generator=gen)
+
+            lq, lk, lv = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+            ref = reference_fp32(torch, lq, lk, lv, lengths, causal)
+            ref.backward(grad_out.float())
+            case = {
+                "qkv": (q, k, v),
+                "grad_out": grad_out,
+                "cu": cu,
+                "max_len": max_len,
+                "causal": causal,
+                "ref": ref,
+                "ref_grads": (lq.grad, lk.grad, lv.grad),
+            }
+            # Baseline: torch's own SDPA kernels in bf16, one sequence at a time.
+            baseline = run_case(am, "sdpa", case)
+            for backend in backends:
+                if backend == "flex" and cfg.get("flex_cases") is not None:
+                    if (hq, hkv, causal) not in cfg["flex_cases"]:
+                        continue
+                row: dict[str, Any] = {"backend": backend, "hq": hq, "hkv": hkv, "causal": causal}
+                t0 = time.perf_counter()
+                try:
+                    errs = run_case(am, backend, case)
+                except Exception as exc:  # report and keep going
+                    row.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:500])
+                    results.append(row)
+                    continue
+                tols = [max(2 * eps, 2 * b) for b in baseline]
+                row.update(
+                    err_out=errs[0],
+                    err_dq=errs[1],
+                    err_dk=errs[2],
+                    err_dv=errs[3],
+                    baseline_out=baseline[0],
+                    baseline_dq=baseline[1],
+                    baseline_dk=baseline[2],
+                    baseline_dv=baseline[3],
+                    ok=all(e <= t for e, t in zip(errs, tols)),
+                    seconds=round(time.perf_counter() - t0, 2),
+                )
+                results.append(row)
+    # softmax_scale, forward only, GQA + causal
+    hq, hkv = cfg["check_heads"][-1]
+    q = torch.randn(total, hq, cfg["head_dim"], device=device, dtype=dtype)
+    k = torch.randn(total, hkv, cfg["head_dim"], device=device, dtype=dtype)
+    v = torch.randn_like(k)
+    ref = reference_fp32(torch, q, k, v, lengths, True, scale=0.05)
+    base = rel_err(
+        am.varlen_attention(q, k, v, cu, max_len, softmax_scale=0.05, backend="sdpa"), ref
+    )
+    for backend in backends:
+        if backend in ("sdpa", "flex"):  # flex: one more compile for a scale we pass through
+            continue
+        try:
+            with torch.no_grad():
+                out = am.varlen_attention(q, k, v, cu, max_len, softmax_scale=0.05, backend=backend)
+            err = rel_err(out, ref)
+            results.append(
+                {
+                    "backend": backend,
+                    "hq": hq,
+                    "hkv": hkv,
+                    "causal": True,
+                    "softmax_scale": 0.05,
+                    "err_out": err,
+                    "baseline_out": base,
+                    "ok": err <= max(2 * eps, 2 * base),
+                }
+            )
+        except Exception as exc:
+            results.append(
+                {
+                    "backend": backend,
+                    "softmax_scale": 0.05,
+                    "ok": False,
+                    "error": f"{type(exc).__name__}: {exc}"[:500],
+                }
+            )
+    return results
+
+
+# --------------------------------------------------------------- 2. flex recompiles
+
+
+def check_flex_recompiles(
+    torch: Any, am: ModuleType, cfg: dict[str, Any], device: Any, dtype: Any
+) -> dict[str, Any]:
+    from torch._dynamo.utils import counters
+
+    hq, hkv = cfg["check_heads"][-1]
+    d = cfg["head_dim"]
+    rows = []
+    before = dict(counters["stats"])
+    for lengths in cfg["flex_recompile_lengths"]:
+        total = sum(lengths)
+        cu = torch.tensor(cumulative(lengths), dtype=torch.int32, device=device)
+        q = torch.randn(total, hq, d, device=device, dtype=dtype, requires_grad=True)
+        k = torch.randn(total, hkv, d, device=device, dtype=dtype, requires_grad=True)
+        v = torch.randn(total, hkv, d, device=device, dtype=dtype, requires_grad=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = am.varlen_attention(q, k, v, cu, max(lengths), backend="flex")
+        out.sum().backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        rows.append(
+            {"total": total, "n_seqs": len(lengths), "seconds": round(time.perf_counter() - t0, 3)}
+        )
+    after = dict(counters["stats"])
+    graphs = after.get("unique_graphs", 0) - before.get("unique_graphs", 0)
+    return {"calls": rows, "new_unique_graphs": graphs}
+
+
+# ----------------------------------------------------------- 3. attention microbench
+
+
+def bench_attention(
+    torch: Any, am: ModuleType, cfg: dict[str, Any], device: Any, dtype: Any
+) -> list[dict[str, Any]]:
+    lengths = cfg["model_lengths"]
+    total, max_len, b = sum(lengths), max(lengths), len(lengths)
+    hq, hkv = cfg["check_heads"][-1]
+    d = cfg["head_dim"]
+    cu = torch.tensor(cumulative(lengths), dtype=torch.int32, device=device)
+    q = torch.randn(total, hq, d, device=device, dtype=dtype, requires_grad=True)
+    k = torch.randn(total, hkv, d, device=device, dtype=dtype, requires_grad=True)
+    v = torch.randn(total, hkv, d, device=device, dtype=dtype, requires_grad=True)
+    g = torch.randn(total, hq, d, device=device, dtype=dtype)
+    rows = []
+    backends = am.available_backends(q)
+    for backend in backends:
+
+        def step(backend: str = backend) -> None:
+            out = am.varlen_attention(q, k, v, cu, max_len, backend=backend, validate=False)
+            out.backward(g)
+
+        reset_peak(torch, device)
+        try:
+            ms = timed(torch, step, device, cfg["iters"], cfg["warmup"])
+            rows.append(
+                {
+                    "layout": "packed",
+                    "backend": backend,
+                    "tokens": total,
+                    "ms": ms,
+                    "peak_gib": peak_mem_gib(torch, device),
+                }
+            )
+        except Exception as exc:
+            rows.append(
+                {
+                    "layout": "packed",
+                    "backend": backend,
+                    "error": f"{type(exc).__name__}: {exc}"[:500],
+                }
+            )
+
+    # padded: (B, H, Lmax, D) with a key-padding + causal bool mask, as a padded batch
+    qp = torch.randn(b, hq, max_len, d, device=device, dtype=dtype, requires_grad=True)
+    kp = torch.randn(b, hkv, max_len, d, device=device, dtype=dtype, requires_grad=True)
+    vp = torch.randn(b, hkv, max_len, d, device=device, dtype=dtype, requires_grad=True)
+    gp = torch.randn(b, hq, max_len, d, device=device, dtype=dtype)
+    lens_t = torch.tensor(lengths, device=device)
+    keep = torch.arange(max_len, device=device)[None, :] < lens_t[:, None]  # (B, L)
+    causal_mask = torch.ones(max_len, max_len, dtype=torch.bool, device=device).tril()
+    mask = (keep[:, None, None, :] & causal_mask[None, None]) | ~keep[:, None, :, None]
+
+    def padded_step() -> None:
+        out = torch.nn.functional.scaled_dot_product_attention(
+            qp,
+            kp.repeat_interleave(hq // hkv, 1),
+            vp.repeat_interleave(hq // hkv, 1),
+            attn_mask=mask,
+        )
+        out.backward(gp)
+
+    reset_peak(torch, device)
+    try:
+        ms = timed(torch, padded_step, device, cfg["iters"], cfg["warmup"])
+        rows.append(
+            {
+                "layout": "padded",
+                "backend": "sdpa+mask",
+                "tokens": b * max_len,
+                "ms": ms,
+                "peak_gib": peak_mem_gib(torch, device),
+            }
+        )
+    except Exception as exc:
+        rows.append(
+            {
+                "layout": "padded",
+                "backend": "sdpa+mask",
+                "error": f"{type(exc).__name__}: {exc}"[:500],
+            }
+        )
+    return rows
+
+
+# ---------------------------------------------------------------- 4. model benchmark
+
+_PACKED_BACKEND = {"name": "auto"}
+
+
+def register_hf_attention(am: ModuleType) -> str:
+    from transformers import AttentionInterface
+
+    def fastpack_varlen_attention(
+        module: Any,
+        query: Any,
+        key: Any,
+        value: Any,
+        attention_mask: Any,
+        scaling: float | None = None,
+        dropout: float = 0.0,
+        **kwargs: Any,
+    ) -> tuple[Any, None]:
+        # HF hands (batch=1, heads, T, D); varlen_attention wants (T, heads, D).
+        if query.shape[0] != 1:
+            raise ValueError("fastpack_varlen expects one packed row (batch size 1)")
+        cu = kwargs["cu_seq_lens_q"]
+        max_len = kwargs["max_length_q"]
+        out = am.varlen_attention(
+            query[0].transpose(0, 1),
+            key[0].transpose(0, 1),
+            value[0].transpose(0, 1),
+            cu,
+            max_len,
+            causal=True,
+            softmax_scale=scaling,
+            backend=_PACKED_BACKEND["name"],
+            validate=False,
+        )
+        return out.unsqueeze(0), None  # (1, T, heads, D), as HF's sdpa returns
+
+    AttentionInterface.register("fastpack_varlen", fastpack_varlen_attention)
+    return "fastpack_varlen"
+
+
+def set_attn(model: Any, name: str) -> None:
+    try:
+        model.set_attn_implementation(name)
+    except Exception:
+        model.config._attn_implementation = name
+    assert model.config._attn_implementation == name, model.config._attn_implementation
+
+
+def bench_model(
+    torch: Any, am: ModuleType, cfg: dict[str, Any], device: Any, dtype: Any
+) -> dict[str, Any]:
+    import transformers
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    name = register_hf_attention(am)
+    hq, hkv = cfg["check_heads"][-1]
+    mc = cfg["model"]
+    config = LlamaConfig(
+        hidden_size=hq * cfg["head_dim"],
+        intermediate_size=mc["intermediate"],
+        num_hidden_layers=mc["layers"],
+        num_attention_heads=hq,
+        num_key_value_heads=hkv,
+        head_dim=cfg["head_dim"],
+        vocab_size=mc["vocab"],
+        max_position_embeddings=8192,
+        use_cache=False,
+    )
+    torch.manual_seed(0)
+    model: Any = LlamaForCausalLM(config)
+    model = model.to(device=device, dtype=dtype)
+    model.config.use_cache = False
+    model.train()
+    n_params = sum(p.numel() for p in model.parameters())
+
+    lengths = cfg["model_lengths"]
+    total, max_len, b = sum(lengths), max(lengths), len(lengths)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    docs = [torch.randint(3, mc["vocab"], (n,), generator=gen) for n in lengths]
+
+    # padded batch: right padding, labels -100 on padding
+    input_ids = torch.zeros(b, max_len, dtype=torch.long)
+    attention_mask = torch.zeros(b, max_len, dtype=torch.long)
+    labels = torch.full((b, max_len), -100, dtype=torch.long)
+    for i, doc in enumerate(docs):
+        input_ids[i, : len(doc)] = doc
+        attention_mask[i, : len(doc)] = 1
+        labels[i, : len(doc)] = doc
+    padded = {
+        "input_ids": input_ids.to(device),
+        "attention_mask": attention_mask.to(device),
+        "labels": labels.to(device),
+        "use_cache": False,
+    }
+
+    # packed row: positions restart per document; each document's first token is no target
+    packed_ids = torch.cat(docs)[None]
+    packed_labels = packed_ids.clone()
+    cu_list = cumulative(lengths)
+    packed_labels[0, cu_list[:-1]] = -100
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+    cu = torch.tensor(cu_list, dtype=torch.int32, device=device)
+    packed = {
+        "input_ids": packed_ids.to(device),
+        "labels": packed_labels.to(device),
+        "position_ids": position_ids.to(device),
+        "use_cache": False,
+        "cu_seq_lens_q": cu,
+        "cu_seq_lens_k": cu,
+        "max_length_q": max_len,
+        "max_length_k": max_len,
+    }
+
+    def step(batch: dict[str, Any]) -> float:
+        model.zero_grad(set_to_none=True)
+        loss = model(**batch).loss
+        loss.backward()
+        return float(loss.detach())
+
+    rows: list[dict[str, Any]] = []
+    set_attn(model, "sdpa")
+    reset_peak(torch, device)
+    padded_loss = step(padded)
+    ms = timed(torch, lambda: step(padded), device, cfg["iters"], cfg["warmup"])
+    rows.append(
+        {
+            "layout": "padded",
+            "attn": "sdpa",
+            "tokens_computed": b * max_len,
+            "real_tokens": total,
+            "ms": ms,
+            "loss": padded_loss,
+            "real_tokens_per_s": round(total / ms * 1e3),
+            "peak_gib": peak_mem_gib(torch, device),
+        }
+    )
+
+    set_attn(model, name)
+    eps = torch.finfo(dtype).eps
+    for backend in am.available_backends(torch.empty(1, device=device, dtype=dtype)):
+        if elapsed() > TIME_BUDGET_S:
+            rows.append({"layout": "packed", "attn": backend, "skipped": "time budget"})
+            continue
+        _PACKED_BACKEND["name"] = backend
+        reset_peak(torch, device)
+        try:
+            loss = step(packed)
+            ms = timed(torch, lambda: step(packed), device, cfg["iters"], cfg["warmup"])
+        except Exception as exc:
+            rows.append(
+                {
+                    "layout": "packed",
+                    "attn": backend,
+                    "ok": False,
+                    "error": f"{type(exc).__name__}: {exc}"[:500],
+                }
+            )
+            continue
+        rows.append(
+            {
+                "layout": "packed",
+                "attn": backend,
+                "tokens_computed": total,
+                "real_tokens": total,
+                "ms": ms,
+                "loss": loss,
+                "loss_rel_diff_vs_padded": abs(loss - padded_loss) / abs(padded_loss),
+                "ok": abs(loss - padded_loss) <= 8 * eps * abs(padded_loss),
+                "real_tokens_per_s": round(total / ms * 1e3),
+                "peak_gib": peak_mem_gib(torch, device),
+            }
+        )
+    return {
+        "transformers": transformers.__version__,
+        "params_m": round(n_params / 1e6, 1),
+        "n_docs": b,
+        "max_len": max_len,
+        "total_tokens": total,
+        "padding_fraction": round(1 - total / (b * max_len), 3),
+        "rows": rows,
+    }
+
+
+# --------------------------------------------------------------------------- main
+
+
+def doc_lengths(n: int, max_len: int, seed: int) -> list[int]:
+    """Deterministic heavy-tailed document lengths in [1, max_len] (log-uniform)."""
+    import random
+
+    rng = random.Random(seed)
+    return [
+        min(max_len, max(1, int(math.exp(rng.uniform(math.log(8), math.log(max_len))))))
+        for _ in range(n)
+    ]
+
+
+def make_config(cpu_smoke: bool) -> dict[str, Any]:
+    if cpu_smoke:
+        return {
+            "head_dim": 16,
+            "check_heads": [(4, 4), (4, 2)],
+            "check_lengths": [1, 0, 37, 130, 0, 5],
+            "flex_cases": None,
+            "flex_recompile_lengths": [],
+            "model_lengths": [9, 40, 3, 17],
+            "iters": 2,
+            "warmup": 1,
+            "model": {"layers": 2, "intermediate": 128, "vocab": 512},
+        }
+    return {
+        "head_dim": 128,
+        "check_heads": [(16, 16), (16, 4)],
+        # empty and 1-token sequences, and lengths on both sides of flex's 128 blocks
+        "check_lengths": [1, 0, 37, 128, 129, 1000, 0, 2048, 513, 255, 1],
+        # flex compiles per mask/GQA variant: keep to two cases (MHA non-causal, GQA causal)
+        "flex_cases": [(16, 16, False), (16, 4, True)],
+        "flex_recompile_lengths": [[300, 0, 700, 24], [64] * 20 + [5], [4000, 96], [1] * 50],
+        "model_lengths": doc_lengths(32, 4096, seed=1),
+        "iters": 5,
+        "warmup": 2,
+        "model": {"layers": 8, "intermediate": 5632, "vocab": 16384},
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
+    parser.add_argument(
+        "--cpu-smoke",
+        action="store_true",
+        help="tiny fp32 run on CPU (checks the script, not the GPU paths)",
+    )
+    parser.add_argument("--skip-model", action="store_true", help="skip the transformers model")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    if not torch.cuda.is_available() and not args.cpu_smoke:
+        print("skipped: no CUDA")
+        write_json({"skipped": "no CUDA", "torch": torch.__version__})
+        return 0
+
+    device = torch.device("cpu" if args.cpu_smoke else "cuda")
+    dtype = torch.float32 if args.cpu_smoke else torch.bfloat16
+    am = load_attention_module()
+    cfg = make_config(args.cpu_smoke)
+    probe = torch.empty(1, device=device, dtype=dtype)
+    varlen_fn = am._torch_varlen_attn()
+    flash_version = None
+    if am._flash_varlen_func() is not None:
+        import flash_attn
+
+        flash_version = getattr(flash_attn, "__version__", "?")
+    report: dict[str, Any] = {
+        "env": {
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+            "dtype": str(dtype),
+            "flash_attn": flash_version,
+            "varlen_attn_params": sorted(am._signature_params(varlen_fn)) if varlen_fn else None,
+            "flex_unavailable_reason": am._flex_unavailable_reason(),
+            "available_backends": am.available_backends(probe),
+            "attention_module": am.__name__,
+        },
+        "config": {k: v for k, v in cfg.items() if k != "model_lengths"},
+    }
+    print(
+        f"torch {torch.__version__} on {report['env']['device']}; "
+        f"backends: {report['env']['available_backends']}; flash-attn: {flash_version}"
+    )
+
+    sections: list[tuple[str, Callable[[], Any]]] = [
+        ("correctness", lambda: check_correctness(torch, am, cfg, device, dtype)),
+    ]
+    if "flex" in report["env"]["available_backends"] and cfg["flex_recompile_lengths"]:
+        sections.append(
+            ("flex_recompile", lambda: check_flex_recompiles(torch, am, cfg, device, dtype))
+        )
+    sections.append(("attention_bench", lambda: bench_attention(torch, am, cfg, device, dtype)))
+    if not args.skip_model:
+        sections.append(("model_bench", lambda: bench_model(torch, am, cfg, device, dtype)))
+
+    for name, fn in sections:
+        if name != "correctness" and elapsed() > TIME_BUDGET_S:
+            report[name] = {"skipped": f"time budget ({TIME_BUDGET_S:.0f} s) spent"}
+            continue
+        t0 = time.perf_counter()
+        try:
+            report[name] = fn()
+        except Exception as exc:
+            report[name] = {
+                "error": f"{type(exc).__name__}: {exc}",
+                "traceback": traceback.format_exc()[-3000:],
+            }
+        print(f"[{name}: {time.perf_counter() - t0:.1f} s]")
+
+    # ---- compact report
+    corr = report.get("correctness")
+    ok = isinstance(corr, list) and all(r.get("ok") for r in corr)
+    if isinstance(corr, list):
+        print("\ncorrectness (rel err vs fp32 per-sequence SDPA; baseline = bf16 SDPA per seq)")
+        for r in corr:
+            tag = f"{r['backend']:>6} hq={r.get('hq')} hkv={r.get('hkv')} causal={r.get('causal')}"
+            if "softmax_scale" in r:
+                tag += " scale=0.05"
+            if "error" in r:
+                print(f"  FAIL {tag}: {r['error']}")
+                continue
+            errs = " ".join(f"{k[4:]}={r[k]:.2e}" for k in r if k.startswith("err_"))
+            base = " ".join(f"{r[k]:.2e}" for k in r if k.startswith("baseline_"))
+            print(f"  {'ok  ' if r['ok'] else 'FAIL'} {tag}: {errs} (baseline {base})")
+    else:
+        print("correctness:", corr)
+    fr = report.get("flex_recompile")
+    if fr is not None:
+        print(
+            "\nflex calls (s):",
+            fr if "calls" not in fr else [c["seconds"] for c in fr["calls"]],
+            "new graphs:",
+            fr.get("new_unique_graphs"),
+        )
+    for key in ("attention_bench",):
+        rows = report.get(key)
+        print(f"\n{key} (fwd+bwd, median ms)")
+        if isinstance(rows, list):
+            for r in rows:
+                print("  ", {k: v for k, v in r.items()})
+        else:
+            print("  ", rows)
+    mb = report.get("model_bench")
+    if mb is not None:
+        print("\nmodel_bench (LlamaForCausalLM fwd+bwd)")
+        if "rows" in mb:
+            print("  ", {k: v for k, v in mb.items() if k != "rows"})
+            for r in mb["rows"]:
+                print("  ", r)
+                if r.get("ok") is False:
+                    ok = False
+        else:
+            print("  ", mb)
+    report["all_ok"] = ok
+    report["elapsed_s"] = round(elapsed(), 1)
+    print(f"\n{'ALL OK' if ok else 'SOME CHECKS FAILED'} in {report['elapsed_s']} s")
+    write_json(report)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
