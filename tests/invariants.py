@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import fastpack
 import numpy as np
+
+import fastpack
 
 
 def kept_tokens(length: int, max_len: int, strategy: str, overlong: str, reserve: int) -> int:

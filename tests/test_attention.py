@@ -14,10 +14,11 @@ import pytest
 pytest.importorskip("torch")
 
 import torch  # noqa: E402
-from fastpack import attention as attn_mod  # noqa: E402
-from fastpack.attention import varlen_attention  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+
+from fastpack import attention as attn_mod  # noqa: E402
+from fastpack.attention import varlen_attention  # noqa: E402
 
 try:
     from torch.nn.attention.flex_attention import BlockMask

@@ -5,13 +5,14 @@ from __future__ import annotations
 import multiprocessing as mp
 import pickle
 
-import fastpack
 import numpy as np
 import pytest
-from fastpack._plan import as_lengths
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from invariants import check_plan
+
+import fastpack
+from fastpack._plan import as_lengths
 
 STRATEGIES = list(fastpack.STRATEGIES)
 POLICIES = list(fastpack.OVERLONG_POLICIES)

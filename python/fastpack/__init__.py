@@ -11,6 +11,7 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError, version
 
 from ._errors import FastpackError, FastpackTypeError
+from ._examples import example_lengths
 from ._plan import OVERLONG_POLICIES, STRATEGIES, Plan, pack
 
 try:
@@ -25,5 +26,6 @@ __all__ = [
     "FastpackTypeError",
     "Plan",
     "__version__",
+    "example_lengths",
     "pack",
 ]

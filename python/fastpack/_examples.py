@@ -1,0 +1,21 @@
+"""The built-in example corpus: token lengths of CPython's standard library."""
+
+from __future__ import annotations
+
+from importlib import resources
+
+import numpy as np
+
+__all__ = ["EXAMPLES", "example_lengths"]
+
+EXAMPLES = ("functions", "modules")
+
+
+def example_lengths(name: str = "functions") -> np.ndarray:
+    """Token lengths (uint32) of the built-in example corpus: ``"functions"`` or
+    ``"modules"`` of CPython's standard library."""
+    if name not in EXAMPLES:
+        raise ValueError(f"name: unknown example {name!r}; expected one of {EXAMPLES}")
+    data = resources.files("fastpack") / "data" / f"stdlib_{name}.npy"
+    with data.open("rb") as f:
+        return np.load(f)
