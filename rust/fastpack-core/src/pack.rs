@@ -7,6 +7,7 @@ use rayon::prelude::*;
 use crate::error::{Error, Result};
 use crate::fit;
 use crate::length::Length;
+use crate::memory::zeroed;
 use crate::plan::{Overlong, PackOptions, Plan, Stats, Strategy, MAX_ITEMS};
 
 /// What the over-long policy makes of one sequence.
@@ -47,6 +48,15 @@ fn classify(raw: Option<u64>, opts: &PackOptions) -> Class {
         Overlong::Split => {
             Class::Split { full: extended / opts.max_len, rest: extended % opts.max_len }
         }
+    }
+}
+
+/// The extended length of a sequence that fits as it is, the common case: one compare.
+#[inline(always)]
+fn fits(raw: Option<u64>, opts: &PackOptions) -> Option<u64> {
+    match raw {
+        Some(len) if len.wrapping_sub(1) < opts.max_len - opts.reserve => Some(len + opts.reserve),
+        _ => None,
     }
 }
 
@@ -267,16 +277,25 @@ fn pack_fit<L: Length>(lengths: &[L], opts: &PackOptions) -> Result<Arrays> {
             let mut tally = Tally::default();
             let mut hist = vec![0u32; max_len + 1];
             let base = (c * chunk_len) as u64;
+            // Fast path: a length that fits as it is (most of them). Tokens fit in u64 here:
+            // at most 2^32 items of at most 2^24 tokens per chunk.
+            let (mut fast_items, mut fast_tokens) = (0u64, 0u64);
             for (j, &raw) in chunk.iter().enumerate() {
                 let value = raw.to_u64();
+                if let Some(len) = fits(value, opts) {
+                    hist[len as usize] += 1;
+                    fast_items += 1;
+                    fast_tokens += len;
+                    continue;
+                }
                 let class = classify(value, opts);
-                match class {
-                    Class::Whole { len, .. } => hist[len as usize] += 1,
-                    Class::Split { rest, .. } if rest > 0 => hist[rest as usize] += 1,
-                    _ => {}
+                if let Class::Whole { len, .. } | Class::Split { rest: len, .. } = class {
+                    hist[len as usize] += (len > 0) as u32;
                 }
                 tally.add(base + j as u64, value, class, || raw.to_i128());
             }
+            tally.items += fast_items;
+            tally.tokens += fast_tokens as u128;
             (tally, hist)
         })
         .collect();
@@ -317,17 +336,21 @@ fn pack_fit<L: Length>(lengths: &[L], opts: &PackOptions) -> Result<Arrays> {
     drop(per_chunk);
 
     let items = tally.items as usize;
-    let mut order = vec![0u32; items];
+    let mut order = zeroed::<u32>(items);
     {
         let order_ptr = SyncPtr(order.as_mut_ptr());
         lengths.par_chunks(chunk_len).zip(cursors.par_iter_mut()).enumerate().for_each(
             |(c, (chunk, cursor))| {
                 let base = (c * chunk_len) as u32;
                 for (j, &raw) in chunk.iter().enumerate() {
-                    let len = match classify(raw.to_u64(), opts) {
-                        Class::Whole { len, .. } => len,
-                        Class::Split { rest, .. } if rest > 0 => rest,
-                        _ => continue,
+                    let value = raw.to_u64();
+                    let len = match fits(value, opts) {
+                        Some(len) => len,
+                        None => match classify(value, opts) {
+                            Class::Whole { len, .. } => len,
+                            Class::Split { rest, .. } if rest > 0 => rest,
+                            _ => continue,
+                        },
                     };
                     let slot = &mut cursor[len as usize];
                     // SAFETY: chunk cursors cover disjoint ranges of `order`.
@@ -390,9 +413,9 @@ fn pack_fit<L: Length>(lengths: &[L], opts: &PackOptions) -> Result<Arrays> {
     drop(counts);
 
     let segments = items + full;
-    let mut sample_ids = vec![0i64; segments];
-    let mut starts = vec![0i64; segments];
-    let mut seqlens = vec![0i32; segments];
+    let mut sample_ids = zeroed::<i64>(segments);
+    let mut starts = zeroed::<i64>(segments);
+    let mut seqlens = zeroed::<i32>(segments);
     let out = Out {
         sample_ids: sample_ids.as_mut_ptr(),
         starts: starts.as_mut_ptr(),
@@ -434,7 +457,7 @@ fn pack_fit<L: Length>(lengths: &[L], opts: &PackOptions) -> Result<Arrays> {
 
     // Pass 2b: replay each shard's placement, recording each sorted item's slot
     // (sequential writes, cheap), then scatter the items to their slots in parallel.
-    let mut slots = vec![0u32; items];
+    let mut slots = zeroed::<u32>(items);
     {
         let slots_ptr = SyncPtr(slots.as_mut_ptr());
         let dest = &dest;
@@ -548,9 +571,9 @@ fn pack_in_order<L: Length>(lengths: &[L], opts: &PackOptions) -> Result<Arrays>
     let (pack_offsets, dest) = lay_out(&counts, opts.shuffle_seed);
     let mut filled = vec![0u32; counts.len()];
     drop(counts);
-    let mut sample_ids = vec![0i64; segments];
-    let mut starts = vec![0i64; segments];
-    let mut seqlens = vec![0i32; segments];
+    let mut sample_ids = zeroed::<i64>(segments);
+    let mut starts = zeroed::<i64>(segments);
+    let mut seqlens = zeroed::<i32>(segments);
     walk(lengths, opts, |pack, sample, start, len| {
         let slot = dest[pack as usize] + filled[pack as usize] as usize;
         filled[pack as usize] += 1;
