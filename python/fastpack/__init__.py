@@ -11,6 +11,7 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError, version
 
 from ._errors import FastpackError, FastpackTypeError
+from ._materialize import IGNORE_INDEX, Ragged, as_ragged, loss_mask_from_spans, materialize
 from ._plan import OVERLONG_POLICIES, STRATEGIES, Plan, pack
 
 try:
@@ -23,7 +24,12 @@ __all__ = [
     "STRATEGIES",
     "FastpackError",
     "FastpackTypeError",
+    "IGNORE_INDEX",
     "Plan",
+    "Ragged",
     "__version__",
+    "as_ragged",
+    "loss_mask_from_spans",
+    "materialize",
     "pack",
 ]
