@@ -147,6 +147,12 @@ def as_ragged(data: TokenData, *, column: str = "input_ids", mask: bool = False)
 
 
 def _from_rows(rows: Sequence[Any], mask: bool) -> Ragged:
+    if isinstance(rows, list) and rows and isinstance(rows[0], list):
+        try:  # lists of Python ints, read in Rust straight from the list objects
+            values, offsets = _core.flatten_int_lists(rows, mask)
+            return Ragged(values, offsets, mask=mask)
+        except FastpackError:
+            pass  # not all lists of ints: the general path below says what is wrong
     lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
     offsets = np.zeros(len(rows) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])

@@ -179,7 +179,10 @@ class PackedCollator:
         if self.backend == "padded":
             return _one_per_pack(np.asarray(lengths, dtype=np.int64), self.max_len,
                                  self.reserve, self.overlong)
-        return pack(lengths, self.max_len, strategy=self.strategy, overlong=self.overlong,
+        # One flat row holds every pack end to end: bin packing would only reorder the
+        # samples, so keep their order (unless this plans a whole dataset).
+        strategy = "next_fit" if self.layout == "flat" and not shuffle else self.strategy
+        return pack(lengths, self.max_len, strategy=strategy, overlong=self.overlong,
                     reserve=self.reserve, shuffle=shuffle, seed=seed, threads=self.threads)
 
     def batch(

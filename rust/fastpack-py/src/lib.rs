@@ -167,5 +167,5 @@ mod _core {
     #[pymodule_export]
     use super::{cu_seqlens, default_threads, pack, varlen};
     #[pymodule_export]
-    use super::materialize::materialize;
+    use super::materialize::{flatten_int_lists, materialize};
 }

@@ -5,9 +5,9 @@ use fastpack_core::materialize::{
     self as core, Ints, Layout, MaterializeOptions, PlanRef, Ragged, Sources,
 };
 use fastpack_core::{pool, Overlong, Strategy};
-use numpy::{IntoPyArray, PyReadonlyArray1, PyUntypedArrayMethods};
+use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1, PyUntypedArrayMethods};
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyDict, PyList};
 
 use crate::{fastpack_error, to_py};
 
@@ -189,4 +189,47 @@ pub fn materialize<'py>(
     d.set_item("seq_idx", rows.seq_idx.into_pyarray(py))?;
     d.set_item("cu_seqlens", rows.cu_seqlens.into_pyarray(py))?;
     Ok(d)
+}
+
+/// `flatten_int_lists(rows, mask)`: a Python list of lists of ints as `(values, offsets)`
+/// (int64, or uint8 0/1 when `mask`), read straight from the list objects: the collator's
+/// per-batch conversion, several times faster than going through numpy per row.
+#[pyfunction]
+#[pyo3(signature = (rows, mask=false))]
+pub fn flatten_int_lists<'py>(
+    py: Python<'py>,
+    rows: &Bound<'py, PyList>,
+    mask: bool,
+) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyArray1<i64>>)> {
+    let mut offsets = Vec::with_capacity(rows.len() + 1);
+    offsets.push(0i64);
+    let mut total = 0usize;
+    for row in rows.iter() {
+        let row = row
+            .cast_into::<PyList>()
+            .map_err(|_| fastpack_error("rows: expected a list of lists of ints"))?;
+        total += row.len();
+        offsets.push(total as i64);
+    }
+    let bad = |i: usize| {
+        fastpack_error(&format!(
+            "rows: row {i} holds a value that is not an integer"
+        ))
+    };
+    if mask {
+        let mut values = Vec::with_capacity(total);
+        for (i, row) in rows.iter().enumerate() {
+            for v in row.cast_into::<PyList>()?.iter() {
+                values.push((v.extract::<i64>().map_err(|_| bad(i))? != 0) as u8);
+            }
+        }
+        return Ok((values.into_pyarray(py).into_any(), offsets.into_pyarray(py)));
+    }
+    let mut values = Vec::with_capacity(total);
+    for (i, row) in rows.iter().enumerate() {
+        for v in row.cast_into::<PyList>()?.iter() {
+            values.push(v.extract::<i64>().map_err(|_| bad(i))?);
+        }
+    }
+    Ok((values.into_pyarray(py).into_any(), offsets.into_pyarray(py)))
 }
