@@ -12,6 +12,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from ._errors import FastpackError, FastpackTypeError
 from ._examples import example_lengths
+from ._materialize import IGNORE_INDEX, Ragged, as_ragged, loss_mask_from_spans, materialize
 from ._plan import OVERLONG_POLICIES, STRATEGIES, Plan, pack
 
 try:
@@ -24,8 +25,13 @@ __all__ = [
     "STRATEGIES",
     "FastpackError",
     "FastpackTypeError",
+    "IGNORE_INDEX",
     "Plan",
+    "Ragged",
     "__version__",
+    "as_ragged",
     "example_lengths",
+    "loss_mask_from_spans",
+    "materialize",
     "pack",
 ]

@@ -15,6 +15,7 @@ mod error;
 mod fit;
 pub mod layout;
 mod length;
+pub mod materialize;
 mod memory;
 mod pack;
 mod plan;

@@ -7,12 +7,14 @@ use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
+mod materialize;
+
 /// Raises `fastpack.FastpackError` (a `ValueError`) with the core's message.
-fn to_py(err: Error) -> PyErr {
+pub(crate) fn to_py(err: Error) -> PyErr {
     fastpack_error(&err.to_string())
 }
 
-fn fastpack_error(message: &str) -> PyErr {
+pub(crate) fn fastpack_error(message: &str) -> PyErr {
     Python::attach(|py| {
         match py.import("fastpack._errors").and_then(|m| m.getattr("FastpackError")) {
             Ok(cls) => match cls.call1((message,)) {
@@ -163,6 +165,8 @@ fn default_threads() -> usize {
 
 #[pymodule(gil_used = false)]
 mod _core {
+    #[pymodule_export]
+    use super::materialize::{flatten_int_lists, materialize};
     #[pymodule_export]
     use super::{cu_seqlens, default_threads, pack, varlen};
 }

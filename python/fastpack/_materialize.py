@@ -1,0 +1,307 @@
+"""`materialize()`: packs of a plan plus token data -> training rows (numpy, zero-copy).
+
+Token data is held as :class:`Ragged` — one flat value array plus ``offsets`` (the Arrow
+list layout) — so a Hugging Face ``datasets`` column or a pyarrow ``ListArray`` is read
+in place, with no Python object per row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Union
+
+import numpy as np
+
+from . import _core
+from ._errors import FastpackError, FastpackTypeError
+from ._plan import PackIndex, Plan, _int_arg
+
+__all__ = ["IGNORE_INDEX", "Ragged", "as_ragged", "loss_mask_from_spans", "materialize"]
+
+IGNORE_INDEX = -100
+
+_INT_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
+
+
+class Ragged:
+    """Ragged data in the Arrow list layout: row ``i`` is ``values[offsets[i]:offsets[i+1]]``.
+
+    ``values`` is int32/int64 (token ids, labels) or uint8 (loss masks); ``offsets`` is
+    int32/int64 with ``len(offsets) == num_rows + 1``. Both are kept as given when they
+    already have those dtypes (no copy). Build one with :func:`as_ragged` from a list of
+    sequences, a pyarrow array or a ``datasets`` column, once per dataset.
+    """
+
+    __slots__ = ("offsets", "values")
+
+    values: np.ndarray
+    offsets: np.ndarray
+
+    def __init__(self, values: Any, offsets: Any, *, mask: bool = False) -> None:
+        self.values = _as_mask_values(values) if mask else _as_int_values(values, "values")
+        self.offsets = _as_int_values(offsets, "offsets")
+        if self.offsets.size == 0:
+            raise FastpackError("offsets: expected at least one entry (num_rows + 1)")
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """Length of every row (int64), for :func:`fastpack.pack`."""
+        return np.diff(self.offsets.astype(np.int64, copy=False))
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return self.values[int(self.offsets[i]) : int(self.offsets[i + 1])]
+
+    def __repr__(self) -> str:
+        return f"Ragged({len(self)} rows, {self.values.size} values of {self.values.dtype})"
+
+
+def _as_int_values(values: Any, name: str) -> np.ndarray:
+    array = np.asarray(values)
+    if array.ndim != 1:
+        raise FastpackError(f"{name}: expected a 1-D array, got shape {array.shape}")
+    if array.dtype in _INT_DTYPES and array.dtype.isnative:
+        return np.ascontiguousarray(array)
+    if array.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if array.dtype.kind not in "iub":
+        raise FastpackTypeError(f"{name}: expected integers, got dtype {array.dtype}")
+    return np.ascontiguousarray(array, dtype=np.int64)
+
+
+def _as_mask_values(values: Any) -> np.ndarray:
+    array = np.asarray(values)
+    if array.ndim != 1:
+        raise FastpackError(f"loss_mask: expected a 1-D array, got shape {array.shape}")
+    if array.dtype == np.uint8 or array.dtype == np.bool_:
+        return np.ascontiguousarray(array).view(np.uint8)
+    if array.size == 0:
+        return np.zeros(0, dtype=np.uint8)
+    if array.dtype.kind not in "iuf":
+        raise FastpackTypeError(f"loss_mask: expected 0/1 values, got dtype {array.dtype}")
+    return (array != 0).view(np.uint8)
+
+
+def _from_arrow(array: Any, mask: bool) -> Ragged:
+    import pyarrow as pa
+
+    if isinstance(array, pa.ChunkedArray):
+        array = array.combine_chunks() if array.num_chunks != 1 else array.chunk(0)
+    if not isinstance(array, (pa.ListArray, pa.LargeListArray)):
+        raise FastpackTypeError(f"expected a pyarrow list array, got {array.type}")
+    # `.values` is the whole child array and `.offsets` index into it, sliced or not.
+    child = array.values
+    if child.null_count:
+        raise FastpackError("token data: the lists hold null values")
+    values = child.to_numpy(zero_copy_only=False)
+    return Ragged(values, array.offsets.to_numpy(zero_copy_only=False), mask=mask)
+
+
+def _from_dataset(dataset: Any, column: str, mask: bool) -> Ragged:
+    if column not in dataset.column_names:
+        raise FastpackError(
+            f"column {column!r} not in the dataset; it has {', '.join(dataset.column_names)}"
+        )
+    chunked = dataset.data.column(column)
+    indices = getattr(dataset, "_indices", None)
+    if indices is not None:  # after select/shuffle: rows are read through an index column
+        import pyarrow.compute as pc
+
+        chunked = pc.take(chunked, indices.column(0))
+    return _from_arrow(chunked, mask)
+
+
+TokenData = Union[Ragged, tuple[Any, Any], Sequence[Any], Any]
+
+
+def as_ragged(data: TokenData, *, column: str = "input_ids", mask: bool = False) -> Ragged:
+    """Token data (or labels, or with ``mask=True`` a 0/1 loss mask) as :class:`Ragged`.
+
+    Accepts a :class:`Ragged`; a ``(values, offsets)`` pair; a pyarrow ``ListArray`` /
+    ``ChunkedArray``; a Hugging Face ``datasets.Dataset`` (its ``column``) or a column of
+    one (``dataset["input_ids"]``), read from the Arrow buffers without per-row Python
+    objects; or a sequence of per-row arrays or lists (concatenated once).
+    """
+    if isinstance(data, Ragged):
+        if mask and data.values.dtype != np.uint8:
+            return Ragged(data.values, data.offsets, mask=True)
+        return data
+    if isinstance(data, tuple) and len(data) == 2:
+        return Ragged(data[0], data[1], mask=mask)
+    module = type(data).__module__
+    if module.startswith("pyarrow"):
+        return _from_arrow(data, mask)
+    if module.startswith("datasets"):
+        if hasattr(data, "column_names") and hasattr(data, "data"):
+            return _from_dataset(data, column, mask)
+        if hasattr(data, "source") and hasattr(data, "column_name"):
+            return _from_dataset(data.source, data.column_name, mask)
+    if isinstance(data, (str, bytes, dict)) or not isinstance(data, Sequence):
+        raise FastpackTypeError(
+            f"token data: expected Ragged, (values, offsets), a pyarrow list array, a "
+            f"datasets column or a sequence of sequences; got {type(data).__name__}"
+        )
+    return _from_rows(data, mask)
+
+
+def _from_rows(rows: Sequence[Any], mask: bool) -> Ragged:
+    if isinstance(rows, list) and rows and isinstance(rows[0], list):
+        try:  # lists of Python ints, read in Rust straight from the list objects
+            values, offsets = _core.flatten_int_lists(rows, mask)
+            return Ragged(values, offsets, mask=mask)
+        except FastpackError:
+            pass  # not all lists of ints: the general path below says what is wrong
+    lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
+    offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    if len(rows) and isinstance(rows[0], (list, tuple)):
+        import itertools
+
+        values = np.fromiter(
+            itertools.chain.from_iterable(rows),
+            dtype=np.uint8 if mask else np.int64,
+            count=int(offsets[-1]),
+        )
+    elif len(rows):
+        values = np.concatenate([_to_numpy(r) for r in rows])
+    else:
+        values = np.zeros(0, dtype=np.int64)
+    return Ragged(values, offsets, mask=mask)
+
+
+def _to_numpy(row: Any) -> np.ndarray:
+    if type(row).__module__.startswith("torch"):
+        row = row.detach().cpu().numpy()
+    array = np.asarray(row).reshape(-1)
+    # An empty list becomes float64 in numpy; it must not change the dtype of the rest.
+    return array if array.size else np.zeros(0, dtype=np.int32)
+
+
+def loss_mask_from_spans(lengths: Any, spans: Sequence[Sequence[tuple[int, int]]]) -> Ragged:
+    """A 0/1 loss mask from role spans: ``spans[i]`` lists the ``(start, end)`` token
+    ranges of row ``i`` that are trained on (say, the assistant turns); everything else
+    gets label -100. Spans may overlap; ends past the row are clipped."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if len(spans) != len(lengths):
+        raise FastpackError(f"spans: got {len(spans)} rows for {len(lengths)} lengths")
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    counts = np.fromiter((len(s) for s in spans), dtype=np.int64, count=len(spans))
+    flat = np.array([pair for row in spans for pair in row], dtype=np.int64).reshape(-1, 2)
+    rows = np.repeat(np.arange(len(lengths)), counts)
+    if flat.size and ((flat < 0).any() or (flat[:, 1] < flat[:, 0]).any()):
+        raise FastpackError("spans: expected (start, end) pairs with 0 <= start <= end")
+    lo = offsets[rows] + np.minimum(flat[:, 0], lengths[rows])
+    hi = offsets[rows] + np.minimum(flat[:, 1], lengths[rows])
+    delta = np.zeros(int(offsets[-1]) + 1, dtype=np.int64)
+    np.add.at(delta, lo, 1)
+    np.add.at(delta, hi, -1)
+    values = (np.cumsum(delta[:-1]) > 0).view(np.uint8)
+    return Ragged(values, offsets, mask=True)
+
+
+def _packs(plan: Plan, packs: PackIndex | None) -> np.ndarray:
+    if packs is None:
+        return np.arange(plan.num_packs, dtype=np.int64)
+    return plan._packs(packs)
+
+
+def materialize(
+    plan: Plan,
+    tokens: TokenData,
+    packs: PackIndex | None = None,
+    *,
+    labels: TokenData | None = None,
+    loss_mask: TokenData | None = None,
+    separator_id: int | None = None,
+    train_separators: bool = False,
+    layout: str = "flat",
+    width: int | None = None,
+    pad_to_multiple_of: int | None = None,
+    pad_id: int = 0,
+    threads: int | None = None,
+) -> dict[str, Any]:
+    """Build training rows for ``packs`` (default: all) of ``plan`` from the token data.
+
+    Args:
+        plan: from :func:`fastpack.pack` over the lengths of ``tokens``.
+        tokens: the token ids: see :func:`as_ragged` (Ragged, ``(values, offsets)``,
+            pyarrow list array, ``datasets`` Dataset/column, or a list of sequences).
+            int32 and int64 ids are read in place.
+        labels: per-token labels in the same row layout (default: the token ids).
+            Labels are *unshifted*, as Hugging Face causal LMs expect (the model shifts).
+        loss_mask: per-token 0/1 (bool or uint8), same rows: 0 makes the label -100 —
+            e.g. ``assistant_masks`` from ``apply_chat_template(...,
+            return_assistant_tokens_mask=True)`` or :func:`loss_mask_from_spans`. With a
+            ``datasets.Dataset`` as ``tokens``, ``labels`` and ``loss_mask`` may be
+            column names.
+        separator_id: token written into the plan's ``reserve`` slots (required when
+            ``plan.reserve > 0``); ``train_separators`` makes them targets.
+        layout: ``"flat"`` — every pack end to end in one row ``[1, T]`` (flash-attn's
+            varlen layout); ``"rows"`` — one row per pack ``[P, W]``.
+        width: flat: pad the row to exactly this many tokens; rows: pad every row to this
+            width (default: the longest chosen pack). Raises if the tokens do not fit.
+        pad_to_multiple_of: round the row width up to a multiple of this.
+        pad_id: token id of padding. Padding is its own trailing segment of every row
+            (in ``cu_seqlens``, ``seq_idx`` and restarting ``position_ids``), label -100.
+
+    Returns:
+        A dict of numpy arrays moved out of Rust without a copy: ``input_ids``,
+        ``position_ids``, ``labels`` (int64 ``[rows, width]``), ``seq_idx`` (int32
+        ``[rows, width]``: segment index restarting at 0 in each row),
+        ``cu_seqlens`` (int32, every segment of all rows end to end, padding included),
+        and ints ``max_seqlen``, ``num_targets`` (labels other than -100: the loss's
+        ``num_items_in_batch``), ``num_tokens`` (real tokens).
+
+    In every segment the label of the first position is -100, so no sequence is trained
+    to predict the next one's first token, and positions restart at 0.
+    """
+    if not isinstance(plan, Plan):
+        raise FastpackTypeError(f"plan: expected a fastpack.Plan, got {type(plan).__name__}")
+    if layout not in ("flat", "rows"):
+        raise FastpackError(f"layout: unknown value {layout!r}; expected 'flat' or 'rows'")
+    dataset = tokens if _is_dataset(tokens) else None
+    token_data = as_ragged(tokens)
+    label_data = _side(labels, dataset, mask=False)
+    mask_data = _side(loss_mask, dataset, mask=True)
+    multiple = 1 if pad_to_multiple_of is None else _int_arg(
+        "pad_to_multiple_of", pad_to_multiple_of, minimum=1
+    )
+    if width is not None:
+        width = _int_arg("width", width, minimum=0)
+    if separator_id is not None:
+        separator_id = _int_arg("separator_id", separator_id, minimum=-(2**63))
+    if threads is not None:
+        threads = _int_arg("threads", threads, minimum=1, maximum=4096)
+    out: dict[str, Any] = _core.materialize(
+        plan.sample_ids, plan.starts, plan.seqlens, plan.pack_offsets, plan.reserve,
+        plan.strategy, plan.overlong, _packs(plan, packs),
+        token_data.values, token_data.offsets,
+        None if label_data is None else label_data.values,
+        None if label_data is None else label_data.offsets,
+        None if mask_data is None else mask_data.values,
+        None if mask_data is None else mask_data.offsets,
+        separator_id, bool(train_separators), layout, width, multiple, int(pad_id), threads,
+    )
+    shape = (out.pop("rows"), out.pop("width"))
+    for key in ("input_ids", "position_ids", "labels", "seq_idx"):
+        out[key] = out[key].reshape(shape)
+    return out
+
+
+def _is_dataset(obj: Any) -> bool:
+    return type(obj).__module__.startswith("datasets") and hasattr(obj, "column_names")
+
+
+def _side(data: TokenData | str | None, dataset: Any, *, mask: bool) -> Ragged | None:
+    if data is None:
+        return None
+    if isinstance(data, str):
+        if dataset is None:
+            raise FastpackTypeError(
+                "labels/loss_mask: a column name needs a datasets.Dataset as tokens"
+            )
+        return _from_dataset(dataset, data, mask)
+    return as_ragged(data, mask=mask)

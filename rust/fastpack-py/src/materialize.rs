@@ -1,0 +1,217 @@
+//! Binding of `fastpack_core::materialize`: reads the token data in place (int32 or int64
+//! values and offsets, uint8 masks), releases the GIL, and moves the rows into numpy.
+
+use fastpack_core::materialize::{
+    self as core, Ints, Layout, MaterializeOptions, PlanRef, Ragged, Sources,
+};
+use fastpack_core::{pool, Overlong, Strategy};
+use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1, PyUntypedArrayMethods};
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList};
+
+use crate::{fastpack_error, to_py};
+
+/// A borrowed 1-D integer array of a dtype the core reads in place.
+enum IntArray<'py> {
+    I32(PyReadonlyArray1<'py, i32>),
+    I64(PyReadonlyArray1<'py, i64>),
+}
+
+impl<'py> IntArray<'py> {
+    fn extract(arg: &str, obj: &Bound<'py, PyAny>) -> PyResult<Self> {
+        let array = if let Ok(a) = obj.extract::<PyReadonlyArray1<'py, i64>>() {
+            IntArray::I64(a)
+        } else if let Ok(a) = obj.extract::<PyReadonlyArray1<'py, i32>>() {
+            IntArray::I32(a)
+        } else {
+            return Err(fastpack_error(&format!(
+                "{arg}: expected a 1-D int32 or int64 numpy array"
+            )));
+        };
+        let contiguous = match &array {
+            IntArray::I32(a) => a.is_contiguous(),
+            IntArray::I64(a) => a.is_contiguous(),
+        };
+        if !contiguous {
+            return Err(fastpack_error(&format!("{arg}: expected a contiguous array")));
+        }
+        Ok(array)
+    }
+
+    fn ints(&self) -> Ints<'_> {
+        // Contiguity was checked in `extract`.
+        match self {
+            IntArray::I32(a) => Ints::I32(a.as_slice().unwrap_or(&[])),
+            IntArray::I64(a) => Ints::I64(a.as_slice().unwrap_or(&[])),
+        }
+    }
+}
+
+fn optional_ints<'py>(
+    arg: &str,
+    obj: Option<&Bound<'py, PyAny>>,
+) -> PyResult<Option<IntArray<'py>>> {
+    obj.map(|o| IntArray::extract(arg, o)).transpose()
+}
+
+/// `materialize(plan arrays..., packs, tokens, token_offsets, ...)`: the chosen packs as
+/// training rows; see `fastpack.materialize` for the arguments. Returns a dict of flat
+/// numpy arrays (`rows * width` tokens, row-major) and counts.
+#[pyfunction]
+#[pyo3(signature = (
+    sample_ids, starts, seqlens, pack_offsets, reserve, strategy, overlong, packs,
+    tokens, token_offsets, labels=None, label_offsets=None, loss_mask=None, mask_offsets=None,
+    separator_id=None, train_separators=false, layout="flat", width=None, pad_to_multiple_of=1,
+    pad_id=0, threads=None
+))]
+#[allow(clippy::too_many_arguments)]
+pub fn materialize<'py>(
+    py: Python<'py>,
+    sample_ids: PyReadonlyArray1<'py, i64>,
+    starts: PyReadonlyArray1<'py, i64>,
+    seqlens: PyReadonlyArray1<'py, i32>,
+    pack_offsets: PyReadonlyArray1<'py, i64>,
+    reserve: u64,
+    strategy: &str,
+    overlong: &str,
+    packs: PyReadonlyArray1<'py, i64>,
+    tokens: &Bound<'py, PyAny>,
+    token_offsets: &Bound<'py, PyAny>,
+    labels: Option<&Bound<'py, PyAny>>,
+    label_offsets: Option<&Bound<'py, PyAny>>,
+    loss_mask: Option<PyReadonlyArray1<'py, u8>>,
+    mask_offsets: Option<&Bound<'py, PyAny>>,
+    separator_id: Option<i64>,
+    train_separators: bool,
+    layout: &str,
+    width: Option<u64>,
+    pad_to_multiple_of: u64,
+    pad_id: i64,
+    threads: Option<usize>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let contiguous = [sample_ids.is_contiguous(), starts.is_contiguous(), seqlens.is_contiguous()];
+    if !contiguous.iter().all(|&c| c) || !pack_offsets.is_contiguous() || !packs.is_contiguous() {
+        return Err(fastpack_error("plan, packs: expected contiguous arrays"));
+    }
+    let plan = PlanRef {
+        sample_ids: sample_ids.as_slice()?,
+        starts: starts.as_slice()?,
+        seqlens: seqlens.as_slice()?,
+        pack_offsets: pack_offsets.as_slice()?,
+        reserve,
+        strategy: Strategy::parse(strategy).map_err(to_py)?,
+        overlong: Overlong::parse(overlong).map_err(to_py)?,
+    };
+    let layout = match layout {
+        "flat" => Layout::Flat,
+        "rows" => Layout::Rows,
+        other => {
+            return Err(fastpack_error(&format!(
+                "layout: unknown value {other:?}; expected \"flat\" or \"rows\""
+            )))
+        }
+    };
+    let token_values = IntArray::extract("tokens", tokens)?;
+    let token_offsets = IntArray::extract("token_offsets", token_offsets)?;
+    let label_values = optional_ints("labels", labels)?;
+    let label_offsets = optional_ints("label_offsets", label_offsets)?;
+    let mask_offsets = optional_ints("mask_offsets", mask_offsets)?;
+    if label_values.is_some() != label_offsets.is_some()
+        || loss_mask.is_some() != mask_offsets.is_some()
+    {
+        return Err(fastpack_error(
+            "labels, loss_mask: pass the values and their offsets together",
+        ));
+    }
+    if loss_mask.as_ref().is_some_and(|m| !m.is_contiguous()) {
+        return Err(fastpack_error("loss_mask: expected a contiguous array"));
+    }
+    let sources = Sources {
+        tokens: Ragged { values: token_values.ints(), offsets: token_offsets.ints() },
+        labels: match (&label_values, &label_offsets) {
+            (Some(v), Some(o)) => Some(Ragged { values: v.ints(), offsets: o.ints() }),
+            _ => None,
+        },
+        loss_mask: match (&loss_mask, &mask_offsets) {
+            (Some(v), Some(o)) => Some(Ragged { values: v.as_slice()?, offsets: o.ints() }),
+            _ => None,
+        },
+    };
+    let opts = MaterializeOptions {
+        separator_id,
+        train_separators,
+        layout,
+        width,
+        pad_to_multiple_of,
+        pad_id,
+    };
+    let packs = packs.as_slice()?;
+    let rows = py
+        .detach(|| {
+            pool::install(threads, || {
+                // A bug must surface as an error, never abort a training run.
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    core::materialize(&plan, &sources, packs, &opts)
+                }))
+            })
+        })
+        .map_err(to_py)?
+        .map_err(|_| {
+            fastpack_error("materialize: internal error (a fastpack bug; please report it)")
+        })?
+        .map_err(to_py)?;
+
+    let d = PyDict::new(py);
+    d.set_item("rows", rows.rows)?;
+    d.set_item("width", rows.width)?;
+    d.set_item("max_seqlen", rows.max_seqlen)?;
+    d.set_item("num_targets", rows.num_targets)?;
+    d.set_item("num_tokens", rows.num_tokens)?;
+    // Moved, not copied: numpy takes ownership of each Vec's buffer.
+    d.set_item("input_ids", rows.input_ids.into_pyarray(py))?;
+    d.set_item("position_ids", rows.position_ids.into_pyarray(py))?;
+    d.set_item("labels", rows.labels.into_pyarray(py))?;
+    d.set_item("seq_idx", rows.seq_idx.into_pyarray(py))?;
+    d.set_item("cu_seqlens", rows.cu_seqlens.into_pyarray(py))?;
+    Ok(d)
+}
+
+/// `flatten_int_lists(rows, mask)`: a Python list of lists of ints as `(values, offsets)`
+/// (int64, or uint8 0/1 when `mask`), read straight from the list objects: the collator's
+/// per-batch conversion, several times faster than going through numpy per row.
+#[pyfunction]
+#[pyo3(signature = (rows, mask=false))]
+pub fn flatten_int_lists<'py>(
+    py: Python<'py>,
+    rows: &Bound<'py, PyList>,
+    mask: bool,
+) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyArray1<i64>>)> {
+    let mut offsets = Vec::with_capacity(rows.len() + 1);
+    offsets.push(0i64);
+    let mut total = 0usize;
+    for row in rows.iter() {
+        let row = row
+            .cast_into::<PyList>()
+            .map_err(|_| fastpack_error("rows: expected a list of lists of ints"))?;
+        total += row.len();
+        offsets.push(total as i64);
+    }
+    let bad =
+        |i: usize| fastpack_error(&format!("rows: row {i} holds a value that is not an integer"));
+    if mask {
+        let mut values = Vec::with_capacity(total);
+        for (i, row) in rows.iter().enumerate() {
+            for v in row.cast_into::<PyList>()?.iter() {
+                values.push((v.extract::<i64>().map_err(|_| bad(i))? != 0) as u8);
+            }
+        }
+        return Ok((values.into_pyarray(py).into_any(), offsets.into_pyarray(py)));
+    }
+    let mut values = Vec::with_capacity(total);
+    for (i, row) in rows.iter().enumerate() {
+        for v in row.cast_into::<PyList>()?.iter() {
+            values.push(v.extract::<i64>().map_err(|_| bad(i))?);
+        }
+    }
+    Ok((values.into_pyarray(py).into_any(), offsets.into_pyarray(py)))
+}

@@ -1,0 +1,181 @@
+"""fastpack.materialize: rows from a plan and token data (no torch needed)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fastpack
+from fastpack import IGNORE_INDEX, FastpackError
+
+SEP = -7
+
+
+def _seqs(lengths: list[int]) -> list[list[int]]:
+    # Token ids encode (sequence, position) and are all > 0, so pad (0) and SEP differ.
+    return [[1000 * i + j + 1 for j in range(n)] for i, n in enumerate(lengths)]
+
+
+def _kept(lengths: list[int], max_len: int, reserve: int, overlong: str) -> list[int]:
+    kept = []
+    for s in _seqs(lengths):
+        if len(s) + reserve <= max_len or overlong == "split":
+            kept += s
+        elif overlong == "truncate":
+            kept += s[: max_len - reserve]
+    return sorted(kept)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths=st.lists(st.integers(0, 50), max_size=40),
+    max_len=st.integers(8, 64),
+    reserve=st.integers(0, 2),
+    overlong=st.sampled_from(["split", "truncate", "drop"]),
+    strategy=st.sampled_from(["bfd", "next_fit", "wrapped"]),
+    layout=st.sampled_from(["flat", "rows"]),
+    multiple=st.sampled_from([None, 1, 8]),
+    masked=st.booleans(),
+)
+def test_properties(
+    lengths: list[int], max_len: int, reserve: int, overlong: str, strategy: str,
+    layout: str, multiple: int | None, masked: bool,
+) -> None:
+    plan = fastpack.pack(lengths, max_len, reserve=reserve, overlong=overlong, strategy=strategy)
+    seqs = _seqs(lengths)
+    mask = [[(j % 3) != 0 for j in range(n)] for n in lengths] if masked else None
+    packs = np.arange(plan.num_packs)[::-1].copy()
+    kwargs = dict(loss_mask=mask, separator_id=SEP if reserve else None, layout=layout,
+                  pad_to_multiple_of=multiple)
+    out = fastpack.materialize(plan, seqs, packs, threads=1, **kwargs)
+    many = fastpack.materialize(plan, seqs, packs, threads=3, **kwargs)
+    for key, value in out.items():
+        np.testing.assert_array_equal(value, many[key])  # thread-count independent
+
+    ids, pos, labels, seq_idx = (out[k] for k in ("input_ids", "position_ids", "labels", "seq_idx"))
+    cu = out["cu_seqlens"]
+    assert ids.dtype == pos.dtype == labels.dtype == np.int64
+    assert cu.dtype == seq_idx.dtype == np.int32
+    # Every kept token appears exactly once (wrapped ignores the overlong policy).
+    policy = "split" if strategy == "wrapped" else overlong
+    assert sorted(ids[ids > 0].tolist()) == _kept(lengths, max_len, reserve, policy)
+    # cu_seqlens tiles every row; positions restart; first label of a segment is -100.
+    assert cu[0] == 0 and cu[-1] == ids.size and (np.diff(cu) > 0).all()
+    flat_pos, flat_labels, flat_seq = pos.reshape(-1), labels.reshape(-1), seq_idx.reshape(-1)
+    starts = cu[:-1]
+    assert (flat_pos[starts] == 0).all()
+    assert (flat_labels[starts] == IGNORE_INDEX).all()
+    expected_pos = np.arange(ids.size) - np.repeat(starts, np.diff(cu))
+    np.testing.assert_array_equal(flat_pos, expected_pos)
+    assert out["max_seqlen"] == np.diff(cu).max(initial=0)
+    assert (flat_seq[starts[1:]] != flat_seq[starts[1:] - 1]).all() or layout == "rows"
+    # Labels: the token itself, except segment starts, masked tokens, separators, padding.
+    flat_ids = ids.reshape(-1)
+    is_target = flat_labels != IGNORE_INDEX
+    np.testing.assert_array_equal(flat_labels[is_target], flat_ids[is_target])
+    assert not is_target[flat_ids <= 0].any()
+    if masked:  # masked tokens (j % 3 == 0, j = id % 1000 - 1) are never targets
+        real = flat_ids > 0
+        assert not is_target[real & ((flat_ids % 1000 - 1) % 3 == 0)].any()
+    assert out["num_targets"] == is_target.sum()
+    assert out["num_tokens"] == plan.total_tokens == (flat_ids != 0).sum()
+    # Rows layout: one pack per row, all the same width.
+    if layout == "rows":
+        assert ids.shape[0] == plan.num_packs
+        assert ids.shape[1] % (multiple or 1) == 0
+
+
+def test_example_and_separators() -> None:
+    seqs = [[1, 2, 3], [4, 5], [6, 7, 8, 9, 10]]
+    plan = fastpack.pack([3, 2, 5], 8, reserve=1)
+    out = fastpack.materialize(plan, seqs, separator_id=99, pad_to_multiple_of=4)
+    assert out["input_ids"].tolist() == [[6, 7, 8, 9, 10, 99, 1, 2, 3, 99, 4, 5, 99, 0, 0, 0]]
+    assert out["labels"].tolist() == [
+        [-100, 7, 8, 9, 10, -100, -100, 2, 3, -100, -100, 5, -100, -100, -100, -100]
+    ]
+    assert out["cu_seqlens"].tolist() == [0, 6, 10, 13, 16]
+    trained = fastpack.materialize(plan, seqs, separator_id=99, train_separators=True)
+    assert trained["labels"].tolist()[0][:6] == [-100, 7, 8, 9, 10, 99]
+
+
+def test_labels_and_spans() -> None:
+    seqs = [[1, 2, 3, 4], [5, 6]]
+    plan = fastpack.pack([4, 2], 8, strategy="next_fit")
+    labels = [[11, 12, 13, 14], [15, 16]]
+    mask = fastpack.loss_mask_from_spans([4, 2], [[(2, 4)], []])
+    out = fastpack.materialize(plan, seqs, labels=labels, loss_mask=mask)
+    assert out["labels"].tolist() == [[-100, -100, 13, 14, -100, -100]]
+
+
+def test_input_kinds_agree() -> None:
+    pa = pytest.importorskip("pyarrow")
+    datasets = pytest.importorskip("datasets")
+    seqs = _seqs([3, 0, 5, 2, 7])
+    plan = fastpack.pack([len(s) for s in seqs], 8)
+    want = fastpack.materialize(plan, seqs)
+    flat = np.concatenate([np.asarray(s, dtype=np.int32) for s in seqs if s])
+    offsets = np.concatenate(([0], np.cumsum([len(s) for s in seqs]))).astype(np.int32)
+    arrow = pa.array(seqs, type=pa.list_(pa.int32()))
+    sliced = pa.array([[42], *seqs], type=pa.list_(pa.int64())).slice(1)
+    ds = datasets.Dataset.from_dict({"input_ids": seqs, "m": [[1] * len(s) for s in seqs]})
+    for tokens in (
+        (flat, offsets), [np.asarray(s) for s in seqs], arrow, sliced,
+        pa.chunked_array([arrow.slice(0, 2), arrow.slice(2)]), ds, ds["input_ids"],
+    ):
+        got = fastpack.materialize(plan, tokens)
+        for key in want:
+            np.testing.assert_array_equal(got[key], want[key], err_msg=str(type(tokens)))
+    # datasets read in place: no copy of the token buffer.
+    ragged = fastpack.as_ragged(ds)
+    assert ragged.values.dtype == np.int32 and not ragged.values.flags.owndata
+    np.testing.assert_array_equal(
+        fastpack.materialize(plan, ds, loss_mask="m")["labels"], want["labels"]
+    )
+    # A shuffled / selected dataset is read in its own row order.
+    rev = ds.select(range(len(seqs))[::-1])
+    plan_rev = fastpack.pack(fastpack.as_ragged(rev).lengths, 8, strategy="next_fit")
+    got = fastpack.materialize(plan_rev, rev)["input_ids"]
+    assert got[got > 0].tolist() == [t for s in seqs[::-1] for t in s]
+
+
+def test_zero_copy_out() -> None:
+    plan = fastpack.pack([3, 2], 8)
+    out = fastpack.materialize(plan, [[1, 2, 3], [4, 5]])
+    assert out["input_ids"].base is not None and out["input_ids"].flags.c_contiguous
+
+
+@pytest.mark.parametrize(
+    ("tokens", "kwargs", "message"),
+    [
+        ((np.array([1, 2, 3, 4, 5]), np.array([0, 3, 2, 5])), {}, "monotone"),
+        ((np.array([1, 2, 3, 4, 5]), np.array([0, 3, 9])), {}, "past the end"),
+        ((np.array([1, 2, 3]), np.array([0, 3])), {}, "token data has 1 sequences"),
+        ((np.arange(1, 7), np.array([0, 4, 6])), {}, "whole sequence"),
+        ([[1, 2, 3], [4, 5]], {"labels": [[1, 2, 3], [4]]}, "labels: sequence 1 has 1 values"),
+        ([[1, 2, 3], [4, 5]], {"width": 3}, "more than the row width"),
+        ([[1, 2, 3], [4, 5]], {"layout": "cols"}, "layout"),
+        ([[1, 2, 3], [4, 5]], {"packs": [5]}, "out of range"),
+    ],
+)
+def test_errors(tokens: object, kwargs: dict[str, object], message: str) -> None:
+    plan = fastpack.pack([3, 2], 8)
+    with pytest.raises(FastpackError, match=message):
+        fastpack.materialize(plan, tokens, **kwargs)  # type: ignore[arg-type]
+
+
+def test_separator_required() -> None:
+    plan = fastpack.pack([3, 2], 8, reserve=1)
+    with pytest.raises(FastpackError, match="separator_id"):
+        fastpack.materialize(plan, [[1, 2, 3], [4, 5]])
+
+
+def test_batch_out_of_a_big_plan_touches_only_its_rows() -> None:
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 300, 200_000)
+    offsets = np.concatenate(([0], np.cumsum(lengths)))
+    values = rng.integers(1, 30000, int(offsets[-1]), dtype=np.int32)
+    plan = fastpack.pack(lengths, 1024, shuffle=True)
+    out = fastpack.materialize(plan, (values, offsets), [0, 1, 2, 3], layout="rows")
+    assert out["input_ids"].shape[0] == 4 and out["num_tokens"] == plan.pack_tokens[:4].sum()
