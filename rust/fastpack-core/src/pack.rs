@@ -197,7 +197,11 @@ impl Out {
     #[inline(always)]
     unsafe fn write(self, slot: usize, sample: u64, start: u64, len: u64) {
         *self.sample_ids.add(slot) = sample as i64;
-        *self.starts.add(slot) = start as i64;
+        // The arrays start zeroed: skipping zero starts (all of them unless sequences are
+        // split) spares a random write per segment.
+        if start != 0 {
+            *self.starts.add(slot) = start as i64;
+        }
         *self.seqlens.add(slot) = len as i32;
     }
 }
@@ -336,31 +340,6 @@ fn pack_fit<L: Length>(lengths: &[L], opts: &PackOptions) -> Result<Arrays> {
     drop(per_chunk);
 
     let items = tally.items as usize;
-    let mut order = zeroed::<u32>(items);
-    {
-        let order_ptr = SyncPtr(order.as_mut_ptr());
-        lengths.par_chunks(chunk_len).zip(cursors.par_iter_mut()).enumerate().for_each(
-            |(c, (chunk, cursor))| {
-                let base = (c * chunk_len) as u32;
-                for (j, &raw) in chunk.iter().enumerate() {
-                    let value = raw.to_u64();
-                    let len = match fits(value, opts) {
-                        Some(len) => len,
-                        None => match classify(value, opts) {
-                            Class::Whole { len, .. } => len,
-                            Class::Split { rest, .. } if rest > 0 => rest,
-                            _ => continue,
-                        },
-                    };
-                    let slot = &mut cursor[len as usize];
-                    // SAFETY: chunk cursors cover disjoint ranges of `order`.
-                    unsafe { *order_ptr.get().add(*slot as usize) = base + j as u32 };
-                    *slot += 1;
-                }
-            },
-        );
-    }
-    drop(cursors);
 
     // Shards: each takes an even share of every bucket and is packed on its own.
     let shards = items.div_ceil(opts.shard_items).max(1);
@@ -421,22 +400,7 @@ fn pack_fit<L: Length>(lengths: &[L], opts: &PackOptions) -> Result<Arrays> {
         starts: starts.as_mut_ptr(),
         seqlens: seqlens.as_mut_ptr(),
     };
-    let split = opts.overlong == Overlong::Split;
     let m = opts.max_len;
-    let reserve = opts.reserve;
-    // Offset of a sorted item inside its sequence: the remainder of a split comes last.
-    let start_of = |sample: u32| -> u64 {
-        if !split {
-            return 0;
-        }
-        let extended = lengths[sample as usize].to_u64().unwrap_or(0).saturating_add(reserve);
-        if extended > m {
-            extended / m * m
-        } else {
-            0
-        }
-    };
-
     // Pass 2a: pieces of exactly max_len, one pack each, in input order.
     if full > 0 {
         let dest = &dest;
@@ -479,29 +443,30 @@ fn pack_fit<L: Length>(lengths: &[L], opts: &PackOptions) -> Result<Arrays> {
     }
     drop(dest);
 
-    // Pass 3: non-empty buckets, longest first, cut into chunks of sorted positions.
-    let buckets: Vec<(u32, usize, usize)> = (1..=max_len)
-        .rev()
-        .filter(|&len| hist[len] > 0)
-        .map(|len| (len as u32, bucket_start[len], bucket_start[len] + hist[len]))
-        .collect();
-    let scatter_chunks = (items >> 16).clamp(1, 8 * rayon::current_num_threads());
-    (0..scatter_chunks).into_par_iter().for_each(|c| {
-        let (lo, hi) = (items * c / scatter_chunks, items * (c + 1) / scatter_chunks);
-        let first = buckets.partition_point(|&(_, _, end)| end <= lo);
-        for &(len, start, end) in &buckets[first..] {
-            if start >= hi {
-                break;
-            }
-            for pos in start.max(lo)..end.min(hi) {
-                let sample = order[pos];
-                // SAFETY: slots are a permutation of the item slots: each written once.
-                unsafe {
-                    out.write(slots[pos] as usize, sample as u64, start_of(sample), len as u64)
+    // Pass 3: walk the input again; the k-th item of length `len` in input order is at
+    // sorted position `bucket_start[len] + k` (a stable counting sort that is never
+    // materialized), whose slot pass 2 recorded.
+    lengths.par_chunks(chunk_len).zip(cursors.par_iter_mut()).enumerate().for_each(
+        |(c, (chunk, cursor))| {
+            let base = c * chunk_len;
+            for (j, &raw) in chunk.iter().enumerate() {
+                let value = raw.to_u64();
+                let (len, start) = match fits(value, opts) {
+                    Some(len) => (len, 0),
+                    None => match classify(value, opts) {
+                        Class::Whole { len, .. } => (len, 0),
+                        Class::Split { full, rest } if rest > 0 => (rest, full * opts.max_len),
+                        _ => continue,
+                    },
                 };
+                let pos = &mut cursor[len as usize];
+                let slot = slots[*pos as usize] as usize;
+                *pos += 1;
+                // SAFETY: slots are a permutation of the item slots: each written once.
+                unsafe { out.write(slot, (base + j) as u64, start, len) };
             }
-        }
-    });
+        },
+    );
 
     Ok((stats, sample_ids, starts, seqlens, pack_offsets))
 }
