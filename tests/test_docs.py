@@ -1,4 +1,4 @@
-"""Every Python example in docs/integrations.md runs."""
+"""Every Python example in README.md and docs/integrations.md runs."""
 
 from __future__ import annotations
 
@@ -11,13 +11,19 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("datasets")
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "integrations.md"
-BLOCKS = re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S) if DOC.exists() else []
+ROOT = Path(__file__).resolve().parent.parent
+BLOCKS = [
+    (doc.name, block)
+    for doc in (ROOT / "README.md", ROOT / "docs" / "integrations.md")
+    if doc.exists()
+    for block in re.findall(r"```python\n(.*?)```", doc.read_text(), flags=re.S)
+]
 
 
-@pytest.mark.skipif(not BLOCKS, reason="docs/integrations.md not found")
+@pytest.mark.skipif(not BLOCKS, reason="README.md and docs/integrations.md not found")
 @pytest.mark.parametrize("index", range(len(BLOCKS)))
 def test_example_runs(index: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
-    code = BLOCKS[index].replace("/tmp/fastpack-trainer", str(tmp_path / "out"))
-    exec(compile(code, f"{DOC.name}[{index}]", "exec"), {"__name__": "__doc_example__"})
+    name, code = BLOCKS[index]
+    code = code.replace("/tmp/fastpack-trainer", str(tmp_path / "out"))
+    exec(compile(code, f"{name}[{index}]", "exec"), {"__name__": "__doc_example__"})
