@@ -11,7 +11,7 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError, version
 
 from ._errors import FastpackError, FastpackTypeError
-from ._plan import OVERLONG_POLICIES, STRATEGIES, Plan, pack
+from ._plan import OVERLONG_POLICIES, STRATEGIES, Bucket, Plan, pack
 
 try:
     __version__ = version("fastpack")
@@ -21,6 +21,7 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
 __all__ = [
     "OVERLONG_POLICIES",
     "STRATEGIES",
+    "Bucket",
     "FastpackError",
     "FastpackTypeError",
     "Plan",
