@@ -444,13 +444,32 @@ fn reorder_packs(plan: &mut Plan, order: &[u32]) {
         acc += old[p as usize + 1] - old[p as usize];
         offsets.push(acc);
     }
-    plan.sample_ids = gather(std::mem::take(&mut plan.sample_ids), &old, &offsets, order);
-    plan.starts = gather(std::mem::take(&mut plan.starts), &old, &offsets, order);
-    plan.seqlens = gather(std::mem::take(&mut plan.seqlens), &old, &offsets, order);
+    let seqlens = std::mem::take(&mut plan.seqlens);
+    plan.seqlens = gather(&seqlens, &old, &offsets, order, |n| n);
+    drop(seqlens);
+    plan.sample_ids = gather_i64(std::mem::take(&mut plan.sample_ids), &old, &offsets, order);
+    plan.starts = gather_i64(std::mem::take(&mut plan.starts), &old, &offsets, order);
     plan.pack_offsets = offsets;
 }
 
-fn gather<T: Copy + Default + Send + Sync>(src: Vec<T>, old: &[i64], new: &[i64], order: &[u32]) -> Vec<T> {
+/// Gathers an int64 array through a u32 copy when every value fits (sample ids always do),
+/// so the extra memory is 4 bytes per segment rather than 8.
+fn gather_i64(src: Vec<i64>, old: &[i64], new: &[i64], order: &[u32]) -> Vec<i64> {
+    if !src.par_iter().all(|&v| (0..=u32::MAX as i64).contains(&v)) {
+        return gather(&src, old, new, order, |v| v);
+    }
+    let narrow = gather(&src, old, new, order, |v| v as u32);
+    drop(src);
+    narrow.par_iter().map(|&v| v as i64).collect()
+}
+
+fn gather<S: Copy + Sync, T: Copy + Default + Send>(
+    src: &[S],
+    old: &[i64],
+    new: &[i64],
+    order: &[u32],
+    convert: impl Fn(S) -> T + Sync,
+) -> Vec<T> {
     const PACKS_PER_TASK: usize = 1 << 12;
     let mut out = vec![T::default(); src.len()];
     let mut tasks = Vec::with_capacity(order.len().div_ceil(PACKS_PER_TASK));
@@ -465,7 +484,9 @@ fn gather<T: Copy + Default + Send + Sync>(src: Vec<T>, old: &[i64], new: &[i64]
         let mut at = 0;
         for &p in packs {
             let (a, b) = (old[p as usize] as usize, old[p as usize + 1] as usize);
-            piece[at..at + b - a].copy_from_slice(&src[a..b]);
+            for (slot, &v) in piece[at..at + b - a].iter_mut().zip(&src[a..b]) {
+                *slot = convert(v);
+            }
             at += b - a;
         }
     });
@@ -565,6 +586,13 @@ mod tests {
         wrapped.strategy = Strategy::Wrapped;
         let levels = Levels { long_max_len: Some(16), group_tokens: None };
         assert!(pack_two_level(&[1u32], &wrapped, &levels).is_err());
+    }
+
+    #[test]
+    fn gather_narrows_only_when_values_fit() {
+        let (old, new, order) = ([0i64, 2, 3], [0i64, 1, 3], [1u32, 0]);
+        assert_eq!(gather_i64(vec![1, 2, 3], &old, &new, &order), vec![3, 1, 2]);
+        assert_eq!(gather_i64(vec![1 << 40, 5, 7], &old, &new, &order), vec![7, 1 << 40, 5]);
     }
 
     #[test]
