@@ -94,8 +94,12 @@ def digest(plan) -> str:
     return h.hexdigest()
 
 
-def spread(x: np.ndarray) -> dict[str, float]:
-    return {"min": int(x.min()), "median": float(np.median(x)), "max": int(x.max())}
+def spread(x: np.ndarray, cap: int | None = None) -> dict[str, float]:
+    out = {"min": int(x.min()), "p1": float(np.percentile(x, 1)), "median": float(np.median(x)),
+           "max": int(x.max())}
+    if cap:
+        out["full"] = float((x >= 0.99 * cap).mean())
+    return out
 
 
 # --------------------------------------------------------------------------- worker
@@ -130,6 +134,10 @@ def worker(task: str, dist: str, n: int, reps: int) -> dict:
         out.update(packs=plan.num_packs, lower_bound=plan.lower_bound,
                    efficiency=plan.efficiency, digest=digest(plan), threads=threads or
                    fastpack._core.default_threads())
+    elif task == "pack-groups":
+        plan = timed(lambda: fastpack.pack(lengths, MAX_LEN, overlong=overlong,
+                                           group_tokens=65536, shuffle=True, seed=0))
+        out.update(packs=plan.num_packs, groups=plan.num_groups)
     elif task == "pack-global":
         fields = timed(lambda: _core.pack(lengths, MAX_LEN, "bfd", overlong, 0, None, None,
                                           GLOBAL_SHARD))
@@ -143,7 +151,7 @@ def worker(task: str, dist: str, n: int, reps: int) -> dict:
         out["two_level"] = {
             "packs": plan.num_packs, "pack_efficiency": plan.efficiency,
             "groups": plan.num_groups, "group_lower_bound": plan.group_lower_bound,
-            "group_efficiency": plan.group_efficiency, "tokens": spread(plan.group_tokens),
+            "group_efficiency": plan.group_efficiency, "tokens": spread(plan.group_tokens, budget),
         }
         # Baseline 1: the same level-1 packs, shuffled, batched B / max_len at a time.
         level1 = fastpack.pack(lengths, MAX_LEN, overlong=overlong, shuffle=True, seed=0)
@@ -153,7 +161,7 @@ def worker(task: str, dist: str, n: int, reps: int) -> dict:
         out["fixed_batches"] = {
             "batches": len(batches), "packs_per_batch": k,
             "efficiency": level1.total_tokens / (len(batches) * budget),
-            "tokens": spread(batches),
+            "tokens": spread(batches, budget),
         }
         del level1, fills, batches
         # Where groups matter: order-preserving level 1 (next_fit) leaves uneven packs.
@@ -166,16 +174,16 @@ def worker(task: str, dist: str, n: int, reps: int) -> dict:
         out["next_fit"] = {
             "pack_efficiency": nf.efficiency, "groups": nf.num_groups,
             "group_lower_bound": nf.group_lower_bound, "group_efficiency": nf.group_efficiency,
-            "tokens": spread(nf.group_tokens), "batches": len(nf_batches),
+            "tokens": spread(nf.group_tokens, budget), "batches": len(nf_batches),
             "batch_efficiency": nf.total_tokens / (len(nf_batches) * budget),
-            "batch_tokens": spread(nf_batches),
+            "batch_tokens": spread(nf_batches, budget),
         }
         del nf, nf_fills, nf_batches
         # Baseline 2: single-level packing straight into rows of B tokens.
         single = fastpack.pack(lengths, budget, overlong=overlong)
         out["single_level"] = {
             "packs": single.num_packs, "lower_bound": single.lower_bound,
-            "efficiency": single.efficiency, "tokens": spread(single.pack_tokens),
+            "efficiency": single.efficiency, "tokens": spread(single.pack_tokens, budget),
             "longest_row_sequences": int(np.diff(single.pack_offsets).max()),
         }
     elif task == "buckets":
@@ -192,7 +200,7 @@ def worker(task: str, dist: str, n: int, reps: int) -> dict:
         ]
         out["groups"] = {
             name: {"groups": int((caps == cap).sum()), "tokens": spread(plan.group_tokens[
-                caps == cap])}
+                caps == cap], budget)}
             for name, cap in (("short", MAX_LEN), ("long", long_max_len)) if (caps == cap).any()
         }
         out["group_efficiency"] = plan.group_efficiency
@@ -232,18 +240,21 @@ def render(results: list[dict], env: dict) -> str:
         "lengths int32, generated as in `bench_pack.py` (SFT-like: log-normal mean ~300 "
         "clipped to [1, 4096]; pretraining-like: log-normal + Pareto tail, mean ~1,500, "
         "~6.5% over 4096, `overlong=\"split\"`). Each cell is a fresh subprocess; times "
-        "are the median of the repeats at 10^7 and one call at 10^8.",
+        "are the median of the repeats at 10^7 and one call at 10^8 (wall clock; 5-minute "
+        f"load average at the end {env['loadavg']:.1f}: the machine was shared).",
         "",
         "## Time and memory",
         "",
         "peak = VmHWM growth during the first `pack` call beyond the input array (output "
         "included), bytes per input sequence. Sharding: packs of the default sharded BFD "
         "(independent shards of 2^22 items) against one global BFD (`shard_items` = 2^40). "
-        "Threads: digest of the plan on 1 thread against the default.",
+        "Threads: digest of the plan on 1 thread against the default. With groups: "
+        "`pack(..., group_tokens=65536, shuffle=True)`.",
         "",
         "| data | N | fastpack.pack | numpy.sort | ratio | 1 thread | peak B/seq | packs | "
-        "lower bound | global BFD packs | sharding extra | thread-independent |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "lower bound | global BFD packs | sharding extra | thread-independent | with groups: "
+        "time, peak B/seq |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for dist in dists:
         for n in sizes:
@@ -260,10 +271,12 @@ def render(results: list[dict], env: dict) -> str:
             sort_t = f"{s['time_s']:.2f} s" if s else "n/a"
             one_t = f"{one['time_s']:.2f} s" if one else "n/a"
             global_packs = f"{g['packs']:,}" if g else "n/a"
+            gr = by.get(("pack-groups", dist, n))
+            grouped = f"{gr['time_s']:.2f} s, {gr['peak_bytes_per_seq']:.1f}" if gr else "n/a"
             lines.append(
                 f"| {dist} | {fmt_n(n)} | {p['time_s']:.2f} s | {sort_t} | {ratio} | {one_t} | "
                 f"{p['peak_bytes_per_seq']:.1f} | {p['packs']:,} | {p['lower_bound']:,} | "
-                f"{global_packs} | {extra} | {same} |"
+                f"{global_packs} | {extra} | {same} | {grouped} |"
             )
     group_rows = [r for r in results if r["task"].startswith("groups-")]
     if group_rows:
@@ -276,18 +289,19 @@ def render(results: list[dict], env: dict) -> str:
             "groups of <= B, groups shuffled); *fixed batches* = the same shuffled level-1 "
             "packs taken B/4096 at a time (a plain dataloader); *single level* = "
             "`pack(lengths, max_len=B)` (one row of B tokens, no 4096 bound per row). "
-            "Efficiency = tokens / (steps x B).",
+            "Efficiency = tokens / (steps x B); p1 = 1st percentile.",
             "",
-            "| data | N | B | method | steps | tokens/step min / median / max | efficiency "
-            "(level 1 / level 2) | time |",
-            "|---|---|---|---|---|---|---|---|",
+                "| data | N | B | method | steps | tokens/step min / p1 / median / max | steps "
+            ">= 0.99 B | efficiency (level 1 / level 2) | time |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for r in sorted(group_rows, key=lambda r: (r["dist"], r["n"], r["budget"])):
             t, f, s = r["two_level"], r["fixed_batches"], r["single_level"]
             head = f"| {r['dist']} | {fmt_n(r['n'])} | {r['budget']:,} |"
 
             def sp(x):
-                return f"{x['min']:,} / {x['median']:,.0f} / {x['max']:,}"
+                return (f"{x['min']:,} / {x['p1']:,.0f} / {x['median']:,.0f} / {x['max']:,} | "
+                        f"{x['full']:.2%}")
 
             lines.append(
                 f"{head} two-level | {t['groups']:,} (bound {t['group_lower_bound']:,}) | "
@@ -325,13 +339,14 @@ def render(results: list[dict], env: dict) -> str:
             f"the long cap split. Overall group efficiency {r['group_efficiency']:.4%}.",
             "",
             "| bucket | cap | sequences | packs | lower bound | efficiency | groups | "
-            "tokens/group min / median / max |",
-            "|---|---|---|---|---|---|---|---|",
+            "tokens/group min / p1 / median / max | groups >= 0.99 B |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for b in r["buckets"]:
             g = r["groups"].get(b["name"])
-            gs = (f"{g['groups']:,} | {g['tokens']['min']:,} / {g['tokens']['median']:,.0f} / "
-                  f"{g['tokens']['max']:,}") if g else "0 | n/a"
+            gs = (f"{g['groups']:,} | {g['tokens']['min']:,} / {g['tokens']['p1']:,.0f} / "
+                  f"{g['tokens']['median']:,.0f} / {g['tokens']['max']:,} | "
+                  f"{g['tokens']['full']:.2%}") if g else "0 | n/a | n/a"
             lines.append(
                 f"| {b['name']} | {b['max_len']:,} | {b['sequences']:,} | {b['packs']:,} | "
                 f"{b['lower_bound']:,} | {b['efficiency']:.4%} | {gs} |"
@@ -345,7 +360,7 @@ def env_info() -> dict:
     return {
         "cpus": os.cpu_count(), "machine": platform.machine(), "python": platform.python_version(),
         "numpy": np.__version__, "fastpack": fastpack.__version__,
-        "date": time.strftime("%Y-%m-%d"),
+        "date": time.strftime("%Y-%m-%d"), "loadavg": os.getloadavg()[1],
     }
 
 
@@ -370,7 +385,7 @@ def main(argv: list[str] | None = None) -> None:
     for n in sizes:
         reps = 3 if n <= 10**7 else 1
         for dist in dists:
-            for task in ("numpy.sort", "pack", "pack-1thread", "pack-global"):
+            for task in ("numpy.sort", "pack", "pack-1thread", "pack-global", "pack-groups"):
                 results.append(run(task, dist, n, reps))
     small = min(sizes)
     for dist in dists:

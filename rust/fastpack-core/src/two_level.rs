@@ -453,14 +453,15 @@ fn reorder_packs(plan: &mut Plan, order: &[u32]) {
 }
 
 /// Gathers an int64 array through a u32 copy when every value fits (sample ids always do),
-/// so the extra memory is 4 bytes per segment rather than 8.
-fn gather_i64(src: Vec<i64>, old: &[i64], new: &[i64], order: &[u32]) -> Vec<i64> {
+/// then widens it back into the source buffer: the extra memory is 4 bytes per segment
+/// rather than 8, and no second int64 array is allocated.
+fn gather_i64(mut src: Vec<i64>, old: &[i64], new: &[i64], order: &[u32]) -> Vec<i64> {
     if !src.par_iter().all(|&v| (0..=u32::MAX as i64).contains(&v)) {
         return gather(&src, old, new, order, |v| v);
     }
     let narrow = gather(&src, old, new, order, |v| v as u32);
-    drop(src);
-    narrow.par_iter().map(|&v| v as i64).collect()
+    src.par_iter_mut().zip(narrow.par_iter()).for_each(|(slot, &v)| *slot = v as i64);
+    src
 }
 
 fn gather<S: Copy + Sync, T: Copy + Default + Send>(
