@@ -13,7 +13,7 @@ from importlib.metadata import PackageNotFoundError, version
 from ._errors import FastpackError, FastpackTypeError
 from ._examples import example_lengths
 from ._materialize import IGNORE_INDEX, Ragged, as_ragged, loss_mask_from_spans, materialize
-from ._plan import OVERLONG_POLICIES, STRATEGIES, Plan, pack
+from ._plan import OVERLONG_POLICIES, STRATEGIES, Bucket, Plan, pack
 
 try:
     __version__ = version("fastpack")
@@ -23,6 +23,7 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
 __all__ = [
     "OVERLONG_POLICIES",
     "STRATEGIES",
+    "Bucket",
     "FastpackError",
     "FastpackTypeError",
     "IGNORE_INDEX",

@@ -20,6 +20,8 @@ def pack(
     seed: int | None = None,
     threads: int | None = None,
     shard_items: int | None = None,
+    long_max_len: int | None = None,
+    group_tokens: int | None = None,
 ) -> dict[str, Any]: ...
 def cu_seqlens(seqlens: np.ndarray, pack_offsets: np.ndarray, packs: np.ndarray) -> np.ndarray: ...
 def varlen(

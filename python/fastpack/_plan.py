@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Union
 
 import numpy as np
@@ -11,7 +12,7 @@ import numpy as np
 from . import _core
 from ._errors import FastpackError, FastpackTypeError
 
-__all__ = ["OVERLONG_POLICIES", "STRATEGIES", "Plan", "pack"]
+__all__ = ["OVERLONG_POLICIES", "STRATEGIES", "Bucket", "Plan", "pack"]
 
 STRATEGIES = ("bfd", "ffd", "next_fit", "wrapped")
 OVERLONG_POLICIES = ("error", "truncate", "split", "drop")
@@ -24,8 +25,13 @@ _NATIVE_DTYPES = frozenset(
 
 PackIndex = Union[int, slice, range, Sequence[int], np.ndarray]
 
+# A group flattens into one varlen row whose cu_seqlens are int32.
+GROUP_TOKENS_LIMIT = 2**31 - 1
 
-def _int_arg(name: str, value: Any, *, minimum: int, maximum: int | None = None) -> int:
+
+def _int_arg(
+    name: str, value: Any, *, minimum: int, maximum: int | None = None, why: str = ""
+) -> int:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         raise FastpackTypeError(
             f"{name}: expected an integer, got {type(value).__name__} {value!r}"
@@ -33,7 +39,7 @@ def _int_arg(name: str, value: Any, *, minimum: int, maximum: int | None = None)
     value = int(value)
     if value < minimum or (maximum is not None and value > maximum):
         accepted = f">= {minimum}" if maximum is None else f"in {minimum}..={maximum}"
-        raise FastpackError(f"{name}: got {value}; expected an integer {accepted}")
+        raise FastpackError(f"{name}: got {value}; expected an integer {accepted}{why}")
     return value
 
 
@@ -118,6 +124,31 @@ def _readonly(array: np.ndarray) -> np.ndarray:
     return array
 
 
+@dataclass(frozen=True)
+class Bucket:
+    """One bucket of a plan: packs of one cap. A plan has the short bucket (``max_len``)
+    and, with ``long_max_len``, the long one."""
+
+    name: str
+    max_len: int
+    #: Non-empty input sequences routed here (before the bucket's over-long policy).
+    num_sequences: int
+    num_packs: int
+    total_tokens: int
+
+    @property
+    def lower_bound(self) -> int:
+        """``ceil(total_tokens / max_len)``."""
+        return -(-self.total_tokens // self.max_len)
+
+    @property
+    def efficiency(self) -> float:
+        """``total_tokens / (num_packs * max_len)``; 1.0 for an empty bucket."""
+        if self.num_packs == 0:
+            return 1.0
+        return self.total_tokens / (self.num_packs * self.max_len)
+
+
 class Plan:
     """A packing plan: which segment of which sequence goes into which pack.
 
@@ -129,13 +160,25 @@ class Plan:
       included,
     - ``pack_offsets`` (int64 [P+1]): pack ``p`` holds segments
       ``pack_offsets[p]:pack_offsets[p+1]``.
+
+    With ``long_max_len`` (buckets), ``pack_caps`` (int32 [P]) gives each pack's cap, and
+    ``buckets`` each bucket's packs, tokens and efficiency. ``max_len`` stays the short cap.
+    Packs come short first, then long; shuffled, they are interleaved.
+
+    With ``group_tokens`` (two-level packing), packs are ordered so that each group's packs
+    are contiguous: group ``g`` holds packs ``group_offsets[g]:group_offsets[g+1]``
+    (int64 [G+1]) and ``group_tokens[g]`` tokens (int64 [G]), at most ``group_cap``. Groups
+    never mix buckets; shuffled, the groups are shuffled and packs stay in their group.
     """
 
-    __slots__ = (
+    _FIELDS = (
         "sample_ids", "starts", "seqlens", "pack_offsets", "max_len", "reserve", "strategy",
         "overlong", "num_sequences", "empty_sequences", "dropped_sequences", "dropped_tokens",
         "truncated_sequences", "truncated_tokens", "split_sequences", "total_tokens",
     )
+    _OPTIONAL = ("long_max_len", "group_cap", "group_offsets", "group_tokens")
+
+    __slots__ = (*_FIELDS, *_OPTIONAL, "buckets", "_pack_caps")
 
     sample_ids: np.ndarray
     starts: np.ndarray
@@ -153,11 +196,29 @@ class Plan:
     truncated_tokens: int
     split_sequences: int
     total_tokens: int
+    #: Cap of the long bucket, or None without buckets.
+    long_max_len: int | None
+    #: The ``group_tokens`` budget, or None without groups.
+    group_cap: int | None
+    group_offsets: np.ndarray | None
+    #: Tokens in each group (int64 [G]), or None without groups.
+    group_tokens: np.ndarray | None
+    buckets: tuple[Bucket, ...]
+    _pack_caps: np.ndarray | None
 
     def __init__(self, fields: dict[str, Any]) -> None:
-        for name in self.__slots__:
+        for name in self._FIELDS:
             value = fields[name]
             setattr(self, name, _readonly(value) if isinstance(value, np.ndarray) else value)
+        for name in self._OPTIONAL:
+            value = fields.get(name)
+            setattr(self, name, _readonly(value) if isinstance(value, np.ndarray) else value)
+        caps = fields.get("pack_caps")
+        self._pack_caps = None if caps is None else _readonly(caps)
+        names = ("short", "long")
+        self.buckets = tuple(
+            Bucket(name=names[i], **b) for i, b in enumerate(fields.get("buckets", ()))
+        )
 
     @property
     def num_packs(self) -> int:
@@ -172,15 +233,68 @@ class Plan:
 
     @property
     def lower_bound(self) -> int:
-        """``ceil(total_tokens / max_len)``: no plan can use fewer packs."""
+        """``ceil(total_tokens / max_len)``: no plan can use fewer packs. With buckets, the
+        sum of each bucket's bound (packs never mix buckets)."""
+        if self.buckets:
+            return sum(b.lower_bound for b in self.buckets)
         return -(-self.total_tokens // self.max_len)
 
     @property
     def efficiency(self) -> float:
-        """``total_tokens / (num_packs * max_len)``; 1.0 for an empty plan."""
-        if self.num_packs == 0:
-            return 1.0
-        return self.total_tokens / (self.num_packs * self.max_len)
+        """``total_tokens / (num_packs * max_len)``; with buckets, over each pack's own cap:
+        ``total_tokens / sum(pack_caps)``. 1.0 for an empty plan."""
+        capacity = sum(b.num_packs * b.max_len for b in self.buckets) if self.buckets else (
+            self.num_packs * self.max_len)
+        return self.total_tokens / capacity if capacity else 1.0
+
+    @property
+    def pack_caps(self) -> np.ndarray:
+        """Each pack's cap (int32 [P]): ``max_len``, or ``long_max_len`` for long packs."""
+        if self._pack_caps is None:
+            return _readonly(np.full(self.num_packs, self.max_len, dtype=np.int32))
+        return self._pack_caps
+
+    @property
+    def num_groups(self) -> int:
+        """Level-2 groups; 0 when the plan was made without ``group_tokens``."""
+        return 0 if self.group_offsets is None else len(self.group_offsets) - 1
+
+    @property
+    def group_efficiency(self) -> float | None:
+        """``total_tokens / (num_groups * group_cap)``, or None without groups."""
+        if self.group_cap is None:
+            return None
+        return self.total_tokens / (self.num_groups * self.group_cap) if self.num_groups else 1.0
+
+    @property
+    def group_lower_bound(self) -> int | None:
+        """Fewest groups possible: per bucket ``ceil(tokens / group_cap)``, summed."""
+        if self.group_cap is None:
+            return None
+        cap = self.group_cap
+        return sum(-(-b.total_tokens // cap) for b in self.buckets)
+
+    def _group(self, group: int) -> int:
+        if self.group_offsets is None:
+            raise FastpackError("group: the plan has no groups; pass group_tokens= to pack()")
+        g = _int_arg("group", group, minimum=-self.num_groups, maximum=self.num_groups - 1)
+        return g % self.num_groups
+
+    def group_packs(self, group: int) -> range:
+        """The packs of one group (contiguous)."""
+        g = self._group(group)
+        assert self.group_offsets is not None
+        return range(int(self.group_offsets[g]), int(self.group_offsets[g + 1]))
+
+    def group_cu_seqlens(self, group: int) -> np.ndarray:
+        """``cu_seqlens`` (int32) of one group as one varlen row, at sequence granularity."""
+        return self.cu_seqlens(self.group_packs(group))
+
+    def group_varlen(
+        self, group: int, *, threads: int | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``(cu_seqlens, position_ids)`` of one group as one varlen row."""
+        return self.varlen(self.group_packs(group), threads=threads)
 
     @property
     def pack_tokens(self) -> np.ndarray:
@@ -235,6 +349,24 @@ class Plan:
             f"tokens packed: {self.total_tokens:,}; efficiency {self.efficiency:.4%}; "
             f"packs / lower bound {self.num_packs}/{self.lower_bound}",
         ]
+        if self.long_max_len is not None:
+            for b in self.buckets:
+                lines.append(
+                    f"  {b.name} bucket (cap {b.max_len:,}): {b.num_sequences:,} sequences, "
+                    f"{b.num_packs:,} packs, efficiency {b.efficiency:.4%}, "
+                    f"lower bound {b.lower_bound:,}"
+                )
+        if self.group_tokens is not None:
+            tokens = self.group_tokens
+            spread = (
+                f"tokens per group min/median/max {int(tokens.min()):,}/"
+                f"{int(np.median(tokens)):,}/{int(tokens.max()):,}" if tokens.size else "no tokens"
+            )
+            lines.append(
+                f"groups of <= {self.group_cap:,} tokens: {self.num_groups:,} "
+                f"(lower bound {self.group_lower_bound:,}); group efficiency "
+                f"{self.group_efficiency:.4%}; {spread}"
+            )
         lost = []
         if self.dropped_sequences:
             lost.append(f"dropped {self.dropped_tokens:,} tokens "
@@ -255,7 +387,10 @@ class Plan:
             f"Plan(num_packs={self.num_packs}, num_segments={self.num_segments}, "
             f"max_len={self.max_len}, strategy={self.strategy!r}, "
             f"efficiency={self.efficiency:.4f}, lower_bound={self.lower_bound}, "
-            f"dropped_tokens={self.dropped_tokens}, truncated_tokens={self.truncated_tokens})"
+            f"dropped_tokens={self.dropped_tokens}, truncated_tokens={self.truncated_tokens}"
+            + (f", long_max_len={self.long_max_len}" if self.long_max_len is not None else "")
+            + (f", num_groups={self.num_groups}" if self.group_cap is not None else "")
+            + ")"
         )
 
 
@@ -269,6 +404,8 @@ def pack(
     shuffle: bool = False,
     seed: int = 0,
     threads: int | None = None,
+    long_max_len: int | None = None,
+    group_tokens: int | None = None,
 ) -> Plan:
     """Pack sequences of the given token ``lengths`` into packs of at most ``max_len``.
 
@@ -289,6 +426,14 @@ def pack(
             come roughly sorted by size, which hurts training.
         threads: worker threads (default: ``RAYON_NUM_THREADS`` or all cores). The plan
             does not depend on it.
+        long_max_len: a second, long bucket: sequences longer than ``max_len - reserve``
+            are packed separately into packs of ``long_max_len`` (``overlong`` then applies
+            against ``long_max_len``), so no pack mixes short and long sequences. See
+            ``Plan.pack_caps`` and ``Plan.buckets``.
+        group_tokens: two-level packing: bin-pack the packs, by their tokens, into groups of
+            at most ``group_tokens`` (at least the largest pack cap), so every group (a step
+            or micro-batch) carries nearly the same number of tokens. See
+            ``Plan.group_offsets``, ``Plan.group_tokens`` and ``Plan.group_cu_seqlens``.
 
     Sequences of length 0 are skipped and counted in ``empty_sequences``.
     """
@@ -303,7 +448,20 @@ def pack(
     if not isinstance(shuffle, (bool, np.bool_)):
         raise FastpackTypeError(f"shuffle: expected a bool, got {type(shuffle).__name__}")
     max_len = operator.index(max_len)
+    if long_max_len is not None:
+        long_max_len = _int_arg(
+            "long_max_len", long_max_len, minimum=max_len + 1,
+            why=f" (more than max_len = {max_len})",
+        )
+    if group_tokens is not None:
+        cap_name, cap = ("long_max_len", long_max_len) if long_max_len else ("max_len", max_len)
+        group_tokens = _int_arg(
+            "group_tokens", group_tokens, minimum=cap, maximum=GROUP_TOKENS_LIMIT,
+            why=f": at least {cap_name} ({cap}) so every pack fits a group, and int32 "
+            "cu_seqlens",
+        )
     fields = _core.pack(
-        array, max_len, strategy, overlong, reserve, seed if shuffle else None, threads
+        array, max_len, strategy, overlong, reserve, seed if shuffle else None, threads,
+        None, long_max_len, group_tokens,
     )
     return Plan(fields)

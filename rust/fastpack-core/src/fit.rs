@@ -10,18 +10,18 @@
 pub(crate) trait Emit: FnMut(u32, usize, usize, u32) {}
 impl<F: FnMut(u32, usize, usize, u32)> Emit for F {}
 
-const NONE: u32 = u32::MAX;
+pub(crate) const NONE: u32 = u32::MAX;
 
 /// Open packs by remaining capacity: a list of packs per capacity and a 64-ary bitset tree
 /// over capacities `0..=max_len`, so "the smallest capacity >= len" costs O(log64 max_len).
-struct CapacityIndex {
+pub(crate) struct CapacityIndex {
     levels: Vec<Vec<u64>>,
     head: Vec<u32>,
-    next: Vec<u32>,
+    pub(crate) next: Vec<u32>,
 }
 
 impl CapacityIndex {
-    fn new(max_len: usize) -> Self {
+    pub(crate) fn new(max_len: usize) -> Self {
         let mut levels = Vec::new();
         let mut bits = max_len + 1;
         loop {
@@ -59,7 +59,7 @@ impl CapacityIndex {
     }
 
     /// Smallest capacity `>= need` that has an open pack.
-    fn find_at_least(&self, need: usize) -> Option<usize> {
+    pub(crate) fn find_at_least(&self, need: usize) -> Option<usize> {
         let mut level = 0;
         let mut bit = need;
         let found = loop {
@@ -86,7 +86,7 @@ impl CapacityIndex {
         Some(bit)
     }
 
-    fn pop(&mut self, capacity: usize) -> u32 {
+    pub(crate) fn pop(&mut self, capacity: usize) -> u32 {
         let pack = self.head[capacity];
         self.head[capacity] = self.next[pack as usize];
         if self.head[capacity] == NONE {
@@ -95,7 +95,7 @@ impl CapacityIndex {
         pack
     }
 
-    fn push(&mut self, capacity: usize, pack: u32) {
+    pub(crate) fn push(&mut self, capacity: usize, pack: u32) {
         if self.head[capacity] == NONE {
             self.set(capacity);
         }

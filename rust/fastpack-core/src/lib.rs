@@ -2,7 +2,8 @@
 //!
 //! [`pack`] bin-packs an array of token lengths into packs of at most `max_len` tokens
 //! and returns a [`Plan`] in CSR form (see `plan.rs`). [`layout`] turns packs into
-//! attention metadata (`cu_seqlens`, `position_ids`).
+//! attention metadata (`cu_seqlens`, `position_ids`). [`pack_two_level`] adds a long
+//! bucket with its own cap and level-2 groups of packs under a token budget.
 //!
 //! ```
 //! use fastpack_core::{pack, PackOptions};
@@ -21,8 +22,10 @@ mod pack;
 mod plan;
 pub mod pool;
 mod shuffle;
+mod two_level;
 
 pub use error::{Error, Result};
 pub use length::Length;
 pub use pack::pack;
 pub use plan::{Overlong, PackOptions, Plan, Stats, Strategy, MAX_ITEMS, MAX_LEN_LIMIT};
+pub use two_level::{pack_two_level, Bucket, Groups, Levels, TwoLevelPlan, GROUP_TOKENS_LIMIT};

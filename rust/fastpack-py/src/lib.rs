@@ -1,11 +1,13 @@
 //! The Python binding: converts arguments, releases the GIL around the core, and maps the
 //! core's errors to `fastpack.FastpackError`. No algorithm lives here.
 
-use fastpack_core::{layout, pool, Error, Overlong, PackOptions, Plan, Strategy};
+use fastpack_core::{
+    layout, pack_two_level, pool, Error, Levels, Overlong, PackOptions, Strategy, TwoLevelPlan,
+};
 use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1, PyUntypedArrayMethods};
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyDict, PyList};
 
 mod materialize;
 
@@ -45,8 +47,9 @@ fn options(
     Ok(opts)
 }
 
-fn plan_to_dict<'py>(py: Python<'py>, plan: Plan) -> PyResult<Bound<'py, PyDict>> {
+fn plan_to_dict<'py>(py: Python<'py>, out: TwoLevelPlan) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
+    let plan = out.plan;
     let s = &plan.stats;
     d.set_item("num_sequences", s.num_sequences)?;
     d.set_item("empty_sequences", s.empty_sequences)?;
@@ -65,17 +68,38 @@ fn plan_to_dict<'py>(py: Python<'py>, plan: Plan) -> PyResult<Bound<'py, PyDict>
     d.set_item("starts", plan.starts.into_pyarray(py))?;
     d.set_item("seqlens", plan.seqlens.into_pyarray(py))?;
     d.set_item("pack_offsets", plan.pack_offsets.into_pyarray(py))?;
+    let buckets = PyList::empty(py);
+    for b in &out.buckets {
+        let bd = PyDict::new(py);
+        bd.set_item("max_len", b.max_len)?;
+        bd.set_item("num_sequences", b.num_sequences)?;
+        bd.set_item("num_packs", b.num_packs)?;
+        bd.set_item("total_tokens", b.total_tokens)?;
+        buckets.append(bd)?;
+    }
+    d.set_item("buckets", buckets)?;
+    if let Some(long) = out.buckets.get(1) {
+        d.set_item("long_max_len", long.max_len)?;
+    }
+    if let Some(caps) = out.pack_caps {
+        d.set_item("pack_caps", caps.into_pyarray(py))?;
+    }
+    if let Some(groups) = out.groups {
+        d.set_item("group_cap", groups.cap)?;
+        d.set_item("group_offsets", groups.group_offsets.into_pyarray(py))?;
+        d.set_item("group_tokens", groups.group_tokens.into_pyarray(py))?;
+    }
     Ok(d)
 }
 
 macro_rules! pack_dtypes {
-    ($py:expr, $lengths:expr, $opts:expr, $threads:expr, $($t:ty),*) => {{
+    ($py:expr, $lengths:expr, $opts:expr, $levels:expr, $threads:expr, $($t:ty),*) => {{
         $(
             if let Ok(array) = $lengths.extract::<PyReadonlyArray1<$t>>() {
                 let slice = array.as_slice().map_err(|_| fastpack_error(
                     "lengths: expected a contiguous array"))?;
-                let opts = &$opts;
-                let result = $py.detach(|| pool::install($threads, || fastpack_core::pack(slice, opts)));
+                let (opts, levels) = (&$opts, &$levels);
+                let result = $py.detach(|| pool::install($threads, || pack_two_level(slice, opts, levels)));
                 let plan = result.map_err(to_py)?.map_err(to_py)?;
                 return plan_to_dict($py, plan);
             }
@@ -83,11 +107,11 @@ macro_rules! pack_dtypes {
     }};
 }
 
-/// `pack(lengths, max_len, strategy, overlong, reserve, seed, threads, shard_items)`:
-/// `lengths` is a 1-D contiguous numpy integer array (the Python layer converts anything
-/// else once); returns a dict of the plan's arrays and counts.
+/// `pack(lengths, max_len, strategy, overlong, reserve, seed, threads, shard_items,
+/// long_max_len, group_tokens)`: `lengths` is a 1-D contiguous numpy integer array (the
+/// Python layer converts anything else once); returns a dict of the plan's arrays and counts.
 #[pyfunction]
-#[pyo3(signature = (lengths, max_len, strategy="bfd", overlong="error", reserve=0, seed=None, threads=None, shard_items=None))]
+#[pyo3(signature = (lengths, max_len, strategy="bfd", overlong="error", reserve=0, seed=None, threads=None, shard_items=None, long_max_len=None, group_tokens=None))]
 #[allow(clippy::too_many_arguments)]
 fn pack<'py>(
     py: Python<'py>,
@@ -99,9 +123,12 @@ fn pack<'py>(
     seed: Option<u64>,
     threads: Option<usize>,
     shard_items: Option<usize>,
+    long_max_len: Option<u64>,
+    group_tokens: Option<u64>,
 ) -> PyResult<Bound<'py, PyDict>> {
     let opts = options(max_len, strategy, overlong, reserve, seed, shard_items)?;
-    pack_dtypes!(py, lengths, opts, threads, i64, i32, u32, u16, u64, u8, i8, i16);
+    let levels = Levels { long_max_len, group_tokens };
+    pack_dtypes!(py, lengths, opts, levels, threads, i64, i32, u32, u16, u64, u8, i8, i16);
     Err(fastpack_error("lengths: expected a 1-D numpy array of an integer dtype"))
 }
 
