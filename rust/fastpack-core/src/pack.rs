@@ -9,6 +9,7 @@ use crate::fit;
 use crate::length::Length;
 use crate::memory::zeroed;
 use crate::plan::{Overlong, PackOptions, Plan, Stats, Strategy, MAX_ITEMS};
+use crate::shuffle::permutation;
 
 /// What the over-long policy makes of one sequence.
 #[derive(Clone, Copy)]
@@ -206,11 +207,31 @@ impl Out {
     }
 }
 
-/// The CSR offsets of packs of the given segment counts, and each pack's first slot. With
-/// a seed, pack `g` moves to position `perm[g]` of a seeded permutation: the writers then
-/// fill the shuffled layout directly, with no second copy of the plan.
-fn lay_out(counts: &[u32], seed: Option<u64>) -> (Vec<i64>, Vec<usize>) {
-    let perm = seed.map(|s| crate::shuffle::permutation(counts.len(), s));
+/// Sets the pack order: `Some(order)` lists the old pack at each new position.
+pub(crate) type Reorder<'a> = Option<&'a mut dyn FnMut(&[i64]) -> Vec<u32>>;
+
+/// The CSR offsets of packs of the given segment counts, and each pack's first slot, in
+/// the order `reorder` picks from the packs' token fills, else shuffled by the seed, else
+/// as placed. The writers then fill the final layout directly: no second copy of the plan.
+fn lay_out(
+    counts: &[u32],
+    fills: &[i64],
+    reorder: Reorder<'_>,
+    seed: Option<u64>,
+) -> (Vec<i64>, Vec<usize>) {
+    // perm[g] = new position of pack g.
+    let perm = match reorder {
+        Some(f) => {
+            let order = f(fills);
+            debug_assert_eq!(order.len(), counts.len());
+            let mut perm = vec![0u32; counts.len()];
+            for (q, &g) in order.iter().enumerate() {
+                perm[g as usize] = q as u32;
+            }
+            Some(perm)
+        }
+        None => seed.map(|s| permutation(counts.len(), s)),
+    };
     let mut sizes = counts.to_vec();
     if let Some(perm) = &perm {
         for (g, &q) in perm.iter().enumerate() {
@@ -240,6 +261,16 @@ fn chunking(n: usize, max_len: u64) -> usize {
 
 /// Packs `lengths` into packs of at most `opts.max_len` tokens.
 pub fn pack<L: Length>(lengths: &[L], opts: &PackOptions) -> Result<Plan> {
+    pack_ordered(lengths, opts, None)
+}
+
+/// [`pack`] with the pack order chosen by `reorder` from the packs' token fills (two-level
+/// grouping lays groups out this way, for free).
+pub(crate) fn pack_ordered<L: Length>(
+    lengths: &[L],
+    opts: &PackOptions,
+    reorder: Reorder<'_>,
+) -> Result<Plan> {
     opts.validate()?;
     if lengths.len() as u64 > MAX_ITEMS {
         return Err(Error::overflow(
@@ -248,8 +279,10 @@ pub fn pack<L: Length>(lengths: &[L], opts: &PackOptions) -> Result<Plan> {
         ));
     }
     let (stats, sample_ids, starts, seqlens, pack_offsets) = match opts.strategy {
-        Strategy::BestFitDecreasing | Strategy::FirstFitDecreasing => pack_fit(lengths, opts)?,
-        Strategy::NextFit | Strategy::Wrapped => pack_in_order(lengths, opts)?,
+        Strategy::BestFitDecreasing | Strategy::FirstFitDecreasing => {
+            pack_fit(lengths, opts, reorder)?
+        }
+        Strategy::NextFit | Strategy::Wrapped => pack_in_order(lengths, opts, reorder)?,
     };
     let plan = Plan {
         sample_ids,
@@ -267,7 +300,7 @@ pub fn pack<L: Length>(lengths: &[L], opts: &PackOptions) -> Result<Plan> {
 
 type Arrays = (Stats, Vec<i64>, Vec<i64>, Vec<i32>, Vec<i64>);
 
-fn pack_fit<L: Length>(lengths: &[L], opts: &PackOptions) -> Result<Arrays> {
+fn pack_fit<L: Length>(lengths: &[L], opts: &PackOptions, reorder: Reorder<'_>) -> Result<Arrays> {
     let n = lengths.len();
     let max_len = opts.max_len as usize;
     let chunks = chunking(n, opts.max_len);
@@ -361,15 +394,18 @@ fn pack_fit<L: Length>(lengths: &[L], opts: &PackOptions) -> Result<Arrays> {
         }
     };
 
-    let shard_counts: Vec<Vec<u32>> = (0..shards)
+    // (segments, tokens) of each pack.
+    let shard_counts: Vec<Vec<(u32, u32)>> = (0..shards)
         .into_par_iter()
         .map(|shard| {
-            let mut counts: Vec<u32> = Vec::new();
-            place(shard, &mut |pack, _pos, k, _len| {
+            let mut counts: Vec<(u32, u32)> = Vec::new();
+            place(shard, &mut |pack, _pos, k, len| {
                 if pack as usize == counts.len() {
-                    counts.push(0);
+                    counts.push((0, 0));
                 }
-                counts[pack as usize] += k as u32;
+                let c = &mut counts[pack as usize];
+                c.0 += k as u32;
+                c.1 += k as u32 * len;
             });
             counts
         })
@@ -382,14 +418,22 @@ fn pack_fit<L: Length>(lengths: &[L], opts: &PackOptions) -> Result<Arrays> {
     }
     let mut counts = Vec::with_capacity(packs_total);
     counts.resize(full, 1u32);
+    let mut fills: Vec<i64> = Vec::new();
+    if reorder.is_some() {
+        fills.reserve(packs_total);
+        fills.resize(full, opts.max_len as i64);
+    }
     let mut shard_base = Vec::with_capacity(shards);
     for c in &shard_counts {
         shard_base.push(counts.len());
-        counts.extend_from_slice(c);
+        counts.extend(c.iter().map(|&(n, _)| n));
+        if reorder.is_some() {
+            fills.extend(c.iter().map(|&(_, t)| t as i64));
+        }
     }
     drop(shard_counts);
-    let (pack_offsets, dest) = lay_out(&counts, opts.shuffle_seed);
-    drop(counts);
+    let (pack_offsets, dest) = lay_out(&counts, &fills, reorder, opts.shuffle_seed);
+    drop((counts, fills));
 
     let segments = items + full;
     let mut sample_ids = zeroed::<i64>(segments);
@@ -499,7 +543,11 @@ fn first_fit_dyn(
 }
 
 /// Order-preserving strategies: one sequential walk, run twice (count, then write).
-fn pack_in_order<L: Length>(lengths: &[L], opts: &PackOptions) -> Result<Arrays> {
+fn pack_in_order<L: Length>(
+    lengths: &[L],
+    opts: &PackOptions,
+    reorder: Reorder<'_>,
+) -> Result<Arrays> {
     let n = lengths.len();
     let chunk_len = n.div_ceil(chunking(n, 1)).max(1);
     let mut tally = lengths
@@ -519,12 +567,15 @@ fn pack_in_order<L: Length>(lengths: &[L], opts: &PackOptions) -> Result<Arrays>
     let mut stats = check_tally(&tally, n, opts)?;
 
     let mut counts: Vec<u32> = Vec::new();
+    let mut fills: Vec<i64> = Vec::new();
     let mut segments = 0usize;
-    let split = walk(lengths, opts, |pack, _, _, _| {
+    let split = walk(lengths, opts, |pack, _, _, len| {
         if pack as usize == counts.len() {
             counts.push(0);
+            fills.push(0);
         }
         counts[pack as usize] += 1;
+        fills[pack as usize] += len as i64;
         segments += 1;
     });
     if segments as u64 > MAX_ITEMS {
@@ -533,9 +584,9 @@ fn pack_in_order<L: Length>(lengths: &[L], opts: &PackOptions) -> Result<Arrays>
     if opts.strategy == Strategy::Wrapped {
         stats.split_sequences = split;
     }
-    let (pack_offsets, dest) = lay_out(&counts, opts.shuffle_seed);
+    let (pack_offsets, dest) = lay_out(&counts, &fills, reorder, opts.shuffle_seed);
     let mut filled = vec![0u32; counts.len()];
-    drop(counts);
+    drop((counts, fills));
     let mut sample_ids = zeroed::<i64>(segments);
     let mut starts = zeroed::<i64>(segments);
     let mut seqlens = zeroed::<i32>(segments);

@@ -21,7 +21,7 @@ use rayon::prelude::*;
 use crate::error::{Error, Result};
 use crate::fit::{CapacityIndex, NONE};
 use crate::length::Length;
-use crate::pack::pack;
+use crate::pack::{pack, pack_ordered};
 use crate::plan::{Overlong, PackOptions, Plan, Strategy, MAX_ITEMS, MAX_LEN_LIMIT};
 use crate::shuffle::permutation;
 
@@ -181,6 +181,28 @@ pub fn pack_two_level<L: Length>(
             total_tokens: plan.stats.total_tokens,
         };
         return Ok(TwoLevelPlan { plan, pack_caps: None, buckets: vec![bucket], groups: None });
+    }
+
+    if let (None, Some(budget)) = (levels.long_max_len, levels.group_tokens) {
+        // One bucket: the groups are chosen from the pack fills inside `pack`, which then
+        // writes every segment straight to its grouped position (no reordering pass).
+        let mut groups = None;
+        let plan = {
+            let mut reorder = |fills: &[i64]| {
+                let part = group_best_fit(fills, opts.max_len as usize, budget);
+                let (order, g) = lay_out_groups(&[(0, part)], budget, opts.shuffle_seed);
+                groups = Some(g);
+                order
+            };
+            pack_ordered(lengths, opts, Some(&mut reorder))?
+        };
+        let bucket = Bucket {
+            max_len: opts.max_len,
+            num_sequences: plan.stats.num_sequences - plan.stats.empty_sequences,
+            num_packs: plan.num_packs() as u64,
+            total_tokens: plan.stats.total_tokens,
+        };
+        return Ok(TwoLevelPlan { plan, pack_caps: None, buckets: vec![bucket], groups });
     }
 
     // Level 1, unshuffled: the order is set once at the end.
