@@ -16,6 +16,17 @@ pub(crate) fn to_py(err: Error) -> PyErr {
     fastpack_error(&err.to_string())
 }
 
+/// Runs core work so that a bug surfaces as a `FastpackError`, never as a panic that
+/// aborts a training run.
+pub(crate) fn guarded<T>(work: impl FnOnce() -> Result<T, Error>) -> Result<T, Error> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(work)).unwrap_or_else(|_| {
+        Err(Error::InvalidArgument {
+            arg: "fastpack",
+            message: "internal error (a fastpack bug; please report it)".into(),
+        })
+    })
+}
+
 pub(crate) fn fastpack_error(message: &str) -> PyErr {
     Python::attach(|py| {
         match py.import("fastpack._errors").and_then(|m| m.getattr("FastpackError")) {
@@ -99,7 +110,9 @@ macro_rules! pack_dtypes {
                 let slice = array.as_slice().map_err(|_| fastpack_error(
                     "lengths: expected a contiguous array"))?;
                 let (opts, levels) = (&$opts, &$levels);
-                let result = $py.detach(|| pool::install($threads, || pack_two_level(slice, opts, levels)));
+                let result = $py.detach(|| {
+                    pool::install($threads, || guarded(|| pack_two_level(slice, opts, levels)))
+                });
                 let plan = result.map_err(to_py)?.map_err(to_py)?;
                 return plan_to_dict($py, plan);
             }
@@ -153,7 +166,7 @@ fn cu_seqlens<'py>(
     let arrays = (seqlens, pack_offsets, packs);
     check_contiguous(&arrays)?;
     let (s, o, p) = (arrays.0.as_slice()?, arrays.1.as_slice()?, arrays.2.as_slice()?);
-    let cu = py.detach(|| layout::cu_seqlens(s, o, p)).map_err(to_py)?;
+    let cu = py.detach(|| guarded(|| layout::cu_seqlens(s, o, p))).map_err(to_py)?;
     Ok(cu.into_pyarray(py))
 }
 
@@ -174,9 +187,11 @@ fn varlen<'py>(
     let (cu, positions) = py
         .detach(|| {
             pool::install(threads, || {
-                let cu = layout::cu_seqlens(s, o, p)?;
-                let positions = layout::positions_from_cu(&cu);
-                Ok((cu, positions))
+                guarded(|| {
+                    let cu = layout::cu_seqlens(s, o, p)?;
+                    let positions = layout::positions_from_cu(&cu);
+                    Ok((cu, positions))
+                })
             })
         })
         .map_err(to_py)?
