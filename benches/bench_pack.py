@@ -8,6 +8,7 @@
 Tools (each measured in its own fresh subprocess per (distribution, N)):
 
   fastpack-bfd      fastpack.pack(lengths, max_len, strategy="bfd")      numpy int64 in, CSR numpy out
+  fastpack-bfd-1t   the same with threads=1 (the peers are single-threaded)
   seqpacker-obfd    seqpacker.Packer(max_len, "obfd").pack_flat(arr)     its default (optimized) BFD
   seqpacker-bfd     seqpacker.Packer(max_len, "bfd").pack_flat(arr)      its plain BFD
   lightbinpack-obfd lightbinpack.obfd(list, max_len)                      counting sort + segment tree BFD
@@ -52,6 +53,7 @@ HERE = Path(__file__).resolve().parent
 
 ALL_TOOLS = [
     "fastpack-bfd",
+    "fastpack-bfd-1t",
     "seqpacker-obfd",
     "seqpacker-bfd",
     "lightbinpack-obfd",
@@ -195,14 +197,17 @@ def worker(tool: str, dist: str, raw_path: str, pieces_path: str, max_len: int, 
     info: dict = {}
     conv_t: list[float] = []
 
-    if tool == "fastpack-bfd":
+    if tool in ("fastpack-bfd", "fastpack-bfd-1t"):
         import fastpack
 
         overlong = "split" if has_long else "error"
-        info["input"] = f"raw, overlong={overlong!r}"
+        threads = 1 if tool.endswith("-1t") else None
+        info["input"] = f"raw, overlong={overlong!r}" + (", threads=1" if threads else ", threads=None (all cores)")
+        info["version"] = fastpack.__version__
+        info["module"] = os.path.dirname(fastpack.__file__)
 
         def run():
-            return fastpack.pack(raw, max_len, strategy="bfd", overlong=overlong)
+            return fastpack.pack(raw, max_len, strategy="bfd", overlong=overlong, threads=threads)
 
         def check(r):
             return check_fastpack(r, raw, max_len)
@@ -349,8 +354,12 @@ def reps_for(tool: str, n: int) -> int:
     return 7
 
 
+_TRL_CACHE: dict = {}
+
+
 def run_one(tool, dist, n, paths, args) -> dict:
     note = None
+    n_run = n
     if tool == "trl-bfd":
         raw = np.load(paths[0])
         n_red = n
@@ -366,20 +375,40 @@ def run_one(tool, dist, n, paths, args) -> dict:
             np.save(paths[0], sub)
             np.save(paths[1], split_pieces(sub, args.max_len))
             note = f"run at N={fmt_n(n_red)} (first {n_red:,} lengths; TRL capped at {cap})"
+            n_run = n_red
         del raw
     cmd = [
         sys.executable, os.path.abspath(__file__), "--worker", tool, dist, paths[0], paths[1],
-        str(args.max_len), str(reps_for(tool, n)), str(args.rep_budget),
+        str(args.max_len), str(reps_for(tool, n_run)), str(args.rep_budget),
     ]
+    env = dict(os.environ)
+    if getattr(args, "snapshot", None):
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [args.snapshot, env.get("PYTHONPATH")]))
+    cache_key = None
+    if tool == "trl-bfd":
+        import hashlib
+
+        cache_key = (dist, hashlib.sha1(np.load(paths[0]).tobytes()).hexdigest())
+        if cache_key in _TRL_CACHE:
+            res = dict(_TRL_CACHE[cache_key])
+            res["input"] = res.get("input", "") + " (same input as a row above: result reused)"
+            if note:
+                res["reduced_n"], res["n"] = res["n"], n
+                res["input"] = f"{res['input']}; **{note}**"
+                for q in paths:
+                    os.remove(q)
+            return res
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
     except subprocess.TimeoutExpired:
         return dict(tool=tool, dist=dist, n=n, error=f"timeout > {args.timeout:.0f} s")
-    lines = [l for l in p.stdout.splitlines() if l.startswith("{")]
+    lines = [line for line in p.stdout.splitlines() if line.startswith("{")]
     if p.returncode != 0 or not lines:
-        err = (p.stderr.strip().splitlines() or ["exit %d" % p.returncode])[-1]
+        err = (p.stderr.strip().splitlines() or [f"exit {p.returncode}"])[-1]
         return dict(tool=tool, dist=dist, n=n, error=err[:160])
     res = json.loads(lines[-1])
+    if cache_key is not None:
+        _TRL_CACHE[cache_key] = dict(res)
     if note:
         res["reduced_n"] = res["n"]
         res["n"] = n
@@ -396,8 +425,13 @@ def render(results: list[dict], args, env: dict) -> str:
         f"{env['cpu']}, {env['cores']} cores (shared), Python {env['python']}, numpy {env['numpy']}; "
         f"versions: {', '.join(f'{k} {v}' for k, v in env['versions'].items())}. "
         "Time = median of repeated calls in one fresh process per row; "
-        "mem = peak RSS growth during the first call (VmHWM after `clear_refs` reset), bytes per input sequence, output included.\n"
+        "mem = peak RSS growth during the first call (VmHWM after `clear_refs` reset), bytes per input sequence, output included. "
+        f"Load average (1/5/15 min) at start {env.get('loadavg_start')}, at end {env.get('loadavg_end')}. "
+        f"fastpack build: {env.get('fastpack_snapshot_of') or env.get('fastpack_build')}"
+        f"{' (workers import a copy taken at start)' if env.get('fastpack_snapshot_of') else ''}.\n"
     )
+    if env.get("warning"):
+        out.append(f"**WARNING: {env['warning']}.**\n")
     by_key: dict = {}
     for r in results:
         by_key.setdefault((r["dist"], r["n"]), []).append(r)
@@ -412,12 +446,12 @@ def render(results: list[dict], args, env: dict) -> str:
                 f"{any_r['items']:,} items after splitting, lower bound {-(-any_r['total_tokens'] // args.max_len):,} packs"
             )
         out.append(head + "\n")
-        out.append("| tool | input | time | core time (no conversion) | packs | packs / LB | efficiency | mem (B/seq) | time vs fastpack |")
-        out.append("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+        out.append("| tool | input | time (median) | min | core time (no conversion) | packs | packs / LB | efficiency | mem (B/seq) | time vs fastpack |")
+        out.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
         fp = next((r for r in ok if r["tool"] == "fastpack-bfd"), None)
         for r in rows:
             if "error" in r:
-                out.append(f"| {r['tool']} | n/a ({r['error'].replace('|', '/')}) | | | | | | | |")
+                out.append(f"| {r['tool']} | n/a ({r['error'].replace('|', '/')}) | | | | | | | | |")
                 continue
             ratio = ""
             if fp and r is not fp and r.get("reduced_n"):
@@ -432,7 +466,7 @@ def render(results: list[dict], args, env: dict) -> str:
             mem = f"{r['bytes_per_seq']:.1f}" if r.get("bytes_per_seq") is not None else "n/a"
             core = fmt_t(r.get("core_time_s")) if "core_time_s" in r else ""
             out.append(
-                f"| {r['tool']} | {r.get('input', '')} | {fmt_t(r['time_s'])} ({len(r['times'])}×) | {core} | "
+                f"| {r['tool']} | {r.get('input', '')} | {fmt_t(r['time_s'])} ({len(r['times'])}×) | {fmt_t(min(r['times']))} | {core} | "
                 f"{packs} | {plb} | {eff} | {mem} | {ratio} |"
             )
         out.append("")
@@ -466,6 +500,40 @@ def render(results: list[dict], args, env: dict) -> str:
     return "\n".join(out)
 
 
+def fastpack_build() -> str | None:
+    """Path + mtime of the compiled fastpack extension that this process would import."""
+    try:
+        import importlib.util
+
+        spec = importlib.util.find_spec("fastpack._core")
+        if spec is None or not spec.origin:
+            return None
+        st = os.stat(spec.origin)
+        return f"{spec.origin} @ {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(st.st_mtime))}"
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def snapshot_fastpack(tmp: str) -> str | None:
+    """Copy the importable fastpack package (Python files + compiled extension) into tmp.
+
+    Workers import the copy (via PYTHONPATH), so a rebuild of the tree during a long run
+    cannot mix two builds in one table. Returns the directory to put on PYTHONPATH."""
+    import importlib.util
+    import shutil
+
+    try:
+        spec = importlib.util.find_spec("fastpack")
+    except Exception:  # noqa: BLE001
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    src = list(spec.submodule_search_locations)[0]
+    dst = os.path.join(tmp, "fastpack_snapshot")
+    shutil.copytree(src, os.path.join(dst, "fastpack"), ignore=shutil.ignore_patterns("__pycache__"))
+    return dst
+
+
 def env_info() -> dict:
     versions = {}
     for mod in ["fastpack", "seqpacker", "lightbinpack", "trl", "datasets", "pyarrow"]:
@@ -488,6 +556,7 @@ def env_info() -> dict:
         python=platform.python_version(),
         numpy=np.__version__,
         versions=versions,
+        fastpack_build=fastpack_build(),
     )
 
 
@@ -503,6 +572,7 @@ def main(argv=None):
     ap.add_argument("--rep-budget", type=float, default=15.0, help="stop repeating a row after this many seconds")
     ap.add_argument("--timeout", type=float, default=300.0, help="per-row subprocess timeout (s)")
     ap.add_argument("--out", default=str(HERE / "results" / "pack.md"))
+    ap.add_argument("--no-snapshot", action="store_true", help="import fastpack from the tree in every worker")
     ap.add_argument("--worker", nargs=7, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
@@ -519,9 +589,13 @@ def main(argv=None):
             ap.error(f"unknown tool {t!r}; choose from {ALL_TOOLS}")
     dists = [d.strip() for d in args.dists.split(",")]
     env = env_info()
+    load0 = [round(x, 2) for x in os.getloadavg()]
     results = []
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench_pack_") as tmp:
+        args.snapshot = None if args.no_snapshot else snapshot_fastpack(tmp)
+        if args.snapshot:
+            env["fastpack_snapshot_of"] = fastpack_build()
         for dist in dists:
             for n in sizes:
                 raw = gen_lengths(dist, n, args.max_len)
@@ -550,6 +624,13 @@ def main(argv=None):
                     )
                 os.remove(paths[0])
                 os.remove(paths[1])
+    if not env.get("fastpack_snapshot_of"):
+        env["fastpack_build_end"] = fastpack_build()
+        if env["fastpack_build_end"] != env["fastpack_build"]:
+            print("WARNING: the fastpack extension changed during the run; rerun", file=sys.stderr)
+            env["warning"] = "fastpack extension was rebuilt during the run: rows may mix builds"
+    env["loadavg_start"] = load0
+    env["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     md = render(results, args, env)
     print(md)
     out = Path(args.out)
