@@ -104,6 +104,36 @@ def test_logits_equal_one_by_one(arch: str, impl: str, mask: str) -> None:
     assert check_logits(model, batch, feats) <= ATOL
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_registered_varlen_attention_equals_one_by_one(arch: str) -> None:
+    from fastpack.torch import register_hf_attention
+
+    name = register_hf_attention()
+    model = MODELS[arch](name)
+    feats = samples()
+    batch = PackedCollator(max_len=128, backend="flash")(feats)
+    assert batch["input_ids"].shape[0] == 1 and "attention_mask" not in batch
+    spy = []
+    original = torch.nn.functional.scaled_dot_product_attention
+
+    def counting_sdpa(q: Any, k: Any, v: Any, *args: Any, **kwargs: Any) -> Any:
+        spy.append(k.shape[-2])
+        return original(q, k, v, *args, **kwargs)
+
+    torch.nn.functional.scaled_dot_product_attention = counting_sdpa
+    try:
+        worst = check_logits(model, batch, feats)
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = original
+    assert worst <= ATOL
+    # Per-sequence attention on the packed row: no call sees more than one sequence.
+    assert spy and max(spy[: len(feats)]) <= max(LENGTHS)
+    model.train()
+    loss = model(**batch).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+
+
 @pytest.mark.skipif(
     not os.environ.get("FASTPACK_SLOW_TESTS"),
     reason="flex attention compiles with inductor on the CPU (~40 s); set FASTPACK_SLOW_TESTS=1",
