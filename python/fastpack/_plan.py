@@ -15,6 +15,9 @@ from ._errors import FastpackError, FastpackTypeError
 __all__ = ["OVERLONG_POLICIES", "STRATEGIES", "Bucket", "Plan", "pack"]
 
 STRATEGIES = ("bfd", "ffd", "next_fit", "wrapped")
+# Below this many sequences one thread is faster than waking the pool (measured: 10^4
+# SFT-like lengths pack in 0.36 ms on 1 thread, 0.54 ms on 2).
+_SMALL_INPUT = 1 << 17
 OVERLONG_POLICIES = ("error", "truncate", "split", "drop")
 
 # Dtypes the core reads in place; anything else integral is converted once to int64.
@@ -460,6 +463,8 @@ def pack(
             why=f": at least {cap_name} ({cap}) so every pack fits a group, and int32 "
             "cu_seqlens",
         )
+    if threads is None and len(array) < _SMALL_INPUT:
+        threads = 1  # waking a pool costs more than it saves here; the plan is the same
     fields = _core.pack(
         array, max_len, strategy, overlong, reserve, seed if shuffle else None, threads,
         None, long_max_len, group_tokens,
