@@ -505,12 +505,18 @@ def _sdpa_forward(
     if native_gqa:
         kwargs["enable_gqa"] = True
     outs: list[torch.Tensor] = []
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        if end == start:
+    # One split, not a slice per sequence: autograd then backs it with one concatenation
+    # instead of a full-size zero tensor per sequence (quadratic in the number of them).
+    # The leading and trailing pieces (tokens outside cu_seqlens, normally none) are dropped.
+    sizes = [bounds[0], *(end - start for start, end in zip(bounds[:-1], bounds[1:]))]
+    sizes.append(q.shape[0] - bounds[-1])
+    q_parts, k_parts, v_parts = (t.split(sizes, dim=0)[1:-1] for t in (q, k, v))
+    for qs, ks, vs in zip(q_parts, k_parts, v_parts):
+        if qs.shape[0] == 0:
             continue
-        qi = q[start:end].transpose(0, 1).unsqueeze(0)  # (1, Hq, L, D)
-        ki = k[start:end].transpose(0, 1).unsqueeze(0)  # (1, Hkv, L, D)
-        vi = v[start:end].transpose(0, 1).unsqueeze(0)
+        qi = qs.transpose(0, 1).unsqueeze(0)  # (1, Hq, L, D)
+        ki = ks.transpose(0, 1).unsqueeze(0)  # (1, Hkv, L, D)
+        vi = vs.transpose(0, 1).unsqueeze(0)
         if groups > 1 and not native_gqa:
             ki, vi = _repeat_kv(ki, vi, groups, dim=1)
         outs.append(sdpa(qi, ki, vi, **kwargs)[0].transpose(0, 1))
