@@ -196,6 +196,20 @@ unsafe impl Sync for Out {}
 
 impl Out {
     #[inline(always)]
+    unsafe fn write_len(self, slot: usize, len: u32) {
+        *self.seqlens.add(slot) = len as i32;
+    }
+
+    /// The sample and start of a slot whose length pass 2 already wrote.
+    #[inline(always)]
+    unsafe fn write_sample(self, slot: usize, sample: u64, start: u64) {
+        *self.sample_ids.add(slot) = sample as i64;
+        if start != 0 {
+            *self.starts.add(slot) = start as i64;
+        }
+    }
+
+    #[inline(always)]
     unsafe fn write(self, slot: usize, sample: u64, start: u64, len: u64) {
         *self.sample_ids.add(slot) = sample as i64;
         // The arrays start zeroed: skipping zero starts (all of them unless sequences are
@@ -472,15 +486,20 @@ fn pack_fit<L: Length>(lengths: &[L], opts: &PackOptions, reorder: Reorder<'_>) 
         (0..shards).into_par_iter().for_each(|shard| {
             let base = shard_base[shard];
             let mut filled: Vec<u32> = Vec::new();
-            place(shard, &mut |pack, pos, k, _len| {
+            place(shard, &mut |pack, pos, k, len| {
                 if pack as usize == filled.len() {
                     filled.push(0);
                 }
                 let first = dest[base + pack as usize] + filled[pack as usize] as usize;
                 filled[pack as usize] += k as u32;
                 for j in 0..k {
-                    // SAFETY: each sorted position belongs to exactly one shard's run.
-                    unsafe { *slots_ptr.get().add(pos + j) = (first + j) as u32 };
+                    // SAFETY: each sorted position belongs to exactly one shard's run, and
+                    // each slot to one run: a run's slots are contiguous, so its seqlens are
+                    // written here in one fill rather than scattered item by item in pass 3.
+                    unsafe {
+                        *slots_ptr.get().add(pos + j) = (first + j) as u32;
+                        out.write_len(first + j, len);
+                    }
                 }
             });
         });
@@ -507,7 +526,7 @@ fn pack_fit<L: Length>(lengths: &[L], opts: &PackOptions, reorder: Reorder<'_>) 
                 let slot = slots[*pos as usize] as usize;
                 *pos += 1;
                 // SAFETY: slots are a permutation of the item slots: each written once.
-                unsafe { out.write(slot, (base + j) as u64, start, len) };
+                unsafe { out.write_sample(slot, (base + j) as u64, start) };
             }
         },
     );
