@@ -104,17 +104,18 @@ impl CapacityIndex {
     }
 }
 
-/// Best-fit decreasing. `bucket(len)` gives the sorted positions `(first, count)` of this
+/// Best-fit decreasing over `lens`, the lengths present, longest first. `bucket(len)` gives the sorted positions `(first, count)` of this
 /// shard's items of length `len`. Ties between packs of equal room go to the pack that
 /// reached that room last, which is deterministic. Returns the number of packs.
 pub(crate) fn best_fit(
     max_len: u32,
+    lens: &[u32],
     bucket: impl Fn(u32) -> (usize, usize),
     mut emit: impl Emit,
 ) -> u32 {
     let mut index = CapacityIndex::new(max_len as usize);
     let mut packs = 0u32;
-    for len in (1..=max_len).rev() {
+    for &len in lens {
         let (mut pos, mut left) = bucket(len);
         while left > 0 {
             let (pack, room) = match index.find_at_least(len as usize) {
@@ -184,12 +185,13 @@ impl RoomTree {
 /// First-fit decreasing: each item goes to the lowest-numbered pack with room.
 pub(crate) fn first_fit(
     max_len: u32,
+    lens: &[u32],
     bucket: impl Fn(u32) -> (usize, usize),
     mut emit: impl Emit,
 ) -> u32 {
     let mut rooms = RoomTree::new();
     let mut packs = 0u32;
-    for len in (1..=max_len).rev() {
+    for &len in lens {
         let (mut pos, mut left) = bucket(len);
         while left > 0 {
             let (pack, room) = match rooms.first_at_least(len) {

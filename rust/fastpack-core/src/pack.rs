@@ -388,6 +388,8 @@ fn pack_fit<L: Length>(lengths: &[L], opts: &PackOptions, reorder: Reorder<'_>) 
 
     let items = tally.items as usize;
 
+    // The lengths present, longest first: the placement visits only these.
+    let lens: Vec<u32> = (1..=max_len).rev().filter(|&l| hist[l] > 0).map(|l| l as u32).collect();
     // Shards: each takes an even share of every bucket and is packed on its own.
     let shards = items.div_ceil(opts.shard_items).max(1);
     let bucket = |shard: usize| {
@@ -403,8 +405,8 @@ fn pack_fit<L: Length>(lengths: &[L], opts: &PackOptions, reorder: Reorder<'_>) 
     let place = |shard: usize, emit: &mut dyn FnMut(u32, usize, usize, u32)| -> u32 {
         let max_len = opts.max_len as u32;
         match opts.strategy {
-            Strategy::FirstFitDecreasing => first_fit_dyn(max_len, bucket(shard), emit),
-            _ => best_fit_dyn(max_len, bucket(shard), emit),
+            Strategy::FirstFitDecreasing => first_fit_dyn(max_len, &lens, bucket(shard), emit),
+            _ => best_fit_dyn(max_len, &lens, bucket(shard), emit),
         }
     };
 
@@ -547,18 +549,20 @@ impl SyncPtr {
 
 fn best_fit_dyn(
     max_len: u32,
+    lens: &[u32],
     bucket: impl Fn(u32) -> (usize, usize),
     emit: &mut dyn FnMut(u32, usize, usize, u32),
 ) -> u32 {
-    fit::best_fit(max_len, bucket, emit)
+    fit::best_fit(max_len, lens, bucket, emit)
 }
 
 fn first_fit_dyn(
     max_len: u32,
+    lens: &[u32],
     bucket: impl Fn(u32) -> (usize, usize),
     emit: &mut dyn FnMut(u32, usize, usize, u32),
 ) -> u32 {
-    fit::first_fit(max_len, bucket, emit)
+    fit::first_fit(max_len, lens, bucket, emit)
 }
 
 /// Order-preserving strategies: one sequential walk, run twice (count, then write).
