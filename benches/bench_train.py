@@ -503,7 +503,7 @@ def markdown(res: dict[str, Any], command: str, k: int) -> str:
         f"Medians of per-step numbers pooled over the seeds; \"quiet\": the {n_quiet} of "
         f"{n_steps} steps during which other processes used < {a['quiet']:g} CPU, as "
         "seen from `/proc/stat` (the machine is shared, and an oversubscribed 2-thread run slows down by a roughly fixed "
-        "amount per kernel, which compresses the ratios). The three methods run interleaved, "
+        "amount per kernel, which distorts the ratios). The three methods run interleaved, "
         "step by step.",
         "",
         "| method | tokens/s (quiet) | vs padded | time/step (quiet) | tokens/s (all) "
