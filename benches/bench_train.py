@@ -28,8 +28,8 @@ step. Tokens/s counts real (non-pad) input tokens. The experiment repeats for ev
 ``--seeds`` (init, samples, order); losses are reported as mean and spread over seeds.
 Results go to ``benches/results/train.md``, ``train.json`` and ``train_loss.png``.
 
-    python benches/bench_train.py              # 3 seeds x 3 methods x 200 steps: ~10 min
-                                               # on 2 idle cores (~3 min per seed)
+    python benches/bench_train.py              # 3 seeds x 3 methods x 200 steps: ~11 min
+                                               # on 2 idle cores (~3.5 min per seed)
     python benches/bench_train.py --seeds 0    # one seed
     python benches/bench_train.py --quick      # 10-step smoke run
 """
@@ -502,9 +502,9 @@ def markdown(res: dict[str, Any], command: str, k: int) -> str:
         "",
         f"Medians of per-step numbers pooled over the seeds; \"quiet\": the {n_quiet} of "
         f"{n_steps} steps during which other processes used < {a['quiet']:g} CPU, as "
-        "seen from `/proc/stat` (the machine is shared, and an oversubscribed 2-thread run slows down by a roughly fixed "
-        "amount per kernel, which distorts the ratios). The three methods run interleaved, "
-        "step by step.",
+        "seen from `/proc/stat` (the machine is shared, and an oversubscribed 2-thread run "
+        "slows down several-fold and unevenly across methods, which distorts the ratios). "
+        "The three methods run interleaved, step by step.",
         "",
         "| method | tokens/s (quiet) | vs padded | time/step (quiet) | tokens/s (all) "
         "| vs padded | collate/step | padding | real tokens/step | rows x width (median) "
