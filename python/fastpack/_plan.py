@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Union
@@ -63,11 +62,7 @@ def as_lengths(lengths: Any, name: str = "lengths") -> np.ndarray:
         tensor = lengths.detach()
         if tensor.device.type != "cpu":
             tensor = tensor.cpu()
-        if tensor.dtype.is_floating_point or tensor.dtype.is_complex or str(tensor.dtype) in (
-            "torch.bool",
-        ):
-            if str(tensor.dtype) == "torch.bool":
-                raise FastpackTypeError(f"{name}: expected integers, got a bool tensor")
+        # Floating tensors go through the same whole-number check as numpy floats below.
         lengths = tensor.contiguous().numpy()
     if isinstance(lengths, (str, bytes, dict)) or np.isscalar(lengths):
         raise FastpackTypeError(
@@ -450,7 +445,6 @@ def pack(
         threads = _int_arg("threads", threads, minimum=1, maximum=4096)
     if not isinstance(shuffle, (bool, np.bool_)):
         raise FastpackTypeError(f"shuffle: expected a bool, got {type(shuffle).__name__}")
-    max_len = operator.index(max_len)
     if long_max_len is not None:
         long_max_len = _int_arg(
             "long_max_len", long_max_len, minimum=max_len + 1,

@@ -20,10 +20,12 @@ enum Class {
         len: u64,
         cut: u64,
     },
-    /// `full` segments of `max_len`, then one of `rest` tokens if `rest > 0`.
+    /// `full` segments of `max_len`, then one of `rest` tokens if `rest > 0`; `len`
+    /// tokens in all (reserved slots included).
     Split {
         full: u64,
         rest: u64,
+        len: u64,
     },
     Dropped,
     Overlong,
@@ -46,9 +48,11 @@ fn classify(raw: Option<u64>, opts: &PackOptions) -> Class {
         Overlong::Error => Class::Overlong,
         Overlong::Truncate => Class::Whole { len: opts.max_len, cut: extended - opts.max_len },
         Overlong::Drop => Class::Dropped,
-        Overlong::Split => {
-            Class::Split { full: extended / opts.max_len, rest: extended % opts.max_len }
-        }
+        Overlong::Split => Class::Split {
+            full: extended / opts.max_len,
+            rest: extended % opts.max_len,
+            len: extended,
+        },
     }
 }
 
@@ -92,11 +96,11 @@ impl Tally {
                     self.truncated_tokens += cut as u128;
                 }
             }
-            Class::Split { full, rest } => {
+            Class::Split { full, rest, len } => {
                 self.split_sequences += 1;
                 self.full_pieces += full;
                 self.items += (rest > 0) as u64;
-                self.tokens += raw.unwrap_or(0) as u128;
+                self.tokens += len as u128;
             }
             Class::Dropped => {
                 self.dropped_sequences += 1;
@@ -133,9 +137,39 @@ impl Tally {
     }
 }
 
-/// Split tokens of a split sequence include its reserved slots: count them once here.
-fn split_tokens_with_reserve(t: &mut Tally, opts: &PackOptions) {
-    t.tokens += t.split_sequences as u128 * opts.reserve as u128;
+/// Classifies and tallies one chunk of the input (its first index is `base`), counting
+/// the packed lengths into `hist` when given.
+fn tally_chunk<L: Length>(
+    chunk: &[L],
+    base: u64,
+    opts: &PackOptions,
+    mut hist: Option<&mut [u32]>,
+) -> Tally {
+    let mut tally = Tally::default();
+    // Fast path: a length that fits as it is (most of them). Tokens fit in u64 here: at
+    // most 2^32 items of at most 2^24 tokens per chunk.
+    let (mut fast_items, mut fast_tokens) = (0u64, 0u64);
+    for (j, &raw) in chunk.iter().enumerate() {
+        let value = raw.to_u64();
+        if let Some(len) = fits(value, opts) {
+            if let Some(h) = hist.as_deref_mut() {
+                h[len as usize] += 1;
+            }
+            fast_items += 1;
+            fast_tokens += len;
+            continue;
+        }
+        let class = classify(value, opts);
+        if let (Some(h), Class::Whole { len, .. } | Class::Split { rest: len, .. }) =
+            (hist.as_deref_mut(), class)
+        {
+            h[len as usize] += (len > 0) as u32;
+        }
+        tally.add(base + j as u64, value, class, || raw.to_i128());
+    }
+    tally.items += fast_items;
+    tally.tokens += fast_tokens as u128;
+    tally
 }
 
 fn check_tally(t: &Tally, n: usize, opts: &PackOptions) -> Result<Stats> {
@@ -325,33 +359,12 @@ fn pack_fit<L: Length>(lengths: &[L], opts: &PackOptions, reorder: Reorder<'_>) 
         .par_chunks(chunk_len)
         .enumerate()
         .map(|(c, chunk)| {
-            let mut tally = Tally::default();
             let mut hist = vec![0u32; max_len + 1];
-            let base = (c * chunk_len) as u64;
-            // Fast path: a length that fits as it is (most of them). Tokens fit in u64 here:
-            // at most 2^32 items of at most 2^24 tokens per chunk.
-            let (mut fast_items, mut fast_tokens) = (0u64, 0u64);
-            for (j, &raw) in chunk.iter().enumerate() {
-                let value = raw.to_u64();
-                if let Some(len) = fits(value, opts) {
-                    hist[len as usize] += 1;
-                    fast_items += 1;
-                    fast_tokens += len;
-                    continue;
-                }
-                let class = classify(value, opts);
-                if let Class::Whole { len, .. } | Class::Split { rest: len, .. } = class {
-                    hist[len as usize] += (len > 0) as u32;
-                }
-                tally.add(base + j as u64, value, class, || raw.to_i128());
-            }
-            tally.items += fast_items;
-            tally.tokens += fast_tokens as u128;
+            let tally = tally_chunk(chunk, (c * chunk_len) as u64, opts, Some(&mut hist));
             (tally, hist)
         })
         .collect();
-    let mut tally = per_chunk.iter().fold(Tally::default(), |acc, (t, _)| acc.merge(t));
-    split_tokens_with_reserve(&mut tally, opts);
+    let tally = per_chunk.iter().fold(Tally::default(), |acc, (t, _)| acc.merge(t));
     let stats = check_tally(&tally, n, opts)?;
 
     // Stable counting sort, longest first: bucket `len` starts after all longer buckets.
@@ -520,7 +533,7 @@ fn pack_fit<L: Length>(lengths: &[L], opts: &PackOptions, reorder: Reorder<'_>) 
                     Some(len) => (len, 0),
                     None => match classify(value, opts) {
                         Class::Whole { len, .. } => (len, 0),
-                        Class::Split { full, rest } if rest > 0 => (rest, full * opts.max_len),
+                        Class::Split { full, rest, .. } if rest > 0 => (rest, full * opts.max_len),
                         _ => continue,
                     },
                 };
@@ -573,20 +586,11 @@ fn pack_in_order<L: Length>(
 ) -> Result<Arrays> {
     let n = lengths.len();
     let chunk_len = n.div_ceil(chunking(n, 1)).max(1);
-    let mut tally = lengths
+    let tally = lengths
         .par_chunks(chunk_len)
         .enumerate()
-        .map(|(c, chunk)| {
-            let mut tally = Tally::default();
-            let base = (c * chunk_len) as u64;
-            for (j, &raw) in chunk.iter().enumerate() {
-                let value = raw.to_u64();
-                tally.add(base + j as u64, value, classify(value, opts), || raw.to_i128());
-            }
-            tally
-        })
+        .map(|(c, chunk)| tally_chunk(chunk, (c * chunk_len) as u64, opts, None))
         .reduce(Tally::default, |a, b| a.merge(&b));
-    split_tokens_with_reserve(&mut tally, opts);
     let mut stats = check_tally(&tally, n, opts)?;
 
     let mut counts: Vec<u32> = Vec::new();
@@ -661,7 +665,7 @@ fn walk<L: Length>(
                 emit(packs - 1, i, 0, len);
                 fill += len;
             }
-            (_, Class::Split { full, rest }) => {
+            (_, Class::Split { full, rest, .. }) => {
                 for piece in 0..full {
                     packs += 1;
                     emit(packs - 1, i, piece * m, m);
