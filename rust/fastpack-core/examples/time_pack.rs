@@ -1,9 +1,10 @@
-//! Times `pack` on synthetic SFT-like lengths: `cargo run --release --example time_pack -- N`.
+//! Times `pack` on synthetic lengths:
+//! `cargo run --release --example time_pack -- N THREADS [sft|pretrain] [bfd|...]`.
 //! A quick profile aid for the core; the benchmarks against peers live in `benches/`.
 
 use std::time::Instant;
 
-use fastpack_core::{pack, pool, PackOptions, Strategy};
+use fastpack_core::{pack, pool, Overlong, PackOptions, Strategy};
 
 fn main() {
     let n: usize = std::env::args().nth(1).and_then(|a| a.parse().ok()).unwrap_or(10_000_000);
@@ -14,10 +15,22 @@ fn main() {
         state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
         ((state >> 11) as f64 + 0.5) / (1u64 << 53) as f64
     };
+    let pretrain = std::env::args().nth(3).as_deref() == Some("pretrain");
+    let log_normal = |mean: f64, uniform: &mut dyn FnMut() -> f64| {
+        let z = (-2.0 * uniform().ln()).sqrt() * (2.0 * std::f64::consts::PI * uniform()).cos();
+        (mean.ln() - 0.5 + z).exp()
+    };
+    // As in benches/bench_pack.py: SFT-like log-normal (mean 300) clipped to max_len, or
+    // pretraining-like 80% log-normal (mean 600) + 20% Pareto(1.5) tail, split over-long.
     let lengths: Vec<i64> = (0..n)
         .map(|_| {
-            let z = (-2.0 * uniform().ln()).sqrt() * (2.0 * std::f64::consts::PI * uniform()).cos();
-            ((300f64.ln() - 0.5 + z).exp().round() as i64).clamp(1, 4096)
+            if !pretrain {
+                return (log_normal(300.0, &mut uniform).round() as i64).clamp(1, 4096);
+            }
+            let body = log_normal(600.0, &mut uniform);
+            let tail = 1850.0 * uniform().powf(-1.0 / 1.5);
+            let x = if uniform() < 0.2 { tail } else { body };
+            (x.round() as i64).clamp(1, 131_072)
         })
         .collect();
     for (name, strategy, shuffle) in [
@@ -26,9 +39,15 @@ fn main() {
         ("ffd", Strategy::FirstFitDecreasing, None),
         ("next_fit", Strategy::NextFit, None),
     ] {
+        if std::env::args().nth(4).is_some_and(|only| only != name) {
+            continue;
+        }
         let mut opts = PackOptions::new(4096);
         opts.strategy = strategy;
         opts.shuffle_seed = shuffle;
+        if pretrain {
+            opts.overlong = Overlong::Split;
+        }
         let mut best = f64::INFINITY;
         let mut packs = 0;
         for _ in 0..5 {

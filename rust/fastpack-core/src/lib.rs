@@ -12,6 +12,15 @@
 //! assert_eq!(plan.stats.total_tokens, 16);
 //! ```
 
+/// `trace!(start, "phase")` prints the time since `start` with the `trace` feature, and
+/// compiles to nothing without it.
+macro_rules! trace {
+    ($start:expr, $phase:expr) => {
+        #[cfg(feature = "trace")]
+        eprintln!("{:>8.2} ms  {}", $start.elapsed().as_secs_f64() * 1e3, $phase);
+    };
+}
+
 mod error;
 mod fit;
 pub mod layout;

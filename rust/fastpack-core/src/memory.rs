@@ -10,19 +10,45 @@ pub(crate) fn zeroed<T: Copy + Default + Zeroable>(n: usize) -> Vec<T> {
     v
 }
 
+/// An empty vector with room for `capacity` items, advised to use huge pages when large:
+/// for arrays indexed at random (per-pack state), where 4 KiB pages cost a TLB miss per
+/// access.
+pub(crate) fn with_capacity<T>(capacity: usize) -> Vec<T> {
+    let v = Vec::with_capacity(capacity);
+    advise_huge(v.as_ptr() as *const u8, capacity * std::mem::size_of::<T>());
+    v
+}
+
+/// Touches every page of a fresh zeroed buffer, in parallel, so that its page faults (and
+/// the kernel's zeroing) are paid by whichever threads are idle rather than later by a
+/// sequential writer.
+pub(crate) fn prefault<T: Zeroable + Send>(v: &mut [T]) {
+    use rayon::prelude::*;
+    const PAGE: usize = 4096;
+    let step = (PAGE / std::mem::size_of::<T>()).max(1);
+    v.par_chunks_mut(step * 512).for_each(|chunk| {
+        for i in (0..chunk.len()).step_by(step) {
+            // SAFETY: in bounds; writing the value the buffer already holds.
+            unsafe { std::ptr::write_volatile(chunk.as_mut_ptr().add(i), T::ZERO) };
+        }
+    });
+}
+
 /// Types whose `vec![0; n]` comes from `calloc` (so nothing is touched up front).
-pub(crate) trait Zeroable: Sized {
+pub(crate) trait Zeroable: Sized + Copy {
+    const ZERO: Self;
     fn zeroed_vec(n: usize) -> Vec<Self>;
 }
 
 macro_rules! zeroable {
     ($($t:ty),*) => {$(
         impl Zeroable for $t {
+            const ZERO: Self = 0;
             fn zeroed_vec(n: usize) -> Vec<Self> { vec![0; n] }
         }
     )*};
 }
-zeroable!(u32, i32, i64, usize);
+zeroable!(u32, u64, i32, i64, usize);
 
 #[cfg(target_os = "linux")]
 fn advise_huge(ptr: *const u8, bytes: usize) {

@@ -2,12 +2,14 @@
 //! the result out as a CSR [`Plan`], shuffled or not, in two passes (count, then write)
 //! so every output array is allocated once at its final size.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use rayon::prelude::*;
 
 use crate::error::{Error, Result};
 use crate::fit;
 use crate::length::Length;
-use crate::memory::zeroed;
+use crate::memory::{self, prefault, zeroed};
 use crate::plan::{Overlong, PackOptions, Plan, Stats, Strategy, MAX_ITEMS};
 use crate::shuffle::permutation;
 
@@ -76,6 +78,8 @@ struct Tally {
     split_sequences: u64,
     /// Segments of exactly `max_len` from split sequences (each a pack of its own).
     full_pieces: u64,
+    /// Split sequences that leave a remainder (shorter than `max_len`) to pack.
+    remainders: u64,
     /// Segments that go through the sort: whole sequences and split remainders.
     items: u64,
     tokens: u128,
@@ -99,6 +103,7 @@ impl Tally {
             Class::Split { full, rest, len } => {
                 self.split_sequences += 1;
                 self.full_pieces += full;
+                self.remainders += (rest > 0) as u64;
                 self.items += (rest > 0) as u64;
                 self.tokens += len as u128;
             }
@@ -128,6 +133,7 @@ impl Tally {
         self.truncated_tokens += other.truncated_tokens;
         self.split_sequences += other.split_sequences;
         self.full_pieces += other.full_pieces;
+        self.remainders += other.remainders;
         self.items += other.items;
         self.tokens += other.tokens;
         self.overlong += other.overlong;
@@ -229,12 +235,7 @@ unsafe impl Send for Out {}
 unsafe impl Sync for Out {}
 
 impl Out {
-    #[inline(always)]
-    unsafe fn write_len(self, slot: usize, len: u32) {
-        *self.seqlens.add(slot) = len as i32;
-    }
-
-    /// The sample and start of a slot whose length pass 2 already wrote.
+    /// The sample and start of a slot whose length is already written.
     #[inline(always)]
     unsafe fn write_sample(self, slot: usize, sample: u64, start: u64) {
         *self.sample_ids.add(slot) = sample as i64;
@@ -256,17 +257,19 @@ impl Out {
 }
 
 /// Sets the pack order: `Some(order)` lists the old pack at each new position.
-pub(crate) type Reorder<'a> = Option<&'a mut dyn FnMut(&[i64]) -> Vec<u32>>;
+pub(crate) type Reorder<'a> = Option<&'a mut (dyn FnMut(&[i64]) -> Vec<u32> + Send)>;
 
-/// The CSR offsets of packs of the given segment counts, and each pack's first slot, in
-/// the order `reorder` picks from the packs' token fills, else shuffled by the seed, else
-/// as placed. The writers then fill the final layout directly: no second copy of the plan.
+/// The CSR offsets of packs of the given segment counts, and each pack's first slot (a
+/// cursor the writers advance; it reuses `counts`' memory): in the order `reorder` picks
+/// from the packs' token fills, else shuffled by the seed, else as placed. The writers
+/// then fill the final layout directly: no second copy of the plan. Slots fit in u32: a
+/// plan holds at most MAX_ITEMS segments.
 fn lay_out(
-    counts: &[u32],
+    mut counts: Vec<u32>,
     fills: &[i64],
     reorder: Reorder<'_>,
     seed: Option<u64>,
-) -> (Vec<i64>, Vec<usize>) {
+) -> (Vec<i64>, Vec<u32>) {
     // perm[g] = new position of pack g.
     let perm = match reorder {
         Some(f) => {
@@ -280,24 +283,33 @@ fn lay_out(
         }
         None => seed.map(|s| permutation(counts.len(), s)),
     };
-    let mut sizes = counts.to_vec();
-    if let Some(perm) = &perm {
-        for (g, &q) in perm.iter().enumerate() {
-            sizes[q as usize] = counts[g];
+    let mut offsets = memory::with_capacity(counts.len() + 1);
+    offsets.push(0i64);
+    let mut acc = 0i64;
+    match perm {
+        None => {
+            for c in counts.iter_mut() {
+                let size = *c;
+                *c = acc as u32;
+                acc += size as i64;
+                offsets.push(acc);
+            }
+        }
+        Some(perm) => {
+            let mut sizes = vec![0u32; counts.len()];
+            for (g, &q) in perm.iter().enumerate() {
+                sizes[q as usize] = counts[g];
+            }
+            for size in sizes {
+                acc += size as i64;
+                offsets.push(acc);
+            }
+            for (c, &q) in counts.iter_mut().zip(&perm) {
+                *c = offsets[q as usize] as u32;
+            }
         }
     }
-    let mut offsets = Vec::with_capacity(counts.len() + 1);
-    let mut acc = 0i64;
-    offsets.push(0);
-    for &c in &sizes {
-        acc += c as i64;
-        offsets.push(acc);
-    }
-    let dest = match &perm {
-        Some(perm) => perm.iter().map(|&q| offsets[q as usize] as usize).collect(),
-        None => offsets[..counts.len()].iter().map(|&o| o as usize).collect(),
-    };
-    (offsets, dest)
+    (offsets, counts)
 }
 
 fn chunking(n: usize, max_len: u64) -> usize {
@@ -354,6 +366,8 @@ fn pack_fit<L: Length>(lengths: &[L], opts: &PackOptions, reorder: Reorder<'_>) 
     let chunks = chunking(n, opts.max_len);
     let chunk_len = n.div_ceil(chunks).max(1);
 
+    #[cfg(feature = "trace")]
+    let start = std::time::Instant::now();
     // Pass 1: classify, tally and histogram each chunk.
     let per_chunk: Vec<(Tally, Vec<u32>)> = lengths
         .par_chunks(chunk_len)
@@ -366,6 +380,7 @@ fn pack_fit<L: Length>(lengths: &[L], opts: &PackOptions, reorder: Reorder<'_>) 
         .collect();
     let tally = per_chunk.iter().fold(Tally::default(), |acc, (t, _)| acc.merge(t));
     let stats = check_tally(&tally, n, opts)?;
+    trace!(start, "tally and histogram");
 
     // Stable counting sort, longest first: bucket `len` starts after all longer buckets.
     let mut hist = vec![0usize; max_len + 1];
@@ -389,14 +404,15 @@ fn pack_fit<L: Length>(lengths: &[L], opts: &PackOptions, reorder: Reorder<'_>) 
             *r += c as usize;
         }
     }
-    let full_before: Vec<u64> = per_chunk
+    // Per chunk: the full pieces and the split remainders of the chunks before it.
+    let (full_before, remainders_before): (Vec<u64>, Vec<u64>) = per_chunk
         .iter()
-        .scan(0u64, |acc, (t, _)| {
+        .scan((0u64, 0u64), |acc, (t, _)| {
             let before = *acc;
-            *acc += t.full_pieces;
+            *acc = (acc.0 + t.full_pieces, acc.1 + t.remainders);
             Some(before)
         })
-        .collect();
+        .unzip();
     drop(per_chunk);
 
     let items = tally.items as usize;
@@ -423,139 +439,237 @@ fn pack_fit<L: Length>(lengths: &[L], opts: &PackOptions, reorder: Reorder<'_>) 
         }
     };
 
-    // (segments, tokens) of each pack.
-    let shard_counts: Vec<Vec<(u32, u32)>> = (0..shards)
-        .into_par_iter()
-        .map(|shard| {
-            let mut counts: Vec<(u32, u32)> = Vec::new();
-            place(shard, &mut |pack, _pos, k, len| {
-                if pack as usize == counts.len() {
-                    counts.push((0, 0));
-                }
-                let c = &mut counts[pack as usize];
-                c.0 += k as u32;
-                c.1 += k as u32 * len;
-            });
-            counts
-        })
-        .collect();
-
+    // The counting sort itself, run alongside the first placement (which needs only the
+    // histogram): `sorted[pos]` is the input index of the item at sorted position `pos`.
+    // A split remainder needs its start too: its position is flagged in `is_remainder`
+    // and holds an index into `remainder_of` instead, so the replay never reads `lengths`
+    // at random.
+    let m = opts.max_len;
+    let any_split = tally.remainders > 0;
+    let mut sorted = zeroed::<u32>(items);
+    let is_remainder: Vec<AtomicU64> = if any_split {
+        (0..items.div_ceil(64)).map(|_| AtomicU64::new(0)).collect()
+    } else {
+        Vec::new()
+    };
+    // (full pieces << 32 | input index) of each split remainder, in input order; both fit
+    // in 32 bits since the plan holds at most MAX_ITEMS segments (checked above).
+    let mut remainder_of = zeroed::<u64>(tally.remainders as usize);
+    let fit_tokens = tally.tokens - tally.full_pieces as u128 * opts.max_len as u128;
+    let packs_hint = (fit_tokens / opts.max_len as u128) as usize / shards;
+    let sorted_out = SyncPtr(sorted.as_mut_ptr());
     let full = tally.full_pieces as usize;
-    let packs_total = full + shard_counts.iter().map(Vec::len).sum::<usize>();
-    if packs_total as u64 > MAX_ITEMS {
-        return Err(Error::overflow("lengths", format!("the plan would hold {packs_total} packs")));
-    }
-    let mut counts = Vec::with_capacity(packs_total);
-    counts.resize(full, 1u32);
-    let mut fills: Vec<i64> = Vec::new();
-    if reorder.is_some() {
-        fills.reserve(packs_total);
-        fills.resize(full, opts.max_len as i64);
-    }
-    let mut shard_base = Vec::with_capacity(shards);
-    for c in &shard_counts {
-        shard_base.push(counts.len());
-        counts.extend(c.iter().map(|&(n, _)| n));
-        if reorder.is_some() {
-            fills.extend(c.iter().map(|&(_, t)| t as i64));
-        }
-    }
-    drop(shard_counts);
-    let (pack_offsets, dest) = lay_out(&counts, &fills, reorder, opts.shuffle_seed);
-    drop((counts, fills));
-
     let segments = items + full;
     let mut sample_ids = zeroed::<i64>(segments);
     let mut starts = zeroed::<i64>(segments);
     let mut seqlens = zeroed::<i32>(segments);
+    let laid_out = rayon::join(
+        // Place once to count each pack's segments (and tokens), then lay the packs out.
+        || -> Result<(Vec<i64>, Vec<u32>, Vec<usize>)> {
+            let want_fills = reorder.is_some();
+            // Per shard, each pack's segment count and (for `reorder`) token fill. Shard 0's
+            // lists start with the full-piece packs: a global placement needs no copy.
+            let mut placed: Vec<(Vec<u32>, Vec<u32>)> = (0..shards)
+                .into_par_iter()
+                .map(|shard| {
+                    let lead = if shard == 0 { full } else { 0 };
+                    let capacity = lead + packs_hint + packs_hint / 64 + 16;
+                    let mut segs: Vec<u32> = memory::with_capacity(capacity);
+                    segs.resize(lead, 1);
+                    let mut fills: Vec<u32> = Vec::new();
+                    if want_fills {
+                        fills = memory::with_capacity(capacity);
+                        fills.resize(lead, m as u32);
+                    }
+                    place(shard, &mut |pack, _pos, k, len| {
+                        let g = lead + pack as usize;
+                        if g == segs.len() {
+                            segs.push(0);
+                            if want_fills {
+                                fills.push(0);
+                            }
+                        }
+                        segs[g] += k as u32;
+                        if want_fills {
+                            fills[g] += k as u32 * len;
+                        }
+                    });
+                    (segs, fills)
+                })
+                .collect();
+            trace!(start, "placement (counting)");
+            let packs_total = placed.iter().map(|(segs, _)| segs.len()).sum::<usize>();
+            if packs_total as u64 > MAX_ITEMS {
+                let message = format!("the plan would hold {packs_total} packs");
+                return Err(Error::overflow("lengths", message));
+            }
+            let mut shard_packs: Vec<usize> = placed.iter().map(|(segs, _)| segs.len()).collect();
+            shard_packs[0] -= full;
+            let (counts, fills) = if shards == 1 {
+                placed.pop().expect("one shard")
+            } else {
+                let mut counts = Vec::with_capacity(packs_total);
+                let mut fills = Vec::with_capacity(if want_fills { packs_total } else { 0 });
+                for (segs, f) in placed {
+                    counts.extend_from_slice(&segs);
+                    fills.extend_from_slice(&f);
+                }
+                (counts, fills)
+            };
+            let fills: Vec<i64> = fills.into_iter().map(i64::from).collect();
+            let (offsets, cursor) = lay_out(counts, &fills, reorder, opts.shuffle_seed);
+            trace!(start, "lay out");
+            Ok((offsets, cursor, shard_packs))
+        },
+        || {
+            let is_remainder = &is_remainder;
+            let remainder_out = SyncPtr(remainder_of.as_mut_ptr());
+            lengths.par_chunks(chunk_len).zip(cursors.par_iter_mut()).enumerate().for_each(
+                |(c, (chunk, cursor))| {
+                    let base = c * chunk_len;
+                    let mut r = remainders_before[c] as usize;
+                    for (j, &raw) in chunk.iter().enumerate() {
+                        let value = raw.to_u64();
+                        let sample = (base + j) as u32;
+                        let (len, entry) = match fits(value, opts) {
+                            Some(len) => (len, None),
+                            None => match classify(value, opts) {
+                                Class::Whole { len, .. } => (len, None),
+                                Class::Split { full, rest, .. } if rest > 0 => {
+                                    // SAFETY: each chunk owns its range of remainders.
+                                    unsafe {
+                                        *remainder_out.get().add(r) = full << 32 | sample as u64
+                                    };
+                                    r += 1;
+                                    (rest, Some(r as u32 - 1))
+                                }
+                                _ => continue,
+                            },
+                        };
+                        let pos = cursor[len as usize] as usize;
+                        cursor[len as usize] += 1;
+                        // SAFETY: the cursors of all chunks and lengths cover disjoint
+                        // position ranges: each position is written once.
+                        unsafe { *sorted_out.get().add(pos) = entry.unwrap_or(sample) };
+                        if entry.is_some() {
+                            is_remainder[pos >> 6].fetch_or(1 << (pos & 63), Ordering::Relaxed);
+                        }
+                    }
+                },
+            );
+            // The replay writes the outputs at random slots, sequentially: fault them in
+            // now, on the threads the placement leaves idle. `starts` stays untouched (all
+            // zero, no memory) unless sequences are split.
+            trace!(start, "counting sort");
+            prefault(&mut sample_ids);
+            prefault(&mut seqlens);
+            if full > 0 || any_split {
+                prefault(&mut starts);
+            }
+            trace!(start, "prefault");
+        },
+    );
+    drop(cursors);
+    let (pack_offsets, mut cursor, shard_packs) = laid_out.0?;
+    trace!(start, "joined");
+    // Full-piece packs come first and hold one segment each; the replay owns the rest.
+    let (full_slots, mut fit_cursor) = cursor.split_at_mut(full);
+    // Each shard advances the cursors of its own packs.
+    let mut shard_cursors = Vec::with_capacity(shards);
+    for &size in &shard_packs {
+        let (part, rest) = std::mem::take(&mut fit_cursor).split_at_mut(size);
+        shard_cursors.push(part);
+        fit_cursor = rest;
+    }
+    let full_slots = &*full_slots;
+
     let out = Out {
         sample_ids: sample_ids.as_mut_ptr(),
         starts: starts.as_mut_ptr(),
         seqlens: seqlens.as_mut_ptr(),
     };
-    let m = opts.max_len;
-    // Pass 2a: pieces of exactly max_len, one pack each, in input order.
-    if full > 0 {
-        let dest = &dest;
-        lengths.par_chunks(chunk_len).enumerate().for_each(|(c, chunk)| {
-            let mut pack = full_before[c] as usize;
-            let first_sample = c * chunk_len;
-            for (j, &raw) in chunk.iter().enumerate() {
-                if let Class::Split { full, .. } = classify(raw.to_u64(), opts) {
-                    for piece in 0..full {
-                        // SAFETY: one slot per full-piece pack, written once.
-                        unsafe { out.write(dest[pack], (first_sample + j) as u64, piece * m, m) };
-                        pack += 1;
-                    }
-                }
+    rayon::join(
+        // Pieces of exactly max_len, one pack each, in input order.
+        || {
+            if full == 0 {
+                return;
             }
-        });
-    }
-
-    // Pass 2b: replay each shard's placement, recording each sorted item's slot
-    // (sequential writes, cheap), then scatter the items to their slots in parallel.
-    let mut slots = zeroed::<u32>(items);
-    {
-        let slots_ptr = SyncPtr(slots.as_mut_ptr());
-        let dest = &dest;
-        (0..shards).into_par_iter().for_each(|shard| {
-            let base = shard_base[shard];
-            let mut filled: Vec<u32> = Vec::new();
-            place(shard, &mut |pack, pos, k, len| {
-                if pack as usize == filled.len() {
-                    filled.push(0);
-                }
-                let first = dest[base + pack as usize] + filled[pack as usize] as usize;
-                filled[pack as usize] += k as u32;
-                for j in 0..k {
-                    // SAFETY: each sorted position belongs to exactly one shard's run, and
-                    // each slot to one run: a run's slots are contiguous, so its seqlens are
-                    // written here in one fill rather than scattered item by item in pass 3.
-                    unsafe {
-                        *slots_ptr.get().add(pos + j) = (first + j) as u32;
-                        out.write_len(first + j, len);
+            lengths.par_chunks(chunk_len).enumerate().for_each(|(c, chunk)| {
+                let mut pack = full_before[c] as usize;
+                let first_sample = c * chunk_len;
+                for (j, &raw) in chunk.iter().enumerate() {
+                    let value = raw.to_u64();
+                    if fits(value, opts).is_some() {
+                        continue;
+                    }
+                    if let Class::Split { full, .. } = classify(value, opts) {
+                        for piece in 0..full {
+                            let (sample, start) = ((first_sample + j) as u64, piece * m);
+                            // SAFETY: one slot per full-piece pack, written once.
+                            unsafe { out.write(full_slots[pack] as usize, sample, start, m) };
+                            pack += 1;
+                        }
                     }
                 }
             });
-        });
-    }
-    drop(dest);
-
-    // Pass 3: walk the input again; the k-th item of length `len` in input order is at
-    // sorted position `bucket_start[len] + k` (a stable counting sort that is never
-    // materialized), whose slot pass 2 recorded.
-    lengths.par_chunks(chunk_len).zip(cursors.par_iter_mut()).enumerate().for_each(
-        |(c, (chunk, cursor))| {
-            let base = c * chunk_len;
-            for (j, &raw) in chunk.iter().enumerate() {
-                let value = raw.to_u64();
-                let (len, start) = match fits(value, opts) {
-                    Some(len) => (len, 0),
-                    None => match classify(value, opts) {
-                        Class::Whole { len, .. } => (len, 0),
-                        Class::Split { full, rest, .. } if rest > 0 => (rest, full * opts.max_len),
-                        _ => continue,
-                    },
-                };
-                let pos = &mut cursor[len as usize];
-                let slot = slots[*pos as usize] as usize;
-                *pos += 1;
-                // SAFETY: slots are a permutation of the item slots: each written once.
-                unsafe { out.write_sample(slot, (base + j) as u64, start) };
-            }
+            trace!(start, "full pieces");
+        },
+        // Replay each shard's placement: a run's slots are contiguous, and so are its
+        // sorted positions, so each run is one sequential copy out of `sorted`.
+        || {
+            let (sorted, is_remainder, remainder_of) = (&sorted, &is_remainder, &remainder_of);
+            let remainder_slots: Vec<Vec<u32>> = shard_cursors
+                .into_par_iter()
+                .enumerate()
+                .map(|(shard, cursor)| {
+                    let mut remainder_slots = Vec::new();
+                    place(shard, &mut |pack, pos, k, len| {
+                        let first = cursor[pack as usize] as usize;
+                        cursor[pack as usize] += k as u32;
+                        for j in 0..k {
+                            // SAFETY: each sorted position belongs to one run of one shard,
+                            // and each run owns its slots.
+                            unsafe { out.write(first + j, sorted[pos + j] as u64, 0, len as u64) };
+                        }
+                        if any_split {
+                            for j in 0..k {
+                                let p = pos + j;
+                                if is_remainder[p >> 6].load(Ordering::Relaxed) >> (p & 63) & 1 != 0
+                                {
+                                    remainder_slots.push((first + j) as u32);
+                                }
+                            }
+                        }
+                    });
+                    remainder_slots
+                })
+                .collect();
+            trace!(start, "replay");
+            // A remainder's slot holds its index into `remainder_of` so far. Resolving it
+            // here rather than in the replay keeps those random reads off the sequential
+            // path (and lets them overlap).
+            remainder_slots.par_iter().flatten().for_each(|&slot| {
+                let slot = slot as usize;
+                // SAFETY: each remainder slot is listed once; no other writer is left.
+                unsafe {
+                    let entry = remainder_of[*out.sample_ids.add(slot) as usize];
+                    out.write_sample(slot, entry & u32::MAX as u64, (entry >> 32) * m);
+                }
+            });
         },
     );
 
+    trace!(start, "done");
     Ok((stats, sample_ids, starts, seqlens, pack_offsets))
 }
 
 #[derive(Clone, Copy)]
-struct SyncPtr(*mut u32);
-// SAFETY: used only for writes to disjoint indices (see the scatter above).
-unsafe impl Send for SyncPtr {}
-unsafe impl Sync for SyncPtr {}
-impl SyncPtr {
-    fn get(self) -> *mut u32 {
+struct SyncPtr<T>(*mut T);
+// SAFETY: used only for writes to disjoint indices (see the counting sort above).
+unsafe impl<T> Send for SyncPtr<T> {}
+unsafe impl<T> Sync for SyncPtr<T> {}
+impl<T> SyncPtr<T> {
+    fn get(self) -> *mut T {
         self.0
     }
 }
@@ -611,15 +725,14 @@ fn pack_in_order<L: Length>(
     if opts.strategy == Strategy::Wrapped {
         stats.split_sequences = split;
     }
-    let (pack_offsets, dest) = lay_out(&counts, &fills, reorder, opts.shuffle_seed);
-    let mut filled = vec![0u32; counts.len()];
-    drop((counts, fills));
+    let (pack_offsets, mut cursor) = lay_out(counts, &fills, reorder, opts.shuffle_seed);
+    drop(fills);
     let mut sample_ids = zeroed::<i64>(segments);
     let mut starts = zeroed::<i64>(segments);
     let mut seqlens = zeroed::<i32>(segments);
     walk(lengths, opts, |pack, sample, start, len| {
-        let slot = dest[pack as usize] + filled[pack as usize] as usize;
-        filled[pack as usize] += 1;
+        let slot = cursor[pack as usize] as usize;
+        cursor[pack as usize] += 1;
         sample_ids[slot] = sample as i64;
         starts[slot] = start as i64;
         seqlens[slot] = len as i32;

@@ -263,3 +263,44 @@ fn empty_input_gives_an_empty_plan() {
         assert_eq!(plan.stats.empty_sequences, 2);
     }
 }
+
+/// Inputs large enough to be cut into many chunks (the per-chunk cursors, the split
+/// remainders' side table and the parallel writers all cross chunk boundaries), with
+/// over-long sequences, reserve, shuffle and shards: every invariant, on 1 and 3 threads.
+#[test]
+fn large_inputs_keep_every_invariant_across_chunks() {
+    let mut state = 0x9E37_79B9_7F4A_7C15u64;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let max_len = 512u64;
+    // Mostly short, some near max_len, 5% over-long (up to 6x), 1% empty.
+    let lengths: Vec<u32> = (0..400_000)
+        .map(|_| match next() % 100 {
+            0 => 0,
+            1..=5 => (max_len + next() % (5 * max_len)) as u32,
+            6..=20 => (max_len / 2 + next() % (max_len / 2)) as u32,
+            _ => (1 + next() % 200) as u32,
+        })
+        .collect();
+    for strategy in STRATEGIES {
+        for (overlong, reserve, shuffle, shard_items) in [
+            (Overlong::Split, 0, None, usize::MAX),
+            (Overlong::Split, 1, Some(7), usize::MAX),
+            (Overlong::Split, 0, None, 100_000),
+            (Overlong::Truncate, 2, Some(3), usize::MAX),
+            (Overlong::Drop, 0, None, usize::MAX),
+        ] {
+            let mut o = opts(max_len, strategy, overlong, reserve);
+            o.shuffle_seed = shuffle;
+            o.shard_items = shard_items;
+            let one = pool::install(Some(1), || pack(&lengths, &o)).unwrap().unwrap();
+            let three = pool::install(Some(3), || pack(&lengths, &o)).unwrap().unwrap();
+            assert_eq!(one, three, "{strategy:?} {overlong:?} reserve {reserve}");
+            check_plan(&lengths, &o, &one);
+        }
+    }
+}
