@@ -2,7 +2,8 @@
 //! the result out as a CSR [`Plan`], shuffled or not, in two passes (count, then write)
 //! so every output array is allocated once at its final size.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Mutex;
 
 use rayon::prelude::*;
 
@@ -78,8 +79,6 @@ struct Tally {
     split_sequences: u64,
     /// Segments of exactly `max_len` from split sequences (each a pack of its own).
     full_pieces: u64,
-    /// Split sequences that leave a remainder (shorter than `max_len`) to pack.
-    remainders: u64,
     /// Segments that go through the sort: whole sequences and split remainders.
     items: u64,
     tokens: u128,
@@ -103,7 +102,6 @@ impl Tally {
             Class::Split { full, rest, len } => {
                 self.split_sequences += 1;
                 self.full_pieces += full;
-                self.remainders += (rest > 0) as u64;
                 self.items += (rest > 0) as u64;
                 self.tokens += len as u128;
             }
@@ -133,7 +131,6 @@ impl Tally {
         self.truncated_tokens += other.truncated_tokens;
         self.split_sequences += other.split_sequences;
         self.full_pieces += other.full_pieces;
-        self.remainders += other.remainders;
         self.items += other.items;
         self.tokens += other.tokens;
         self.overlong += other.overlong;
@@ -404,12 +401,12 @@ fn pack_fit<L: Length>(lengths: &[L], opts: &PackOptions, reorder: Reorder<'_>) 
             *r += c as usize;
         }
     }
-    // Per chunk: the full pieces and the split remainders of the chunks before it.
-    let (full_before, remainders_before): (Vec<u64>, Vec<u64>) = per_chunk
+    // Per chunk: the full pieces and the split sequences of the chunks before it.
+    let (full_before, split_before): (Vec<u64>, Vec<u64>) = per_chunk
         .iter()
         .scan((0u64, 0u64), |acc, (t, _)| {
             let before = *acc;
-            *acc = (acc.0 + t.full_pieces, acc.1 + t.remainders);
+            *acc = (acc.0 + t.full_pieces, acc.1 + t.split_sequences);
             Some(before)
         })
         .unzip();
@@ -441,20 +438,21 @@ fn pack_fit<L: Length>(lengths: &[L], opts: &PackOptions, reorder: Reorder<'_>) 
 
     // The counting sort itself, run alongside the first placement (which needs only the
     // histogram): `sorted[pos]` is the input index of the item at sorted position `pos`.
-    // A split remainder needs its start too: its position is flagged in `is_remainder`
-    // and holds an index into `remainder_of` instead, so the replay never reads `lengths`
+    // Split sequences are listed in `split_of`, in input order, for the full-piece
+    // writer; a split remainder needs its start too, so its position is flagged in
+    // `is_remainder` and holds its index into `split_of` instead: nothing reads `lengths`
     // at random.
     let m = opts.max_len;
-    let any_split = tally.remainders > 0;
+    let any_split = tally.split_sequences > 0;
     let mut sorted = zeroed::<u32>(items);
     let is_remainder: Vec<AtomicU64> = if any_split {
         (0..items.div_ceil(64)).map(|_| AtomicU64::new(0)).collect()
     } else {
         Vec::new()
     };
-    // (full pieces << 32 | input index) of each split remainder, in input order; both fit
-    // in 32 bits since the plan holds at most MAX_ITEMS segments (checked above).
-    let mut remainder_of = zeroed::<u64>(tally.remainders as usize);
+    // (full pieces << 32 | input index) of each split sequence; both fit in 32 bits since
+    // the plan holds at most MAX_ITEMS segments (checked above).
+    let mut split_of = zeroed::<u64>(tally.split_sequences as usize);
     let fit_tokens = tally.tokens - tally.full_pieces as u128 * opts.max_len as u128;
     let packs_hint = (fit_tokens / opts.max_len as u128) as usize / shards;
     let sorted_out = SyncPtr(sorted.as_mut_ptr());
@@ -523,11 +521,11 @@ fn pack_fit<L: Length>(lengths: &[L], opts: &PackOptions, reorder: Reorder<'_>) 
         },
         || {
             let is_remainder = &is_remainder;
-            let remainder_out = SyncPtr(remainder_of.as_mut_ptr());
+            let split_out = SyncPtr(split_of.as_mut_ptr());
             lengths.par_chunks(chunk_len).zip(cursors.par_iter_mut()).enumerate().for_each(
                 |(c, (chunk, cursor))| {
                     let base = c * chunk_len;
-                    let mut r = remainders_before[c] as usize;
+                    let mut r = split_before[c] as usize;
                     for (j, &raw) in chunk.iter().enumerate() {
                         let value = raw.to_u64();
                         let sample = (base + j) as u32;
@@ -535,12 +533,13 @@ fn pack_fit<L: Length>(lengths: &[L], opts: &PackOptions, reorder: Reorder<'_>) 
                             Some(len) => (len, None),
                             None => match classify(value, opts) {
                                 Class::Whole { len, .. } => (len, None),
-                                Class::Split { full, rest, .. } if rest > 0 => {
-                                    // SAFETY: each chunk owns its range of remainders.
-                                    unsafe {
-                                        *remainder_out.get().add(r) = full << 32 | sample as u64
-                                    };
+                                Class::Split { full, rest, .. } => {
+                                    // SAFETY: each chunk owns its range of split sequences.
+                                    unsafe { *split_out.get().add(r) = full << 32 | sample as u64 };
                                     r += 1;
+                                    if rest == 0 {
+                                        continue;
+                                    }
                                     (rest, Some(r as u32 - 1))
                                 }
                                 _ => continue,
@@ -594,65 +593,72 @@ fn pack_fit<L: Length>(lengths: &[L], opts: &PackOptions, reorder: Reorder<'_>) 
             if full == 0 {
                 return;
             }
-            lengths.par_chunks(chunk_len).enumerate().for_each(|(c, chunk)| {
+            (0..full_before.len()).into_par_iter().for_each(|c| {
                 let mut pack = full_before[c] as usize;
-                let first_sample = c * chunk_len;
-                for (j, &raw) in chunk.iter().enumerate() {
-                    let value = raw.to_u64();
-                    if fits(value, opts).is_some() {
-                        continue;
-                    }
-                    if let Class::Split { full, .. } = classify(value, opts) {
-                        for piece in 0..full {
-                            let (sample, start) = ((first_sample + j) as u64, piece * m);
-                            // SAFETY: one slot per full-piece pack, written once.
-                            unsafe { out.write(full_slots[pack] as usize, sample, start, m) };
-                            pack += 1;
-                        }
+                let end = split_before.get(c + 1).map_or(split_of.len(), |&e| e as usize);
+                for &entry in &split_of[split_before[c] as usize..end] {
+                    let sample = entry & u32::MAX as u64;
+                    for piece in 0..entry >> 32 {
+                        // SAFETY: one slot per full-piece pack, written once.
+                        unsafe { out.write(full_slots[pack] as usize, sample, piece * m, m) };
+                        pack += 1;
                     }
                 }
             });
             trace!(start, "full pieces");
         },
         // Replay each shard's placement: a run's slots are contiguous, and so are its
-        // sorted positions, so each run is one sequential copy out of `sorted`.
+        // sorted positions, so each run is one sequential copy out of `sorted`. The
+        // placement itself is sequential; its runs go in batches to idle threads, which
+        // do the (random-access) writing.
         || {
-            let (sorted, is_remainder, remainder_of) = (&sorted, &is_remainder, &remainder_of);
-            let remainder_slots: Vec<Vec<u32>> = shard_cursors
-                .into_par_iter()
-                .enumerate()
-                .map(|(shard, cursor)| {
-                    let mut remainder_slots = Vec::new();
-                    place(shard, &mut |pack, pos, k, len| {
-                        let first = cursor[pack as usize] as usize;
-                        cursor[pack as usize] += k as u32;
-                        for j in 0..k {
-                            // SAFETY: each sorted position belongs to one run of one shard,
-                            // and each run owns its slots.
-                            unsafe { out.write(first + j, sorted[pos + j] as u64, 0, len as u64) };
-                        }
-                        if any_split {
-                            for j in 0..k {
-                                let p = pos + j;
-                                if is_remainder[p >> 6].load(Ordering::Relaxed) >> (p & 63) & 1 != 0
-                                {
-                                    remainder_slots.push((first + j) as u32);
+            let writer = RunWriter { sorted: &sorted, is_remainder: &is_remainder, out };
+            let remainder_slots = Mutex::new(Vec::new());
+            let in_flight = AtomicUsize::new(0);
+            let pipelined = rayon::current_num_threads() > 1;
+            rayon::scope(|scope| {
+                let (writer, remainder_slots, in_flight) = (&writer, &remainder_slots, &in_flight);
+                shard_cursors.into_par_iter().enumerate().for_each(|(shard, cursor)| {
+                    let mut mine = Vec::new();
+                    let mut batch = Vec::with_capacity(RUN_BATCH);
+                    let hand_off = |batch: Vec<Run>, mine: &mut Vec<u32>| {
+                        if pipelined && in_flight.load(Ordering::Relaxed) < RUNS_IN_FLIGHT {
+                            in_flight.fetch_add(1, Ordering::Relaxed);
+                            scope.spawn(move |_| {
+                                let mut theirs = Vec::new();
+                                writer.write(&batch, &mut theirs);
+                                if !theirs.is_empty() {
+                                    lock(remainder_slots).extend(theirs);
                                 }
-                            }
+                                in_flight.fetch_sub(1, Ordering::Relaxed);
+                            });
+                        } else {
+                            writer.write(&batch, mine);
+                        }
+                    };
+                    place(shard, &mut |pack, pos, k, len| {
+                        let slot = cursor[pack as usize];
+                        cursor[pack as usize] += k as u32;
+                        batch.push(Run { slot, pos: pos as u32, k: k as u32, len });
+                        if batch.len() == RUN_BATCH {
+                            let full = std::mem::replace(&mut batch, Vec::with_capacity(RUN_BATCH));
+                            hand_off(full, &mut mine);
                         }
                     });
-                    remainder_slots
-                })
-                .collect();
+                    writer.write(&batch, &mut mine);
+                    lock(remainder_slots).extend(mine);
+                });
+            });
+            let remainder_slots = remainder_slots.into_inner().unwrap_or_else(|e| e.into_inner());
             trace!(start, "replay");
-            // A remainder's slot holds its index into `remainder_of` so far. Resolving it
+            // A remainder's slot holds its index into `split_of` so far. Resolving it
             // here rather than in the replay keeps those random reads off the sequential
             // path (and lets them overlap).
-            remainder_slots.par_iter().flatten().for_each(|&slot| {
+            remainder_slots.par_iter().for_each(|&slot| {
                 let slot = slot as usize;
                 // SAFETY: each remainder slot is listed once; no other writer is left.
                 unsafe {
-                    let entry = remainder_of[*out.sample_ids.add(slot) as usize];
+                    let entry = split_of[*out.sample_ids.add(slot) as usize];
                     out.write_sample(slot, entry & u32::MAX as u64, (entry >> 32) * m);
                 }
             });
@@ -661,6 +667,55 @@ fn pack_fit<L: Length>(lengths: &[L], opts: &PackOptions, reorder: Reorder<'_>) 
 
     trace!(start, "done");
     Ok((stats, sample_ids, starts, seqlens, pack_offsets))
+}
+
+/// A run of the replay: `k` items of length `len` at sorted positions `pos..` go to
+/// slots `slot..` (both below MAX_ITEMS, so u32).
+struct Run {
+    slot: u32,
+    pos: u32,
+    k: u32,
+    len: u32,
+}
+
+/// Runs go from the placement to the writers in batches of this many (128 KiB)...
+const RUN_BATCH: usize = 1 << 13;
+/// ...with at most this many batches waiting, so memory stays bounded when the writers
+/// fall behind (the placement then writes its batches itself).
+const RUNS_IN_FLIGHT: usize = 4;
+
+struct RunWriter<'a> {
+    sorted: &'a [u32],
+    is_remainder: &'a [AtomicU64],
+    out: Out,
+}
+
+impl RunWriter<'_> {
+    /// Writes the runs' segments; adds the slots of split remainders among them to
+    /// `remainder_slots` (they hold an index into `split_of` until resolved).
+    fn write(&self, runs: &[Run], remainder_slots: &mut Vec<u32>) {
+        for run in runs {
+            let (slot, pos, k) = (run.slot as usize, run.pos as usize, run.k as usize);
+            for j in 0..k {
+                // SAFETY: each sorted position belongs to one run of one shard, and each
+                // run owns its slots.
+                unsafe { self.out.write(slot + j, self.sorted[pos + j] as u64, 0, run.len as u64) };
+            }
+            if self.is_remainder.is_empty() {
+                continue;
+            }
+            for j in 0..k {
+                let p = pos + j;
+                if self.is_remainder[p >> 6].load(Ordering::Relaxed) >> (p & 63) & 1 != 0 {
+                    remainder_slots.push((slot + j) as u32);
+                }
+            }
+        }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 #[derive(Clone, Copy)]
