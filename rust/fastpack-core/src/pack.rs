@@ -267,6 +267,8 @@ fn lay_out(
     reorder: Reorder<'_>,
     seed: Option<u64>,
 ) -> (Vec<i64>, Vec<u32>) {
+    #[cfg(feature = "trace")]
+    let start = std::time::Instant::now();
     // perm[g] = new position of pack g.
     let perm = match reorder {
         Some(f) => {
@@ -280,6 +282,7 @@ fn lay_out(
         }
         None => seed.map(|s| permutation(counts.len(), s)),
     };
+    trace!(start, "  pack order");
     let mut offsets = memory::with_capacity(counts.len() + 1);
     offsets.push(0i64);
     let mut acc = 0i64;
@@ -293,17 +296,18 @@ fn lay_out(
             }
         }
         Some(perm) => {
-            let mut sizes = vec![0u32; counts.len()];
-            for (g, &q) in perm.iter().enumerate() {
-                sizes[q as usize] = counts[g];
-            }
+            // Random scatter and gather over millions of packs: parallel.
+            let mut sizes = zeroed::<u32>(counts.len());
+            let sizes_out = SyncPtr(sizes.as_mut_ptr());
+            perm.par_iter().zip(&counts).for_each(|(&q, &c)| {
+                // SAFETY: `perm` is a permutation: each position written once.
+                unsafe { *sizes_out.get().add(q as usize) = c };
+            });
             for size in sizes {
                 acc += size as i64;
                 offsets.push(acc);
             }
-            for (c, &q) in counts.iter_mut().zip(&perm) {
-                *c = offsets[q as usize] as u32;
-            }
+            counts.par_iter_mut().zip(&perm).for_each(|(c, &q)| *c = offsets[q as usize] as u32);
         }
     }
     (offsets, counts)
