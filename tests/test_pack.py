@@ -212,21 +212,39 @@ def test_pack_index_forms():
 
 
 def _pack_in_child(queue):
+    small = fastpack.pack(np.arange(1, 1000) % 700 + 1, 1024).num_packs
     plan = fastpack.pack(np.arange(1, 300_000) % 700 + 1, 1024, threads=2, shuffle=True)
-    queue.put(plan.num_packs)
+    again = fastpack.pack(np.arange(1, 1000) % 700 + 1, 1024, threads=1).num_packs
+    queue.put((plan.num_packs, small, again))
 
 
 @pytest.mark.timeout(60)
 def test_works_in_a_forked_child_after_the_parent_used_threads():
+    # Both kinds of pool in the parent first: the shared 2-thread one, and the one-thread
+    # "pool" made of the calling thread itself (small inputs run there).
     lengths = np.arange(1, 300_000) % 700 + 1
     expected = fastpack.pack(lengths, 1024, threads=2, shuffle=True).num_packs
+    small = fastpack.pack(np.arange(1, 1000) % 700 + 1, 1024).num_packs
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
     child = ctx.Process(target=_pack_in_child, args=(queue,))
     child.start()
-    assert queue.get(timeout=50) == expected
+    assert queue.get(timeout=50) == (expected, small, small)
     child.join(10)
     assert child.exitcode == 0
+
+
+def test_python_threads_pack_concurrently_and_agree():
+    from concurrent.futures import ThreadPoolExecutor
+
+    rng = np.random.default_rng(5)
+    inputs = [rng.integers(1, 900, size) for size in (50, 5_000, 200_000)] * 4
+    expected = [fastpack.pack(x, 1024, shuffle=True, seed=1) for x in inputs]
+    with ThreadPoolExecutor(6) as pool:
+        got = list(pool.map(lambda x: fastpack.pack(x, 1024, shuffle=True, seed=1), inputs))
+    for e, g in zip(expected, got):
+        np.testing.assert_array_equal(e.sample_ids, g.sample_ids)
+        np.testing.assert_array_equal(e.pack_offsets, g.pack_offsets)
 
 
 def test_plan_is_picklable_for_dataloader_workers():

@@ -53,11 +53,32 @@ fn pool(threads: usize) -> Result<Arc<ThreadPool>> {
     Ok(built)
 }
 
-/// Runs `f` on a pool of `threads` workers (`None`: [`default_threads`]).
+thread_local! {
+    /// A one-thread pool made of the calling thread itself, so that one-thread work runs
+    /// right here: handing a small job to a pool thread and waking it costs more (tens of
+    /// microseconds) than packing a batch. `None` when this thread is already a worker of
+    /// another pool. Built once per thread and never dropped (rayon cannot release a pool
+    /// that adopted its builder; the cost is a few KiB per calling thread). It owns no
+    /// other thread, so it also survives `fork()`.
+    static HERE: Option<&'static ThreadPool> = rayon::ThreadPoolBuilder::new()
+        .num_threads(1)
+        .use_current_thread()
+        .build()
+        .ok()
+        .map(|pool| &*Box::leak(Box::new(pool)));
+}
+
+/// Runs `f` on a pool of `threads` workers (`None`: [`default_threads`]); one thread means
+/// the calling thread.
 pub fn install<R: Send>(threads: Option<usize>, f: impl FnOnce() -> R + Send) -> Result<R> {
     let n = threads.unwrap_or_else(default_threads);
     if n == 0 {
         return Err(Error::invalid("threads", "got 0; expected a positive number or None"));
+    }
+    if n == 1 {
+        if let Some(here) = HERE.with(|here| *here) {
+            return Ok(here.install(f));
+        }
     }
     Ok(pool(n)?.install(f))
 }
