@@ -12,14 +12,32 @@
 //! assert_eq!(plan.stats.total_tokens, 16);
 //! ```
 
-/// `trace!(start, "phase")` prints the time since `start` with the `trace` feature, and
-/// compiles to nothing without it.
+/// `trace!(start, "phase")` records the time since `start` with the `trace` feature (printed
+/// by `trace_print!()`, so printing does not disturb the timing), and compiles to nothing
+/// without it.
 macro_rules! trace {
     ($start:expr, $phase:expr) => {
         #[cfg(feature = "trace")]
-        eprintln!("{:>8.2} ms  {}", $start.elapsed().as_secs_f64() * 1e3, $phase);
+        crate::TRACE
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(($start.elapsed().as_secs_f64() * 1e3, $phase));
     };
 }
+
+macro_rules! trace_print {
+    () => {
+        #[cfg(feature = "trace")]
+        for (ms, phase) in
+            std::mem::take(&mut *crate::TRACE.lock().unwrap_or_else(|e| e.into_inner()))
+        {
+            eprintln!("{ms:>8.2} ms  {phase}");
+        }
+    };
+}
+
+#[cfg(feature = "trace")]
+static TRACE: std::sync::Mutex<Vec<(f64, &str)>> = std::sync::Mutex::new(Vec::new());
 
 mod error;
 mod fit;

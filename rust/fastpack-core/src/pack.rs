@@ -670,6 +670,7 @@ fn pack_fit<L: Length>(lengths: &[L], opts: &PackOptions, reorder: Reorder<'_>) 
     );
 
     trace!(start, "done");
+    trace_print!();
     Ok((stats, sample_ids, starts, seqlens, pack_offsets))
 }
 
