@@ -19,17 +19,23 @@ pub(crate) fn with_capacity<T>(capacity: usize) -> Vec<T> {
     v
 }
 
-/// Touches every page of a fresh zeroed buffer, in parallel, so that its page faults (and
-/// the kernel's zeroing) are paid by whichever threads are idle rather than later by a
-/// sequential writer.
-pub(crate) fn prefault<T: Zeroable + Send>(v: &mut [T]) {
+/// Room for `n` items that the caller will write every one of before reading any (and
+/// then declare with `set_len(n)`): unlike [`zeroed`], reused heap memory is not cleared
+/// first. Advised to use huge pages when large.
+pub(crate) fn unwritten<T>(n: usize) -> Vec<T> {
+    with_capacity(n)
+}
+
+/// Touches every page of a buffer's spare capacity (see [`unwritten`]), in parallel, so that
+/// its page faults (and the kernel's zeroing) are paid by whichever threads are idle rather
+/// than later by a sequential writer.
+pub(crate) fn prefault<T: Zeroable + Send>(v: &mut Vec<T>) {
     use rayon::prelude::*;
     const PAGE: usize = 4096;
     let step = (PAGE / std::mem::size_of::<T>()).max(1);
-    v.par_chunks_mut(step * 512).for_each(|chunk| {
-        for i in (0..chunk.len()).step_by(step) {
-            // SAFETY: in bounds; writing the value the buffer already holds.
-            unsafe { std::ptr::write_volatile(chunk.as_mut_ptr().add(i), T::ZERO) };
+    v.spare_capacity_mut().par_chunks_mut(step * 512).for_each(|chunk| {
+        for item in chunk.iter_mut().step_by(step) {
+            item.write(T::ZERO);
         }
     });
 }

@@ -10,7 +10,7 @@ use rayon::prelude::*;
 use crate::error::{Error, Result};
 use crate::fit;
 use crate::length::Length;
-use crate::memory::{self, prefault, zeroed};
+use crate::memory::{self, prefault, unwritten, zeroed};
 use crate::plan::{Overlong, PackOptions, Plan, Stats, Strategy, MAX_ITEMS};
 use crate::shuffle::permutation;
 
@@ -448,7 +448,7 @@ fn pack_fit<L: Length>(lengths: &[L], opts: &PackOptions, reorder: Reorder<'_>) 
     // at random.
     let m = opts.max_len;
     let any_split = tally.split_sequences > 0;
-    let mut sorted = zeroed::<u32>(items);
+    let mut sorted = unwritten::<u32>(items);
     let is_remainder: Vec<AtomicU64> = if any_split {
         (0..items.div_ceil(64)).map(|_| AtomicU64::new(0)).collect()
     } else {
@@ -456,15 +456,16 @@ fn pack_fit<L: Length>(lengths: &[L], opts: &PackOptions, reorder: Reorder<'_>) 
     };
     // (full pieces << 32 | input index) of each split sequence; both fit in 32 bits since
     // the plan holds at most MAX_ITEMS segments (checked above).
-    let mut split_of = zeroed::<u64>(tally.split_sequences as usize);
+    let mut split_of = unwritten::<u64>(tally.split_sequences as usize);
     let fit_tokens = tally.tokens - tally.full_pieces as u128 * opts.max_len as u128;
     let packs_hint = (fit_tokens / opts.max_len as u128) as usize / shards;
     let sorted_out = SyncPtr(sorted.as_mut_ptr());
     let full = tally.full_pieces as usize;
     let segments = items + full;
-    let mut sample_ids = zeroed::<i64>(segments);
+    // Every slot's sample and length are written; only the starts rely on being zero.
+    let mut sample_ids = unwritten::<i64>(segments);
     let mut starts = zeroed::<i64>(segments);
-    let mut seqlens = zeroed::<i32>(segments);
+    let mut seqlens = unwritten::<i32>(segments);
     let laid_out = rayon::join(
         // Place once to count each pack's segments (and tokens), then lay the packs out.
         || -> Result<(Vec<i64>, Vec<u32>, Vec<usize>)> {
@@ -567,12 +568,23 @@ fn pack_fit<L: Length>(lengths: &[L], opts: &PackOptions, reorder: Reorder<'_>) 
             prefault(&mut sample_ids);
             prefault(&mut seqlens);
             if full > 0 || any_split {
-                prefault(&mut starts);
+                starts.par_chunks_mut(1 << 16).for_each(|chunk| {
+                    for start in chunk.iter_mut().step_by(512) {
+                        // SAFETY: in bounds; the value it holds. Volatile: a real write,
+                        // so the page is faulted in now.
+                        unsafe { std::ptr::write_volatile(start, 0) };
+                    }
+                });
             }
             trace!(start, "prefault");
         },
     );
     drop(cursors);
+    // SAFETY: the counting sort wrote every sorted position and every split sequence.
+    unsafe {
+        sorted.set_len(items);
+        split_of.set_len(tally.split_sequences as usize);
+    }
     let (pack_offsets, mut cursor, shard_packs) = laid_out.0?;
     trace!(start, "joined");
     // Full-piece packs come first and hold one segment each; the replay owns the rest.
@@ -669,6 +681,11 @@ fn pack_fit<L: Length>(lengths: &[L], opts: &PackOptions, reorder: Reorder<'_>) 
         },
     );
 
+    // SAFETY: every slot is written: full pieces by their writer, the rest by the replay.
+    unsafe {
+        sample_ids.set_len(segments);
+        seqlens.set_len(segments);
+    }
     trace!(start, "done");
     trace_print!();
     Ok((stats, sample_ids, starts, seqlens, pack_offsets))
