@@ -223,13 +223,18 @@ fn check_tally(t: &Tally, n: usize, opts: &PackOptions) -> Result<Stats> {
 struct Out {
     sample_ids: *mut i64,
     starts: *mut i64,
-    seqlens: *mut i32,
 }
 
 // SAFETY: every slot is written by exactly one writer (each pack's slots belong to one
 // shard or one chunk), and the arrays outlive the parallel section.
 unsafe impl Send for Out {}
 unsafe impl Sync for Out {}
+
+/// Until the final pass, a slot's sample id holds `len << LEN_SHIFT | sample`: a writer
+/// then stores one word per segment instead of two, at random slots, and `seqlens` is free
+/// to hold the sorted order meanwhile. Samples (and split indices) are below 2^32, lengths
+/// at most 2^24.
+const LEN_SHIFT: u32 = 39;
 
 impl Out {
     /// The sample and start of a slot whose length is already written.
@@ -241,15 +246,15 @@ impl Out {
         }
     }
 
+    /// One segment, length packed with the sample (see [`LEN_SHIFT`]).
     #[inline(always)]
-    unsafe fn write(self, slot: usize, sample: u64, start: u64, len: u64) {
-        *self.sample_ids.add(slot) = sample as i64;
-        // The arrays start zeroed: skipping zero starts (all of them unless sequences are
+    unsafe fn write_packed(self, slot: usize, sample: u64, start: u64, len: u64) {
+        *self.sample_ids.add(slot) = (len << LEN_SHIFT | sample) as i64;
+        // `starts` starts zeroed: skipping zero starts (all of them unless sequences are
         // split) spares a random write per segment.
         if start != 0 {
             *self.starts.add(slot) = start as i64;
         }
-        *self.seqlens.add(slot) = len as i32;
     }
 }
 
@@ -441,14 +446,14 @@ fn pack_fit<L: Length>(lengths: &[L], opts: &PackOptions, reorder: Reorder<'_>) 
     };
 
     // The counting sort itself, run alongside the first placement (which needs only the
-    // histogram): `sorted[pos]` is the input index of the item at sorted position `pos`.
+    // histogram): `sorted[pos]` is the input index of the item at sorted position `pos`;
+    // it lives in `seqlens` until the replay is over (see LEN_SHIFT).
     // Split sequences are listed in `split_of`, in input order, for the full-piece
     // writer; a split remainder needs its start too, so its position is flagged in
     // `is_remainder` and holds its index into `split_of` instead: nothing reads `lengths`
     // at random.
     let m = opts.max_len;
     let any_split = tally.split_sequences > 0;
-    let mut sorted = unwritten::<u32>(items);
     let is_remainder: Vec<AtomicU64> = if any_split {
         (0..items.div_ceil(64)).map(|_| AtomicU64::new(0)).collect()
     } else {
@@ -459,13 +464,13 @@ fn pack_fit<L: Length>(lengths: &[L], opts: &PackOptions, reorder: Reorder<'_>) 
     let mut split_of = unwritten::<u64>(tally.split_sequences as usize);
     let fit_tokens = tally.tokens - tally.full_pieces as u128 * opts.max_len as u128;
     let packs_hint = (fit_tokens / opts.max_len as u128) as usize / shards;
-    let sorted_out = SyncPtr(sorted.as_mut_ptr());
     let full = tally.full_pieces as usize;
     let segments = items + full;
     // Every slot's sample and length are written; only the starts rely on being zero.
     let mut sample_ids = unwritten::<i64>(segments);
     let mut starts = zeroed::<i64>(segments);
     let mut seqlens = unwritten::<i32>(segments);
+    let sorted_out = SyncPtr(seqlens.as_mut_ptr() as *mut u32);
     let laid_out = rayon::join(
         // Place once to count each pack's segments (and tokens), then lay the packs out.
         || -> Result<(Vec<i64>, Vec<u32>, Vec<usize>)> {
@@ -566,7 +571,6 @@ fn pack_fit<L: Length>(lengths: &[L], opts: &PackOptions, reorder: Reorder<'_>) 
             // zero, no memory) unless sequences are split.
             trace!(start, "counting sort");
             prefault(&mut sample_ids);
-            prefault(&mut seqlens);
             if full > 0 || any_split {
                 starts.par_chunks_mut(1 << 16).for_each(|chunk| {
                     for start in chunk.iter_mut().step_by(512) {
@@ -581,10 +585,7 @@ fn pack_fit<L: Length>(lengths: &[L], opts: &PackOptions, reorder: Reorder<'_>) 
     );
     drop(cursors);
     // SAFETY: the counting sort wrote every sorted position and every split sequence.
-    unsafe {
-        sorted.set_len(items);
-        split_of.set_len(tally.split_sequences as usize);
-    }
+    unsafe { split_of.set_len(tally.split_sequences as usize) };
     let (pack_offsets, mut cursor, shard_packs) = laid_out.0?;
     trace!(start, "joined");
     // Full-piece packs come first and hold one segment each; the replay owns the rest.
@@ -598,12 +599,8 @@ fn pack_fit<L: Length>(lengths: &[L], opts: &PackOptions, reorder: Reorder<'_>) 
     }
     let full_slots = &*full_slots;
 
-    let out = Out {
-        sample_ids: sample_ids.as_mut_ptr(),
-        starts: starts.as_mut_ptr(),
-        seqlens: seqlens.as_mut_ptr(),
-    };
-    rayon::join(
+    let out = Out { sample_ids: sample_ids.as_mut_ptr(), starts: starts.as_mut_ptr() };
+    let written = rayon::join(
         // Pieces of exactly max_len, one pack each, in input order.
         || {
             if full == 0 {
@@ -616,7 +613,9 @@ fn pack_fit<L: Length>(lengths: &[L], opts: &PackOptions, reorder: Reorder<'_>) 
                     let sample = entry & u32::MAX as u64;
                     for piece in 0..entry >> 32 {
                         // SAFETY: one slot per full-piece pack, written once.
-                        unsafe { out.write(full_slots[pack] as usize, sample, piece * m, m) };
+                        unsafe {
+                            out.write_packed(full_slots[pack] as usize, sample, piece * m, m)
+                        };
                         pack += 1;
                     }
                 }
@@ -628,7 +627,10 @@ fn pack_fit<L: Length>(lengths: &[L], opts: &PackOptions, reorder: Reorder<'_>) 
         // placement itself is sequential; its runs go in batches to idle threads, which
         // do the (random-access) writing.
         || {
-            let writer = RunWriter { sorted: &sorted, is_remainder: &is_remainder, out };
+            // SAFETY: the counting sort wrote these `items` words; nothing else writes
+            // `seqlens` until the final pass.
+            let sorted = unsafe { std::slice::from_raw_parts(sorted_out.get(), items) };
+            let writer = RunWriter { sorted, is_remainder: &is_remainder, out };
             let remainder_slots = Mutex::new(Vec::new());
             let in_flight = AtomicUsize::new(0);
             let pipelined = rayon::current_num_threads() > 1;
@@ -667,25 +669,43 @@ fn pack_fit<L: Length>(lengths: &[L], opts: &PackOptions, reorder: Reorder<'_>) 
             });
             let remainder_slots = remainder_slots.into_inner().unwrap_or_else(|e| e.into_inner());
             trace!(start, "replay");
-            // A remainder's slot holds its index into `split_of` so far. Resolving it
-            // here rather than in the replay keeps those random reads off the sequential
-            // path (and lets them overlap).
-            remainder_slots.par_iter().for_each(|&slot| {
-                let slot = slot as usize;
-                // SAFETY: each remainder slot is listed once; no other writer is left.
-                unsafe {
-                    let entry = split_of[*out.sample_ids.add(slot) as usize];
-                    out.write_sample(slot, entry & u32::MAX as u64, (entry >> 32) * m);
-                }
-            });
+            remainder_slots
         },
     );
+    let remainder_slots = written.1;
 
-    // SAFETY: every slot is written: full pieces by their writer, the rest by the replay.
+    // Unpack: every slot's length goes to `seqlens` (over the sorted order, no longer
+    // needed), its sample stays.
+    let mask = (1u64 << LEN_SHIFT) - 1;
+    // SAFETY: every slot's packed word is written: full pieces by their writer, the rest
+    // by the replay; `seqlens` is rewritten whole here.
     unsafe {
         sample_ids.set_len(segments);
         seqlens.set_len(segments);
     }
+    sample_ids.par_chunks_mut(1 << 16).zip(seqlens.par_chunks_mut(1 << 16)).for_each(
+        |(samples, lens)| {
+            for (sample, len) in samples.iter_mut().zip(lens) {
+                let word = *sample as u64;
+                *len = (word >> LEN_SHIFT) as i32;
+                *sample = (word & mask) as i64;
+            }
+        },
+    );
+    trace!(start, "unpacked");
+    // A remainder's slot holds its index into `split_of` so far. Resolving it here rather
+    // than in the replay keeps those random reads off the sequential path (and lets them
+    // overlap).
+    remainder_slots.par_iter().for_each(|&slot| {
+        let slot = slot as usize;
+        // SAFETY: each remainder slot is listed once; no other writer is left (`out`
+        // points into the same buffers).
+        unsafe {
+            let entry = split_of[*out.sample_ids.add(slot) as usize];
+            out.write_sample(slot, entry & u32::MAX as u64, (entry >> 32) * m);
+        }
+    });
+
     trace!(start, "done");
     trace_print!();
     Ok((stats, sample_ids, starts, seqlens, pack_offsets))
@@ -721,7 +741,9 @@ impl RunWriter<'_> {
             for j in 0..k {
                 // SAFETY: each sorted position belongs to one run of one shard, and each
                 // run owns its slots.
-                unsafe { self.out.write(slot + j, self.sorted[pos + j] as u64, 0, run.len as u64) };
+                unsafe {
+                    self.out.write_packed(slot + j, self.sorted[pos + j] as u64, 0, run.len as u64)
+                };
             }
             if self.is_remainder.is_empty() {
                 continue;
