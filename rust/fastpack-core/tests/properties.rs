@@ -304,3 +304,17 @@ fn large_inputs_keep_every_invariant_across_chunks() {
         }
     }
 }
+
+/// The largest cap: lengths of 2^24 tokens survive every internal encoding.
+#[test]
+fn the_largest_cap_keeps_full_lengths() {
+    let cap = fastpack_core::MAX_LEN_LIMIT;
+    let lengths = [cap, 1, cap - 1, 2 * cap + 5, 0, cap];
+    for strategy in [Strategy::BestFitDecreasing, Strategy::FirstFitDecreasing] {
+        let o = opts(cap, strategy, Overlong::Split, 0);
+        let plan = pack(&lengths, &o).unwrap();
+        check_plan(&lengths.map(|l| l as u32), &o, &plan);
+        assert_eq!(plan.stats.total_tokens, lengths.iter().sum::<u64>());
+        assert_eq!(plan.seqlens.iter().filter(|&&l| l as u64 == cap).count(), 4);
+    }
+}
