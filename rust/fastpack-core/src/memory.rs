@@ -29,9 +29,8 @@ pub(crate) fn unwritten<T>(n: usize) -> Vec<T> {
 /// Touches every page of a buffer's spare capacity (see [`unwritten`]), in parallel, so that
 /// its page faults (and the kernel's zeroing) are paid by whichever threads are idle rather
 /// than later by a sequential writer.
-pub(crate) fn prefault<T: Zeroable + Send>(v: &mut Vec<T>) {
+pub(crate) fn prefault_unwritten<T: Zeroable + Send>(v: &mut Vec<T>) {
     use rayon::prelude::*;
-    const PAGE: usize = 4096;
     let step = (PAGE / std::mem::size_of::<T>()).max(1);
     v.spare_capacity_mut().par_chunks_mut(step * 512).for_each(|chunk| {
         for item in chunk.iter_mut().step_by(step) {
@@ -39,6 +38,21 @@ pub(crate) fn prefault<T: Zeroable + Send>(v: &mut Vec<T>) {
         }
     });
 }
+
+/// [`prefault_unwritten`] for a zeroed buffer: writes each page's first (zero) item again.
+pub(crate) fn prefault_zeroed<T: Zeroable + Send>(v: &mut [T]) {
+    use rayon::prelude::*;
+    let step = (PAGE / std::mem::size_of::<T>()).max(1);
+    v.par_chunks_mut(step * 512).for_each(|chunk| {
+        for item in chunk.iter_mut().step_by(step) {
+            // SAFETY: a valid, aligned item. Volatile: a real store, so the page is faulted
+            // in now rather than the write being dropped as a no-op.
+            unsafe { std::ptr::write_volatile(item, T::ZERO) };
+        }
+    });
+}
+
+const PAGE: usize = 4096;
 
 /// Types whose `vec![0; n]` comes from `calloc` (so nothing is touched up front).
 pub(crate) trait Zeroable: Sized + Copy {

@@ -10,7 +10,7 @@ use rayon::prelude::*;
 use crate::error::{Error, Result};
 use crate::fit;
 use crate::length::Length;
-use crate::memory::{self, prefault, unwritten, zeroed};
+use crate::memory::{self, prefault_unwritten, prefault_zeroed, unwritten, zeroed};
 use crate::plan::{Overlong, PackOptions, Plan, Stats, Strategy, MAX_ITEMS};
 use crate::shuffle::permutation;
 
@@ -570,15 +570,9 @@ fn pack_fit<L: Length>(lengths: &[L], opts: &PackOptions, reorder: Reorder<'_>) 
             // now, on the threads the placement leaves idle. `starts` stays untouched (all
             // zero, no memory) unless sequences are split.
             trace!(start, "counting sort");
-            prefault(&mut sample_ids);
+            prefault_unwritten(&mut sample_ids);
             if full > 0 || any_split {
-                starts.par_chunks_mut(1 << 16).for_each(|chunk| {
-                    for start in chunk.iter_mut().step_by(512) {
-                        // SAFETY: in bounds; the value it holds. Volatile: a real write,
-                        // so the page is faulted in now.
-                        unsafe { std::ptr::write_volatile(start, 0) };
-                    }
-                });
+                prefault_zeroed(&mut starts);
             }
             trace!(start, "prefault");
         },
