@@ -672,20 +672,20 @@ fn pack_fit<L: Length>(lengths: &[L], opts: &PackOptions, reorder: Reorder<'_>) 
     // needed), its sample stays.
     let mask = (1u64 << LEN_SHIFT) - 1;
     // SAFETY: every slot's packed word is written: full pieces by their writer, the rest
-    // by the replay; `seqlens` is rewritten whole here.
-    unsafe {
-        sample_ids.set_len(segments);
-        seqlens.set_len(segments);
-    }
-    sample_ids.par_chunks_mut(1 << 16).zip(seqlens.par_chunks_mut(1 << 16)).for_each(
+    // by the replay.
+    unsafe { sample_ids.set_len(segments) };
+    let lens = &mut seqlens.spare_capacity_mut()[..segments];
+    sample_ids.par_chunks_mut(1 << 16).zip(lens.par_chunks_mut(1 << 16)).for_each(
         |(samples, lens)| {
             for (sample, len) in samples.iter_mut().zip(lens) {
                 let word = *sample as u64;
-                *len = (word >> LEN_SHIFT) as i32;
+                len.write((word >> LEN_SHIFT) as i32);
                 *sample = (word & mask) as i64;
             }
         },
     );
+    // SAFETY: the loop above wrote every length.
+    unsafe { seqlens.set_len(segments) };
     trace!(start, "unpacked");
     // A remainder's slot holds its index into `split_of` so far. Resolving it here rather
     // than in the replay keeps those random reads off the sequential path (and lets them
