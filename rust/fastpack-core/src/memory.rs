@@ -4,8 +4,21 @@
 //! the page faults and their zeroing cost about as much as the packing itself.
 
 /// `vec![0; n]` (lazily zeroed by the OS), advised to use huge pages when it is large.
+///
+/// A buffer of 1 MiB or more is requested at no less than glibc's largest mmap threshold
+/// (32 MiB) and truncated: it then always comes from a fresh mapping, whose pages cost
+/// nothing until written, instead of from reused heap memory that `calloc` must clear
+/// (a plan's `starts` is mostly never written). Only address space is spent.
 pub(crate) fn zeroed<T: Copy + Default + Zeroable>(n: usize) -> Vec<T> {
-    let v = T::zeroed_vec(n);
+    const MMAP_ALWAYS: usize = (32 << 20) + 4096;
+    let size = std::mem::size_of::<T>();
+    let bytes = n * size;
+    let mut v = if (1 << 20..MMAP_ALWAYS).contains(&bytes) {
+        T::zeroed_vec(MMAP_ALWAYS.div_ceil(size))
+    } else {
+        T::zeroed_vec(n)
+    };
+    v.truncate(n);
     advise_huge(v.as_ptr() as *const u8, std::mem::size_of_val(v.as_slice()));
     v
 }

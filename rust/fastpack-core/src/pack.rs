@@ -302,12 +302,14 @@ fn lay_out(
         }
         Some(perm) => {
             // Random scatter and gather over millions of packs: parallel.
-            let mut sizes = zeroed::<u32>(counts.len());
+            let mut sizes = unwritten::<u32>(counts.len());
             let sizes_out = SyncPtr(sizes.as_mut_ptr());
             perm.par_iter().zip(&counts).for_each(|(&q, &c)| {
                 // SAFETY: `perm` is a permutation: each position written once.
                 unsafe { *sizes_out.get().add(q as usize) = c };
             });
+            // SAFETY: every position was written just above.
+            unsafe { sizes.set_len(counts.len()) };
             for size in sizes {
                 acc += size as i64;
                 offsets.push(acc);
@@ -820,16 +822,30 @@ fn pack_in_order<L: Length>(
     }
     let (pack_offsets, mut cursor) = lay_out(counts, &fills, reorder, opts.shuffle_seed);
     drop(fills);
-    let mut sample_ids = zeroed::<i64>(segments);
-    let mut starts = zeroed::<i64>(segments);
-    let mut seqlens = zeroed::<i32>(segments);
-    walk(lengths, opts, |pack, sample, start, len| {
-        let slot = cursor[pack as usize] as usize;
-        cursor[pack as usize] += 1;
-        sample_ids[slot] = sample as i64;
-        starts[slot] = start as i64;
-        seqlens[slot] = len as i32;
-    });
+    // The walk writes every slot of all three.
+    let mut sample_ids = unwritten::<i64>(segments);
+    let mut starts = unwritten::<i64>(segments);
+    let mut seqlens = unwritten::<i32>(segments);
+    {
+        let (ids, sts, lens) = (
+            &mut sample_ids.spare_capacity_mut()[..segments],
+            &mut starts.spare_capacity_mut()[..segments],
+            &mut seqlens.spare_capacity_mut()[..segments],
+        );
+        walk(lengths, opts, |pack, sample, start, len| {
+            let slot = cursor[pack as usize] as usize;
+            cursor[pack as usize] += 1;
+            ids[slot].write(sample as i64);
+            sts[slot].write(start as i64);
+            lens[slot].write(len as i32);
+        });
+    }
+    // SAFETY: the walk emits every segment once, and the cursors give each its own slot.
+    unsafe {
+        sample_ids.set_len(segments);
+        starts.set_len(segments);
+        seqlens.set_len(segments);
+    }
     Ok((stats, sample_ids, starts, seqlens, pack_offsets))
 }
 

@@ -97,7 +97,7 @@ pub(crate) fn permutation(n: usize, seed: u64) -> Vec<u32> {
         .collect();
     drop(counts);
 
-    let mut perm = crate::memory::zeroed::<u32>(n);
+    let mut perm = crate::memory::unwritten::<u32>(n);
     let out = perm.as_mut_ptr() as usize;
     chunks.par_iter().zip(cursors).for_each(|(range, mut cursor)| {
         for i in range.clone() {
@@ -108,6 +108,8 @@ pub(crate) fn permutation(n: usize, seed: u64) -> Vec<u32> {
             cursor[b] += 1;
         }
     });
+    // SAFETY: the buckets tile `0..n`, so every position was written just above.
+    unsafe { perm.set_len(n) };
     let mut parts = Vec::with_capacity(buckets);
     let mut rest = perm.as_mut_slice();
     for b in 0..buckets {
