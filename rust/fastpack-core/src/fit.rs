@@ -35,6 +35,13 @@ impl CapacityIndex {
         Self { levels, head: vec![NONE; max_len + 1], next: Vec::new() }
     }
 
+    /// [`CapacityIndex::new`] with room for about `packs` packs up front.
+    pub(crate) fn with_packs(max_len: usize, packs: usize) -> Self {
+        let mut index = Self::new(max_len);
+        index.next = crate::memory::with_capacity(packs);
+        index
+    }
+
     fn set(&mut self, mut bit: usize) {
         for level in &mut self.levels {
             let word = &mut level[bit >> 6];
@@ -111,9 +118,10 @@ pub(crate) fn best_fit(
     max_len: u32,
     lens: &[u32],
     bucket: impl Fn(u32) -> (usize, usize),
+    packs_hint: usize,
     mut emit: impl Emit,
 ) -> u32 {
-    let mut index = CapacityIndex::new(max_len as usize);
+    let mut index = CapacityIndex::with_packs(max_len as usize, packs_hint);
     let mut packs = 0u32;
     for &len in lens {
         let (mut pos, mut left) = bucket(len);

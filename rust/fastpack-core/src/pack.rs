@@ -439,11 +439,15 @@ fn pack_fit<L: Length>(lengths: &[L], opts: &PackOptions, reorder: Reorder<'_>) 
             (bucket_start[len as usize] + lo, hi - lo)
         }
     };
+    // About how many packs each shard opens (its tokens over max_len): room reserved up
+    // front for per-pack state.
+    let fit_tokens = tally.tokens - tally.full_pieces as u128 * opts.max_len as u128;
+    let packs_hint = (fit_tokens / opts.max_len as u128) as usize / shards;
     let place = |shard: usize, emit: &mut dyn FnMut(u32, usize, usize, u32)| -> u32 {
         let max_len = opts.max_len as u32;
         match opts.strategy {
             Strategy::FirstFitDecreasing => first_fit_dyn(max_len, &lens, bucket(shard), emit),
-            _ => best_fit_dyn(max_len, &lens, bucket(shard), emit),
+            _ => best_fit_dyn(max_len, &lens, bucket(shard), packs_hint, emit),
         }
     };
 
@@ -464,8 +468,6 @@ fn pack_fit<L: Length>(lengths: &[L], opts: &PackOptions, reorder: Reorder<'_>) 
     // (full pieces << 32 | input index) of each split sequence; both fit in 32 bits since
     // the plan holds at most MAX_ITEMS segments (checked above).
     let mut split_of = unwritten::<u64>(tally.split_sequences as usize);
-    let fit_tokens = tally.tokens - tally.full_pieces as u128 * opts.max_len as u128;
-    let packs_hint = (fit_tokens / opts.max_len as u128) as usize / shards;
     let full = tally.full_pieces as usize;
     let segments = items + full;
     // Every slot's sample and length are written; only the starts rely on being zero.
@@ -773,9 +775,10 @@ fn best_fit_dyn(
     max_len: u32,
     lens: &[u32],
     bucket: impl Fn(u32) -> (usize, usize),
+    packs_hint: usize,
     emit: &mut dyn FnMut(u32, usize, usize, u32),
 ) -> u32 {
-    fit::best_fit(max_len, lens, bucket, emit)
+    fit::best_fit(max_len, lens, bucket, packs_hint, emit)
 }
 
 fn first_fit_dyn(
