@@ -368,6 +368,12 @@ pub(crate) fn pack_ordered<L: Length>(
 
 type Arrays = (Stats, Vec<i64>, Vec<i64>, Vec<i32>, Vec<i64>);
 
+/// Best/first fit decreasing. Pass 1 tallies and histograms the lengths (parallel). Then,
+/// side by side: the placement runs once to count each pack's segments and the packs are
+/// laid out, while the other threads materialize the counting sort and fault in the
+/// outputs. The placement runs again (the replay), handing its runs to writers that copy
+/// each run out of the sorted order into its pack's slots. A last streaming pass unpacks
+/// the lengths; split remainders get their starts.
 fn pack_fit<L: Length>(lengths: &[L], opts: &PackOptions, reorder: Reorder<'_>) -> Result<Arrays> {
     let n = lengths.len();
     let max_len = opts.max_len as usize;
