@@ -1,4 +1,4 @@
-//! Materialize: turn packs of a [`Plan`](crate::Plan) plus the token data into training
+//! Materialize: turn packs of a [`Plan`] plus the token data into training
 //! rows — `input_ids`, `position_ids`, `labels`, `seq_idx`, `cu_seqlens` — ready for any
 //! attention backend.
 //!
