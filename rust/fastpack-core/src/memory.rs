@@ -32,37 +32,42 @@ pub(crate) fn with_capacity<T>(capacity: usize) -> Vec<T> {
     v
 }
 
-/// Room for `n` items that the caller will write every one of before reading any (and
-/// then declare with `set_len(n)`): unlike [`zeroed`], reused heap memory is not cleared
-/// first. Advised to use huge pages when large.
-pub(crate) fn unwritten<T>(n: usize) -> Vec<T> {
-    with_capacity(n)
-}
-
-/// Touches every page of a buffer's spare capacity (see [`unwritten`]), in parallel, so that
-/// its page faults (and the kernel's zeroing) are paid by whichever threads are idle rather
-/// than later by a sequential writer.
+/// Touches every page of a buffer's spare capacity (a [`with_capacity`] buffer the caller
+/// will write whole), in parallel, so that its page faults (and the kernel's zeroing) are
+/// paid by whichever threads are idle rather than later by a sequential writer.
 pub(crate) fn prefault_unwritten<T: Zeroable + Send>(v: &mut Vec<T>) {
-    use rayon::prelude::*;
-    let step = (PAGE / std::mem::size_of::<T>()).max(1);
-    v.spare_capacity_mut().par_chunks_mut(step * 512).for_each(|chunk| {
-        for item in chunk.iter_mut().step_by(step) {
-            item.write(T::ZERO);
-        }
-    });
+    let spare = v.spare_capacity_mut();
+    touch_pages(SyncPtr(spare.as_mut_ptr() as *mut T), spare.len());
 }
 
 /// [`prefault_unwritten`] for a zeroed buffer: writes each page's first (zero) item again.
 pub(crate) fn prefault_zeroed<T: Zeroable + Send>(v: &mut [T]) {
+    touch_pages(SyncPtr(v.as_mut_ptr()), v.len());
+}
+
+/// Writes zero to the first item of every page of `len` items at `ptr`, in parallel.
+fn touch_pages<T: Zeroable>(ptr: SyncPtr<T>, len: usize) {
     use rayon::prelude::*;
     let step = (PAGE / std::mem::size_of::<T>()).max(1);
-    v.par_chunks_mut(step * 512).for_each(|chunk| {
-        for item in chunk.iter_mut().step_by(step) {
-            // SAFETY: a valid, aligned item. Volatile: a real store, so the page is faulted
-            // in now rather than the write being dropped as a no-op.
-            unsafe { std::ptr::write_volatile(item, T::ZERO) };
-        }
+    (0..len.div_ceil(step)).into_par_iter().with_min_len(512).for_each(|page| {
+        // SAFETY: in bounds of the caller's buffer, which it holds mutably. Volatile: a
+        // real store, so the page is faulted in now even where it already holds zero.
+        unsafe { std::ptr::write_volatile(ptr.get().add(page * step), T::ZERO) };
     });
+}
+
+/// A raw pointer shared by threads that write disjoint items of one buffer.
+#[derive(Clone, Copy)]
+pub(crate) struct SyncPtr<T>(pub(crate) *mut T);
+
+// SAFETY: users write disjoint indices only, into buffers that outlive the parallel work.
+unsafe impl<T> Send for SyncPtr<T> {}
+unsafe impl<T> Sync for SyncPtr<T> {}
+
+impl<T> SyncPtr<T> {
+    pub(crate) fn get(self) -> *mut T {
+        self.0
+    }
 }
 
 const PAGE: usize = 4096;

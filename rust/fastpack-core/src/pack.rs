@@ -10,7 +10,7 @@ use rayon::prelude::*;
 use crate::error::{Error, Result};
 use crate::fit;
 use crate::length::Length;
-use crate::memory::{self, prefault_unwritten, prefault_zeroed, unwritten, zeroed};
+use crate::memory::{self, prefault_unwritten, prefault_zeroed, zeroed, SyncPtr};
 use crate::plan::{Overlong, PackOptions, Plan, Stats, Strategy, MAX_ITEMS};
 use crate::shuffle::permutation;
 
@@ -302,7 +302,7 @@ fn lay_out(
         }
         Some(perm) => {
             // Random scatter and gather over millions of packs: parallel.
-            let mut sizes = unwritten::<u32>(counts.len());
+            let mut sizes = memory::with_capacity::<u32>(counts.len());
             let sizes_out = SyncPtr(sizes.as_mut_ptr());
             perm.par_iter().zip(&counts).for_each(|(&q, &c)| {
                 // SAFETY: `perm` is a permutation: each position written once.
@@ -473,13 +473,13 @@ fn pack_fit<L: Length>(lengths: &[L], opts: &PackOptions, reorder: Reorder<'_>) 
     };
     // (full pieces << 32 | input index) of each split sequence; both fit in 32 bits since
     // the plan holds at most MAX_ITEMS segments (checked above).
-    let mut split_of = unwritten::<u64>(tally.split_sequences as usize);
+    let mut split_of = memory::with_capacity::<u64>(tally.split_sequences as usize);
     let full = tally.full_pieces as usize;
     let segments = items + full;
     // Every slot's sample and length are written; only the starts rely on being zero.
-    let mut sample_ids = unwritten::<i64>(segments);
+    let mut sample_ids = memory::with_capacity::<i64>(segments);
     let mut starts = zeroed::<i64>(segments);
-    let mut seqlens = unwritten::<i32>(segments);
+    let mut seqlens = memory::with_capacity::<i32>(segments);
     let sorted_out = SyncPtr(seqlens.as_mut_ptr() as *mut u32);
     let laid_out = rayon::join(
         // Place once to count each pack's segments (and tokens), then lay the packs out.
@@ -766,17 +766,6 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-#[derive(Clone, Copy)]
-struct SyncPtr<T>(*mut T);
-// SAFETY: used only for writes to disjoint indices (see the counting sort above).
-unsafe impl<T> Send for SyncPtr<T> {}
-unsafe impl<T> Sync for SyncPtr<T> {}
-impl<T> SyncPtr<T> {
-    fn get(self) -> *mut T {
-        self.0
-    }
-}
-
 fn best_fit_dyn(
     max_len: u32,
     lens: &[u32],
@@ -832,9 +821,9 @@ fn pack_in_order<L: Length>(
     let (pack_offsets, mut cursor) = lay_out(counts, &fills, reorder, opts.shuffle_seed);
     drop(fills);
     // The walk writes every slot of all three.
-    let mut sample_ids = unwritten::<i64>(segments);
-    let mut starts = unwritten::<i64>(segments);
-    let mut seqlens = unwritten::<i32>(segments);
+    let mut sample_ids = memory::with_capacity::<i64>(segments);
+    let mut starts = memory::with_capacity::<i64>(segments);
+    let mut seqlens = memory::with_capacity::<i32>(segments);
     {
         let (ids, sts, lens) = (
             &mut sample_ids.spare_capacity_mut()[..segments],

@@ -2,6 +2,8 @@
 
 use rayon::prelude::*;
 
+use crate::memory::{self, SyncPtr};
+
 /// SplitMix64: tiny, fast, and fully specified, so a seed means the same order everywhere.
 pub(crate) struct SplitMix64(u64);
 
@@ -97,14 +99,14 @@ pub(crate) fn permutation(n: usize, seed: u64) -> Vec<u32> {
         .collect();
     drop(counts);
 
-    let mut perm = crate::memory::unwritten::<u32>(n);
-    let out = perm.as_mut_ptr() as usize;
+    let mut perm = memory::with_capacity::<u32>(n);
+    let out = SyncPtr(perm.as_mut_ptr());
     chunks.par_iter().zip(cursors).for_each(|(range, mut cursor)| {
         for i in range.clone() {
             let b = bucket_of(i);
             // SAFETY: the cursors of all chunks and buckets cover disjoint positions of
             // `perm`, each written once, and `perm` outlives this loop.
-            unsafe { *(out as *mut u32).add(cursor[b]) = i as u32 };
+            unsafe { *out.get().add(cursor[b]) = i as u32 };
             cursor[b] += 1;
         }
     });
