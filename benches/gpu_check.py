@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""GPU check of fastpack.attention.varlen_attention (one short run on a CUDA machine).
+"""GPU check of fastpack.torch.attention.varlen_attention (one short run on a CUDA machine).
 
     python benches/gpu_check.py               # on a CUDA machine; < 5 min on an H200
     python benches/gpu_check.py --cpu-smoke   # tiny fp32 run on CPU: checks the script itself
@@ -50,14 +50,14 @@ def elapsed() -> float:
 
 
 def load_attention_module() -> ModuleType:
-    """fastpack.attention, or the source file loaded standalone when the package (its
+    """fastpack.torch.attention, or the source file loaded standalone when the package (its
     Rust extension) is not built on this machine; the module needs only torch."""
     try:
-        from fastpack import attention
+        from fastpack.torch import attention
 
         return attention
     except Exception:
-        path = Path(__file__).resolve().parents[1] / "python" / "fastpack" / "attention.py"
+        path = Path(__file__).resolve().parents[1] / "python" / "fastpack" / "torch" / "attention.py"
         spec = importlib.util.spec_from_file_location("fastpack_attention_standalone", path)
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
@@ -153,7 +153,7 @@ def run_case(am: ModuleType, backend: str, case: dict[str, Any]) -> list[float]:
     """Relative errors of (out, dq, dk, dv) of one backend against the fp32 reference."""
     xs = [t.detach().clone().requires_grad_(True) for t in case["qkv"]]
     out = am.varlen_attention(
-        *xs, case["cu"], case["max_len"], causal=case["causal"], backend=backend
+        *xs, case["cu"], case["max_len"], causal=case["causal"], kernel=backend
     )
     out.backward(case["grad_out"])
     assert out.shape == xs[0].shape and out.dtype == xs[0].dtype
@@ -168,7 +168,7 @@ def check_correctness(
     total, max_len = sum(lengths), max(lengths)
     cu = torch.tensor(cumulative(lengths), dtype=torch.int32, device=device)
     eps = torch.finfo(dtype).eps
-    backends = am.available_backends(torch.empty(1, device=device, dtype=dtype))
+    backends = am.available_kernels(torch.empty(1, device=device, dtype=dtype))
     results: list[dict[str, Any]] = []
     for hq, hkv in cfg["check_heads"]:
         for causal in (True, False):
@@ -226,14 +226,14 @@ def check_correctness(
     v = torch.randn_like(k)
     ref = reference_fp32(torch, q, k, v, lengths, True, scale=0.05)
     base = rel_err(
-        am.varlen_attention(q, k, v, cu, max_len, softmax_scale=0.05, backend="sdpa"), ref
+        am.varlen_attention(q, k, v, cu, max_len, softmax_scale=0.05, kernel="sdpa"), ref
     )
     for backend in backends:
         if backend in ("sdpa", "flex"):  # flex: one more compile for a scale we pass through
             continue
         try:
             with torch.no_grad():
-                out = am.varlen_attention(q, k, v, cu, max_len, softmax_scale=0.05, backend=backend)
+                out = am.varlen_attention(q, k, v, cu, max_len, softmax_scale=0.05, kernel=backend)
             err = rel_err(out, ref)
             results.append(
                 {
@@ -280,7 +280,7 @@ def check_flex_recompiles(
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        out = am.varlen_attention(q, k, v, cu, max(lengths), backend="flex")
+        out = am.varlen_attention(q, k, v, cu, max(lengths), kernel="flex")
         out.sum().backward()
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -308,11 +308,11 @@ def bench_attention(
     v = torch.randn(total, hkv, d, device=device, dtype=dtype, requires_grad=True)
     g = torch.randn(total, hq, d, device=device, dtype=dtype)
     rows = []
-    backends = am.available_backends(q)
+    backends = am.available_kernels(q)
     for backend in backends:
 
         def step(backend: str = backend) -> None:
-            out = am.varlen_attention(q, k, v, cu, max_len, backend=backend, validate=False)
+            out = am.varlen_attention(q, k, v, cu, max_len, kernel=backend, validate=False)
             out.backward(g)
 
         reset_peak(torch, device)
@@ -517,7 +517,7 @@ def bench_model(
 
     set_attn(model, name)
     eps = torch.finfo(dtype).eps
-    for backend in am.available_backends(torch.empty(1, device=device, dtype=dtype)):
+    for backend in am.available_kernels(torch.empty(1, device=device, dtype=dtype)):
         if elapsed() > TIME_BUDGET_S:
             rows.append({"layout": "packed", "attn": backend, "skipped": "time budget"})
             continue
@@ -640,7 +640,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "flash_attn": flash_version,
             "varlen_attn_params": sorted(am._signature_params(varlen_fn)) if varlen_fn else None,
             "flex_unavailable_reason": am._flex_unavailable_reason(),
-            "available_backends": am.available_backends(probe),
+            "available_backends": am.available_kernels(probe),
             "attention_module": am.__name__,
         },
         "config": {k: v for k, v in cfg.items() if k != "model_lengths"},

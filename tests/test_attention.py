@@ -1,4 +1,4 @@
-"""Tests for fastpack.attention.varlen_attention (CPU; GPU paths are in benches/gpu_check.py)."""
+"""Tests for fastpack.torch.attention.varlen_attention (CPU; GPU paths are in benches/gpu_check.py)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ import torch  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from fastpack import attention as attn_mod  # noqa: E402
-from fastpack.attention import varlen_attention  # noqa: E402
+from fastpack.torch import attention as attn_mod  # noqa: E402
+from fastpack.torch.attention import varlen_attention  # noqa: E402
 
 try:
     from torch.nn.attention.flex_attention import BlockMask
@@ -244,15 +244,15 @@ def test_cpu_path_is_per_sequence(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
     q, k, v = make_qkv(lengths, 8, 2)
-    out = varlen_attention(q, k, v, cu_from_lengths(lengths), max_len, backend="auto")
+    out = varlen_attention(q, k, v, cu_from_lengths(lengths), max_len, kernel="auto")
     assert calls == [(n, n) for n in lengths if n > 0]
     assert max_diff(out, reference(q, k, v, lengths, True)) <= ATOL
 
 
 def test_auto_on_cpu_is_sdpa() -> None:
     q, _, _ = make_qkv([3])
-    assert attn_mod.available_backends(q) == ["sdpa"]
-    assert attn_mod._resolve_backend("auto", q) == "sdpa"
+    assert attn_mod.available_kernels(q) == ["sdpa"]
+    assert attn_mod._resolve_kernel("auto", q) == "sdpa"
 
 
 # ------------------------------------------------------------------------ validation
@@ -320,8 +320,8 @@ def test_other_argument_errors() -> None:
     args = _valid_args()
     with pytest.raises(ValueError, match="softmax_scale"):
         _call(args, softmax_scale=0.0)
-    with pytest.raises(ValueError, match="backend must be one of"):
-        _call(args, backend="xformers")
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        _call(args, kernel="xformers")
 
 
 def test_validate_false_skips_value_checks() -> None:
@@ -330,10 +330,10 @@ def test_validate_false_skips_value_checks() -> None:
     assert out.shape == args["q"].shape
 
 
-@pytest.mark.parametrize("backend", ["flash", "varlen", "flex"])
-def test_forcing_unavailable_backend_raises(backend: str) -> None:
-    with pytest.raises(ValueError, match=rf"backend='{backend}' is not available: .*CUDA"):
-        _call(_valid_args(), backend=backend)
+@pytest.mark.parametrize("kernel", ["flash", "varlen", "flex"])
+def test_forcing_unavailable_backend_raises(kernel: str) -> None:
+    with pytest.raises(ValueError, match=rf"kernel='{kernel}' is not available: .*CUDA"):
+        _call(_valid_args(), kernel=kernel)
 
 
 def test_errors_use_fastpack_error_when_defined() -> None:
@@ -344,7 +344,7 @@ def test_errors_use_fastpack_error_when_defined() -> None:
         pytest.skip("fastpack defines no FastpackError")
     assert issubclass(exc_type, ValueError)
     with pytest.raises(exc_type):
-        _call(_valid_args(), backend="flash")
+        _call(_valid_args(), kernel="flash")
     with pytest.raises(exc_type):
         _call({**_valid_args(), "max_seqlen": 1})
     type_exc = getattr(fastpack, "FastpackTypeError", None)
@@ -355,7 +355,7 @@ def test_errors_use_fastpack_error_when_defined() -> None:
 
 def test_forced_sdpa_backend() -> None:
     args = _valid_args()
-    out = _call(args, backend="sdpa")
+    out = _call(args, kernel="sdpa")
     assert max_diff(out, reference(args["q"], args["k"], args["v"], [3, 0, 5], True)) <= ATOL
 
 

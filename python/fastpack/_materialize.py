@@ -218,7 +218,7 @@ def materialize(
     separator_id: int | None = None,
     train_separators: bool = False,
     layout: str = "flat",
-    width: int | None = None,
+    pad_to: int | None = None,
     pad_to_multiple_of: int | None = None,
     pad_id: int = 0,
     threads: int | None = None,
@@ -241,7 +241,7 @@ def materialize(
             ``plan.reserve > 0``); ``train_separators`` makes them targets.
         layout: ``"flat"`` — every pack end to end in one row ``[1, T]`` (flash-attn's
             varlen layout); ``"rows"`` — one row per pack ``[P, W]``.
-        width: flat: pad the row to exactly this many tokens; rows: pad every row to this
+        pad_to: flat: pad the row to exactly this many tokens; rows: pad every row to this
             width (default: the longest chosen pack). Raises if the tokens do not fit.
         pad_to_multiple_of: round the row width up to a multiple of this.
         pad_id: token id of padding. Padding is its own trailing segment of every row
@@ -269,8 +269,8 @@ def materialize(
     multiple = 1 if pad_to_multiple_of is None else _int_arg(
         "pad_to_multiple_of", pad_to_multiple_of, minimum=1
     )
-    if width is not None:
-        width = _int_arg("width", width, minimum=0)
+    if pad_to is not None:
+        pad_to = _int_arg("pad_to", pad_to, minimum=0)
     if separator_id is not None:
         separator_id = _int_arg("separator_id", separator_id, minimum=-(2**63))
     if threads is not None:
@@ -283,7 +283,7 @@ def materialize(
         None if label_data is None else label_data.offsets,
         None if mask_data is None else mask_data.values,
         None if mask_data is None else mask_data.offsets,
-        separator_id, bool(train_separators), layout, width, multiple, int(pad_id), threads,
+        separator_id, bool(train_separators), layout, pad_to, multiple, int(pad_id), threads,
     )
     shape = (out.pop("rows"), out.pop("width"))
     for key in ("input_ids", "position_ids", "labels", "seq_idx"):

@@ -274,7 +274,7 @@ pub fn materialize(
             let width = match opts.width {
                 Some(w) if total > w => {
                     return Err(Error::invalid(
-                        "width",
+                        "pad_to",
                         format!(
                             "the chosen packs hold {total} tokens, more than the row width {w}"
                         ),
@@ -290,7 +290,7 @@ pub fn materialize(
             let width = match opts.width {
                 Some(w) if longest > w => {
                     return Err(Error::invalid(
-                        "width",
+                        "pad_to",
                         format!(
                             "a chosen pack holds {longest} tokens, more than the row width {w}"
                         ),

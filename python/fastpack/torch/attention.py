@@ -5,7 +5,7 @@
 ``cu_seqlens`` (``[N+1]``, starting at 0) marking where each sequence begins.  Tokens
 attend only to tokens of their own sequence (causally by default).
 
-Backends (``backend="auto"`` picks the first that applies):
+Kernels (``kernel="auto"`` picks the first that applies):
 
 ``"flash"``
     ``flash_attn.flash_attn_varlen_func`` (flash-attn 2); CUDA, fp16/bf16.
@@ -48,10 +48,10 @@ if TYPE_CHECKING:
 
     CuSeqlens = torch.Tensor | npt.NDArray[np.integer[Any]] | Sequence[int]
 
-__all__ = ["BACKENDS", "Backend", "available_backends", "varlen_attention"]
+__all__ = ["KERNELS", "Kernel", "available_kernels", "varlen_attention"]
 
-Backend = Literal["auto", "flash", "varlen", "flex", "sdpa"]
-BACKENDS: tuple[str, ...] = ("auto", "flash", "varlen", "flex", "sdpa")
+Kernel = Literal["auto", "flash", "varlen", "flex", "sdpa"]
+KERNELS: tuple[str, ...] = ("auto", "flash", "varlen", "flex", "sdpa")
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 _FLEX_BLOCK_SIZE = 128
@@ -157,26 +157,26 @@ def _sdpa_has_enable_gqa() -> bool:
     return True
 
 
-# ---------------------------------------------------------------- backend selection
+# ---------------------------------------------------------------- kernel selection
 
 
 def _is_cuda(t: torch.Tensor) -> bool:
     return t.device.type == "cuda"
 
 
-def _unavailable_reason(backend: str, q: torch.Tensor) -> str | None:
-    """Why ``backend`` cannot run on inputs like ``q``; ``None`` when it can."""
-    if backend == "sdpa":
+def _unavailable_reason(kernel: str, q: torch.Tensor) -> str | None:
+    """Why ``kernel`` cannot run on inputs like ``q``; ``None`` when it can."""
+    if kernel == "sdpa":
         return None
     if not _is_cuda(q):
         return f"it needs CUDA tensors, got device {q.device.type!r}"
-    if backend == "flash":
+    if kernel == "flash":
         if q.dtype not in _HALF_DTYPES:
             return f"it needs float16 or bfloat16 inputs, got {q.dtype}"
         if _flash_varlen_func() is None:
             return "the flash-attn package is not installed (pip install flash-attn)"
         return None
-    if backend == "varlen":
+    if kernel == "varlen":
         if q.dtype not in _HALF_DTYPES:
             return f"it needs float16 or bfloat16 inputs, got {q.dtype}"
         if _torch_varlen_attn() is None:
@@ -185,24 +185,24 @@ def _unavailable_reason(backend: str, q: torch.Tensor) -> str | None:
                 "(added in torch 2.10)"
             )
         return None
-    if backend == "flex":
+    if kernel == "flex":
         return _flex_unavailable_reason()
-    raise AssertionError(backend)  # pragma: no cover
+    raise AssertionError(kernel)  # pragma: no cover
 
 
-def available_backends(q: torch.Tensor) -> list[str]:
+def available_kernels(q: torch.Tensor) -> list[str]:
     """Backends that :func:`varlen_attention` could use for inputs like ``q``, in
-    ``backend="auto"`` priority order (``"sdpa"`` is always last and always there)."""
-    return [b for b in BACKENDS[1:] if _unavailable_reason(b, q) is None]
+    ``kernel="auto"`` priority order (``"sdpa"`` is always last and always there)."""
+    return [b for b in KERNELS[1:] if _unavailable_reason(b, q) is None]
 
 
-def _resolve_backend(backend: str, q: torch.Tensor) -> str:
-    if backend == "auto":
-        return available_backends(q)[0]
-    reason = _unavailable_reason(backend, q)
+def _resolve_kernel(kernel: str, q: torch.Tensor) -> str:
+    if kernel == "auto":
+        return available_kernels(q)[0]
+    reason = _unavailable_reason(kernel, q)
     if reason is not None:
-        raise _error(f"backend={backend!r} is not available: {reason}")
-    return backend
+        raise _error(f"kernel={kernel!r} is not available: {reason}")
+    return kernel
 
 
 # ------------------------------------------------------------------------ validation
@@ -358,7 +358,7 @@ def _torch_varlen_forward(
         kwargs["is_causal"] = causal
     elif causal:
         raise _error(
-            "backend='varlen': this torch's varlen_attn takes neither window_size nor is_causal; "
+            "kernel='varlen': this torch's varlen_attn takes neither window_size nor is_causal; "
             "cannot request causal attention"
         )
     groups = q.shape[1] // k.shape[1]
@@ -535,7 +535,7 @@ def varlen_attention(
     *,
     causal: bool = True,
     softmax_scale: float | None = None,
-    backend: Backend = "auto",
+    kernel: Kernel = "auto",
     validate: bool = True,
 ) -> torch.Tensor:
     """Attention over packed sequences, each attending only to itself.
@@ -550,9 +550,9 @@ def varlen_attention(
         max_seqlen: the longest sequence length (an upper bound is accepted).
         causal: causal attention within each sequence (default) or bidirectional.
         softmax_scale: defaults to ``1 / sqrt(D)``.
-        backend: ``"auto"`` (flash -> varlen -> flex -> sdpa, first that applies),
+        kernel: ``"auto"`` (flash -> varlen -> flex -> sdpa, first that applies),
             or one of ``"flash"``, ``"varlen"``, ``"flex"``, ``"sdpa"`` to force a path;
-            a forced backend that cannot run raises.
+            a forced kernel that cannot run raises.
         validate: check ``cu_seqlens`` values (costs a host read, i.e. a device sync
             when it lives on the GPU).
 
@@ -561,7 +561,7 @@ def varlen_attention(
 
     Raises:
         fastpack.FastpackError (a ``ValueError``; plain ``ValueError`` when fastpack
-        does not define it): invalid inputs or an unavailable forced backend.
+        does not define it): invalid inputs or an unavailable forced kernel.
     """
     _check_qkv(q, k, v)
     max_len = _check_max_seqlen(max_seqlen)
@@ -569,9 +569,9 @@ def varlen_attention(
         softmax_scale = float(softmax_scale)
         if not softmax_scale > 0 or math.isinf(softmax_scale):
             raise _error(f"softmax_scale must be a positive finite number, got {softmax_scale}")
-    if backend not in BACKENDS:
-        raise _error(f"backend must be one of {', '.join(map(repr, BACKENDS))}; got {backend!r}")
-    chosen = _resolve_backend(backend, q)
+    if kernel not in KERNELS:
+        raise _error(f"kernel must be one of {', '.join(map(repr, KERNELS))}; got {kernel!r}")
+    chosen = _resolve_kernel(kernel, q)
 
     total = q.shape[0]
     cu_in = _as_cu_tensor(cu_seqlens)

@@ -1,0 +1,38 @@
+"""The PyTorch layer: packed batches that every attention backend trains on correctly.
+
+Its modules are its layers:
+
+- :mod:`~fastpack.torch.formats` — one batch format per backend (``flash``, ``sdpa``,
+  ``eager``, ``flex``, ``padded``): what ``model(**batch)`` needs for it.
+- :mod:`~fastpack.torch.collator` — :class:`PackedCollator`: which samples of a batch share
+  a pack (the planning policy) plus the batch format; a drop-in ``collate_fn`` /
+  ``data_collator``.
+- :mod:`~fastpack.torch.data` — :class:`PackedDataset`: a whole dataset packed once (one
+  global plan), item ``i`` is step ``i``.
+- :mod:`~fastpack.torch.attention` — :func:`varlen_attention` over ``cu_seqlens`` with the
+  fastest kernel available (flash-attn, ``torch.nn.attention.varlen``, flex, SDPA).
+- :mod:`~fastpack.torch.hf` — Hugging Face integration (:func:`register_hf_attention`).
+
+Every batch's ``labels`` are unshifted (the model shifts), -100 at the first token of
+every sequence, on padding and where the sample's loss mask is 0.
+"""
+
+from __future__ import annotations
+
+from .attention import KERNELS, varlen_attention
+from .collator import LOSS_MASK_KEYS, PackedCollator
+from .data import PackedDataset, first_item
+from .formats import BACKENDS, BatchFormat
+from .hf import register_hf_attention
+
+__all__ = [
+    "BACKENDS",
+    "KERNELS",
+    "LOSS_MASK_KEYS",
+    "BatchFormat",
+    "PackedCollator",
+    "PackedDataset",
+    "first_item",
+    "register_hf_attention",
+    "varlen_attention",
+]

@@ -1,0 +1,192 @@
+"""The collator: a planning policy (which samples share a pack) plus a batch format."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from .._errors import FastpackError, FastpackTypeError
+from .._materialize import TokenData, _from_rows, materialize
+from .._plan import OVERLONG_POLICIES, STRATEGIES, Plan, _choice, _int_arg, pack
+from .formats import BACKENDS, MASK_MODES, BatchFormat
+
+__all__ = ["LOSS_MASK_KEYS", "PackedCollator"]
+
+#: Per-sample keys read as a 0/1 loss mask, first match wins (Hugging Face chat templates
+#: give ``assistant_masks``; TRL gives ``completion_mask``).
+LOSS_MASK_KEYS = ("assistant_masks", "completion_mask", "loss_mask")
+
+
+class PackedCollator:
+    """Pack a list of samples into one batch for ``model(**batch)``.
+
+    Args:
+        max_len: tokens per pack (row). Samples of a batch are bin-packed into packs of at
+            most ``max_len`` tokens.
+        backend: ``"flash"``, ``"sdpa"``, ``"eager"``, ``"flex"`` or ``"padded"`` — the
+            model's ``attn_implementation`` (``"padded"``: the unpacked baseline).
+        mask: ``"position_ids"`` (default; no ``attention_mask``) or ``"explicit"``
+            (sdpa / eager / flex only; see the module docs).
+        pad_to_multiple_of: round the row width (flash: the flat row) up to a multiple.
+        pad_to: pad rows to exactly this width (flash: the flat row to this many tokens),
+            for fixed shapes (CUDA graphs, ``torch.compile`` without recompiles).
+        fixed_cu_seqlens: flash: pad ``cu_seq_lens_q/k`` to this many entries by
+            repeating the last value (empty trailing sequences), for CUDA graphs.
+        return_tensors: ``"pt"`` (torch, via ``torch.from_numpy``: no copy) or ``"np"``.
+        separator_id: insert this token after every sample (reserved by the plan);
+            ``train_separators`` makes it a target.
+        strategy, overlong: passed to :func:`fastpack.pack` (``overlong`` decides what
+            happens to a sample longer than ``max_len``: ``"error"`` by default).
+        loss_mask_key: per-sample key of a 0/1 loss mask (default: the first of
+            :data:`LOSS_MASK_KEYS` present); ``False`` to ignore masks.
+        mask_dtype: dtype of the additive eager mask (match the model's dtype).
+        return_seq_idx: add ``seq_idx`` (int32, segment index per token; Mamba / FLA).
+        return_num_items: add ``num_items_in_batch`` (targets in the batch; the Trainer
+            computes the same number itself, so this is for plain training loops).
+    """
+
+    def __init__(
+        self,
+        max_len: int,
+        backend: str = "sdpa",
+        *,
+        mask: str = "position_ids",
+        pad_to_multiple_of: int | None = None,
+        pad_to: int | None = None,
+        fixed_cu_seqlens: int | None = None,
+        return_tensors: str = "pt",
+        separator_id: int | None = None,
+        train_separators: bool = False,
+        pad_id: int = 0,
+        strategy: str = "bfd",
+        overlong: str = "error",
+        loss_mask_key: str | bool | None = None,
+        mask_dtype: torch.dtype = torch.float32,
+        return_seq_idx: bool = False,
+        return_num_items: bool = False,
+        threads: int | None = None,
+    ) -> None:
+        self.max_len = _int_arg("max_len", max_len, minimum=1)
+        self.backend = _choice("backend", backend, BACKENDS)
+        self.mask = _choice("mask", mask, MASK_MODES)
+        if self.mask == "explicit" and self.backend not in ("sdpa", "eager", "flex"):
+            raise FastpackError(
+                f"mask: 'explicit' applies to sdpa, eager and flex, not {self.backend!r}"
+            )
+        self.pad_to_multiple_of = pad_to_multiple_of
+        self.pad_to = pad_to
+        self.separator_id = separator_id
+        self.train_separators = train_separators
+        self.pad_id = pad_id
+        self.strategy = _choice("strategy", strategy, STRATEGIES)
+        self.overlong = _choice("overlong", overlong, OVERLONG_POLICIES)
+        self.loss_mask_key = loss_mask_key
+        self.threads = threads
+        if fixed_cu_seqlens is not None and self.backend != "flash":
+            raise FastpackError("fixed_cu_seqlens: applies to backend='flash' only")
+        self.format = BatchFormat(
+            backend=self.backend, mask=self.mask,
+            return_tensors=_choice("return_tensors", return_tensors, ("pt", "np")),
+            fixed_cu_seqlens=fixed_cu_seqlens, mask_dtype=mask_dtype,
+            return_seq_idx=return_seq_idx, return_num_items=return_num_items,
+        )
+
+    @property
+    def reserve(self) -> int:
+        return 0 if self.separator_id is None else 1
+
+    @property
+    def layout(self) -> str:
+        return self.format.layout
+
+    @property
+    def return_tensors(self) -> str:
+        return self.format.return_tensors
+
+    # ------------------------------------------------------------------ collate
+    def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        if not features:
+            raise FastpackError("features: got an empty batch")
+        if not isinstance(features[0], Mapping):
+            raise FastpackTypeError(
+                f"features: expected dicts with 'input_ids', got {type(features[0]).__name__}"
+            )
+        tokens = _from_rows([f["input_ids"] for f in features], mask=False)
+        labels = _from_rows([f["labels"] for f in features], mask=False) if (
+            "labels" in features[0]
+        ) else None
+        key = self._mask_key(features[0])
+        loss_mask = _from_rows([f[key] for f in features], mask=True) if key else None
+        plan = self.plan(tokens.lengths)
+        return self.batch(plan, tokens, None, labels=labels, loss_mask=loss_mask)
+
+    def _mask_key(self, feature: Mapping[str, Any]) -> str | None:
+        if self.loss_mask_key is False:
+            return None
+        if isinstance(self.loss_mask_key, str):
+            if self.loss_mask_key not in feature:
+                raise FastpackError(f"loss_mask_key: samples have no {self.loss_mask_key!r}")
+            return self.loss_mask_key
+        return next((k for k in LOSS_MASK_KEYS if k in feature), None)
+
+    def plan(self, lengths: Any, *, shuffle: bool = False, seed: int = 0) -> Plan:
+        """The plan this collator uses for samples of these lengths."""
+        if self.backend == "padded":
+            return _one_per_pack(np.asarray(lengths, dtype=np.int64), self.max_len,
+                                 self.reserve, self.overlong)
+        # One flat row holds every pack end to end: bin packing would only reorder the
+        # samples, so keep their order (unless this plans a whole dataset).
+        strategy = "next_fit" if self.layout == "flat" and not shuffle else self.strategy
+        return pack(lengths, self.max_len, strategy=strategy, overlong=self.overlong,
+                    reserve=self.reserve, shuffle=shuffle, seed=seed, threads=self.threads)
+
+    def batch(
+        self,
+        plan: Plan,
+        tokens: TokenData,
+        packs: Any = None,
+        *,
+        labels: TokenData | None = None,
+        loss_mask: TokenData | None = None,
+    ) -> dict[str, Any]:
+        """The batch of ``packs`` (default: all) of ``plan`` over ``tokens``."""
+        rows = materialize(
+            plan, tokens, packs, labels=labels, loss_mask=loss_mask,
+            separator_id=self.separator_id, train_separators=self.train_separators,
+            layout=self.layout, pad_to=self.pad_to, pad_to_multiple_of=self.pad_to_multiple_of,
+            pad_id=self.pad_id, threads=self.threads,
+        )
+        return self.format(rows)
+
+
+def _one_per_pack(lengths: np.ndarray, max_len: int, reserve: int, overlong: str) -> Plan:
+    """A plan with every sample in its own pack, in order (the padded baseline)."""
+    if overlong in ("split", "drop"):
+        raise FastpackError(f"overlong: {overlong!r} does not apply to backend='padded'")
+    extended = lengths + reserve
+    over = extended > max_len
+    if over.any() and overlong == "error":
+        i = int(np.argmax(over))
+        raise FastpackError(
+            f"lengths: {int(over.sum())} sequence(s) longer than {max_len} tokens (first at "
+            f"index {i}, length {int(lengths[i])}); pass overlong='truncate' or raise max_len"
+        )
+    keep = lengths > 0
+    seqlens = np.minimum(extended, max_len)[keep]
+    n = int(keep.sum())
+    return Plan({
+        "sample_ids": np.flatnonzero(keep).astype(np.int64),
+        "starts": np.zeros(n, dtype=np.int64),
+        "seqlens": seqlens.astype(np.int32),
+        "pack_offsets": np.arange(n + 1, dtype=np.int64),
+        "max_len": max_len, "reserve": reserve, "strategy": "next_fit",
+        "overlong": "truncate" if over.any() else "error",
+        "num_sequences": len(lengths), "empty_sequences": int((~keep).sum()),
+        "dropped_sequences": 0, "dropped_tokens": 0,
+        "truncated_sequences": int(over.sum()),
+        "truncated_tokens": int((extended - np.minimum(extended, max_len)).sum()),
+        "split_sequences": 0, "total_tokens": int(seqlens.sum()),
+    })

@@ -1,0 +1,111 @@
+"""One batch format per backend: packed rows (from :func:`fastpack.materialize`) turned
+into exactly what ``model(**batch)`` needs for the model's attention implementation.
+
+``"flash"``
+    One flat row ``[1, T]`` with ``position_ids``, ``cu_seq_lens_q/k`` (int32) and
+    ``max_length_q/k`` (int): Hugging Face's padding-free flash-attention path.
+``"sdpa"``, ``"eager"``, ``"flex"``
+    Default ``mask="position_ids"``: one row per pack ``[P, W]``, positions restarting at
+    0 in every sequence, **no** ``attention_mask`` and ``use_cache=False`` — the only
+    combination under which Hugging Face models build the block-diagonal mask from the
+    positions (an all-ones mask or a KV cache silently attends across sequences).
+    ``mask="explicit"`` passes the mask itself: bool ``[P, 1, W, W]`` for sdpa,
+    additive float for eager (O(W²) memory per row), and for flex a ``BlockMask`` built
+    from ``cu_seqlens`` over one flat row, with no dense intermediate.
+``"padded"``
+    The baseline: one sample per row, right-padded, with a 0/1 ``attention_mask``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from .._errors import FastpackError
+
+__all__ = ["BACKENDS", "MASK_MODES", "BatchFormat"]
+
+BACKENDS = ("flash", "sdpa", "eager", "flex", "padded")
+MASK_MODES = ("position_ids", "explicit")
+
+
+@dataclass(frozen=True)
+class BatchFormat:
+    """How packed rows become a batch for one backend (see the module docs)."""
+
+    backend: str
+    mask: str = "position_ids"
+    return_tensors: str = "pt"
+    fixed_cu_seqlens: int | None = None
+    mask_dtype: torch.dtype = torch.float32
+    return_seq_idx: bool = False
+    return_num_items: bool = False
+
+    @property
+    def layout(self) -> str:
+        """``"flat"`` (every pack end to end in one row) or ``"rows"`` (a row per pack),
+        the layout :func:`fastpack.materialize` must produce for this format."""
+        flat = self.backend == "flash" or (self.backend == "flex" and self.mask == "explicit")
+        return "flat" if flat else "rows"
+
+    def __call__(self, rows: dict[str, Any]) -> dict[str, Any]:
+        pt = self.return_tensors == "pt"
+        conv = torch.from_numpy if pt else (lambda a: a)
+        out: dict[str, Any] = {"input_ids": conv(rows["input_ids"])}
+        seq_idx = rows["seq_idx"]
+        if self.backend == "padded":
+            out["attention_mask"] = conv((seq_idx == 0).astype(np.int64))
+            out["labels"] = conv(rows["labels"])
+            return self._extras(out, rows, conv)
+        out["position_ids"] = conv(rows["position_ids"])
+        out["labels"] = conv(rows["labels"])
+        if self.backend == "flash":
+            cu = rows["cu_seqlens"]
+            if self.fixed_cu_seqlens is not None:
+                cu = _pad_cu(cu, self.fixed_cu_seqlens)
+            cu_t = conv(cu)
+            out["cu_seq_lens_q"] = cu_t
+            out["cu_seq_lens_k"] = cu_t
+            out["max_length_q"] = int(rows["max_seqlen"])
+            out["max_length_k"] = int(rows["max_seqlen"])
+        elif self.mask == "explicit":
+            out["attention_mask"] = self._explicit_mask(rows)
+        out["use_cache"] = False
+        return self._extras(out, rows, conv)
+
+    def _extras(self, out: dict[str, Any], rows: dict[str, Any], conv: Any) -> dict[str, Any]:
+        if self.return_seq_idx:
+            out["seq_idx"] = conv(rows["seq_idx"])
+        if self.return_num_items:
+            n = int(rows["num_targets"])
+            out["num_items_in_batch"] = torch.tensor(n) if self.return_tensors == "pt" else n
+        return out
+
+    def _explicit_mask(self, rows: dict[str, Any]) -> Any:
+        if self.backend == "flex":
+            from .attention import _document_block_mask
+
+            cu = torch.from_numpy(rows["cu_seqlens"])
+            return _document_block_mask(cu, int(cu[-1]), causal=True)
+        seq = torch.from_numpy(rows["seq_idx"])
+        width = seq.shape[1]
+        causal = torch.ones(width, width, dtype=torch.bool).tril_()
+        allowed = (seq[:, :, None] == seq[:, None, :]) & causal  # [B, W, W]
+        allowed = allowed[:, None]
+        if self.backend == "sdpa":
+            return allowed if self.return_tensors == "pt" else allowed.numpy()
+        additive = torch.zeros(allowed.shape, dtype=self.mask_dtype)
+        additive.masked_fill_(~allowed, torch.finfo(self.mask_dtype).min)
+        return additive if self.return_tensors == "pt" else additive.numpy()
+
+
+def _pad_cu(cu: np.ndarray, size: int) -> np.ndarray:
+    if len(cu) > size:
+        raise FastpackError(
+            f"fixed_cu_seqlens: the batch has {len(cu) - 1} segments, more than "
+            f"{size - 1}; raise fixed_cu_seqlens"
+        )
+    return np.pad(cu, (0, size - len(cu)), mode="edge")
