@@ -14,6 +14,7 @@ from ._errors import FastpackError, FastpackTypeError
 from ._examples import example_lengths
 from ._materialize import IGNORE_INDEX, Ragged, as_ragged, loss_mask_from_spans, materialize
 from ._plan import OVERLONG_POLICIES, STRATEGIES, Bucket, Plan, pack
+from ._stream import StreamPacker, StreamStats
 
 try:
     __version__ = version("fastpack")
@@ -29,6 +30,8 @@ __all__ = [
     "IGNORE_INDEX",
     "Plan",
     "Ragged",
+    "StreamPacker",
+    "StreamStats",
     "__version__",
     "as_ragged",
     "example_lengths",

@@ -9,6 +9,8 @@ Its modules are its layers:
   ``data_collator``.
 - :mod:`~fastpack.torch.data` — :class:`PackedDataset`: a whole dataset packed once (one
   global plan), item ``i`` is step ``i``.
+- :mod:`~fastpack.torch.stream` — :class:`PackedIterableDataset`: a stream of samples
+  packed a window at a time, split across workers and ranks, resumable mid-window.
 - :mod:`~fastpack.torch.attention` — :func:`varlen_attention` over ``cu_seqlens`` with the
   fastest kernel available (flash-attn, ``torch.nn.attention.varlen``, flex, SDPA).
 - :mod:`~fastpack.torch.hf` — Hugging Face integration (:func:`register_hf_attention`).
@@ -24,6 +26,7 @@ from .collator import LOSS_MASK_KEYS, PackedCollator
 from .data import PackedDataset, first_item
 from .formats import BACKENDS, BatchFormat
 from .hf import register_hf_attention
+from .stream import SHARDINGS, PackedIterableDataset
 
 __all__ = [
     "BACKENDS",
@@ -32,6 +35,8 @@ __all__ = [
     "BatchFormat",
     "PackedCollator",
     "PackedDataset",
+    "PackedIterableDataset",
+    "SHARDINGS",
     "first_item",
     "register_hf_attention",
     "varlen_attention",

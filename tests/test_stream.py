@@ -1,0 +1,748 @@
+"""Streams: the window packer (torch-free), PackedIterableDataset and packed HF streams.
+
+Samples carry their identity in their tokens (sample ``i``, position ``p`` -> ``i * K + p +
+1``), so every check below is made on the tokens that come out, independently of the
+packer's bookkeeping.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import types
+from collections import Counter
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+import fastpack
+from fastpack import FastpackError, FastpackTypeError, StreamPacker
+from fastpack._stream import CARRY_SHARE, MAX_CARRIES
+
+K = 100_000  # token = sample * K + position + 1: positions stay below K
+
+# --------------------------------------------------------------------------- helpers
+
+
+def column(lengths: Any, first: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    lengths = np.asarray(lengths, dtype=np.int64)
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    rows = np.repeat(np.arange(first, first + len(lengths)), lengths)
+    values = rows * K + (np.arange(offsets[-1]) - np.repeat(offsets[:-1], lengths)) + 1
+    return values, offsets
+
+
+def drive(packer: StreamPacker, lengths: Any, *, take: int = 10**9,
+          verify: bool = True) -> tuple[list[Any], list[Any]]:
+    """Feed ``lengths`` window by window as a stream would; return the emitted packs (each a
+    list of ``(sample, start, tokens, seqlen)``) and per round ``(emitted, final)``."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    n, pos = len(lengths), 0
+    packs: list[Any] = []
+    rounds: list[Any] = []
+    while not packer.finished:
+        room = packer.room
+        count = min(room, n - pos)
+        rnd = packer.push({"input_ids": column(lengths[pos : pos + count], pos)},
+                          final=count < room)
+        pos += count
+        rounds.append((len(rnd.emit), rnd.final))
+        while rnd.remaining:
+            for p in rnd.take(take):
+                if verify:
+                    packs.append(segments_of(rnd, int(p)))
+    return packs, rounds
+
+
+def segments_of(rnd: Any, p: int) -> list[tuple[int, int, int, int]]:
+    rows, starts, tokens, seqlens, _ = rnd.segments(np.array([p]))
+    values, offsets = rnd.columns["input_ids"]
+    out = []
+    for r, s, t, q in zip(rows, starts, tokens, seqlens):
+        origin, start = int(rnd.origins[r]), int(rnd.row_starts[r] + s)
+        got = values[offsets[r] + s : offsets[r] + s + t]
+        np.testing.assert_array_equal(got, origin * K + start + np.arange(t) + 1)
+        out.append((origin, start, int(t), int(q)))
+    return out
+
+
+def kept(length: int, cap: int, strategy: str, overlong: str, reserve: int) -> int:
+    """Real tokens of a sample that end up in packs (truncation cuts the sample extended
+    by its reserved slots, so the slots go first)."""
+    if length + reserve <= cap or strategy == "wrapped" or overlong == "split":
+        return length
+    return {"truncate": min(length, cap), "drop": 0}[overlong]
+
+
+def check_cover(packs: list[Any], lengths: Any, *, cap: int, strategy: str, overlong: str,
+                reserve: int) -> None:
+    """Every kept token of every sample is in exactly one pack, no pack is over ``cap``."""
+    for pack in packs:
+        assert sum(q for *_, q in pack) <= cap
+        assert all(q >= t for _, _, t, q in pack)
+    pieces: dict[int, list[tuple[int, int]]] = {}
+    for pack in packs:
+        for origin, start, t, _ in pack:
+            if t:  # a piece may hold only reserved slots
+                pieces.setdefault(origin, []).append((start, t))
+    for i, length in enumerate(lengths):
+        want = kept(int(length), cap, strategy, overlong, reserve)
+        got = sorted(pieces.pop(i, []))
+        covered = 0
+        for start, t in got:
+            assert start == covered, f"sample {i}: a gap or overlap at {start}"
+            covered += t
+        assert covered == want, f"sample {i}: {covered} of {want} tokens"
+    assert not pieces, f"unknown samples {sorted(pieces)}"
+
+
+# --------------------------------------------------------------------------- the core
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    lengths=st.lists(st.integers(0, 40), max_size=120),
+    max_len=st.integers(4, 32),
+    buffer_size=st.integers(1, 40),
+    strategy=st.sampled_from(fastpack.STRATEGIES),
+    overlong=st.sampled_from(("truncate", "split", "drop")),
+    reserve=st.integers(0, 2),
+    multiple=st.integers(1, 3),
+    shuffle=st.booleans(),
+)
+def test_every_token_once_no_pack_over_max_len(
+    lengths: list[int], max_len: int, buffer_size: int, strategy: str, overlong: str,
+    reserve: int, multiple: int, shuffle: bool,
+) -> None:
+    assume(reserve < max_len)
+    packer = StreamPacker(max_len, buffer_size=buffer_size, strategy=strategy,
+                          overlong=overlong, reserve=reserve, packs_multiple=multiple,
+                          shuffle=shuffle, seed=3)
+    packs, rounds = drive(packer, lengths)
+    check_cover(packs, lengths, cap=max_len, strategy=strategy, overlong=overlong,
+                reserve=reserve)
+    s = packer.stats
+    assert s.num_sequences == len(lengths)
+    assert s.num_packs == len(packs)
+    assert s.total_tokens == sum(q for pack in packs for *_, q in pack)
+    assert s.capacity == max_len * len(packs)
+    assert s.empty_sequences == sum(1 for n in lengths if n == 0)
+    over = [n for n in lengths if n + reserve > max_len]
+    if strategy != "wrapped" and overlong == "drop":
+        assert (s.dropped_sequences, s.dropped_tokens) == (len(over), sum(over))
+    if strategy != "wrapped" and overlong == "truncate":
+        assert s.truncated_tokens == sum(n + reserve - max_len for n in over)
+    if strategy != "wrapped" and overlong == "split":
+        assert s.split_sequences == len(over)
+    # Memory stays bounded: a window never holds more than buffer_size rows.
+    assert all(e >= 0 for e, _ in rounds) and rounds[-1][1]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 20), max_size=150),
+    max_len=st.integers(4, 16),
+    extra=st.integers(0, 30),
+    strategy=st.sampled_from(("next_fit", "wrapped")),
+    reserve=st.integers(0, 1),
+)
+def test_ordered_strategies_match_the_offline_plan(
+    lengths: list[int], max_len: int, extra: int, strategy: str, reserve: int
+) -> None:
+    # With room for the open pack (at most max_len rows) the stream packs as the offline
+    # plan over the whole stream does, pack for pack.
+    packer = StreamPacker(max_len, buffer_size=2 * max_len + 2 + extra, strategy=strategy,
+                          overlong="split", reserve=reserve)
+    packs, _ = drive(packer, lengths)
+    plan = fastpack.pack(lengths, max_len, strategy=strategy, overlong="split",
+                         reserve=reserve)
+    offline = [
+        [(int(i), int(s), int(q)) for i, s, q in zip(*plan.segments(p))]
+        for p in range(plan.num_packs)
+    ]
+    assert [[(o, s, q) for o, s, _, q in pack] for pack in packs] == offline
+
+
+def sft_lengths(n: int, seed: int = 0, mean: float = 300, cap: int = 4096) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    x = rng.lognormal(math.log(mean) - 0.5, 1.0, n)
+    return np.clip(np.rint(x), 1, cap).astype(np.int64)
+
+
+def test_efficiency_approaches_the_offline_plan() -> None:
+    lengths = sft_lengths(20_000)
+    offline = fastpack.pack(lengths, 4096).efficiency
+    effs = {}
+    for b in (100, 1000):
+        packer = StreamPacker(4096, buffer_size=b)
+        drive(packer, lengths, verify=False)
+        effs[b] = packer.stats.efficiency
+    # Carrying under-filled packs: windows of 10^2 samples (7 packs) already reach 99%.
+    assert effs[100] > 0.99 and effs[1000] > 0.998 and offline - effs[1000] < 1e-3
+    # Without the carry (every pack emitted) a window of 100 wastes 6%.
+    windows = [fastpack.pack(lengths[i : i + 100], 4096) for i in range(0, len(lengths), 100)]
+    plain = sum(p.total_tokens for p in windows) / (4096 * sum(p.num_packs for p in windows))
+    assert plain < 0.95 < effs[100]
+
+
+def test_no_sample_waits_forever() -> None:
+    # Half-full samples leave every pack under-filled: the carry stops at MAX_CARRIES.
+    lengths = np.full(400, 51)
+    packer = StreamPacker(100, buffer_size=10)
+    n, pos, ages = len(lengths), 0, []
+    while not packer.finished:
+        count = min(packer.room, n - pos)
+        rnd = packer.push({"input_ids": column(lengths[pos : pos + count], pos)},
+                          final=count < packer.room)
+        pos += count
+        ages.append(int(rnd.ages.max(initial=0)))
+        rnd.take(rnd.remaining)
+    assert max(ages) <= MAX_CARRIES
+    assert packer.stats.num_packs == 400
+
+
+@pytest.mark.parametrize("multiple", [2, 4])
+def test_rounds_emit_whole_batches(multiple: int) -> None:
+    lengths = sft_lengths(3000, seed=1, mean=40, cap=512)
+    packer = StreamPacker(512, buffer_size=300, packs_multiple=multiple)
+    _, rounds = drive(packer, lengths)
+    assert all(e % multiple == 0 for e, final in rounds if not final)
+    assert sum(e for e, _ in rounds) == packer.stats.num_packs
+
+
+def test_carry_stays_within_its_share() -> None:
+    lengths = sft_lengths(5000, seed=2, mean=60, cap=1024)
+    packer = StreamPacker(1024, buffer_size=200)
+    while not packer.finished:
+        assert packer.room >= 200 - int(CARRY_SHARE * 200)
+        count = min(packer.room, len(lengths))
+        rnd = packer.push({"input_ids": column(lengths[:count])}, final=count < packer.room)
+        lengths = lengths[count:]
+        rnd.take(rnd.remaining)
+
+
+@settings(max_examples=25, deadline=None)
+@given(lengths=st.lists(st.integers(0, 30), min_size=1, max_size=60),
+       buffer_size=st.integers(1, 12), stop=st.integers(0, 200),
+       strategy=st.sampled_from(("bfd", "wrapped")))
+def test_core_state_roundtrip(lengths: list[int], buffer_size: int, stop: int,
+                              strategy: str) -> None:
+    def make() -> StreamPacker:
+        return StreamPacker(16, buffer_size=buffer_size, overlong="split", strategy=strategy,
+                            shuffle=True, seed=5, packs_multiple=2)
+
+    full, _ = drive(make(), lengths, take=1)
+    # Stop after `stop` packs, save, restore into a fresh packer, finish.
+    packer, n, pos, out = make(), len(lengths), 0, []
+    while not packer.finished and len(out) < stop:
+        rnd = packer.current
+        if rnd is None or not rnd.remaining:
+            count = min(packer.room, n - pos)
+            rnd = packer.push({"input_ids": column(lengths[pos : pos + count], pos)},
+                              final=count < packer.room)
+            pos += count
+            continue
+        out.append(segments_of(rnd, int(rnd.take(1)[0])))
+    state = packer.state_dict()
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert resumed.stats == packer.stats
+    while not resumed.finished:
+        rnd = resumed.current
+        if rnd is None or not rnd.remaining:
+            count = min(resumed.room, n - pos)
+            rnd = resumed.push({"input_ids": column(lengths[pos : pos + count], pos)},
+                               final=count < resumed.room)
+            pos += count
+            continue
+        out.append(segments_of(rnd, int(rnd.take(1)[0])))
+    assert out == full
+
+
+def test_core_errors() -> None:
+    with pytest.raises(FastpackError, match="buffer_size"):
+        StreamPacker(16, buffer_size=0)
+    with pytest.raises(FastpackError, match="strategy"):
+        StreamPacker(16, strategy="best")
+    with pytest.raises(FastpackError, match="reserve"):
+        StreamPacker(16, reserve=16)
+    packer = StreamPacker(16, buffer_size=4)
+    with pytest.raises(FastpackError, match="input_ids: sample 2 of the stream has 17 tokens"):
+        packer.push({"input_ids": column([3, 4, 17])})
+    with pytest.raises(FastpackError, match="room for 4"):
+        packer.push({"input_ids": column([1] * 5)})
+    ids = column([3, 4])
+    with pytest.raises(FastpackError, match="labels: sample 1 of the stream has 3 values but 4"):
+        packer.push({"input_ids": ids, "labels": column([3, 3])})
+    with pytest.raises(FastpackTypeError, match="pair"):
+        packer.push({"input_ids": [1, 2, 3]})
+    with pytest.raises(FastpackError, match="input_ids"):
+        packer.push({"labels": ids})
+    rnd = packer.push({"input_ids": ids, "labels": ids})
+    if rnd.remaining:
+        with pytest.raises(FastpackError, match="still has"):
+            packer.push({"input_ids": ids, "labels": ids})
+        rnd.take(rnd.remaining)
+    with pytest.raises(FastpackError, match="earlier windows had"):
+        packer.push({"input_ids": ids})
+    other = StreamPacker(16, buffer_size=5)
+    with pytest.raises(FastpackError, match="buffer_size=4/5"):
+        other.load_state_dict(packer.state_dict())
+    with pytest.raises(FastpackError, match="not a StreamPacker state"):
+        other.load_state_dict({"round": None})
+    last = packer.push({"input_ids": column([]), "labels": column([])}, final=True)
+    last.take(last.remaining)
+    assert packer.finished
+    with pytest.raises(FastpackError, match="already ended"):
+        packer.push({"input_ids": ids, "labels": ids})
+
+
+# --------------------------------------------------------------------------- torch
+torch = pytest.importorskip("torch")
+from fastpack.torch import PackedCollator, PackedIterableDataset  # noqa: E402
+
+
+def samples(lengths: Any, *, labels: bool = False, mask: bool = False) -> list[dict[str, Any]]:
+    out = []
+    rng = np.random.default_rng(0)
+    for i, n in enumerate(lengths):
+        ids = (i * K + np.arange(n) + 1).tolist()
+        s: dict[str, Any] = {"input_ids": ids}
+        if labels:
+            s["labels"] = [-t for t in ids]
+        if mask:
+            s["assistant_masks"] = rng.integers(0, 2, n).tolist()
+        out.append(s)
+    return out
+
+
+def tokens_of(batches: list[dict[str, Any]]) -> Counter[int]:
+    ids = [b["input_ids"].reshape(-1).numpy() for b in batches]
+    flat = np.concatenate(ids) if ids else np.zeros(0, np.int64)
+    return Counter(flat[flat > 0].tolist())
+
+
+def same(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> bool:
+    def eq(x: dict[str, Any], y: dict[str, Any]) -> bool:
+        return x.keys() == y.keys() and all(
+            torch.equal(x[k], y[k]) if torch.is_tensor(x[k]) else x[k] == y[k] for k in x
+        )
+
+    return len(a) == len(b) and all(eq(x, y) for x, y in zip(a, b))
+
+
+def as_worker(monkeypatch: pytest.MonkeyPatch, worker: int, workers: int) -> None:
+    info = types.SimpleNamespace(id=worker, num_workers=workers)
+    monkeypatch.setattr(torch.utils.data, "get_worker_info", lambda: info if workers > 1 else None)
+
+
+@settings(max_examples=100, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    lengths=st.lists(st.integers(0, 40), max_size=80),
+    buffer_size=st.integers(1, 30),
+    world=st.integers(1, 3),
+    workers=st.integers(1, 3),
+    per_batch=st.integers(1, 3),
+    backend=st.sampled_from(("sdpa", "flash")),
+)
+def test_each_sample_once_across_ranks_and_workers(
+    monkeypatch: pytest.MonkeyPatch, lengths: list[int], buffer_size: int, world: int,
+    workers: int, per_batch: int, backend: str,
+) -> None:
+    collator = PackedCollator(max_len=32, backend=backend, overlong="truncate")
+    data = samples(lengths)
+    batches = []
+    for rank, worker in itertools.product(range(world), range(workers)):
+        as_worker(monkeypatch, worker, workers)
+        ds = PackedIterableDataset(data, collator, buffer_size=buffer_size,
+                                   packs_per_batch=per_batch, rank=rank, world_size=world)
+        got = list(ds)
+        batches += got
+        assert ds.stats.num_sequences == len(range(rank * workers + worker, len(data),
+                                                   world * workers))
+        for b in got:
+            rows, width = b["input_ids"].shape
+            if backend == "flash":  # every pack end to end in one row
+                assert rows == 1 and width <= 32 * per_batch
+            else:
+                assert rows <= per_batch and width <= 32
+    expected = Counter(t for s in data for t in s["input_ids"][:32])
+    assert tokens_of(batches) == expected
+
+
+def test_batches_are_the_collators() -> None:
+    # One window holding the whole stream: the batches are the collator's own batches of
+    # the offline plan's packs, labels and loss masks included.
+    data = samples([5, 17, 9, 30, 3, 12, 1, 22], labels=True, mask=True)
+    collator = PackedCollator(max_len=32, backend="sdpa")
+    ds = PackedIterableDataset(data, collator, buffer_size=100, shuffle=False,
+                               packs_per_batch=2)
+    got = list(ds)
+    from fastpack._materialize import _from_rows
+
+    tokens = _from_rows([s["input_ids"] for s in data], mask=False)
+    labels = _from_rows([s["labels"] for s in data], mask=False)
+    mask = _from_rows([s["assistant_masks"] for s in data], mask=True)
+    plan = fastpack.pack(tokens.lengths, 32)
+    want = [collator.batch(plan, tokens, np.arange(p, min(p + 2, plan.num_packs)),
+                           labels=labels, loss_mask=mask)
+            for p in range(0, plan.num_packs, 2)]
+    assert same(got, want)
+    ids, lab = got[0]["input_ids"], got[0]["labels"]
+    assert ((lab == -100) | (lab == -ids)).all()
+
+
+def dataloader(ds: Any, workers: int) -> Any:
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    return StatefulDataLoader(ds, batch_size=None, num_workers=workers)
+
+
+def hf_stream(data: list[dict[str, Any]], shards: int) -> Any:
+    datasets = pytest.importorskip("datasets")
+    return datasets.Dataset.from_list(data).to_iterable_dataset(num_shards=shards)
+
+
+def generator_function(data: list[dict[str, Any]]) -> Any:
+    def stream() -> Any:
+        yield from data
+
+    return stream
+
+
+SOURCES = {
+    "list": lambda data: data,
+    "generator function": generator_function,
+    "datasets.IterableDataset": lambda data: hf_stream(data, 2),
+}
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_resume_at_every_position(source: str) -> None:
+    data = samples(sft_lengths(60, seed=3, mean=12, cap=40).tolist(), labels=True)
+    collator = PackedCollator(max_len=48, backend="sdpa")
+
+    def make() -> PackedIterableDataset:
+        return PackedIterableDataset(SOURCES[source](data), collator, buffer_size=9, seed=1)
+
+    full = list(make())
+    assert tokens_of(full) == Counter(t for s in data for t in s["input_ids"])
+    for k in range(len(full) + 1):
+        ds = make()
+        it = iter(ds)
+        head = [next(it) for _ in range(k)]
+        state = ds.state_dict()
+        resumed = make()
+        resumed.load_state_dict(state)
+        assert same(head + list(resumed), full), f"resumed after {k} batches"
+
+
+@pytest.mark.parametrize("source", ["list", "datasets.IterableDataset"])
+def test_resume_each_rank_at_every_position(source: str) -> None:
+    # Three ranks: the resumed stride must pick up each rank's own samples.
+    data = samples(sft_lengths(45, seed=11, mean=12, cap=40).tolist())
+    collator = PackedCollator(max_len=48, backend="sdpa")
+    seen: Counter[int] = Counter()
+    for rank in range(3):
+        def make() -> PackedIterableDataset:
+            return PackedIterableDataset(SOURCES[source](data), collator, buffer_size=5,
+                                         rank=rank, world_size=3)  # noqa: B023
+
+        full = list(make())
+        seen += tokens_of(full)
+        for k in range(len(full) + 1):
+            ds = make()
+            it = iter(ds)
+            head = [next(it) for _ in range(k)]
+            resumed = make()
+            resumed.load_state_dict(ds.state_dict())
+            assert same(head + list(resumed), full), f"rank {rank} resumed after {k} batches"
+    assert seen == Counter(t for s in data for t in s["input_ids"])
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("source", ["list", "datasets.IterableDataset"])
+def test_resume_through_stateful_dataloader(workers: int, source: str) -> None:
+    data = samples(sft_lengths(40, seed=4, mean=12, cap=40).tolist())
+    collator = PackedCollator(max_len=48, backend="flash")
+
+    def make() -> Any:
+        ds = PackedIterableDataset(SOURCES[source](data), collator, buffer_size=10,
+                                   packs_per_batch=2, seed=2)
+        return dataloader(ds, workers)
+
+    full = list(make())
+    assert tokens_of(full) == Counter(t for s in data for t in s["input_ids"])
+    positions = range(len(full) + 1) if workers == 0 else sorted({0, 1, 2, 3, len(full) // 2,
+                                                                  len(full) - 1, len(full)})
+    for k in positions:
+        loader = make()
+        it = iter(loader)
+        head = [next(it) for _ in range(k)]
+        state = loader.state_dict()
+        del it
+        resumed = make()
+        resumed.load_state_dict(state)
+        assert same(head + list(resumed), full), f"resumed after {k} batches"
+
+
+def test_state_survives_torch_save(tmp_path: Any) -> None:
+    data = samples(sft_lengths(30, seed=5, mean=10, cap=30).tolist(), mask=True)
+    collator = PackedCollator(max_len=32, backend="sdpa")
+    full = list(PackedIterableDataset(data, collator, buffer_size=7))
+    ds = PackedIterableDataset(data, collator, buffer_size=7)
+    it = iter(ds)
+    head = [next(it) for _ in range(3)]
+    torch.save(ds.state_dict(), tmp_path / "state.pt")
+    resumed = PackedIterableDataset(data, collator, buffer_size=7)
+    resumed.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True))
+    assert same(head + list(resumed), full)
+
+
+def test_finished_epoch_resumes_into_a_fresh_one() -> None:
+    data = samples([5, 9, 3, 12, 7, 8])
+    collator = PackedCollator(max_len=16, backend="sdpa")
+    ds = PackedIterableDataset(data, collator, buffer_size=4)
+    first = list(ds)
+    done = ds.state_dict()
+    resumed = PackedIterableDataset(data, collator, buffer_size=4)
+    resumed.load_state_dict(done)
+    assert list(resumed) == []  # the saved pass had ended
+    assert same(list(resumed), first)  # the next pass starts over
+    resumed.set_epoch(1)
+    assert tokens_of(list(resumed)) == tokens_of(first)
+
+
+def test_hf_sharding_splits_by_rank_and_worker_shards() -> None:
+    data = samples(sft_lengths(50, seed=6, mean=10, cap=30).tolist())
+    collator = PackedCollator(max_len=32, backend="sdpa")
+    batches = []
+    for rank in range(2):
+        ds = PackedIterableDataset(hf_stream(data, 4), collator, buffer_size=6, rank=rank,
+                                   world_size=2)
+        batches += list(dataloader(ds, 2))
+    assert tokens_of(batches) == Counter(t for s in data for t in s["input_ids"])
+
+
+def test_one_shot_generator() -> None:
+    data = samples([4, 6, 2])
+    ds = PackedIterableDataset(iter(data), PackedCollator(max_len=8), buffer_size=2)
+    assert tokens_of(list(ds)) == Counter(t for s in data for t in s["input_ids"])
+    with pytest.raises(FastpackError, match="already consumed"):
+        list(ds)
+
+
+def test_torch_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    collator = PackedCollator(max_len=8)
+    with pytest.raises(FastpackTypeError, match="collator"):
+        PackedIterableDataset([], object())  # type: ignore[arg-type]
+    with pytest.raises(FastpackError, match="padded"):
+        PackedIterableDataset([], PackedCollator(max_len=8, backend="padded"))
+    with pytest.raises(FastpackTypeError, match="source"):
+        PackedIterableDataset(3, collator)
+    with pytest.raises(FastpackError, match="sharding"):
+        PackedIterableDataset([], collator, sharding="hf")
+    with pytest.raises(FastpackError, match="rank"):
+        PackedIterableDataset([], collator, rank=0)
+    with pytest.raises(FastpackError, match="rank"):
+        PackedIterableDataset([], collator, rank=2, world_size=2)
+    bad = {
+        "has no 'input_ids'": [{"input_ids": [1]}, {"ids": [2]}],
+        "input_ids: sample 0 of the stream has no 'input_ids'": [{"text": "x"}],
+        "labels: sample 1 of the stream has 1 values but 2": [
+            {"input_ids": [1], "labels": [1]}, {"input_ids": [1, 2], "labels": [1]}],
+        "input_ids: sample 1 of the stream is None": [{"input_ids": [1]}, {"input_ids": None}],
+        "input_ids: sample 1 of the stream is a ragged nested list": [
+            {"input_ids": [1]}, {"input_ids": [[1, 2], [3]]}],
+        "input_ids: sample 0 of the stream has shape": [{"input_ids": [[1, 2], [3, 4]]}],
+        "input_ids: sample 2 of the stream has 9 tokens": [[1], [2], list(range(1, 10))],
+        "input_ids: sample 0 of the stream is str": [{"input_ids": "hello"}],
+    }
+    for message, data in bad.items():
+        with pytest.raises(FastpackError, match=message):
+            list(PackedIterableDataset(data, collator, buffer_size=4))
+    data = samples([3, 4, 5])
+    ds = PackedIterableDataset(data, collator, buffer_size=2, rank=0, world_size=2)
+    it = iter(ds)
+    next(it)
+    state = ds.state_dict()
+    other = PackedIterableDataset(data, collator, buffer_size=2, rank=1, world_size=2)
+    other.load_state_dict(state)
+    with pytest.raises(FastpackError, match="same ranks, workers"):
+        list(other)
+    with pytest.raises(FastpackError, match="not a PackedIterableDataset state"):
+        other.load_state_dict({"epoch": 0})
+    short = PackedIterableDataset(data[:1], collator, buffer_size=2, rank=0, world_size=2)
+    short.load_state_dict(dict(state, position=torch.tensor(5)))
+    with pytest.raises(FastpackError, match="source ends"):
+        list(short)
+
+
+# --------------------------------------------------------------------------- HF streams
+datasets = pytest.importorskip("datasets")
+from fastpack._stream import pack_iterable_dataset  # noqa: E402
+
+
+def hf_rows(lengths: Any, seed: int = 0) -> dict[str, list[Any]]:
+    rng = np.random.default_rng(seed)
+    ids = [(i * K + np.arange(n) + 1).tolist() for i, n in enumerate(lengths)]
+    return {
+        "input_ids": ids,
+        "labels": [[-t for t in row] for row in ids],
+        "attention_mask": [[1] * len(row) for row in ids],
+        "assistant_masks": [rng.integers(0, 2, len(row)).tolist() for row in ids],
+        "text": ["not packed"] * len(ids),
+    }
+
+
+def check_packed_rows(rows: list[dict[str, Any]], data: dict[str, list[Any]], *, max_len: int,
+                      separator_id: int | None = None) -> None:
+    """Every packed column holds, segment by segment, the values of the sample its tokens
+    come from; seq_lengths and position_ids describe the segments; every token once."""
+    seen: Counter[int] = Counter()
+    for row in rows:
+        n = len(row["input_ids"])
+        assert n <= max_len and sum(row["seq_lengths"]) == n
+        assert all(len(row[k]) == n for k in ("labels", "attention_mask", "assistant_masks",
+                                                "position_ids"))
+        start = 0
+        for q in row["seq_lengths"]:
+            assert row["position_ids"][start : start + q] == list(range(q))
+            ids = row["input_ids"][start : start + q]
+            real = [t for t in ids if t != separator_id]
+            assert len(ids) - len(real) == (0 if separator_id is None else 1)
+            sample, pos = (real[0] - 1) // K, (real[0] - 1) % K
+            for k in ("labels", "attention_mask", "assistant_masks"):
+                assert row[k][start : start + len(real)] == data[k][sample][pos : pos + len(real)]
+            if separator_id is not None:
+                assert ids[-1] == separator_id and row["labels"][start + q - 1] == -100
+            seen.update(real)
+            start += q
+    assert seen == Counter(t for row in data["input_ids"] for t in row)
+
+
+@pytest.mark.parametrize("separator_id", [None, 0])
+def test_packed_hf_stream_columns(separator_id: int | None) -> None:
+    data = hf_rows(sft_lengths(300, seed=7, mean=15, cap=60))
+    stream = datasets.Dataset.from_dict(data).to_iterable_dataset(num_shards=3)
+    packed = pack_iterable_dataset(stream, 64, buffer_size=40, separator_id=separator_id,
+                                   shuffle=True)
+    assert list(packed.features) == ["input_ids", "labels", "attention_mask",
+                                     "assistant_masks", "seq_lengths", "position_ids"]
+    rows = list(packed)
+    check_packed_rows(rows, data, max_len=64, separator_id=separator_id)
+    efficiency = sum(len(r["input_ids"]) for r in rows) / (64 * len(rows))
+    assert efficiency > 0.95
+
+
+def test_packed_hf_stream_matches_trl_segments() -> None:
+    trl = pytest.importorskip("trl")
+    lengths = sft_lengths(400, seed=8, mean=20, cap=80)
+    data = hf_rows(lengths)
+    del data["text"]
+    stream = datasets.Dataset.from_dict(data).to_iterable_dataset(num_shards=2)
+    ours = list(pack_iterable_dataset(stream, 64, overlong="truncate", buffer_size=50))
+    theirs = list(trl.pack_dataset(stream, 64, strategy="bfd"))
+
+    def segments(rows: list[dict[str, Any]]) -> Counter[tuple[int, ...]]:
+        out: Counter[tuple[int, ...]] = Counter()
+        for row in rows:
+            start = 0
+            for q in row["seq_lengths"]:
+                out[tuple(row["input_ids"][start : start + q])] += 1
+                start += q
+        return out
+
+    assert segments(ours) == segments(theirs)
+    # TRL's collator reads our seq_lengths as it reads its own.
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    collate = DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True,
+                                              return_position_ids=True)
+    batch = collate([{k: r[k] for k in ("input_ids", "seq_lengths")} for r in ours[:3]])
+    ours_positions = [p for r in ours[:3] for p in r["position_ids"]]
+    assert batch["position_ids"].reshape(-1).tolist() == ours_positions
+
+
+def test_packed_hf_stream_resumes_at_every_position() -> None:
+    data = hf_rows(sft_lengths(60, seed=9, mean=15, cap=40))
+    stream = datasets.Dataset.from_dict(data).to_iterable_dataset(num_shards=2)
+    packed = pack_iterable_dataset(stream, 48, buffer_size=8)
+    full = list(packed)
+    for k in range(1, len(full) + 1):
+        it = iter(packed)
+        head = [next(it) for _ in range(k)]
+        state = packed.state_dict()
+        packed.load_state_dict(state)
+        assert head + list(packed) == full, f"resumed after {k} packs"
+        packed.load_state_dict(None)
+
+
+def test_packed_hf_stream_across_workers() -> None:
+    data = hf_rows(sft_lengths(200, seed=10, mean=15, cap=40))
+    stream = datasets.Dataset.from_dict(data).to_iterable_dataset(num_shards=4)
+    packed = pack_iterable_dataset(stream, 48, buffer_size=30, overlong="truncate")
+    loader = torch.utils.data.DataLoader(packed.with_format("torch"), batch_size=None,
+                                         num_workers=2)
+    got: Counter[int] = Counter()
+    for row in loader:
+        got.update(row["input_ids"].tolist())
+    assert got == Counter(t for row in data["input_ids"] for t in row)
+
+
+def test_packed_hf_stream_over_long_and_unknown_features() -> None:
+    data = hf_rows([5, 70, 3, 200, 8])
+    del data["text"]
+
+    def gen() -> Any:
+        for i in range(5):
+            yield {k: v[i] for k, v in data.items()}
+
+    stream = datasets.IterableDataset.from_generator(gen)
+    stream = stream.map(lambda x: x)  # features become unknown
+    with pytest.raises(FastpackError, match="sample 1 of the stream has 70 tokens"):
+        list(pack_iterable_dataset(stream, 64))
+    rows = list(pack_iterable_dataset(stream, 64, overlong="split"))
+    check_packed_rows(rows, data, max_len=64)
+    rows = list(pack_iterable_dataset(stream, 64, overlong="drop"))
+    assert sorted(len(r["input_ids"]) for r in rows) == [16]
+
+
+def test_packed_hf_stream_errors() -> None:
+    data = hf_rows([3, 4, 5])
+    stream = datasets.Dataset.from_dict(data).to_iterable_dataset()
+    with pytest.raises(FastpackTypeError, match="datasets.IterableDataset"):
+        pack_iterable_dataset(datasets.Dataset.from_dict(data), 8)
+    with pytest.raises(FastpackError, match="group_tokens"):
+        pack_iterable_dataset(stream, 8, group_tokens=64)
+    with pytest.raises(FastpackError, match="separator_id"):
+        pack_iterable_dataset(stream, 8, reserve=1)
+    with pytest.raises(FastpackError, match="buffer_size"):
+        pack_iterable_dataset(stream, 8, buffer_size=0)
+    with pytest.raises(FastpackError, match="'text' is not a list of numbers"):
+        pack_iterable_dataset(stream, 8, columns=["input_ids", "text"])
+    with pytest.raises(FastpackError, match="'nope' not in the dataset"):
+        pack_iterable_dataset(stream, 8, columns=["input_ids", "nope"])
+    with pytest.raises(FastpackError, match="lacks 'input_ids'"):
+        pack_iterable_dataset(stream, 8, columns=["labels"])
+    bad = dict(data, labels=[[1, 2, 3], [1], [1, 2, 3, 4, 5]])
+    stream = datasets.Dataset.from_dict(bad).to_iterable_dataset()
+    with pytest.raises(FastpackError, match="labels: sample 1 of the stream has 1 values but 4"):
+        list(pack_iterable_dataset(stream, 8))
+    nulls = dict(data, labels=[[1, 2, 3], None, [1, 2, 3, 4, 5]])
+    stream = datasets.Dataset.from_dict(nulls).to_iterable_dataset()
+    with pytest.raises(FastpackError, match="labels: sample 1 of the stream is null"):
+        list(pack_iterable_dataset(stream, 8))
+    holes = dict(data, labels=[[1, 2, 3], [1, None, 3, 4], [1, 2, 3, 4, 5]])
+    stream = datasets.Dataset.from_dict(holes).to_iterable_dataset()
+    with pytest.raises(FastpackError, match="labels: sample 1 of the stream holds a null"):
+        list(pack_iterable_dataset(stream, 8))
+    nested = {"input_ids": [[[1, 2]], [[3]]]}
+    stream = datasets.Dataset.from_dict(nested).to_iterable_dataset()
+    with pytest.raises(FastpackError, match="no 'input_ids' list column"):
+        pack_iterable_dataset(stream, 8)
