@@ -22,6 +22,7 @@ __all__ = ["SHARDINGS", "PackedIterableDataset"]
 SHARDINGS = ("auto", "stride", "hf", "source")
 
 _STATE_KIND = "fastpack.PackedIterableDataset"
+_CHUNK = 256  # samples read before their rows become arrays
 _STATE_VERSION = 1
 
 
@@ -350,35 +351,47 @@ class _Pass:
 
     def _read(self, items: Iterator[tuple[int, Any]], room: int) -> tuple[
             dict[str, tuple[np.ndarray, np.ndarray]], np.ndarray, bool]:
-        rows: dict[str, list[Any]] | None = None
+        """Up to ``room`` samples as columns, their stream indices, and whether the source
+        ended. Rows become arrays every ``_CHUNK`` samples: a window of Python lists would
+        hold millions of objects for the garbage collector to walk (twice the read time)."""
+        keys = self.keys or []
+        chunks: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {k: [] for k in keys}
+        rows: dict[str, list[Any]] = {k: [] for k in keys}
         origins: list[int] = []
-        for index, sample in itertools.islice(items, room):
-            if not isinstance(sample, Mapping):
-                sample = {LENGTH_COLUMN: sample}
-            if self.keys is None:
-                self.keys = self._keys(sample, index)
-            if rows is None:
-                rows = {k: [] for k in self.keys}
-            for k in self.keys:
-                try:
-                    rows[k].append(sample[k])
-                except KeyError:
-                    raise FastpackError(
-                        f"{k}: sample {index} of the stream has no {k!r} (it has "
-                        f"{', '.join(map(str, sample))}); earlier samples had it"
-                    ) from None
-            origins.append(index)
-            self.position = index + 1
+        while True:
+            start = len(origins)
+            for index, sample in itertools.islice(items, min(_CHUNK, room - start)):
+                if not isinstance(sample, Mapping):
+                    sample = {LENGTH_COLUMN: sample}
+                if self.keys is None:
+                    self.keys = self._keys(sample, index)
+                    rows = {k: [] for k in self.keys}
+                    chunks = {k: [] for k in self.keys}
+                for k, column in rows.items():
+                    try:
+                        column.append(sample[k])
+                    except KeyError:
+                        raise FastpackError(
+                            f"{k}: sample {index} of the stream has no {k!r} (it has "
+                            f"{', '.join(map(str, sample))}); earlier samples had it"
+                        ) from None
+                origins.append(index)
+                self.position = index + 1
+            got = len(origins) - start
+            if got:
+                at = np.asarray(origins[start:], dtype=np.int64)
+                mask = self._mask_key()
+                for k, column in rows.items():
+                    chunks[k].append(_column(k, column, at, mask=k == mask))
+                    column.clear()
+            if got < min(_CHUNK, room - start) or len(origins) == room:
+                break
         if self.stateful:
             self.source_state = self.source.state_dict()
         final = len(origins) < room
         keys = self.keys or [LENGTH_COLUMN]
-        if rows is None:
-            empty = (np.zeros(0, dtype=np.int64), np.zeros(1, dtype=np.int64))
-            return {k: empty for k in keys}, np.zeros(0, dtype=np.int64), final
-        at = np.asarray(origins, dtype=np.int64)
-        columns = {k: _column(k, rows[k], at, mask=k == self._mask_key()) for k in keys}
-        return columns, at, final
+        columns = {k: _join(chunks.get(k, [])) for k in keys}
+        return columns, np.asarray(origins, dtype=np.int64), final
 
     def _keys(self, sample: Mapping[str, Any], index: int) -> list[str]:
         if LENGTH_COLUMN not in sample:
@@ -447,6 +460,20 @@ def _column(key: str, rows: list[Any], origins: np.ndarray, *, mask: bool) -> tu
                 ) from None
         raise FastpackTypeError(f"{key}: cannot read the samples as token lists ({e})") from None
     return ragged.values, ragged.offsets
+
+
+def _join(chunks: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    """Columns read chunk by chunk (offsets from 0) as one column."""
+    if not chunks:
+        return np.zeros(0, dtype=np.int64), np.zeros(1, dtype=np.int64)
+    if len(chunks) == 1:
+        return chunks[0]
+    values = np.concatenate([v for v, _ in chunks])
+    ends = np.cumsum([len(v) for v, _ in chunks])
+    offsets = np.concatenate(
+        [[0]] + [o[1:] + (ends[i - 1] if i else 0) for i, (_, o) in enumerate(chunks)]
+    ).astype(np.int64)
+    return values, offsets
 
 
 def _row_problem(row: Any) -> str | None:
