@@ -540,7 +540,7 @@ def _check_lengths(columns: dict[str, Column], origins: np.ndarray) -> None:
             raise FastpackError(
                 f"{name}: sample {int(origins[i])} of the stream has {int(other[i])} values "
                 f"but {int(lengths[i])} input_ids; every packed column needs one value per "
-                f"token"
+                f"token (choose the packed columns with columns=[...])"
             )
 
 
