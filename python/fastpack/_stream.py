@@ -397,15 +397,8 @@ class StreamPacker:
         s.num_packs += len(emit)
         s.total_tokens += int(fill[emit].sum())
         s.capacity += int(plan.pack_caps[emit].astype(np.int64).sum())
-        if self.strategy == "wrapped":
-            # A sample is cut once however many windows its pieces cross: count the
-            # emitted first pieces that are not the whole sample.
-            rows, starts, tokens, _, _ = rnd.segments(emit)
-            lengths = _row_lengths(rnd.columns[LENGTH_COLUMN])[rows]
-            first = (rnd.row_starts[rows] == 0) & (starts == 0)
-            s.split_sequences += int((first & (tokens < lengths)).sum())
-        else:
-            s.split_sequences += plan.split_sequences
+        # A carried piece re-enters whole (it fit before), so no sample is counted twice.
+        s.split_sequences += plan.split_sequences
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
