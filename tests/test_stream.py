@@ -423,6 +423,8 @@ SOURCES = {
     "generator function": generator_function,
     "datasets.IterableDataset": lambda data: hf_stream(data, 2),
 }
+SHARDING = {"datasets.IterableDataset, stride": "stride"}
+SOURCES["datasets.IterableDataset, stride"] = SOURCES["datasets.IterableDataset"]
 
 
 @pytest.mark.parametrize("source", SOURCES)
@@ -431,7 +433,8 @@ def test_resume_at_every_position(source: str) -> None:
     collator = PackedCollator(max_len=48, backend="sdpa")
 
     def make() -> PackedIterableDataset:
-        return PackedIterableDataset(SOURCES[source](data), collator, buffer_size=9, seed=1)
+        return PackedIterableDataset(SOURCES[source](data), collator, buffer_size=9, seed=1,
+                                     sharding=SHARDING.get(source, "auto"))
 
     full = list(make())
     assert tokens_of(full) == Counter(t for s in data for t in s["input_ids"])
@@ -445,16 +448,23 @@ def test_resume_at_every_position(source: str) -> None:
         assert same(head + list(resumed), full), f"resumed after {k} batches"
 
 
-@pytest.mark.parametrize("source", ["list", "datasets.IterableDataset"])
-def test_resume_each_rank_at_every_position(source: str) -> None:
-    # Three ranks: the resumed stride must pick up each rank's own samples.
+@pytest.mark.parametrize("source", ["list", "datasets.IterableDataset",
+                                    "datasets.IterableDataset, stride"])
+def test_resume_each_rank_at_every_position(monkeypatch: pytest.MonkeyPatch, source: str) -> None:
+    # Three ranks (two workers each with the stride): the resumed stride must pick up each
+    # shard's own samples.
     data = samples(sft_lengths(45, seed=11, mean=12, cap=40).tolist())
     collator = PackedCollator(max_len=48, backend="sdpa")
     seen: Counter[int] = Counter()
-    for rank in range(3):
+    sharding = SHARDING.get(source, "auto")
+    workers = 2 if sharding == "stride" else 1
+    for rank, worker in itertools.product(range(3), range(workers)):
+        as_worker(monkeypatch, worker, workers)
+
         def make() -> PackedIterableDataset:
             return PackedIterableDataset(SOURCES[source](data), collator, buffer_size=5,
-                                         rank=rank, world_size=3)  # noqa: B023
+                                         rank=rank, world_size=3,  # noqa: B023
+                                         sharding=sharding)
 
         full = list(make())
         seen += tokens_of(full)
@@ -530,6 +540,59 @@ def test_hf_sharding_splits_by_rank_and_worker_shards() -> None:
                                    world_size=2)
         batches += list(dataloader(ds, 2))
     assert tokens_of(batches) == Counter(t for s in data for t in s["input_ids"])
+
+
+class CountingSource(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+    """A torch IterableDataset with its own state: resuming must not replay it."""
+
+    def __init__(self, data: list[dict[str, Any]]) -> None:
+        self.data, self.next, self.start, self.produced = data, 0, 0, 0
+
+    def __iter__(self) -> Any:
+        self.next = self.start
+        while self.next < len(self.data):
+            self.next += 1
+            self.produced += 1
+            yield self.data[self.next - 1]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"next": self.next}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.start = int(state["next"])
+
+
+def test_torch_source_with_its_own_state() -> None:
+    data = samples(sft_lengths(50, seed=12, mean=12, cap=40).tolist())
+    collator = PackedCollator(max_len=48, backend="sdpa")
+    full = list(PackedIterableDataset(CountingSource(data), collator, buffer_size=8))
+    assert tokens_of(full) == Counter(t for s in data for t in s["input_ids"])
+    for k in (1, len(full) // 2, len(full) - 1):
+        ds = PackedIterableDataset(CountingSource(data), collator, buffer_size=8)
+        it = iter(ds)
+        head = [next(it) for _ in range(k)]
+        state = ds.state_dict()
+        source = CountingSource(data)
+        resumed = PackedIterableDataset(source, collator, buffer_size=8)
+        resumed.load_state_dict(state)
+        assert same(head + list(resumed), full)
+        # Resumed from the source's own state: only the unread samples were produced.
+        assert source.produced == len(data) - int(state["position"])
+
+
+def test_ranks_from_torch_distributed(monkeypatch: pytest.MonkeyPatch) -> None:
+    data = samples(sft_lengths(40, seed=13, mean=12, cap=40).tolist())
+    collator = PackedCollator(max_len=48, backend="sdpa")
+    seen: Counter[int] = Counter()
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 2)
+    for rank in range(2):
+        monkeypatch.setattr(torch.distributed, "get_rank", lambda rank=rank: rank)
+        ds = PackedIterableDataset(data, collator, buffer_size=6)
+        got = list(ds)
+        assert ds.stats.num_sequences == 20
+        seen += tokens_of(got)
+    assert seen == Counter(t for s in data for t in s["input_ids"])
 
 
 def test_one_shot_generator() -> None:
@@ -618,12 +681,18 @@ def check_packed_rows(rows: list[dict[str, Any]], data: dict[str, list[Any]], *,
             assert row["position_ids"][start : start + q] == list(range(q))
             ids = row["input_ids"][start : start + q]
             real = [t for t in ids if t != separator_id]
-            assert len(ids) - len(real) == (0 if separator_id is None else 1)
-            sample, pos = (real[0] - 1) // K, (real[0] - 1) % K
-            for k in ("labels", "attention_mask", "assistant_masks"):
-                assert row[k][start : start + len(real)] == data[k][sample][pos : pos + len(real)]
-            if separator_id is not None:
-                assert ids[-1] == separator_id and row["labels"][start + q - 1] == -100
+            if real:  # a piece of a split sample may hold only its separator
+                sample, pos = (real[0] - 1) // K, (real[0] - 1) % K
+                assert real == data["input_ids"][sample][pos : pos + len(real)]
+                for k in ("labels", "attention_mask", "assistant_masks"):
+                    got = row[k][start : start + len(real)]
+                    assert got == data[k][sample][pos : pos + len(real)]
+            if separator_id is not None and len(real) < q:
+                # The separator ends the sample (the last piece, when it is split).
+                assert len(real) == q - 1 and ids[-1] == separator_id
+                assert row["labels"][start + q - 1] == -100
+                assert row["attention_mask"][start + q - 1] == 1
+                assert row["assistant_masks"][start + q - 1] == 0
             seen.update(real)
             start += q
     assert seen == Counter(t for row in data["input_ids"] for t in row)
@@ -641,6 +710,34 @@ def test_packed_hf_stream_columns(separator_id: int | None) -> None:
     check_packed_rows(rows, data, max_len=64, separator_id=separator_id)
     efficiency = sum(len(r["input_ids"]) for r in rows) / (64 * len(rows))
     assert efficiency > 0.95
+
+
+def test_packed_hf_stream_long_bucket() -> None:
+    lengths = [5, 70, 3, 200, 8, 120, 64, 65]
+    data = hf_rows(lengths)
+    stream = datasets.Dataset.from_dict(data).to_iterable_dataset()
+    rows = list(pack_iterable_dataset(stream, 64, long_max_len=256, buffer_size=3))
+    check_packed_rows(rows, data, max_len=256)
+    # No pack mixes the buckets: long samples (over 64) have packs of their own.
+    for row in rows:
+        if len(row["input_ids"]) > 64:
+            assert all(q > 64 for q in row["seq_lengths"])
+
+
+@settings(max_examples=25, deadline=None)
+@given(lengths=st.lists(st.integers(1, 30), min_size=1, max_size=40),
+       buffer_size=st.integers(1, 12), shards=st.integers(1, 3),
+       strategy=st.sampled_from(fastpack.STRATEGIES),
+       separator=st.booleans())
+def test_packed_hf_stream_property(lengths: list[int], buffer_size: int, shards: int,
+                                   strategy: str, separator: bool) -> None:
+    data = hf_rows(lengths)
+    stream = datasets.Dataset.from_dict(data).to_iterable_dataset(
+        num_shards=min(shards, len(lengths)))
+    separator_id = 0 if separator else None
+    rows = list(pack_iterable_dataset(stream, 16, strategy=strategy, overlong="split",
+                                      buffer_size=buffer_size, separator_id=separator_id))
+    check_packed_rows(rows, data, max_len=16, separator_id=separator_id)
 
 
 def test_packed_hf_stream_matches_trl_segments() -> None:
