@@ -614,8 +614,8 @@ def pack_iterable_dataset(
     Every per-token list column (``columns``: default, every list-of-numbers column;
     ``input_ids`` gives the lengths) is packed, and two columns are added:
     ``seq_lengths`` (int32, each segment's tokens, as TRL's ``pack_dataset`` writes it,
-    so TRL's collators and ``SFTTrainer`` read it) and ``position_ids`` (int64,
-    restarting at 0 in every segment).
+    so TRL's collators and ``SFTTrainer`` read it) and ``position_ids`` (int32,
+    restarting at 0 in every segment), as ``fastpack.gather`` writes them.
 
     Each shard of the source is packed on its own by a :class:`StreamPacker` with a
     window of ``buffer_size`` samples, read as Arrow batches; the output has the
@@ -675,7 +675,7 @@ def pack_iterable_dataset(
     if known is not None:
         features = datasets.Features({k: dataset.features[k] for k in known})
         features["seq_lengths"] = datasets.List(datasets.Value("int32"))
-        features["position_ids"] = datasets.List(datasets.Value("int64"))
+        features["position_ids"] = datasets.List(datasets.Value("int32"))
     source = dataset
     n_shards = max(source.num_shards, 1)
     generate = functools.partial(
@@ -849,7 +849,7 @@ def _packed_table(rnd: Round, packs: np.ndarray, reserve: int,
         arrays[name] = _list_array(packed, pack_offsets)
     arrays["seq_lengths"] = _list_array(seqlens.astype(np.int32), seg_offsets)
     positions = np.arange(total, dtype=np.int64) - np.repeat(out_starts[:-1], seqlens)
-    arrays["position_ids"] = _list_array(positions, pack_offsets)
+    arrays["position_ids"] = _list_array(positions.astype(np.int32), pack_offsets)
     return pa.Table.from_pydict(arrays)
 
 
