@@ -60,8 +60,8 @@ class Schedule:
     """One epoch of a :class:`PackedSampler`: micro-step ``g`` of rank ``r`` reads segments
     ``lo[g, r]:hi[g, r]`` of dataset step ``steps[g, r]`` (whole when ``whole[g, r]``).
 
-    ``tokens``, ``cost`` (the balanced cost, ``6·hidden_size·Σl + Σl²``) and ``targets``
-    are per micro-step ``[G, R]``; ``num_items`` and ``num_sequences`` per global step
+    ``tokens`` (Σl), ``cost`` (``6·hidden_size·Σl + Σl²``, whatever ``balance`` is) and
+    ``targets`` are per micro-step ``[G, R]``; ``num_items`` and ``num_sequences`` per global step
     ``[G]``: the normaliser of the optimizer step it belongs to. ``dropped_*`` count what
     ``drop_last`` left out of this epoch.
     """
@@ -193,11 +193,20 @@ class PackedSampler(torch.utils.data.Sampler):  # type: ignore[type-arg]
             self._resume = None
         self.epoch = epoch
 
+    @property
+    def optimizer_steps(self) -> int:
+        """Optimizer steps per epoch: ``ceil(len(self) / accumulation_steps)`` (the last
+        one has fewer micro-steps when they do not divide evenly, on every rank alike)."""
+        return -(-len(self) // self.accumulation_steps)
+
     def __iter__(self) -> Iterator[Step]:
         schedule = self.schedule(self.epoch)
         start = self._resume if self._resume is not None else 0
         self._resume = None
         self._position = start
+        return self._steps(schedule, start)
+
+    def _steps(self, schedule: Schedule, start: int) -> Iterator[Step]:
         column = self.rank
         steps, lo, hi, whole = (schedule.steps[:, column], schedule.lo[:, column],
                                 schedule.hi[:, column], schedule.whole[:, column])
@@ -311,6 +320,7 @@ def _build(sampler: PackedSampler, epoch: int) -> Schedule:
         sequences = np.concatenate((sequences, p_sequences))
     whole = (lo == seg[index]) & (hi == seg[index + 1])
     cost = _cost(sampler, tokens, squared)
+    flops = 6.0 * sampler.hidden_size * tokens + squared.astype(np.float64)
     micro = len(index)
     assert micro % ranks == 0
     g = micro // ranks
@@ -344,7 +354,7 @@ def _build(sampler: PackedSampler, epoch: int) -> Schedule:
         hi=hi[layout],
         whole=whole[layout],
         tokens=tokens[layout],
-        cost=cost[layout],
+        cost=flops[layout],
         targets=step_targets,
         num_items=num_items.astype(np.int64),
         num_sequences=num_sequences.astype(np.int64),
