@@ -8,6 +8,7 @@ __all__ = [
     "flatten_int_lists",
     "materialize",
     "pack",
+    "segment_targets",
     "varlen",
 ]
 
@@ -51,4 +52,21 @@ def materialize(
     pad_id: int = 0,
     threads: int | None = None,
 ) -> dict[str, Any]: ...
+def segment_targets(
+    sample_ids: np.ndarray,
+    starts: np.ndarray,
+    seqlens: np.ndarray,
+    reserve: int,
+    strategy: str,
+    overlong: str,
+    tokens: np.ndarray,
+    token_offsets: np.ndarray,
+    labels: np.ndarray | None = None,
+    label_offsets: np.ndarray | None = None,
+    loss_mask: np.ndarray | None = None,
+    mask_offsets: np.ndarray | None = None,
+    separator_id: int | None = None,
+    train_separators: bool = False,
+    threads: int | None = None,
+) -> np.ndarray: ...
 def flatten_int_lists(rows: list[Any], mask: bool = False) -> tuple[np.ndarray, np.ndarray]: ...

@@ -45,7 +45,7 @@ class StepTable:
     the first, attention's with the second. ``targets`` are the labels other than -100 the
     step's batch will hold (loss masks, ``labels``, separators and split pieces included);
     ``sequences`` the segments with at least one target. All int64 [N].
-    ``segment_targets`` (int32 [S]) is the same count per segment, for steps cut smaller.
+    ``segment_targets`` (uint32 [S]) is the same count per segment, for steps cut smaller.
     """
 
     pack_offsets: np.ndarray
@@ -171,15 +171,15 @@ class PackedDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
 
     @cached_property
     def steps(self) -> StepTable:
-        """The per-step arrays (computed once, on first use: one vectorised pass over the
-        labels or token ids and the loss mask)."""
+        """The per-step arrays (computed once, on first use: one parallel pass in Rust over
+        the labels or token ids and the loss mask)."""
         plan = self.plan
         packs = self.step_pack_offsets
         segments = np.asarray(plan.pack_offsets, dtype=np.int64)[packs]
         per_segment = segment_targets(
             plan, self.tokens, labels=self.labels, loss_mask=self.loss_mask,
             separator_id=self.collator.separator_id,
-            train_separators=self.collator.train_separators,
+            train_separators=self.collator.train_separators, threads=self.collator.threads,
         )
         seqlens = plan.seqlens.astype(np.int64)
 
@@ -195,8 +195,8 @@ class PackedDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
             tokens=per_step(seqlens),
             squared_tokens=per_step(seqlens * seqlens),
             targets=per_step(per_segment),
-            sequences=per_step((per_segment > 0).astype(np.int64)),
-            segment_targets=per_segment.astype(np.int32),
+            sequences=per_step((per_segment > 0).view(np.uint8)),
+            segment_targets=per_segment,
         )
         for array in (table.segment_offsets, table.tokens, table.squared_tokens,
                       table.targets, table.sequences, table.segment_targets):

@@ -49,6 +49,7 @@ mod pack;
 mod plan;
 pub mod pool;
 mod shuffle;
+pub mod targets;
 mod two_level;
 
 pub use error::{Error, Result};
