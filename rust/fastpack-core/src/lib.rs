@@ -48,6 +48,7 @@ mod memory;
 mod pack;
 mod plan;
 pub mod pool;
+pub mod schedule;
 mod shuffle;
 pub mod targets;
 mod two_level;
