@@ -226,6 +226,7 @@ class PackedSampler(torch.utils.data.Sampler):  # type: ignore[type-arg]
         epoch = _int_arg("epoch", epoch, minimum=0)
         if epoch != self.epoch:
             self._resume = None
+            self._position = 0  # a checkpoint taken now starts the new epoch
         self.epoch = epoch
 
     @property
