@@ -11,6 +11,9 @@ Its modules are its layers:
   global plan), item ``i`` is step ``i``.
 - :mod:`~fastpack.torch.stream` — :class:`PackedIterableDataset`: a stream of samples
   packed a window at a time, split across workers and ranks, resumable mid-window.
+- :mod:`~fastpack.torch.sampler` — :class:`PackedSampler`: the schedule of those steps over
+  data-parallel ranks (balanced, every sample once, resumable) and every micro-step's
+  ``num_items_in_batch``.
 - :mod:`~fastpack.torch.attention` — :func:`varlen_attention` over ``cu_seqlens`` with the
   fastest kernel available (flash-attn, ``torch.nn.attention.varlen``, flex, SDPA).
 - :mod:`~fastpack.torch.hf` — Hugging Face integration (:func:`register_hf_attention`).
@@ -23,9 +26,10 @@ from __future__ import annotations
 
 from .attention import KERNELS, varlen_attention
 from .collator import LOSS_MASK_KEYS, PackedCollator
-from .data import PackedDataset, first_item
+from .data import PackedDataset, StepTable, first_item
 from .formats import BACKENDS, BatchFormat
 from .hf import register_hf_attention
+from .sampler import PackedSampler, Schedule, Step
 from .stream import SHARDINGS, PackedIterableDataset
 
 __all__ = [
@@ -37,6 +41,10 @@ __all__ = [
     "PackedDataset",
     "PackedIterableDataset",
     "SHARDINGS",
+    "PackedSampler",
+    "Schedule",
+    "Step",
+    "StepTable",
     "first_item",
     "register_hf_attention",
     "varlen_attention",
