@@ -11,6 +11,8 @@ Its modules are its layers:
   global plan), item ``i`` is step ``i``.
 - :mod:`~fastpack.torch.attention` — :func:`varlen_attention` over ``cu_seqlens`` with the
   fastest kernel available (flash-attn, ``torch.nn.attention.varlen``, flex, SDPA).
+- :mod:`~fastpack.torch.loss` — :func:`packed_loss`: the loss of a packed batch normalised
+  over its whole optimizer step (all micro-steps, all ranks), per token or per sequence.
 - :mod:`~fastpack.torch.hf` — Hugging Face integration (:func:`register_hf_attention`).
 
 Every batch's ``labels`` are unshifted (the model shifts), -100 at the first token of
@@ -24,15 +26,18 @@ from .collator import LOSS_MASK_KEYS, PackedCollator
 from .data import PackedDataset, first_item
 from .formats import BACKENDS, BatchFormat
 from .hf import register_hf_attention
+from .loss import WEIGHTINGS, packed_loss
 
 __all__ = [
     "BACKENDS",
     "KERNELS",
     "LOSS_MASK_KEYS",
+    "WEIGHTINGS",
     "BatchFormat",
     "PackedCollator",
     "PackedDataset",
     "first_item",
+    "packed_loss",
     "register_hf_attention",
     "varlen_attention",
 ]
