@@ -9,6 +9,9 @@ Its modules are its layers:
   ``data_collator``.
 - :mod:`~fastpack.torch.data` — :class:`PackedDataset`: a whole dataset packed once (one
   global plan), item ``i`` is step ``i``.
+- :mod:`~fastpack.torch.sampler` — :class:`PackedSampler`: the schedule of those steps over
+  data-parallel ranks (balanced, every sample once, resumable) and every micro-step's
+  ``num_items_in_batch``.
 - :mod:`~fastpack.torch.attention` — :func:`varlen_attention` over ``cu_seqlens`` with the
   fastest kernel available (flash-attn, ``torch.nn.attention.varlen``, flex, SDPA).
 - :mod:`~fastpack.torch.loss` — :func:`packed_loss`: the loss of a packed batch normalised
@@ -23,10 +26,11 @@ from __future__ import annotations
 
 from .attention import KERNELS, varlen_attention
 from .collator import LOSS_MASK_KEYS, PackedCollator
-from .data import PackedDataset, first_item
+from .data import PackedDataset, StepTable, first_item
 from .formats import BACKENDS, BatchFormat
 from .hf import register_hf_attention
 from .loss import WEIGHTINGS, packed_loss
+from .sampler import PackedSampler, Schedule, Step
 
 __all__ = [
     "BACKENDS",
@@ -36,6 +40,10 @@ __all__ = [
     "BatchFormat",
     "PackedCollator",
     "PackedDataset",
+    "PackedSampler",
+    "Schedule",
+    "Step",
+    "StepTable",
     "first_item",
     "packed_loss",
     "register_hf_attention",

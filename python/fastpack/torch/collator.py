@@ -132,16 +132,31 @@ class PackedCollator:
             return self.loss_mask_key
         return next((k for k in LOSS_MASK_KEYS if k in feature), None)
 
-    def plan(self, lengths: Any, *, shuffle: bool = False, seed: int = 0) -> Plan:
-        """The plan this collator uses for samples of these lengths."""
+    def plan(
+        self,
+        lengths: Any,
+        *,
+        shuffle: bool = False,
+        seed: int = 0,
+        long_max_len: int | None = None,
+        group_tokens: int | None = None,
+    ) -> Plan:
+        """The plan this collator uses for samples of these lengths (``long_max_len`` and
+        ``group_tokens``: see :func:`fastpack.pack`)."""
         if self.backend == "padded":
+            if long_max_len is not None or group_tokens is not None:
+                raise FastpackError(
+                    "long_max_len/group_tokens: do not apply to backend='padded' (one sample "
+                    "per row)"
+                )
             return _one_per_pack(np.asarray(lengths, dtype=np.int64), self.max_len,
                                  self.reserve, self.overlong)
         # One flat row holds every pack end to end: bin packing would only reorder the
         # samples, so keep their order (unless this plans a whole dataset).
         strategy = "next_fit" if self.layout == "flat" and not shuffle else self.strategy
         return pack(lengths, self.max_len, strategy=strategy, overlong=self.overlong,
-                    reserve=self.reserve, shuffle=shuffle, seed=seed, threads=self.threads)
+                    reserve=self.reserve, shuffle=shuffle, seed=seed, threads=self.threads,
+                    long_max_len=long_max_len, group_tokens=group_tokens)
 
     def batch(
         self,

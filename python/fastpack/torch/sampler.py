@@ -1,0 +1,446 @@
+"""The schedule: which step of one global plan each rank runs at each global step.
+
+Every rank computes the same schedule from ``(plan, seed, epoch, ranks, accumulation)``,
+so nothing is communicated. It guarantees: every rank gets the same number of non-empty
+steps; every sample is used exactly once per epoch (a remainder that does not divide
+evenly among the ranks is cut into smaller steps, or dropped and counted with
+``drop_last``); the R steps that run at the same time carry nearly the same work; every
+micro-step knows the target tokens of its whole optimizer step.
+
+Cost model (``balance="flops"``): a step costs ``6·hidden_size·Σl + Σl²`` over its
+sequences' lengths ``l``. Per layer, the forward pass of a transformer with hidden size
+``h`` spends ``2·12h²`` FLOPs per token in its matrix products (``4h²`` for the attention
+projections, ``8h²`` for an MLP of width ``4h``) and ``4·h·l`` per token in attention
+(``QKᵀ`` and ``AV`` over ``l`` positions); divided by ``4h`` this is ``6h·l + l²`` per
+sequence, and the backward pass scales both terms alike. See docs/training.md for models
+of other shapes.
+"""
+
+from __future__ import annotations
+
+import heapq
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from .._errors import FastpackError, FastpackTypeError
+from .._plan import _int_arg
+from .data import PackedDataset, StepTable
+
+__all__ = ["BALANCES", "PackedSampler", "Schedule", "Step"]
+
+#: Accepted values of ``balance``: the cost a global step's ranks are balanced by.
+BALANCES = ("flops", "tokens", None)
+
+
+class Step(NamedTuple):
+    """One micro-step of one rank, as :class:`PackedSampler` yields it and
+    :class:`~fastpack.torch.PackedDataset` reads it.
+
+    ``index`` is the dataset's step; ``segments`` is ``None`` for the whole step, or the
+    range ``(lo, hi)`` of the plan's segments inside it when the step was cut into
+    smaller ones (the remainder of an epoch). ``num_items_in_batch`` counts the target
+    tokens (labels other than -100) of the whole optimizer step, over every rank and
+    every accumulation micro-step; ``num_sequences_in_batch`` the sequences (segments)
+    with at least one target in the same scope.
+    """
+
+    index: int  # type: ignore[assignment]  # shadows tuple.index, by contract
+    segments: tuple[int, int] | None
+    num_items_in_batch: int
+    num_sequences_in_batch: int
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """One epoch of a :class:`PackedSampler`: micro-step ``g`` of rank ``r`` reads segments
+    ``lo[g, r]:hi[g, r]`` of dataset step ``steps[g, r]`` (whole when ``whole[g, r]``).
+
+    ``tokens`` (Σl), ``cost`` (``6·hidden_size·Σl + Σl²``, whatever ``balance`` is) and
+    ``targets`` are per micro-step ``[G, R]``; ``num_items`` and ``num_sequences`` per global step
+    ``[G]``: the normaliser of the optimizer step it belongs to. ``dropped_*`` count what
+    ``drop_last`` left out of this epoch.
+    """
+
+    epoch: int
+    steps: np.ndarray
+    lo: np.ndarray
+    hi: np.ndarray
+    whole: np.ndarray
+    tokens: np.ndarray
+    cost: np.ndarray
+    targets: np.ndarray
+    num_items: np.ndarray
+    num_sequences: np.ndarray
+    dropped_steps: int
+    dropped_tokens: int
+    dropped_sequences: int
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def imbalance(self, of: str = "cost") -> np.ndarray:
+        """max/mean over ranks of ``cost`` or ``tokens`` at every global step ``[G]``."""
+        values = self.cost if of == "cost" else self.tokens
+        mean = values.mean(axis=1)
+        return np.divide(values.max(axis=1), mean, out=np.ones_like(mean), where=mean > 0)
+
+
+class PackedSampler(torch.utils.data.Sampler):  # type: ignore[type-arg]
+    """A sampler of steps of a :class:`~fastpack.torch.PackedDataset` for data-parallel
+    training: ``DataLoader(dataset, batch_size=None, sampler=PackedSampler(dataset))``.
+
+    Args:
+        dataset: the :class:`~fastpack.torch.PackedDataset` (every rank builds the same).
+        num_replicas, rank: data-parallel world size and this process's rank (default:
+            from ``torch.distributed`` when it is initialized, else 1 and 0).
+        shuffle: a new order of the global steps every epoch, from ``(seed, epoch)``.
+        seed: the seed of that order (the same on every rank).
+        drop_last: drop the ``len(dataset) % num_replicas`` steps that do not divide
+            evenly (counted in :meth:`schedule`), instead of cutting them into
+            ``num_replicas`` smaller steps.
+        balance: ``"flops"`` balances ``6·hidden_size·Σl + Σl²`` per global step,
+            ``"tokens"`` balances Σl, ``None`` keeps the (shuffled) order.
+        hidden_size: the ``h`` of the cost model (see the module docs, docs/training.md).
+        accumulation_steps: micro-steps per optimizer step; every micro-step carries the
+            target tokens of its whole optimizer step (all ranks, all its micro-steps) as
+            ``num_items_in_batch``.
+
+    ``set_epoch(e)`` chooses the epoch; ``state_dict()`` / ``load_state_dict()`` save and
+    restore the position, so a resumed run yields exactly the steps it would have (with a
+    plain ``DataLoader`` and ``num_workers > 0`` the loader prefetches: pass the number of
+    steps consumed, ``state_dict(consumed=k)``; torchdata's ``StatefulDataLoader`` does
+    this itself).
+    """
+
+    def __init__(
+        self,
+        dataset: PackedDataset,
+        *,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        balance: str | None = "flops",
+        hidden_size: int = 4096,
+        accumulation_steps: int = 1,
+    ) -> None:
+        if not isinstance(dataset, PackedDataset):
+            raise FastpackTypeError(
+                f"dataset: expected a fastpack.torch.PackedDataset, got {type(dataset).__name__}"
+            )
+        if num_replicas is None or rank is None:
+            dist = torch.distributed
+            initialized = dist.is_available() and dist.is_initialized()
+            if num_replicas is None:
+                num_replicas = dist.get_world_size() if initialized else 1
+            if rank is None:
+                rank = dist.get_rank() if initialized else 0
+        self.num_replicas = _int_arg("num_replicas", num_replicas, minimum=1)
+        self.rank = _int_arg(
+            "rank", rank, minimum=0, maximum=self.num_replicas - 1,
+            why=f" (num_replicas is {self.num_replicas})",
+        )
+        for name, flag in (("shuffle", shuffle), ("drop_last", drop_last)):
+            if not isinstance(flag, (bool, np.bool_)):
+                raise FastpackTypeError(f"{name}: expected a bool, got {type(flag).__name__}")
+        if balance not in BALANCES:
+            raise FastpackError(
+                f"balance: unknown value {balance!r}; expected one of "
+                f"{', '.join(map(repr, BALANCES))}"
+            )
+        self.dataset = dataset
+        self.shuffle = bool(shuffle)
+        self.seed = _int_arg("seed", seed, minimum=0, maximum=2**64 - 1)
+        self.drop_last = bool(drop_last)
+        self.balance = balance
+        self.hidden_size = _int_arg("hidden_size", hidden_size, minimum=1)
+        self.accumulation_steps = _int_arg("accumulation_steps", accumulation_steps, minimum=1)
+        packs = dataset.plan.num_packs
+        if packs < self.num_replicas:
+            raise FastpackError(
+                f"num_replicas: {self.num_replicas} ranks but the dataset has only {packs} "
+                f"pack(s); every rank needs at least one non-empty step: use fewer ranks, a "
+                f"smaller max_len or more data"
+            )
+        if self.drop_last and len(dataset) < self.num_replicas:
+            raise FastpackError(
+                f"drop_last: the dataset has {len(dataset)} steps for {self.num_replicas} "
+                "ranks, so every step would be dropped; pass drop_last=False to cut them "
+                "into smaller steps"
+            )
+        self.epoch = 0
+        self._position = 0  # micro-steps of this epoch yielded so far
+        self._resume: int | None = None
+        self._schedule: Schedule | None = None
+        self._warned = False
+
+    # ------------------------------------------------------------------ epochs
+    def __len__(self) -> int:
+        n, r = len(self.dataset), self.num_replicas
+        return n // r if self.drop_last else -(-n // r)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use the order of ``epoch`` from the next iteration on. A position restored by
+        :meth:`load_state_dict` survives a ``set_epoch`` of the same epoch."""
+        epoch = _int_arg("epoch", epoch, minimum=0)
+        if epoch != self.epoch:
+            self._resume = None
+        self.epoch = epoch
+
+    @property
+    def optimizer_steps(self) -> int:
+        """Optimizer steps per epoch: ``ceil(len(self) / accumulation_steps)`` (the last
+        one has fewer micro-steps when they do not divide evenly, on every rank alike)."""
+        return -(-len(self) // self.accumulation_steps)
+
+    def __iter__(self) -> Iterator[Step]:
+        schedule = self.schedule(self.epoch)
+        start = self._resume if self._resume is not None else 0
+        self._resume = None
+        self._position = start
+        return self._steps(schedule, start)
+
+    def _steps(self, schedule: Schedule, start: int) -> Iterator[Step]:
+        column = self.rank
+        steps, lo, hi, whole = (schedule.steps[:, column], schedule.lo[:, column],
+                                schedule.hi[:, column], schedule.whole[:, column])
+        items, sequences = schedule.num_items, schedule.num_sequences
+        for g in range(start, len(schedule)):
+            segments = None if whole[g] else (int(lo[g]), int(hi[g]))
+            step = Step(int(steps[g]), segments, int(items[g]), int(sequences[g]))
+            self._position = g + 1
+            yield step
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
+        """The position to resume from: the epoch and the micro-steps of it this rank has
+        consumed (default: those the last iterator yielded), plus the settings the
+        schedule depends on, checked on load."""
+        position = self._position if consumed is None else _int_arg(
+            "consumed", consumed, minimum=0, maximum=len(self)
+        )
+        return {
+            "epoch": self.epoch,
+            "position": position,
+            "seed": self.seed,
+            "num_replicas": self.num_replicas,
+            "accumulation_steps": self.accumulation_steps,
+            "balance": self.balance,
+            "hidden_size": self.hidden_size,
+            "shuffle": self.shuffle,
+            "drop_last": self.drop_last,
+            "num_steps": len(self.dataset),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume at ``state`` (from :meth:`state_dict`): the next iteration starts at its
+        position in its epoch."""
+        if not isinstance(state, dict):
+            raise FastpackTypeError(f"state: expected a dict, got {type(state).__name__}")
+        missing = [k for k in ("epoch", "position") if k not in state]
+        if missing:
+            raise FastpackError(f"state: missing {', '.join(missing)}")
+        mine = self.state_dict()
+        for key in ("seed", "num_replicas", "accumulation_steps", "balance", "hidden_size",
+                    "shuffle", "drop_last", "num_steps"):
+            if key in state and state[key] != mine[key]:
+                raise FastpackError(
+                    f"state: saved with {key}={state[key]!r}, but this sampler has "
+                    f"{key}={mine[key]!r}; the schedule would differ, so the position "
+                    "does not carry over"
+                )
+        self.epoch = _int_arg("state['epoch']", state["epoch"], minimum=0)
+        self._resume = _int_arg("state['position']", state["position"], minimum=0,
+                                maximum=len(self))
+        self._position = self._resume
+
+    # ------------------------------------------------------------------ schedule
+    def schedule(self, epoch: int | None = None) -> Schedule:
+        """The schedule of ``epoch`` (default: the current one) for every rank."""
+        epoch = self.epoch if epoch is None else _int_arg("epoch", epoch, minimum=0)
+        if self._schedule is None or self._schedule.epoch != epoch:
+            self._schedule = _build(self, epoch)
+            if self._schedule.dropped_steps and not self._warned:
+                self._warned = True
+                s = self._schedule
+                warnings.warn(
+                    f"PackedSampler(drop_last=True) drops {s.dropped_steps} step(s) per "
+                    f"epoch ({s.dropped_tokens} tokens, {s.dropped_sequences} sequences with "
+                    f"targets in epoch {epoch}); see sampler.schedule()",
+                    stacklevel=3,
+                )
+        return self._schedule
+
+
+def _segment_cost(sampler: PackedSampler, seqlens: np.ndarray) -> np.ndarray:
+    lengths = seqlens.astype(np.float64)
+    if sampler.balance == "flops":
+        return 6.0 * sampler.hidden_size * lengths + lengths * lengths
+    return lengths
+
+
+def _cost(sampler: PackedSampler, tokens: np.ndarray, squared: np.ndarray) -> np.ndarray:
+    if sampler.balance == "flops":
+        return 6.0 * sampler.hidden_size * tokens + squared.astype(np.float64)
+    return tokens.astype(np.float64)
+
+
+def _build(sampler: PackedSampler, epoch: int) -> Schedule:
+    table = sampler.dataset.steps
+    n, ranks, k = len(table), sampler.num_replicas, sampler.accumulation_steps
+    rng = np.random.default_rng([sampler.seed, epoch])
+    order = rng.permutation(n) if sampler.shuffle else np.arange(n)
+    remainder = n % ranks
+    dropped = np.zeros(0, dtype=np.int64)
+    pieces: tuple[np.ndarray, ...] | None = None
+    if remainder and sampler.drop_last:
+        order, dropped = order[: n - remainder], order[n - remainder :]
+    elif remainder:
+        order, pool = _pool(table, order, ranks, remainder)
+        pieces = _cut(sampler, table, pool, ranks)
+
+    seg = table.segment_offsets
+    index = order
+    lo, hi = seg[order], seg[order + 1]
+    tokens, squared = table.tokens[order], table.squared_tokens[order]
+    targets, sequences = table.targets[order], table.sequences[order]
+    if pieces is not None:
+        p_index, p_lo, p_hi, p_tokens, p_squared, p_targets, p_sequences = pieces
+        index = np.concatenate((index, p_index))
+        lo, hi = np.concatenate((lo, p_lo)), np.concatenate((hi, p_hi))
+        tokens = np.concatenate((tokens, p_tokens))
+        squared = np.concatenate((squared, p_squared))
+        targets = np.concatenate((targets, p_targets))
+        sequences = np.concatenate((sequences, p_sequences))
+    whole = (lo == seg[index]) & (hi == seg[index + 1])
+    cost = _cost(sampler, tokens, squared)
+    flops = 6.0 * sampler.hidden_size * tokens + squared.astype(np.float64)
+    micro = len(index)
+    assert micro % ranks == 0
+    g = micro // ranks
+
+    if sampler.balance is None:
+        layout = np.arange(micro).reshape(g, ranks)
+    else:
+        # Steps of similar cost run together: sort by cost (ties broken at random, so the
+        # company a step keeps changes every epoch), cut into global steps of R, then
+        # shuffle the global steps.
+        tiebreak = rng.random(micro)
+        layout = np.lexsort((tiebreak, cost)).reshape(g, ranks)
+        if sampler.shuffle:
+            layout = layout[rng.permutation(g)]
+        else:
+            layout = layout[np.argsort(layout.min(axis=1), kind="stable")]
+        # Alternate which rank gets the heavier end, so no rank is always the slowest.
+        layout[1::2] = layout[1::2, ::-1]
+
+    step_targets = targets[layout]
+    step_sequences = sequences[layout]
+    starts = np.arange(0, g, k)
+    per_opt_items = np.add.reduceat(step_targets.sum(axis=1), starts) if g else starts
+    per_opt_sequences = np.add.reduceat(step_sequences.sum(axis=1), starts) if g else starts
+    num_items = np.repeat(per_opt_items, np.diff(np.append(starts, g)))
+    num_sequences = np.repeat(per_opt_sequences, np.diff(np.append(starts, g)))
+    return Schedule(
+        epoch=epoch,
+        steps=index[layout],
+        lo=lo[layout],
+        hi=hi[layout],
+        whole=whole[layout],
+        tokens=tokens[layout],
+        cost=flops[layout],
+        targets=step_targets,
+        num_items=num_items.astype(np.int64),
+        num_sequences=num_sequences.astype(np.int64),
+        dropped_steps=len(dropped),
+        dropped_tokens=int(table.tokens[dropped].sum()),
+        dropped_sequences=int(table.sequences[dropped].sum()),
+    )
+
+
+def _pool(
+    table: StepTable, order: np.ndarray, ranks: int, remainder: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Split the epoch's ``order`` into whole steps and the pool cut into smaller ones:
+    the last ``remainder`` steps, plus as few whole global steps (R steps each) as give
+    the pool enough segments for ``R·(x+1)`` non-empty pieces."""
+    n = len(order)
+    segments = np.diff(table.segment_offsets)[order[::-1]]
+    available = np.cumsum(segments)
+    extra = np.arange((n - remainder) // ranks + 1)
+    sizes = remainder + ranks * extra
+    feasible = np.flatnonzero(available[sizes - 1] >= ranks * (extra + 1))
+    if not len(feasible):
+        raise FastpackError(
+            f"num_replicas: {n} steps do not divide among {ranks} ranks and hold only "
+            f"{int(available[-1])} sequences, too few to cut the remainder into "
+            f"{ranks} non-empty steps per global step; pass drop_last=True (drops "
+            f"{remainder} step(s), counted) or use fewer ranks"
+        )
+    size = int(sizes[feasible[0]])
+    return order[: n - size], order[n - size :]
+
+
+def _cut(
+    sampler: PackedSampler, table: StepTable, pool: np.ndarray, ranks: int
+) -> tuple[np.ndarray, ...]:
+    """Cut the pool's steps into a multiple of R pieces, each a contiguous run of whole
+    packs (or of segments when a step has fewer packs than pieces) inside one step;
+    pieces per step in proportion to its cost, cut points at its cost quantiles."""
+    plan = sampler.dataset.plan
+    parts_total = -(-len(pool) // ranks) * ranks
+    seg, packs = table.segment_offsets, table.pack_offsets
+    cost = _cost(sampler, table.tokens[pool], table.squared_tokens[pool])
+    capacity = np.diff(seg)[pool]
+    parts = np.ones(len(pool), dtype=np.int64)
+    heap = [(-float(c), i) for i, c in enumerate(cost) if capacity[i] > 1]
+    heapq.heapify(heap)
+    for _ in range(parts_total - len(pool)):
+        _, i = heapq.heappop(heap)
+        parts[i] += 1
+        if parts[i] < capacity[i]:
+            heapq.heappush(heap, (-float(cost[i]) / float(parts[i]), i))
+
+    out: list[list[int]] = [[], [], []]
+    seqlens = plan.seqlens
+    for step, c in zip(pool.tolist(), parts.tolist()):
+        lo, hi = int(seg[step]), int(seg[step + 1])
+        if c == 1:
+            cuts = [lo, hi]
+        else:
+            p0, p1 = int(packs[step]), int(packs[step + 1])
+            bounds = (np.asarray(plan.pack_offsets[p0 : p1 + 1], dtype=np.int64)
+                      if p1 - p0 >= c else np.arange(lo, hi + 1, dtype=np.int64))
+            running = np.concatenate(([0.0], np.cumsum(_segment_cost(sampler, seqlens[lo:hi]))))
+            at = running[bounds - lo]
+            cuts = [lo]
+            u = 0
+            units = len(bounds) - 1
+            for j in range(1, c):
+                target = at[-1] * j / c
+                v = int(np.searchsorted(at, target))
+                if v > 0 and target - at[v - 1] <= at[min(v, units)] - target:
+                    v -= 1
+                v = min(max(v, u + 1), units - (c - j))
+                cuts.append(int(bounds[v]))
+                u = v
+            cuts.append(hi)
+        for a, b in zip(cuts[:-1], cuts[1:]):
+            out[0].append(step)
+            out[1].append(a)
+            out[2].append(b)
+    index, lo_arr, hi_arr = (np.asarray(v, dtype=np.int64) for v in out)
+    # A handful of pieces (fewer than 2R): sums over their own segments only.
+    terms = np.zeros((4, len(index)), dtype=np.int64)
+    for j, (a, b) in enumerate(zip(lo_arr.tolist(), hi_arr.tolist())):
+        lengths = seqlens[a:b].astype(np.int64)
+        piece_targets = table.segment_targets[a:b]
+        terms[:, j] = (lengths.sum(), (lengths * lengths).sum(),
+                       piece_targets.sum(dtype=np.int64), np.count_nonzero(piece_targets))
+    return (index, lo_arr, hi_arr, *terms)
