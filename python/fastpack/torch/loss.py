@@ -75,8 +75,9 @@ def packed_loss(
         ignore_index: the label that is not a target.
 
     Returns:
-        A 0-d tensor (float32, or float64 for float64 logits). A step without targets gives 0 (with zero gradients), not
-        NaN. Multiply by the data-parallel world size under DDP / FSDP (module docs).
+        A 0-d tensor (float32, or float64 for float64 logits). A step without targets
+        gives 0 (with zero gradients), not NaN. Multiply by the data-parallel world size
+        under DDP / FSDP (module docs).
 
     Raises:
         FastpackError: unknown ``weighting``, a missing ``labels`` key, shapes that do
