@@ -1,5 +1,5 @@
-"""Every Python example in README.md, docs/integrations.md and docs/loss_and_trainer.md
-runs."""
+"""Every Python example in README.md, docs/integrations.md, docs/training.md and
+docs/loss_and_trainer.md runs."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 BLOCKS = [
     (doc.name, block)
     for doc in (ROOT / "README.md", ROOT / "docs" / "integrations.md",
-                ROOT / "docs" / "loss_and_trainer.md")
+                ROOT / "docs" / "training.md", ROOT / "docs" / "loss_and_trainer.md")
     if doc.exists()
     for block in re.findall(r"```python\n(.*?)```", doc.read_text(), flags=re.S)
 ]

@@ -288,6 +288,20 @@ def test_resume_after_any_step_yields_the_rest(
     assert full[:stop] + rest == full
 
 
+def test_a_checkpoint_between_epochs_starts_the_next() -> None:
+    ds = synthetic(np.full(64, 100), max_len=256, group_tokens=512)
+    s = PackedSampler(ds, num_replicas=2, rank=1)
+    first = list(s)
+    assert s.state_dict()["position"] == len(first)
+    s.set_epoch(1)
+    state = s.state_dict()
+    assert (state["epoch"], state["position"]) == (1, 0)
+    resumed = PackedSampler(ds, num_replicas=2, rank=1)
+    resumed.load_state_dict(state)
+    resumed.set_epoch(1)
+    assert list(resumed) == list(s)
+
+
 def test_resume_rejects_another_schedule() -> None:
     ds = synthetic(np.full(64, 100), max_len=256, group_tokens=512)
     state = PackedSampler(ds, num_replicas=2, rank=0).state_dict()

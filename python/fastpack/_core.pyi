@@ -3,11 +3,15 @@ from typing import Any
 import numpy as np
 
 __all__ = [
+    "by_cost",
     "cu_seqlens",
     "default_threads",
     "flatten_int_lists",
     "materialize",
     "pack",
+    "permutation",
+    "segment_targets",
+    "step_sums",
     "varlen",
 ]
 
@@ -51,4 +55,29 @@ def materialize(
     pad_id: int = 0,
     threads: int | None = None,
 ) -> dict[str, Any]: ...
+def permutation(n: int, seed: int, threads: int | None = None) -> np.ndarray: ...
+def by_cost(cost: np.ndarray, seed: int, threads: int | None = None) -> np.ndarray: ...
+def step_sums(
+    seqlens: np.ndarray,
+    segment_targets: np.ndarray,
+    segment_offsets: np.ndarray,
+    threads: int | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]: ...
+def segment_targets(
+    sample_ids: np.ndarray,
+    starts: np.ndarray,
+    seqlens: np.ndarray,
+    reserve: int,
+    strategy: str,
+    overlong: str,
+    tokens: np.ndarray,
+    token_offsets: np.ndarray,
+    labels: np.ndarray | None = None,
+    label_offsets: np.ndarray | None = None,
+    loss_mask: np.ndarray | None = None,
+    mask_offsets: np.ndarray | None = None,
+    separator_id: int | None = None,
+    train_separators: bool = False,
+    threads: int | None = None,
+) -> np.ndarray: ...
 def flatten_int_lists(rows: list[Any], mask: bool = False) -> tuple[np.ndarray, np.ndarray]: ...

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from .. import _core
 from .._errors import FastpackError, FastpackTypeError
 from .._materialize import Ragged, TokenData, as_ragged
 from .._plan import Plan, _int_arg
@@ -45,7 +46,7 @@ class StepTable:
     the first, attention's with the second. ``targets`` are the labels other than -100 the
     step's batch will hold (loss masks, ``labels``, separators and split pieces included);
     ``sequences`` the segments with at least one target. All int64 [N].
-    ``segment_targets`` (int32 [S]) is the same count per segment, for steps cut smaller.
+    ``segment_targets`` (uint32 [S]) is the same count per segment, for steps cut smaller.
     """
 
     pack_offsets: np.ndarray
@@ -171,37 +172,14 @@ class PackedDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
 
     @cached_property
     def steps(self) -> StepTable:
-        """The per-step arrays (computed once, on first use: one vectorised pass over the
-        labels or token ids and the loss mask)."""
-        plan = self.plan
-        packs = self.step_pack_offsets
-        segments = np.asarray(plan.pack_offsets, dtype=np.int64)[packs]
+        """The per-step arrays (computed once, on first use: one parallel pass in Rust over
+        the labels or token ids and the loss mask)."""
         per_segment = segment_targets(
-            plan, self.tokens, labels=self.labels, loss_mask=self.loss_mask,
+            self.plan, self.tokens, labels=self.labels, loss_mask=self.loss_mask,
             separator_id=self.collator.separator_id,
-            train_separators=self.collator.train_separators,
+            train_separators=self.collator.train_separators, threads=self.collator.threads,
         )
-        seqlens = plan.seqlens.astype(np.int64)
-
-        def per_step(values: np.ndarray) -> np.ndarray:
-            # Steps are never empty (a pack holds a segment), so reduceat sums each range.
-            if len(segments) < 2:
-                return np.zeros(0, dtype=np.int64)
-            return np.add.reduceat(values, segments[:-1], dtype=np.int64)
-
-        table = StepTable(
-            pack_offsets=packs,
-            segment_offsets=segments,
-            tokens=per_step(seqlens),
-            squared_tokens=per_step(seqlens * seqlens),
-            targets=per_step(per_segment),
-            sequences=per_step((per_segment > 0).astype(np.int64)),
-            segment_targets=per_segment.astype(np.int32),
-        )
-        for array in (table.segment_offsets, table.tokens, table.squared_tokens,
-                      table.targets, table.sequences, table.segment_targets):
-            array.flags.writeable = False
-        return table
+        return step_table(self.plan, self.step_pack_offsets, per_segment)
 
     def __getitem__(self, index: int | Step) -> dict[str, Any]:
         from .sampler import Step
@@ -242,6 +220,23 @@ class PackedDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
 
     def __iter__(self) -> Iterable[dict[str, Any]]:
         return (self[i] for i in range(len(self)))
+
+
+def step_table(plan: Plan, step_pack_offsets: np.ndarray, per_segment: np.ndarray) -> StepTable:
+    """The :class:`StepTable` of steps ``step_pack_offsets`` (CSR over the plan's packs)
+    given the targets of every segment (from :func:`fastpack._targets.segment_targets`)."""
+    segments = np.asarray(plan.pack_offsets, dtype=np.int64)[step_pack_offsets]
+    per_segment = np.ascontiguousarray(per_segment, dtype=np.uint32)
+    tokens, squared, targets, sequences = _core.step_sums(plan.seqlens, per_segment, segments)
+    table = StepTable(
+        pack_offsets=step_pack_offsets, segment_offsets=segments, tokens=tokens,
+        squared_tokens=squared, targets=targets, sequences=sequences,
+        segment_targets=per_segment,
+    )
+    for array in (table.segment_offsets, table.tokens, table.squared_tokens,
+                  table.targets, table.sequences, table.segment_targets):
+        array.flags.writeable = False
+    return table
 
 
 def _sub_plan(plan: Plan, p0: int, p1: int, lo: int, hi: int) -> Plan:

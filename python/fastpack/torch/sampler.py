@@ -18,7 +18,9 @@ of other shapes.
 
 from __future__ import annotations
 
+import hashlib
 import heapq
+import struct
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,6 +29,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from .. import _core
 from .._errors import FastpackError, FastpackTypeError
 from .._plan import _int_arg
 from .data import PackedDataset, StepTable
@@ -57,23 +60,27 @@ class Step(NamedTuple):
 
 @dataclass(frozen=True)
 class Schedule:
-    """One epoch of a :class:`PackedSampler`: micro-step ``g`` of rank ``r`` reads segments
-    ``lo[g, r]:hi[g, r]`` of dataset step ``steps[g, r]`` (whole when ``whole[g, r]``).
+    """One epoch of a :class:`PackedSampler`, for every rank.
 
-    ``tokens`` (Σl), ``cost`` (``6·hidden_size·Σl + Σl²``, whatever ``balance`` is) and
-    ``targets`` are per micro-step ``[G, R]``; ``num_items`` and ``num_sequences`` per global step
-    ``[G]``: the normaliser of the optimizer step it belongs to. ``dropped_*`` count what
-    ``drop_last`` left out of this epoch.
+    The epoch's micro-steps are listed once (``micro_*``, [M]): micro-step ``j`` reads
+    segments ``micro_lo[j]:micro_hi[j]`` of dataset step ``micro_steps[j]`` (the whole
+    step when ``micro_whole[j]``). ``layout`` [G, R] says which micro-step rank ``r`` runs
+    at global step ``g``; the [G, R] views (``steps``, ``lo``, ``hi``, ``whole``,
+    ``tokens``, ``cost`` = ``6·hidden_size·Σl + Σl²`` whatever ``balance`` is, and
+    ``targets``) are gathered through it on access. ``num_items`` and ``num_sequences``
+    [G] are the normalisers of the optimizer step each global step belongs to;
+    ``dropped_*`` count what ``drop_last`` left out of this epoch.
     """
 
     epoch: int
-    steps: np.ndarray
-    lo: np.ndarray
-    hi: np.ndarray
-    whole: np.ndarray
-    tokens: np.ndarray
-    cost: np.ndarray
-    targets: np.ndarray
+    layout: np.ndarray
+    micro_steps: np.ndarray
+    micro_lo: np.ndarray
+    micro_hi: np.ndarray
+    micro_whole: np.ndarray
+    micro_tokens: np.ndarray
+    micro_cost: np.ndarray
+    micro_targets: np.ndarray
     num_items: np.ndarray
     num_sequences: np.ndarray
     dropped_steps: int
@@ -81,7 +88,35 @@ class Schedule:
     dropped_sequences: int
 
     def __len__(self) -> int:
-        return len(self.steps)
+        return len(self.layout)
+
+    @property
+    def steps(self) -> np.ndarray:
+        return self.micro_steps[self.layout]
+
+    @property
+    def lo(self) -> np.ndarray:
+        return self.micro_lo[self.layout]
+
+    @property
+    def hi(self) -> np.ndarray:
+        return self.micro_hi[self.layout]
+
+    @property
+    def whole(self) -> np.ndarray:
+        return self.micro_whole[self.layout]
+
+    @property
+    def tokens(self) -> np.ndarray:
+        return self.micro_tokens[self.layout]
+
+    @property
+    def cost(self) -> np.ndarray:
+        return self.micro_cost[self.layout]
+
+    @property
+    def targets(self) -> np.ndarray:
+        return self.micro_targets[self.layout]
 
     def imbalance(self, of: str = "cost") -> np.ndarray:
         """max/mean over ranks of ``cost`` or ``tokens`` at every global step ``[G]``."""
@@ -191,6 +226,7 @@ class PackedSampler(torch.utils.data.Sampler):  # type: ignore[type-arg]
         epoch = _int_arg("epoch", epoch, minimum=0)
         if epoch != self.epoch:
             self._resume = None
+            self._position = 0  # a checkpoint taken now starts the new epoch
         self.epoch = epoch
 
     @property
@@ -207,9 +243,9 @@ class PackedSampler(torch.utils.data.Sampler):  # type: ignore[type-arg]
         return self._steps(schedule, start)
 
     def _steps(self, schedule: Schedule, start: int) -> Iterator[Step]:
-        column = self.rank
-        steps, lo, hi, whole = (schedule.steps[:, column], schedule.lo[:, column],
-                                schedule.hi[:, column], schedule.whole[:, column])
+        column = schedule.layout[:, self.rank]
+        steps, lo, hi, whole = (schedule.micro_steps[column], schedule.micro_lo[column],
+                                schedule.micro_hi[column], schedule.micro_whole[column])
         items, sequences = schedule.num_items, schedule.num_sequences
         for g in range(start, len(schedule)):
             segments = None if whole[g] else (int(lo[g]), int(hi[g]))
@@ -278,6 +314,13 @@ class PackedSampler(torch.utils.data.Sampler):  # type: ignore[type-arg]
         return self._schedule
 
 
+def _seed(seed: int, epoch: int, stream: int) -> int:
+    """A 64-bit seed for one random stream of one epoch: the same on every rank and
+    platform."""
+    digest = hashlib.blake2b(struct.pack("<QQQ", seed, epoch, stream), digest_size=8)
+    return int.from_bytes(digest.digest(), "little")
+
+
 def _segment_cost(sampler: PackedSampler, seqlens: np.ndarray) -> np.ndarray:
     lengths = seqlens.astype(np.float64)
     if sampler.balance == "flops":
@@ -294,22 +337,29 @@ def _cost(sampler: PackedSampler, tokens: np.ndarray, squared: np.ndarray) -> np
 def _build(sampler: PackedSampler, epoch: int) -> Schedule:
     table = sampler.dataset.steps
     n, ranks, k = len(table), sampler.num_replicas, sampler.accumulation_steps
-    rng = np.random.default_rng([sampler.seed, epoch])
-    order = rng.permutation(n) if sampler.shuffle else np.arange(n)
+    order = (_core.permutation(n, _seed(sampler.seed, epoch, 0)).astype(np.int64)
+             if sampler.shuffle else np.arange(n))
     remainder = n % ranks
-    dropped = np.zeros(0, dtype=np.int64)
+    removed = np.zeros(0, dtype=np.int64)
+    dropped = removed
     pieces: tuple[np.ndarray, ...] | None = None
     if remainder and sampler.drop_last:
         order, dropped = order[: n - remainder], order[n - remainder :]
+        removed = dropped
     elif remainder:
-        order, pool = _pool(table, order, ranks, remainder)
-        pieces = _cut(sampler, table, pool, ranks)
+        order, removed = _pool(table, order, ranks, remainder)
+        pieces = _cut(sampler, table, removed, ranks)
 
+    # Micro-steps: the kept whole steps in dataset order (read sequentially), then the
+    # pieces; only the final layout gathers at random.
+    keep = np.ones(n, dtype=bool)
+    keep[removed] = False
     seg = table.segment_offsets
-    index = order
-    lo, hi = seg[order], seg[order + 1]
-    tokens, squared = table.tokens[order], table.squared_tokens[order]
-    targets, sequences = table.targets[order], table.sequences[order]
+    index = np.flatnonzero(keep)
+    lo, hi = seg[:-1][keep], seg[1:][keep]
+    tokens, squared = table.tokens[keep], table.squared_tokens[keep]
+    targets, sequences = table.targets[keep], table.sequences[keep]
+    whole = np.ones(len(index), dtype=bool)
     if pieces is not None:
         p_index, p_lo, p_hi, p_tokens, p_squared, p_targets, p_sequences = pieces
         index = np.concatenate((index, p_index))
@@ -318,46 +368,46 @@ def _build(sampler: PackedSampler, epoch: int) -> Schedule:
         squared = np.concatenate((squared, p_squared))
         targets = np.concatenate((targets, p_targets))
         sequences = np.concatenate((sequences, p_sequences))
-    whole = (lo == seg[index]) & (hi == seg[index + 1])
-    cost = _cost(sampler, tokens, squared)
-    flops = 6.0 * sampler.hidden_size * tokens + squared.astype(np.float64)
+        whole = np.concatenate((whole, (p_lo == seg[p_index]) & (p_hi == seg[p_index + 1])))
     micro = len(index)
     assert micro % ranks == 0
     g = micro // ranks
 
     if sampler.balance is None:
-        layout = np.arange(micro).reshape(g, ranks)
+        # The epoch's (shuffled) order as it is: whole steps, then the pieces.
+        position = np.cumsum(keep) - 1
+        layout = np.concatenate((position[order], np.arange(keep.sum(), micro)))
+        layout = layout.reshape(g, ranks)
     else:
         # Steps of similar cost run together: sort by cost (ties broken at random, so the
         # company a step keeps changes every epoch), cut into global steps of R, then
-        # shuffle the global steps.
-        tiebreak = rng.random(micro)
-        layout = np.lexsort((tiebreak, cost)).reshape(g, ranks)
+        # shuffle the global steps. Both in Rust: millions of steps per epoch.
+        cost = _cost(sampler, tokens, squared)
+        layout = _core.by_cost(cost, _seed(sampler.seed, epoch, 1)).astype(np.int64)
+        layout = layout.reshape(g, ranks)
         if sampler.shuffle:
-            layout = layout[rng.permutation(g)]
+            layout = layout[_core.permutation(g, _seed(sampler.seed, epoch, 2))]
         else:
             layout = layout[np.argsort(layout.min(axis=1), kind="stable")]
         # Alternate which rank gets the heavier end, so no rank is always the slowest.
         layout[1::2] = layout[1::2, ::-1]
 
-    step_targets = targets[layout]
-    step_sequences = sequences[layout]
     starts = np.arange(0, g, k)
-    per_opt_items = np.add.reduceat(step_targets.sum(axis=1), starts) if g else starts
-    per_opt_sequences = np.add.reduceat(step_sequences.sum(axis=1), starts) if g else starts
-    num_items = np.repeat(per_opt_items, np.diff(np.append(starts, g)))
-    num_sequences = np.repeat(per_opt_sequences, np.diff(np.append(starts, g)))
+    per_opt_items = np.add.reduceat(targets[layout].sum(axis=1), starts) if g else starts
+    per_opt_sequences = np.add.reduceat(sequences[layout].sum(axis=1), starts) if g else starts
+    repeats = np.diff(np.append(starts, g))
     return Schedule(
         epoch=epoch,
-        steps=index[layout],
-        lo=lo[layout],
-        hi=hi[layout],
-        whole=whole[layout],
-        tokens=tokens[layout],
-        cost=flops[layout],
-        targets=step_targets,
-        num_items=num_items.astype(np.int64),
-        num_sequences=num_sequences.astype(np.int64),
+        layout=layout,
+        micro_steps=index,
+        micro_lo=lo,
+        micro_hi=hi,
+        micro_whole=whole,
+        micro_tokens=tokens,
+        micro_cost=6.0 * sampler.hidden_size * tokens + squared.astype(np.float64),
+        micro_targets=targets,
+        num_items=np.repeat(per_opt_items, repeats).astype(np.int64),
+        num_sequences=np.repeat(per_opt_sequences, repeats).astype(np.int64),
         dropped_steps=len(dropped),
         dropped_tokens=int(table.tokens[dropped].sum()),
         dropped_sequences=int(table.sequences[dropped].sum()),
@@ -371,7 +421,11 @@ def _pool(
     the last ``remainder`` steps, plus as few whole global steps (R steps each) as give
     the pool enough segments for ``R·(x+1)`` non-empty pieces."""
     n = len(order)
-    segments = np.diff(table.segment_offsets)[order[::-1]]
+    seg = table.segment_offsets
+    last = order[n - remainder :]
+    if int((seg[last + 1] - seg[last]).sum()) >= ranks:  # the usual case: enough to cut
+        return order[: n - remainder], last
+    segments = np.diff(seg)[order[::-1]]
     available = np.cumsum(segments)
     extra = np.arange((n - remainder) // ranks + 1)
     sizes = remainder + ranks * extra

@@ -48,7 +48,9 @@ mod memory;
 mod pack;
 mod plan;
 pub mod pool;
+pub mod schedule;
 mod shuffle;
+pub mod targets;
 mod two_level;
 
 pub use error::{Error, Result};

@@ -10,6 +10,8 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
 mod materialize;
+mod schedule;
+mod targets;
 
 /// Raises `fastpack.FastpackError` (a `ValueError`) with the core's message.
 pub(crate) fn to_py(err: Error) -> PyErr {
@@ -209,6 +211,10 @@ fn default_threads() -> usize {
 mod _core {
     #[pymodule_export]
     use super::materialize::{flatten_int_lists, materialize};
+    #[pymodule_export]
+    use super::schedule::{by_cost, permutation, step_sums};
+    #[pymodule_export]
+    use super::targets::segment_targets;
     #[pymodule_export]
     use super::{cu_seqlens, default_threads, pack, varlen};
 }

@@ -12,13 +12,13 @@ use pyo3::types::{PyDict, PyList};
 use crate::{fastpack_error, to_py};
 
 /// A borrowed 1-D integer array of a dtype the core reads in place.
-enum IntArray<'py> {
+pub(crate) enum IntArray<'py> {
     I32(PyReadonlyArray1<'py, i32>),
     I64(PyReadonlyArray1<'py, i64>),
 }
 
 impl<'py> IntArray<'py> {
-    fn extract(arg: &str, obj: &Bound<'py, PyAny>) -> PyResult<Self> {
+    pub(crate) fn extract(arg: &str, obj: &Bound<'py, PyAny>) -> PyResult<Self> {
         let array = if let Ok(a) = obj.extract::<PyReadonlyArray1<'py, i64>>() {
             IntArray::I64(a)
         } else if let Ok(a) = obj.extract::<PyReadonlyArray1<'py, i32>>() {
@@ -38,7 +38,7 @@ impl<'py> IntArray<'py> {
         Ok(array)
     }
 
-    fn ints(&self) -> Ints<'_> {
+    pub(crate) fn ints(&self) -> Ints<'_> {
         // Contiguity was checked in `extract`.
         match self {
             IntArray::I32(a) => Ints::I32(a.as_slice().unwrap_or(&[])),
@@ -47,7 +47,7 @@ impl<'py> IntArray<'py> {
     }
 }
 
-fn optional_ints<'py>(
+pub(crate) fn optional_ints<'py>(
     arg: &str,
     obj: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Option<IntArray<'py>>> {
