@@ -97,6 +97,7 @@ def test_two_processes_equal_the_unpacked_step(tmp_path: Path, trainer: str, wei
     want = reference_step(ex, weighting)
     start = ex.tiny_llama().state_dict()
     worst = max(float((got[k] - p).abs().max() / p.abs().max()) for k, p in want.items())
+    print(f"{trainer} {weighting}: max relative weight difference {worst:.1e}")
     assert worst <= 1e-5, worst
     update = max(float((got[k] - p).abs().max() / (p - start[k]).abs().max())
                  for k, p in want.items())
