@@ -2,9 +2,12 @@
 bucketing and with fastpack packing, on the same data, and compare tokens/s and loss.
 
 Data: real text at the byte level (vocab 256) — snippets of the CPython standard library
-sources (``*.py`` under ``sysconfig.get_paths()["stdlib"]``), cut at a line start with
-SFT-like lengths (log-normal, median 200 bytes, clipped to [8, 1024]). A fixed tenth of the
-files (by CRC32 of the path) is held out for a final evaluation.
+sources (``*.py`` under ``sysconfig.get_paths()["stdlib"]``), cut at a line start.
+``--data sft`` (default): SFT-like lengths (log-normal, median 200 bytes, clipped to
+[8, 1024]); ``--data pretrain``: a pretraining-like mix — 80% documents of log-normal
+length (median ~360) and 20% long ones (Pareto tail from 1,850), clipped to
+[8, max_len = 2048], 8,192 tokens per step. A fixed tenth of the files (by CRC32 of the
+path) is held out for a final evaluation.
 
 Every method starts from the same random init (same seed), the same AdamW and lr schedule,
 and gets ``--tokens-per-step`` real tokens per optimizer step (on average; packed steps hold
@@ -16,21 +19,29 @@ whole packs):
 * ``bucketed``: like Hugging Face ``group_by_length`` — shuffled samples cut into
   mega-batches of 50 batches' worth of tokens, sorted by length inside each, cut into
   budget batches, then the batches shuffled; padded to the longest;
-* ``packed``: the whole dataset packed once (``PackedDataset``, best-fit decreasing,
-  ``max_len``), ``tokens_per_step / max_len`` packs per step, ``backend="sdpa"``
-  (``position_ids`` restarting per sequence, no ``attention_mask``, ``use_cache=False``).
+* ``packed_rows``: the whole dataset packed once (``PackedDataset``, best-fit decreasing,
+  ``max_len``), ``tokens_per_step / max_len`` packs per step as rows, ``backend="sdpa"``
+  (``position_ids`` restarting per sequence, no ``attention_mask``, ``use_cache=False``):
+  Hugging Face's SDPA then attends over every whole row with a block-diagonal mask;
+* ``packed``: what fastpack recommends — the same global plan as groups of packs under a
+  ``tokens_per_step`` budget (``group_tokens``), served by a ``PackedSampler``, one flat
+  row per step (``backend="flash"``) and per-sequence attention from ``cu_seq_lens_q``
+  (``register_hf_attention()``: ``varlen_attention``, an SDPA call per sequence on the
+  CPU), so no score outside a sequence is computed.
 
-The three runs are interleaved step by step (the order rotating every step), so a noisy
-shared machine slows all three alike, and every step records how much CPU other processes
-took meanwhile (``/proc/stat``): throughput is quoted as the median over "quiet" steps and
-over all steps. A step's time covers collate, forward, backward, clipping and the optimizer
+The runs are interleaved step by step (the order rotating every step), so a noisy shared
+machine slows them alike, and every step records how much CPU other processes took
+meanwhile (``/proc/stat``): throughput is quoted as the median over "quiet" steps (a
+method's steps during which other processes used < ``--quiet`` CPUs) and over all steps. A step's time covers collate, forward, backward, clipping and the optimizer
 step. Tokens/s counts real (non-pad) input tokens. The experiment repeats for every seed of
 ``--seeds`` (init, samples, order); losses are reported as mean and spread over seeds.
 Results go to ``benches/results/train.md``, ``train.json`` and ``train_loss.png``.
 
-    python benches/bench_train.py              # 3 seeds x 3 methods x 200 steps: ~11 min
-                                               # on 2 idle cores (~3.5 min per seed)
+    python benches/bench_train.py              # 3 seeds x 4 methods x 200 steps: ~13 min
+                                               # on 2 idle cores (~4.5 min per seed)
     python benches/bench_train.py --seeds 0    # one seed
+    python benches/bench_train.py --data pretrain --steps 100 --seeds 0
+                                               # -> train_pretrain.md (~8 min)
     python benches/bench_train.py --quick      # 10-step smoke run
 """
 
@@ -58,11 +69,19 @@ import transformers
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import fastpack
-from fastpack.torch import PackedCollator, PackedDataset
+from fastpack.torch import PackedCollator, PackedDataset, PackedSampler, register_hf_attention
 
 RESULTS = Path(__file__).parent / "results"
-METHODS = ("padded", "bucketed", "packed")
-COLORS = {"padded": "tab:red", "bucketed": "tab:orange", "packed": "tab:blue"}
+METHODS = ("padded", "bucketed", "packed_rows", "packed")
+COLORS = {"padded": "tab:red", "bucketed": "tab:orange", "packed_rows": "tab:gray",
+          "packed": "tab:blue"}
+LABELS = {
+    "padded": "padded batches",
+    "bucketed": "length-bucketed batches",
+    "packed_rows": 'packed rows, HF sdpa (`backend="sdpa"`)',
+    "packed": 'packed, per-sequence attention (`backend="flash"` + `register_hf_attention()`)',
+}
+VARLEN = register_hf_attention()  # the attention implementation of the "packed" model
 Batch = dict[str, Any]
 
 
@@ -84,16 +103,27 @@ def load_corpus(heldout_every: int = 10) -> tuple[np.ndarray, np.ndarray]:
     return as_array(train), as_array(held)
 
 
-def make_samples(corpus: np.ndarray, total_tokens: int, seed: int,
-                 median: float = 200.0, sigma: float = 0.9, max_len: int = 1024
-                 ) -> list[np.ndarray]:
-    """Snippets starting at a line start, log-normal lengths, until ``total_tokens``."""
+def sample_length(rng: np.random.Generator, data: str, max_len: int) -> int:
+    if data == "pretrain":  # 80% log-normal documents, 20% from a Pareto tail
+        if rng.random() < 0.2:
+            x = 1850.0 * (rng.pareto(1.5) + 1.0)
+        else:
+            x = rng.lognormal(math.log(600) - 0.5, 1.0)
+    else:
+        x = rng.lognormal(math.log(200.0), 0.9)
+    return int(np.clip(x, 8, max_len))
+
+
+def make_samples(corpus: np.ndarray, total_tokens: int, seed: int, max_len: int = 1024,
+                 data: str = "sft") -> list[np.ndarray]:
+    """Snippets starting at a line start, lengths of the ``data`` mix, until
+    ``total_tokens``."""
     rng = np.random.default_rng(seed)
     line_starts = np.flatnonzero(corpus[:-max_len] == ord("\n")) + 1
     samples: list[np.ndarray] = []
     n = 0
     while n < total_tokens:
-        length = int(np.clip(rng.lognormal(math.log(median), sigma), 8, max_len))
+        length = sample_length(rng, data, max_len)
         start = int(line_starts[rng.integers(len(line_starts))])
         samples.append(corpus[start : start + length].astype(np.int64))
         n += length
@@ -143,9 +173,28 @@ def loader(method: str, samples: list[np.ndarray], args: argparse.Namespace
     returns it with its number of real (non-pad) tokens."""
     lengths = np.array([len(s) for s in samples])
     info: dict[str, Any] = {}
+    values = np.concatenate(samples)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
     if method == "packed":
-        values = np.concatenate(samples)
-        offsets = np.concatenate([[0], np.cumsum(lengths)])
+        # The recommended path: groups of packs under a token budget, a sampler over them,
+        # one flat row per step with cu_seq_lens_q for per-sequence attention.
+        ds = PackedDataset((values, offsets), PackedCollator(max_len=args.max_len,
+                                                             backend="flash"),
+                           group_tokens=args.tokens_per_step, seed=args.seed)
+        sampler = PackedSampler(ds, num_replicas=1, rank=0, seed=args.seed,
+                                hidden_size=args.hidden)
+        step_tokens = ds.steps.tokens
+        info["plan"] = ds.plan.summary()
+        info["batches_per_epoch"] = len(ds)
+
+        def varlen_stream() -> Iterator[Callable[[], tuple[Batch, int]]]:
+            for epoch in range(1000):
+                sampler.set_epoch(epoch)
+                for step in sampler:
+                    yield lambda step=step: (ds[step], int(step_tokens[step.index]))
+
+        return varlen_stream(), info
+    if method == "packed_rows":
         collator = PackedCollator(max_len=args.max_len, backend="sdpa")
         ds = PackedDataset((values, offsets), collator,
                            packs_per_batch=args.tokens_per_step // args.max_len, seed=args.seed)
@@ -174,6 +223,10 @@ def loader(method: str, samples: list[np.ndarray], args: argparse.Namespace
 
 
 # ---------------------------------------------------------------------------- model
+def attention_of(method: str) -> str:
+    return VARLEN if method == "packed" else "sdpa"
+
+
 def make_model(args: argparse.Namespace) -> GPT2LMHeadModel:
     cfg = GPT2Config(
         vocab_size=256, n_positions=args.max_len, n_embd=args.hidden, n_layer=args.layers,
@@ -215,6 +268,16 @@ def evaluate(model: GPT2LMHeadModel, samples: list[np.ndarray], max_len: int) ->
 
 
 # ---------------------------------------------------------------------------- run
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def cpu_snapshot() -> tuple[int, int]:
     """(busy jiffies of the whole machine incl. steal, jiffies of this process)."""
     try:
@@ -246,7 +309,8 @@ def check_equivalence(base: GPT2LMHeadModel, samples: list[np.ndarray],
     feats = [f for i, f in enumerate(feats)
              if sum(len(x) for x in samples[: i + 1]) <= args.tokens_per_step]
     res = []
-    for backend in ("padded", "sdpa"):
+    for backend in ("padded", "flash"):
+        model.set_attn_implementation(attention_of("packed" if backend == "flash" else ""))
         model.zero_grad(set_to_none=True)
         loss = model(**PackedCollator(max_len=args.max_len, backend=backend)(feats)).loss
         loss.backward()
@@ -262,8 +326,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     corpus, held_corpus = load_corpus()
     # Enough samples that every method finishes its steps within one epoch.
     samples = make_samples(corpus, int(args.steps * args.tokens_per_step * 1.12) + 20_000,
-                           seed=args.seed, max_len=args.max_len)
-    held = make_samples(held_corpus, args.eval_tokens, seed=12345, max_len=args.max_len)
+                           seed=args.seed, max_len=args.max_len, data=args.data)
+    held = make_samples(held_corpus, args.eval_tokens, seed=12345, max_len=args.max_len,
+                        data=args.data)
     lengths = np.array([len(s) for s in samples])
     print(f"{len(samples)} train samples, {lengths.sum():,} tokens, median length "
           f"{np.median(lengths):.0f}, mean {lengths.mean():.0f}; held-out {len(held)} samples")
@@ -273,31 +338,37 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     runs: dict[str, dict[str, Any]] = {}
     for m in METHODS:
         model = copy.deepcopy(base).train()
+        model.set_attn_implementation(attention_of(m))
+        assert model.config._attn_implementation == attention_of(m)
         stream, info = loader(m, samples, args)
         runs[m] = {
             "model": model, "stream": stream, "info": info,
             "opt": torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
                                      weight_decay=0.1),
-            "log": {k: [] for k in ("loss", "time", "collate", "others", "tokens", "targets",
+            "log": {k: [] for k in ("loss", "time", "cpu", "collate", "others", "tokens",
+                                    "targets",
                                     "slots", "rows", "width")},
         }
     equivalence = check_equivalence(base, samples, args)
     print(f"packed vs padded on the same samples: |d loss| {equivalence['loss']:.1e}, "
           f"max |d grad| {equivalence['grad']:.1e}")
     # Warm-up (allocator, kernels): untimed forward/backward passes on a throwaway copy.
-    scratch = copy.deepcopy(base).train()
     for m in METHODS:
+        scratch = copy.deepcopy(base).train()
+        scratch.set_attn_implementation(attention_of(m))
         batch, _ = loader(m, samples, args)[0].__next__()()
         for _ in range(args.warmup):
             scratch(**batch).loss.backward()
     del scratch
     for step in range(args.steps):
-        order = METHODS[step % 3:] + METHODS[: step % 3]
+        shift = step % len(METHODS)
+        order = METHODS[shift:] + METHODS[:shift]
         for m in order:
             r = runs[m]
             for g in r["opt"].param_groups:
                 g["lr"] = lr_at(step, args)
             c0 = cpu_snapshot()
+            p0 = time.process_time()
             t0 = time.perf_counter()
             batch, real = next(r["stream"])()
             t1 = time.perf_counter()
@@ -307,11 +378,13 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             r["opt"].step()
             r["opt"].zero_grad(set_to_none=True)
             t2 = time.perf_counter()
+            p2 = time.process_time()
             others = others_load(c0, cpu_snapshot(), t2 - t0)
             ids, labels = batch["input_ids"], batch["labels"]
             log = r["log"]
             log["loss"].append(loss.item())
             log["time"].append(t2 - t0)
+            log["cpu"].append(p2 - p0)
             log["collate"].append(t1 - t0)
             log["others"].append(others)
             log["tokens"].append(real)
@@ -324,20 +397,19 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                 f"{m} {runs[m]['log']['loss'][-1]:.3f} ({runs[m]['log']['time'][-1]:.2f}s)"
                 for m in METHODS), flush=True)
 
-    # Quiet steps: those where, for all three methods, no other process (or the hypervisor)
+    # Quiet steps of a method: those during which no other process (or the hypervisor)
     # took more than --quiet CPUs on average; their medians are what an idle machine gives.
-    quiet = [i for i in range(args.steps)
-             if all(0 <= runs[m]["log"]["others"][i] < args.quiet for m in METHODS)]
-    out: dict[str, Any] = {"seed": args.seed, "methods": {}, "quiet_steps": quiet,
-                           "equivalence": equivalence}
+    out: dict[str, Any] = {"seed": args.seed, "methods": {}, "equivalence": equivalence}
     for m in METHODS:
         r, log = runs[m], runs[m]["log"]
+        quiet = [i for i in range(args.steps) if 0 <= log["others"][i] < args.quiet]
         tok_s = [t / s for t, s in zip(log["tokens"], log["time"])]
         q_time = [log["time"][i] for i in quiet] or [math.nan]
         q_tok_s = [tok_s[i] for i in quiet] or [math.nan]
         tail = min(20, args.steps)
         out["methods"][m] = {
             **log,
+            "quiet_steps": quiet,
             "batches_per_epoch": r["info"]["batches_per_epoch"],
             "quiet_median_step_s": statistics.median(q_time),
             "quiet_median_tokens_per_s": statistics.median(q_tok_s),
@@ -357,7 +429,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     out["meta"] = {
         "fastpack": fastpack.__version__, "torch": torch.__version__,
         "transformers": transformers.__version__, "python": platform.python_version(),
-        "cpu": platform.processor() or platform.machine(),
+        "cpu": platform.processor() or platform.machine(), "cpu_name": cpu_name(),
         "params": sum(p.numel() for p in base.parameters()),
         "train_samples": len(samples), "train_tokens": int(lengths.sum()),
         "median_len": float(np.median(lengths)), "mean_len": float(lengths.mean()),
@@ -379,9 +451,11 @@ def pooled(runs: list[dict[str, Any]], m: str, key: str, quiet: bool) -> list[fl
     out = []
     for run in runs:
         log = run["methods"][m]
-        steps = run["quiet_steps"] if quiet else range(len(log["time"]))
+        steps = log["quiet_steps"] if quiet else range(len(log["time"]))
         if key == "tokens_per_s":
             out += [log["tokens"][i] / log["time"][i] for i in steps]
+        elif key == "tokens_per_cpu_s":
+            out += [log["tokens"][i] / max(log["cpu"][i], 1e-9) for i in steps]
         else:
             out += [log[key][i] for i in steps]
     return out or [math.nan]
@@ -399,6 +473,7 @@ def summarize(res: dict[str, Any]) -> dict[str, dict[str, float]]:
             "quiet_step_s": statistics.median(pooled(runs, m, "time", True)),
             "all_tokens_per_s": statistics.median(pooled(runs, m, "tokens_per_s", False)),
             "all_step_s": statistics.median(pooled(runs, m, "time", False)),
+            "tokens_per_cpu_s": statistics.median(pooled(runs, m, "tokens_per_cpu_s", False)),
             "collate_ms": 1e3 * statistics.median(pooled(runs, m, "collate", False)),
             "padding": 1 - sum(sum(lg["tokens"]) for lg in logs)
             / sum(sum(lg["slots"]) for lg in logs),
@@ -456,7 +531,7 @@ def plot(res: dict[str, Any], path: Path, k: int) -> None:
         highs.append(loss[min(len(loss) - 1, max(3, len(loss) // 20)):].max())
     axes[0].set_ylim(min(lows) - 0.05, min(max(highs), 6.0) + 0.05)
     axes[0].set_xlabel("trained target tokens (millions)")
-    axes[1].set_xlabel("training time (s; own steps only, the three runs are interleaved)")
+    axes[1].set_xlabel("training time (s; own steps only, the runs are interleaved)")
     axes[0].set_ylabel(f"train loss per token, nats (bold: {k}-step moving average)")
     axes[0].set_title("Loss vs trained tokens")
     axes[1].set_title("Loss vs training time")
@@ -467,7 +542,8 @@ def plot(res: dict[str, Any], path: Path, k: int) -> None:
     seeds = ", ".join(str(r["seed"]) for r in res["runs"])
     fig.suptitle(
         f"GPT-2 {meta['params'] / 1e6:.2f}M params ({a['layers']} layers x {a['hidden']}), "
-        f"byte-level CPython stdlib, {a['steps']} steps x ~{a['tokens_per_step']:,} tokens, "
+        f"byte-level CPython stdlib ({a['data']}), {a['steps']} steps x "
+        f"~{a['tokens_per_step']:,} tokens, "
         f"CPU {a['threads']} threads; mean of seeds {seeds}", fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -478,51 +554,69 @@ def markdown(res: dict[str, Any], command: str, k: int) -> str:
     a, meta, runs = res["args"], res["meta"], res["runs"]
     summary = summarize(res)
     pad = summary["padded"]
-    n_quiet = sum(len(r["quiet_steps"]) for r in runs)
+    n_quiet = {m: sum(len(r["methods"][m]["quiet_steps"]) for r in runs) for m in METHODS}
     n_steps = a["steps"] * len(runs)
     seeds = ", ".join(str(r["seed"]) for r in runs)
+    mix = ("SFT-like: log-normal length" if a["data"] == "sft" else
+           "pretraining-like: 80% log-normal documents, 20% from a Pareto tail; length")
     lines = [
-        "# Training a small GPT-2: padded vs length-bucketed vs packed",
+        f"# Training a small GPT-2: padded vs length-bucketed vs packed ({a['data']} data)",
         "",
         f"`{command}` — {res['wall_s'] / 60:.1f} min; fastpack {meta['fastpack']}, torch "
-        f"{meta['torch']}, transformers {meta['transformers']}, {meta['cpu']}, "
+        f"{meta['torch']}, transformers {meta['transformers']}, {meta['cpu_name']}, "
         f"`torch.set_num_threads({a['threads']})`.",
         "",
         f"GPT-2 (`GPT2LMHeadModel`, {a['layers']} layers, hidden {a['hidden']}, {a['heads']} "
-        f"heads, {meta['params']:,} parameters, fp32, `attn_implementation=\"sdpa\"`), the "
-        f"same init for all three methods, AdamW lr {a['lr']:g} (warm-up + cosine), "
-        f"{a['steps']} steps each, ~{a['tokens_per_step']:,} real tokens per step for every "
-        f"method; seeds {seeds} (init, samples and order). Data: CPython stdlib sources at "
-        f"the byte level (vocab 256), {meta['train_samples']:,} snippets per seed of "
-        f"log-normal length (median {meta['median_len']:.0f}, mean {meta['mean_len']:.0f}, "
-        f"clipped to [8, {a['max_len']}]); held-out: {meta['heldout_samples']} snippets "
-        f"({meta['heldout_tokens']:,} tokens) from a disjoint tenth of the files. Packed: "
-        f"`PackedDataset` over the whole set, max_len {a['max_len']}, "
-        f"{a['tokens_per_step'] // a['max_len']} packs per step, `backend=\"sdpa\"`.",
+        f"heads, {meta['params']:,} parameters, fp32), the same init for every method, AdamW "
+        f"lr {a['lr']:g} (warm-up + cosine), {a['steps']} steps each, "
+        f"~{a['tokens_per_step']:,} real tokens per step for every method; seeds {seeds} "
+        f"(init, samples and order). Data: CPython stdlib sources at the byte level (vocab "
+        f"256), {meta['train_samples']:,} snippets per seed, {mix} median "
+        f"{meta['median_len']:.0f}, mean {meta['mean_len']:.0f}, clipped to "
+        f"[8, {a['max_len']}]; held-out: {meta['heldout_samples']} snippets "
+        f"({meta['heldout_tokens']:,} tokens) from a disjoint tenth of the files.",
         "",
-        f"Medians of per-step numbers pooled over the seeds; \"quiet\": the {n_quiet} of "
-        f"{n_steps} steps during which other processes used < {a['quiet']:g} CPU, as "
-        "seen from `/proc/stat` (the machine is shared, and an oversubscribed 2-thread run "
-        "slows down several-fold and unevenly across methods, which distorts the ratios). "
-        "The three methods run interleaved, step by step.",
+        "Methods: **padded** — random batches, each padded to its longest sample (sdpa "
+        "with a padding mask); **bucketed** — like `group_by_length`: samples sorted by "
+        "length inside mega-batches of 50 batches, then padded; **packed_rows** — "
+        f"`PackedDataset` over the whole set, {a['tokens_per_step'] // a['max_len']} packs of "
+        f"{a['max_len']} per step as rows, `backend=\"sdpa\"` (HF builds a block-diagonal "
+        "mask and attends over whole rows); **packed** — what fastpack recommends: the same "
+        f"global plan as groups under a {a['tokens_per_step']:,}-token budget "
+        "(`group_tokens`), served by `PackedSampler`, one flat row per step "
+        "(`backend=\"flash\"`) and per-sequence attention from `cu_seq_lens_q` "
+        "(`register_hf_attention()` + `model.set_attn_implementation(...)`; on the CPU an "
+        "SDPA call per sequence), so no attention score outside a sequence is computed.",
         "",
-        "| method | tokens/s (quiet) | vs padded | time/step (quiet) | tokens/s (all) "
-        "| vs padded | collate/step | padding | real tokens/step | rows x width (median) "
-        "| final train loss | held-out loss |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "Medians of per-step numbers pooled over the seeds; \"quiet\": a method's steps "
+        f"during which other processes used < {a['quiet']:g} CPU, as seen from `/proc/stat` "
+        f"(here {', '.join(f'{m} {n_quiet[m]}' for m in METHODS)} of {n_steps}; the machine "
+        "is shared, and an oversubscribed 2-thread run slows down several-fold and unevenly "
+        "across methods, which distorts the ratios). The methods run interleaved, step by "
+        "step.",
+        "",
+        "| method | tokens/s (quiet) | vs padded | vs bucketed | time/step (quiet) "
+        "| tokens/s (all) | vs padded | tokens per CPU-second | vs bucketed | collate/step "
+        "| padding | real tokens/step | rows x width (median) | final train loss "
+        "| held-out loss |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     pm = "\u00b1"
 
     def spread(mean: float, sd: float) -> str:
         return f"{mean:.3f} {pm} {sd:.3f}" if len(runs) > 1 else f"{mean:.3f}"
 
+    bucket = summary["bucketed"]
     for m in METHODS:
         s = summary[m]
         lines.append(
             f"| {m} | {s['quiet_tokens_per_s']:,.0f} | "
             f"**{s['quiet_tokens_per_s'] / pad['quiet_tokens_per_s']:.2f}x** | "
+            f"{s['quiet_tokens_per_s'] / bucket['quiet_tokens_per_s']:.2f}x | "
             f"{s['quiet_step_s']:.3f} s | {s['all_tokens_per_s']:,.0f} | "
             f"{s['all_tokens_per_s'] / pad['all_tokens_per_s']:.2f}x | "
+            f"{s['tokens_per_cpu_s']:,.0f} | "
+            f"{s['tokens_per_cpu_s'] / bucket['tokens_per_cpu_s']:.2f}x | "
             f"{s['collate_ms']:.2f} ms | {100 * s['padding']:.1f}% | "
             f"{s['tokens_per_step']:,.0f} | {s['rows']:.0f} x {s['width']:.0f} | "
             f"{spread(s['final_loss'], s['final_loss_sd'])} | "
@@ -534,25 +628,26 @@ def markdown(res: dict[str, Any], command: str, k: int) -> str:
         "same held-out snippets (padded batches, loss per target token); both mean "
         f"{pm} standard deviation over the seeds. Per seed:",
         "",
-        "| seed | quiet steps | tokens/s padded / bucketed / packed (quiet) "
-        "| packed / padded | held-out padded / bucketed / packed | packed - padded |",
-        "|---:|---:|---|---:|---|---:|",
+        "| seed | tokens/s " + " / ".join(METHODS) + " (quiet) "
+        "| packed / bucketed | held-out " + " / ".join(METHODS) + " | packed - bucketed |",
+        "|---:|---|---:|---|---:|",
     ]
     for run in runs:
         q = {m: statistics.median(pooled([run], m, "tokens_per_s", True)) for m in METHODS}
-        ev = [run["methods"][m]["eval_loss"] for m in METHODS]
+        ev = {m: run["methods"][m]["eval_loss"] for m in METHODS}
         lines.append(
-            f"| {run['seed']} | {len(run['quiet_steps'])} | "
+            f"| {run['seed']} | "
             + " / ".join(f"{q[m]:,.0f}" for m in METHODS)
-            + f" | {q['packed'] / q['padded']:.2f}x | "
-            + " / ".join(f"{v:.3f}" for v in ev)
-            + f" | {ev[2] - ev[0]:+.3f} |"
+            + f" | {q['packed'] / q['bucketed']:.2f}x | "
+            + " / ".join(f"{ev[m]:.3f}" for m in METHODS)
+            + f" | {ev['packed'] - ev['bucketed']:+.3f} |"
         )
     eq = [run["equivalence"] for run in runs]
     lines += [
         "",
-        "Same samples, same weights: one step's samples as a padded batch and as a packed "
-        f"batch give the same loss (max |difference| {max(e['loss'] for e in eq):.1e}) and "
+        "Same samples, same weights: one step's samples as a padded batch (sdpa) and as a "
+        "packed flat row (per-sequence attention) give the same loss (max |difference| "
+        f"{max(e['loss'] for e in eq):.1e}) and "
         f"gradients (max |difference| {max(e['grad'] for e in eq):.1e}, largest gradient "
         f"entry {max(e['grad_max'] for e in eq):.2f}), checked at the start of every seed; "
         "so loss differences between the methods can only come from which samples share a "
@@ -572,8 +667,11 @@ def markdown(res: dict[str, Any], command: str, k: int) -> str:
     lines += [
         "",
         "Tokens/s = real (non-pad) input tokens / step time, where a step is collate + "
-        "forward + backward + clip + AdamW. Padding = pad slots / all slots of the input "
-        "tensors. Curves: `train_loss.png`; per-step logs: `train.json` (git-ignored).",
+        "forward + backward + clip + AdamW; tokens per CPU-second divide by the CPU time "
+        "this process used in the step instead (all its threads: less sensitive to other "
+        "processes than wall time, but it counts OpenMP's spin-waiting). Padding = pad slots / all slots of the input "
+        f"tensors. Curves: `{res['stem']}_loss.png`; per-step logs: `{res['stem']}.json` "
+        "(git-ignored).",
         "",
     ]
     return "\n".join(lines)
@@ -584,8 +682,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--quick", action="store_true", help="10-step smoke run, one seed")
     ap.add_argument("--seeds", default="0,1,2", help="comma-separated; one run per seed")
-    ap.add_argument("--tokens-per-step", type=int, default=4096)
-    ap.add_argument("--max-len", type=int, default=1024)
+    ap.add_argument("--data", choices=("sft", "pretrain"), default="sft",
+                    help="length mix: SFT-like (default) or pretraining-like")
+    ap.add_argument("--tokens-per-step", type=int, default=None,
+                    help="default 4096 (sft), 8192 (pretrain)")
+    ap.add_argument("--max-len", type=int, default=None,
+                    help="default 1024 (sft), 2048 (pretrain)")
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--heads", type=int, default=2)
@@ -599,6 +701,11 @@ def main() -> None:
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
     seeds = [int(x) for x in args.seeds.split(",")]
+    pretrain = args.data == "pretrain"
+    if args.tokens_per_step is None:
+        args.tokens_per_step = 8192 if pretrain else 4096
+    if args.max_len is None:
+        args.max_len = 2048 if pretrain else 1024
     if args.quick:
         args.steps = min(args.steps, 10)
         args.eval_tokens = 5_000
@@ -611,18 +718,19 @@ def main() -> None:
     for seed in seeds:
         print(f"--- seed {seed}")
         runs.append(train(argparse.Namespace(**{**vars(args), "seed": seed})))
+    stem = "train" if args.data == "sft" else f"train_{args.data}"
     res = {"args": {**vars(args), "seeds": seeds}, "meta": runs[0].pop("meta"),
-           "runs": runs, "wall_s": time.perf_counter() - t0}
+           "runs": runs, "wall_s": time.perf_counter() - t0, "stem": stem}
     for run in runs:
         run.pop("meta", None)
     command = shlex.join(["python", "benches/bench_train.py", *sys.argv[1:]])
     k = max(1, min(10, args.steps // 5))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "train.json").write_text(json.dumps(res, indent=1))
-    plot(res, out / "train_loss.png", k)
+    (out / f"{stem}.json").write_text(json.dumps(res, indent=1))
+    plot(res, out / f"{stem}_loss.png", k)
     text = markdown(res, command, k)
-    (out / "train.md").write_text(text)
+    (out / f"{stem}.md").write_text(text)
     print(text)
     print(f"total wall time {res['wall_s']:.0f} s")
 

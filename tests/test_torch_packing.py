@@ -105,28 +105,45 @@ def test_logits_equal_one_by_one(arch: str, impl: str, mask: str) -> None:
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_registered_varlen_attention_equals_one_by_one(arch: str) -> None:
+@pytest.mark.parametrize("select", ["config", "set_attn_implementation"])
+def test_registered_varlen_attention_equals_one_by_one(
+    arch: str, select: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import fastpack.torch.hf as hf
     from fastpack.torch import register_hf_attention
 
     name = register_hf_attention()
-    model = MODELS[arch](name)
+    if select == "config":  # the attention implementation chosen when building the model
+        model = MODELS[arch](name)
+    else:  # or switched on a model built (or loaded) with another one
+        model = MODELS[arch]("sdpa")
+        model.set_attn_implementation(name)
+    assert model.config._attn_implementation == name
     feats = samples()
     batch = PackedCollator(max_len=128, backend="flash")(feats)
     assert batch["input_ids"].shape[0] == 1 and "attention_mask" not in batch
-    spy = []
+    # The registered function really runs: varlen_attention once per layer and forward...
+    calls: list[int] = []
+    original_varlen = hf.varlen_attention
+
+    def counting_varlen(q: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(q.shape[0])
+        return original_varlen(q, *args, **kwargs)
+
+    monkeypatch.setattr(hf, "varlen_attention", counting_varlen)
+    # ... and attends per sequence: no SDPA call sees more than one sequence.
+    spy: list[int] = []
     original = torch.nn.functional.scaled_dot_product_attention
 
     def counting_sdpa(q: Any, k: Any, v: Any, *args: Any, **kwargs: Any) -> Any:
         spy.append(k.shape[-2])
         return original(q, k, v, *args, **kwargs)
 
-    torch.nn.functional.scaled_dot_product_attention = counting_sdpa
-    try:
-        worst = check_logits(model, batch, feats)
-    finally:
-        torch.nn.functional.scaled_dot_product_attention = original
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counting_sdpa)
+    worst = check_logits(model, batch, feats)
+    layers = model.config.num_hidden_layers
+    assert calls[:layers] == [batch["input_ids"].shape[1]] * layers
     assert worst <= ATOL
-    # Per-sequence attention on the packed row: no call sees more than one sequence.
     assert spy and max(spy[: len(feats)]) <= max(LENGTHS)
     model.train()
     loss = model(**batch).loss

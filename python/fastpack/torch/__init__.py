@@ -16,7 +16,10 @@ Its modules are its layers:
   ``num_items_in_batch``.
 - :mod:`~fastpack.torch.attention` — :func:`varlen_attention` over ``cu_seqlens`` with the
   fastest kernel available (flash-attn, ``torch.nn.attention.varlen``, flex, SDPA).
-- :mod:`~fastpack.torch.hf` — Hugging Face integration (:func:`register_hf_attention`).
+- :mod:`~fastpack.torch.loss` — :func:`packed_loss`: the loss of a packed batch normalised
+  over its whole optimizer step (all micro-steps, all ranks), per token or per sequence.
+- :mod:`~fastpack.torch.hf` — Hugging Face integration (:func:`register_hf_attention`,
+  :class:`PackedTrainerMixin` for the ``Trainer`` / TRL ``SFTTrainer`` on many ranks).
 
 Every batch's ``labels`` are unshifted (the model shifts), -100 at the first token of
 every sequence, on padding and where the sample's loss mask is 0.
@@ -28,7 +31,8 @@ from .attention import KERNELS, varlen_attention
 from .collator import LOSS_MASK_KEYS, PackedCollator
 from .data import PackedDataset, StepTable, first_item
 from .formats import BACKENDS, BatchFormat
-from .hf import register_hf_attention
+from .hf import PackedTrainerMixin, register_hf_attention
+from .loss import WEIGHTINGS, packed_loss
 from .sampler import PackedSampler, Schedule, Step
 from .stream import SHARDINGS, PackedIterableDataset
 
@@ -36,16 +40,19 @@ __all__ = [
     "BACKENDS",
     "KERNELS",
     "LOSS_MASK_KEYS",
+    "WEIGHTINGS",
     "BatchFormat",
     "PackedCollator",
     "PackedDataset",
     "PackedIterableDataset",
     "SHARDINGS",
     "PackedSampler",
+    "PackedTrainerMixin",
     "Schedule",
     "Step",
     "StepTable",
     "first_item",
+    "packed_loss",
     "register_hf_attention",
     "varlen_attention",
 ]

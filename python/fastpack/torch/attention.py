@@ -500,27 +500,30 @@ def _sdpa_forward(
 ) -> torch.Tensor:
     sdpa = torch.nn.functional.scaled_dot_product_attention
     groups = q.shape[1] // k.shape[1]
-    native_gqa = groups > 1 and _sdpa_has_enable_gqa()
     kwargs: dict[str, Any] = {"is_causal": causal, "scale": scale}
-    if native_gqa:
-        kwargs["enable_gqa"] = True
-    outs: list[torch.Tensor] = []
-    # One split, not a slice per sequence: autograd then backs it with one concatenation
-    # instead of a full-size zero tensor per sequence (quadratic in the number of them).
+    if groups > 1:
+        if _sdpa_has_enable_gqa():
+            kwargs["enable_gqa"] = True
+        else:  # one repeat for the whole batch, not one per sequence
+            k, v = _repeat_kv(k, v, groups, dim=1)
+    # Split (1, H, T, D) views along the tokens, once: every piece is already in SDPA's
+    # layout, so a sequence costs one SDPA call and one transpose, and autograd backs the
+    # split with one concatenation. (Slicing and transposing each sequence, as before,
+    # made ~9 autograd nodes per sequence: 30% of the attention time for 20-token ones.)
     # The leading and trailing pieces (tokens outside cu_seqlens, normally none) are dropped.
     sizes = [bounds[0], *(end - start for start, end in zip(bounds[:-1], bounds[1:]))]
     sizes.append(q.shape[0] - bounds[-1])
-    q_parts, k_parts, v_parts = (t.split(sizes, dim=0)[1:-1] for t in (q, k, v))
-    for qs, ks, vs in zip(q_parts, k_parts, v_parts):
-        if qs.shape[0] == 0:
-            continue
-        qi = qs.transpose(0, 1).unsqueeze(0)  # (1, Hq, L, D)
-        ki = ks.transpose(0, 1).unsqueeze(0)  # (1, Hkv, L, D)
-        vi = vs.transpose(0, 1).unsqueeze(0)
-        if groups > 1 and not native_gqa:
-            ki, vi = _repeat_kv(ki, vi, groups, dim=1)
-        outs.append(sdpa(qi, ki, vi, **kwargs)[0].transpose(0, 1))
-    return torch.cat(outs, dim=0)
+    q_parts, k_parts, v_parts = (
+        t.transpose(0, 1).unsqueeze(0).split(sizes, dim=2)[1:-1] for t in (q, k, v)
+    )
+    outs = [
+        sdpa(qs, ks, vs, **kwargs).transpose(1, 2)  # (1, L, H, D)
+        for qs, ks, vs in zip(q_parts, k_parts, v_parts)
+        if qs.shape[2]
+    ]
+    if not outs:
+        return q[:0]
+    return torch.cat(outs, dim=1)[0]
 
 
 # ------------------------------------------------------------------------ public API

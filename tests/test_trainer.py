@@ -1,0 +1,183 @@
+"""PackedTrainerMixin: the Hugging Face Trainer and TRL's SFTTrainer on 2 CPU processes
+(examples/trainer_ddp.py under torchrun, gloo) make the same optimizer step as one
+unpacked batch of the same samples; resuming replays the schedule; bad setups raise."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("datasets")
+
+from fastpack import FastpackError, FastpackTypeError  # noqa: E402
+from fastpack.torch import (  # noqa: E402
+    PackedCollator,
+    PackedDataset,
+    PackedSampler,
+    PackedTrainerMixin,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "trainer_ddp.py"
+WORLD = 2
+
+warnings.filterwarnings("ignore")
+transformers.logging.set_verbosity_error()
+
+
+def example() -> Any:
+    spec = importlib.util.spec_from_file_location("trainer_ddp", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def reference_step(ex: Any, weighting: str) -> dict[str, Any]:
+    """The example's first optimizer step as one SGD step on one padded batch of the
+    samples its schedule gives step 0 (both ranks, all accumulation micro-steps)."""
+    data = ex.sft_data()
+    ds = PackedDataset(data, PackedCollator(max_len=ex.MAX_LEN, backend="flash"),
+                       loss_mask="completion_mask", group_tokens=ex.GROUP_TOKENS,
+                       seed=ex.COMMON["seed"])
+    k = ex.COMMON["gradient_accumulation_steps"]
+    schedule = PackedSampler(ds, num_replicas=WORLD, rank=0, seed=ex.COMMON["seed"],
+                             hidden_size=32, accumulation_steps=k).schedule(0)
+    chosen = [int(i) for g in range(k) for r in range(WORLD)
+              for i in ds.plan.sample_ids[schedule.lo[g, r] : schedule.hi[g, r]]]
+    assert len(set(chosen)) == len(chosen)
+    model = ex.tiny_llama()
+    model.config._attn_implementation = "sdpa"
+    batch = PackedCollator(max_len=ex.MAX_LEN, backend="padded")(
+        [{"input_ids": data[i]["input_ids"], "loss_mask": data[i]["completion_mask"]}
+         for i in chosen])
+    logits = model(input_ids=batch["input_ids"],
+                   attention_mask=batch["attention_mask"]).logits[:, :-1]
+    target = batch["labels"][:, 1:]
+    ce = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none",
+    ).view(target.shape)
+    valid = target != -100
+    if weighting == "sequence":
+        rows = valid.any(1)
+        loss = (ce.sum(1)[rows] / valid.sum(1)[rows]).mean()
+    else:
+        loss = ce.sum() / valid.sum()
+    loss.backward()
+    lr = ex.COMMON["learning_rate"]
+    with torch.no_grad():
+        return {k: p - lr * p.grad for k, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("trainer, weighting", [("transformers", "token"), ("trl", "sequence")])
+def test_two_processes_equal_the_unpacked_step(tmp_path: Path, trainer: str, weighting: str) -> None:
+    if trainer == "trl":
+        pytest.importorskip("trl")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone",
+         f"--nproc-per-node={WORLD}", str(EXAMPLE), "--trainer", trainer,
+         "--weighting", weighting, "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"{trainer} ({weighting}): 2 ranks" in proc.stdout
+    got = torch.load(tmp_path / "weights.pt")
+    ex = example()
+    want = reference_step(ex, weighting)
+    start = ex.tiny_llama().state_dict()
+    worst = max(float((got[k] - p).abs().max() / p.abs().max()) for k, p in want.items())
+    print(f"{trainer} {weighting}: max relative weight difference {worst:.1e}")
+    assert worst <= 1e-5, worst
+    update = max(float((got[k] - p).abs().max() / (p - start[k]).abs().max())
+                 for k, p in want.items())
+    assert update <= 1e-4, update
+
+
+# ------------------------------------------------------------------ one process
+
+
+class RecordingTrainer(PackedTrainerMixin, transformers.Trainer):
+    """Records the input ids of every micro-batch it trains on."""
+
+    seen: list[list[int]]
+
+    def compute_loss(self, model: Any, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        self.seen.append(inputs["input_ids"].flatten().tolist())
+        return super().compute_loss(model, inputs, *args, **kwargs)
+
+
+def make_trainer(tmp_path: Path, **kwargs: Any) -> RecordingTrainer:
+    ex = example()
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), **{**ex.COMMON, "max_steps": 4, "save_strategy": "steps",
+                                     "save_steps": 2, "gradient_accumulation_steps": 2,
+                                     "ddp_backend": None, **kwargs.pop("args", {})})
+    trainer = RecordingTrainer(
+        model=ex.tiny_llama(), args=args, train_dataset=ex.sft_data(),
+        data_collator=PackedCollator(max_len=ex.MAX_LEN, backend="flash"),
+        group_tokens=ex.GROUP_TOKENS, **kwargs,
+    )
+    trainer.seen = []
+    return trainer
+
+
+def test_resume_replays_the_schedule(tmp_path: Path) -> None:
+    full = make_trainer(tmp_path / "full")
+    full.train()
+    assert len(full.seen) == 8
+    # Every micro-batch of an optimizer step carries that step's count.
+    sampler = full.packed_sampler
+    assert (sampler.num_replicas, sampler.accumulation_steps) == (1, 2)
+    resumed = make_trainer(tmp_path / "full", args={"max_steps": 4})
+    resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-2"))
+    assert resumed.seen == full.seen[4:]
+
+
+def test_batch_counts_are_the_step_normaliser(tmp_path: Path) -> None:
+    trainer = make_trainer(tmp_path)
+    loader = trainer.get_train_dataloader()
+    batches, n = trainer.get_batch_samples(iter(loader), 2, torch.device("cpu"))
+    targets = sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)
+    assert n is not None and int(n) == targets
+    assert all(int(b["num_items_in_batch"]) == targets for b in batches)
+    with pytest.raises(FastpackError, match="micro-batches of one optimizer step disagree"):
+        trainer.get_batch_samples(iter(batches + [dict(batches[0], num_items_in_batch=1)]), 3,
+                                  torch.device("cpu"))
+
+
+def test_bad_setups_raise(tmp_path: Path) -> None:
+    with pytest.raises(FastpackError, match="weighting: unknown value 'mean'"):
+        make_trainer(tmp_path, weighting="mean")
+    with pytest.raises(FastpackError, match="balance: unknown value 'work'"):
+        make_trainer(tmp_path, balance="work")
+    with pytest.raises(FastpackError, match="average_tokens_across_devices: must be True"):
+        make_trainer(tmp_path, args={"average_tokens_across_devices": False})
+    trainer = make_trainer(tmp_path)
+    trainer.data_collator = transformers.default_data_collator
+    with pytest.raises(FastpackTypeError, match="data_collator: expected a fastpack PackedCollator"):
+        trainer.get_train_dataloader()
+    trainer = make_trainer(tmp_path)
+    trainer.train_dataset = trainer.train_dataset.rename_column("input_ids", "ids")
+    with pytest.raises(FastpackError, match="'input_ids' column"):
+        trainer.get_train_dataloader()
+
+
+def test_a_ready_packed_dataset_is_used_as_is(tmp_path: Path) -> None:
+    ex = example()
+    ds = PackedDataset(list(np.arange(1, 2001).reshape(100, 20) % ex.VOCAB),
+                       PackedCollator(max_len=ex.MAX_LEN, backend="flash"), packs_per_batch=2)
+    trainer = make_trainer(tmp_path)
+    trainer.train_dataset = ds
+    assert trainer.packed_dataset is ds
+    assert len(trainer.get_train_dataloader()) == len(ds)
