@@ -23,6 +23,7 @@ with its rows and sha256) is written last and is the mark of a complete output.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import shutil
@@ -60,7 +61,7 @@ __all__ = [
 FORMAT = "fastpack-packed/1"
 STATE_DIR = ".fastpack"
 # Tokens per output row group: the unit of the output side of the memory bound.
-ROW_GROUP_TOKENS = 1 << 22
+ROW_GROUP_TOKENS = 1 << 20
 # Tokens per shard when --shard-rows is not given (about 100 MB of zstd parquet).
 SHARD_TOKENS = 1 << 25
 # Bytes per document a pass keeps besides its tokens (its id and offset).
@@ -168,9 +169,22 @@ class Scan:
 # pass 1: lengths (and tokens, for text)
 
 
-def _value_dtype(t: pa.DataType) -> str:
-    return "int32" if t in (pa.int8(), pa.int16(), pa.int32(), pa.uint8(), pa.uint16()) else \
-        "int64"
+_NARROW = (pa.int8(), pa.int16(), pa.int32(), pa.uint8(), pa.uint16())
+
+
+def column_dtype(column: pa.ChunkedArray) -> str:
+    """The dtype a packed column needs for these rows: int32 when every value fits (the
+    same whatever the file format: JSON has no integer widths), else int64."""
+    if column.type.value_type in _NARROW:
+        return "int32"
+    import pyarrow.compute as pc
+
+    values = pc.list_flatten(column)
+    if len(values) == 0:
+        return "int32"
+    bounds = pc.min_max(values)
+    lo, hi = bounds["min"].as_py(), bounds["max"].as_py()
+    return "int32" if -(2**31) <= lo and hi < 2**31 else "int64"
 
 
 def scan_lengths(
@@ -200,7 +214,7 @@ def scan_lengths(
                             line=None if batch.lines is None else int(batch.lines[i]))
                 for c in columns:
                     value_type = batch.table.column(c).type.value_type
-                    if _value_dtype(value_type) == "int64":
+                    if column_dtype(batch.table.column(c)) == "int64":
                         dtypes[c] = "int64"
                     if value_type == pa.uint64():
                         _check_uint64(batch.table.column(c), source, batch.row, c)
@@ -487,7 +501,10 @@ def write_shard(outdir: Path, name: str, schema: pa.Schema,
     tmp = outdir / f".{name}.tmp"
     rows = tokens = 0
     try:
-        with pq.ParquetWriter(tmp, schema, compression="zstd") as writer:
+        # Dictionaries only where values repeat (positions, lengths): a dictionary of token
+        # ids costs readers 3x the decode time for no smaller files.
+        with pq.ParquetWriter(tmp, schema, compression="zstd", use_dictionary=[
+                "seq_lengths.list.element", "position_ids.list.element"]) as writer:
             for batch in batches:
                 writer.write_batch(batch)
                 rows += batch.num_rows
@@ -691,13 +708,19 @@ def pack_corpus(
     settings: PackSettings,
     *,
     memory: int | None = None,
+    spill: bool = True,
     resume: bool = False,
     overwrite: bool = False,
     quiet: bool = False,
     plot: bool = True,
 ) -> dict[str, Any]:
     """Packs the documents of ``inputs`` into parquet shards in ``outdir``; returns the
-    report (also written to ``outdir/report.json``)."""
+    report (also written to ``outdir/report.json``).
+
+    ``memory``: bytes of token data one gather pass may hold (default: half the available
+    memory). More passes than one read the inputs once more and ``spill`` each pass's
+    documents to a temporary file (as many bytes as the tokens), or, without ``spill``,
+    read the inputs again for every pass."""
     timings: dict[str, float] = {}
     clock = time.monotonic()
     sources = expand_inputs(inputs)
@@ -717,10 +740,10 @@ def pack_corpus(
         f"{len(scan.lengths):,} documents ({timings['plan']:.2f} s)", quiet=quiet)
     clock = time.monotonic()
     entries, passes, budget = _gather_passes(out, read_sources, scan, plan, pack_counts,
-                                             memory)
+                                             memory, spill)
     timings["gather"] = time.monotonic() - clock
     stats = PlanStats.of(plan, scan.lengths, settings)
-    extra = {"passes": passes, "memory_budget": budget,
+    extra = {"passes": passes, "memory_budget": budget, "spilled": spill and passes > 1,
              "seconds": {k: round(v, 3) for k, v in timings.items()}}
     return out.finish(stats, entries, scan.dtypes, extra, plot=plot,
                       group_offsets=plan.group_offsets)
@@ -749,35 +772,42 @@ def _lengths_pass(out: OutputDir, resumed: bool) -> tuple[Scan, list[Source]]:
     return scan, sources
 
 
-def _pass_groups(plan: Plan, lengths: np.ndarray, bounds: np.ndarray, shards: Sequence[int],
-                 bytes_per_token: int, budget: int) -> list[list[int]]:
-    """Consecutive shards grouped so that each group's documents fit ``budget`` bytes
-    (at least one shard per group, however large)."""
-    groups: list[list[int]] = []
-    current: list[int] = []
+def _units(bounds: np.ndarray, shards: Sequence[int], group: int) -> list[tuple[int, int, int]]:
+    """The row groups still to write, in order: (shard, first pack, end pack)."""
+    return [(i, p, min(p + group, int(bounds[i + 1])))
+            for i in shards for p in range(int(bounds[i]), int(bounds[i + 1]), group)]
+
+
+def _pass_groups(plan: Plan, lengths: np.ndarray, units: Sequence[tuple[int, int, int]],
+                 bytes_per_token: int, budget: int) -> list[list[tuple[int, int, int]]]:
+    """Consecutive row groups grouped into passes whose documents fit ``budget`` bytes
+    (at least one row group per pass, however large). A shard may span passes: its
+    parquet writer stays open from its first row group to its last."""
+    passes: list[list[tuple[int, int, int]]] = []
+    current: list[tuple[int, int, int]] = []
     used = 0
-    for i in shards:
-        segs = plan.sample_ids[plan.pack_offsets[bounds[i]]:plan.pack_offsets[bounds[i + 1]]]
-        docs = np.unique(segs)
+    for unit in units:
+        _, p, q = unit
+        docs = np.unique(plan.sample_ids[plan.pack_offsets[p]:plan.pack_offsets[q]])
         cost = int(lengths[docs].sum(dtype=np.int64)) * bytes_per_token + _PER_DOC * len(docs)
-        if current and (used + cost > budget or i != current[-1] + 1):
-            groups.append(current)
+        if current and (used + cost > budget or p != current[-1][2]):
+            passes.append(current)
             current, used = [], 0
-        current.append(i)
+        current.append(unit)
         used += cost
     if current:
-        groups.append(current)
-    return groups
+        passes.append(current)
+    return passes
 
 
-def _read_pass(out: OutputDir, sources: Sequence[Source], scan: Scan, needed: np.ndarray,
-               columns: Columns, label: str) -> None:
-    """Reads every input the pass needs, copying its documents' tokens into ``columns``
-    (preallocated: the pass's documents are known from the plan)."""
+def _needed_rows(out: OutputDir, sources: Sequence[Source], scan: Scan, needed: np.ndarray,
+                 label: str) -> Iterator[tuple[dict[str, pa.Array], np.ndarray]]:
+    """Reads every input holding a needed document (skipping other files and parquet row
+    groups) and yields, batch by batch, the needed rows' token columns and their global
+    document ids, checked against the lengths pass."""
     names = out.settings.token_columns
     wanted = {c: "tokens" for c in names}
     starts = scan.row_starts
-    cursor_doc = cursor_tok = 0
     need_bytes = sum(s.size for k, s in enumerate(sources)
                      if needed[starts[k]:starts[k + 1]].any())
     with Progress(label, need_bytes, unit="B", quiet=out.quiet) as bar:
@@ -794,8 +824,9 @@ def _read_pass(out: OutputDir, sources: Sequence[Source], scan: Scan, needed: np
                 consumed = batch.done_bytes
                 if sel.size == 0:
                     continue
-                expect = scan.lengths[starts[k] + batch.row + sel]
-                size = int(expect.sum(dtype=np.int64))
+                docs = starts[k] + batch.row + sel
+                expect = scan.lengths[docs]
+                picked = {}
                 for c in names:
                     column = batch.table.column(c).combine_chunks()
                     if sel.size != n:
@@ -807,19 +838,76 @@ def _read_pass(out: OutputDir, sources: Sequence[Source], scan: Scan, needed: np
                             f"changed since the lengths pass (now {got[i]:,} tokens, then "
                             f"{expect[i]:,}); rerun with --overwrite", path=source.path,
                             row=int(batch.row + sel[i]), column=c)
-                    columns.values[c][cursor_tok:cursor_tok + size] = column.flatten()
-                cursor_tok += size
-                cursor_doc += sel.size
+                    picked[c] = column
+                yield picked, docs
             bar.update(source.size - consumed)
             if rows < need.size and need[rows:].any():
                 raise InputError(f"changed since the lengths pass: it had {need.size:,} rows, "
                                  f"now {rows:,}; rerun with --overwrite", path=source.path)
-    assert cursor_doc == len(columns), (cursor_doc, len(columns))
+
+
+def _read_pass(out: OutputDir, sources: Sequence[Source], scan: Scan, needed: np.ndarray,
+               columns: Columns, label: str) -> None:
+    """Copies the pass's documents' tokens from the inputs into ``columns`` (preallocated:
+    the pass's documents are known from the plan)."""
+    cursor = 0
+    for picked, _docs in _needed_rows(out, sources, scan, needed, label):
+        size = 0
+        for c, column in picked.items():
+            values = column.flatten()
+            size = len(values)
+            columns.values[c][cursor:cursor + size] = values
+        cursor += size
+    assert cursor == len(next(iter(columns.values.values())))
+
+
+def _spill_path(spill: Path, g: int, column: str) -> Path:
+    return spill / f"{g:05d}.{column}.bin"
+
+
+def _distribute(out: OutputDir, sources: Sequence[Source], scan: Scan, plan: Plan,
+                seg_ranges: Sequence[tuple[int, int]], spill: Path) -> None:
+    """One read of the inputs for every pass: each needed document's tokens are appended
+    to the spill file of every pass that needs it, in document order, so pass ``g`` later
+    loads its documents as one contiguous array (the layout a direct read would build)."""
+    names = out.settings.token_columns
+    num = len(seg_ranges)
+    pairs = np.unique(np.concatenate([plan.sample_ids[lo:hi] * num + g
+                                      for g, (lo, hi) in enumerate(seg_ranges)]))
+    pair_docs, pair_pass = np.divmod(pairs, num)
+    del pairs
+    needed = np.zeros(len(scan.lengths), dtype=bool)
+    needed[pair_docs] = True
+    spill.mkdir(parents=True, exist_ok=True)
+    files: dict[tuple[int, str], Any] = {}
+    try:
+        for picked, docs in _needed_rows(out, sources, scan, needed, "spill"):
+            lo, hi = np.searchsorted(pair_docs, [docs[0], docs[-1] + 1])
+            passes = pair_pass[lo:hi]
+            by_pass = np.argsort(passes, kind="stable")  # documents stay in order per pass
+            rows = np.searchsorted(docs, pair_docs[lo:hi])[by_pass]
+            passes = passes[by_pass]
+            cuts = np.flatnonzero(np.diff(passes)) + 1
+            bounds = np.concatenate([[0], cuts, [len(passes)]])
+            for c in names:
+                column = picked[c].take(pa.array(rows))
+                values = column.flatten().to_numpy().astype(scan.dtypes[c], copy=False)
+                token_at = np.asarray(column.offsets)[bounds]
+                for k in range(len(bounds) - 1):
+                    key = (int(passes[bounds[k]]), c)
+                    if key not in files:
+                        if len(files) >= 256:  # few descriptors open at once
+                            files.pop(next(iter(files))).close()
+                        files[key] = open(_spill_path(spill, *key), "ab")
+                    files[key].write(values[token_at[k]:token_at[k + 1]])
+    finally:
+        for f in files.values():
+            f.close()
 
 
 def _gather_passes(out: OutputDir, sources: Sequence[Source], scan: Scan, plan: Plan,
-                   pack_counts: Sequence[int],
-                   memory: int | None) -> tuple[list[dict[str, Any]], int, int]:
+                   pack_counts: Sequence[int], memory: int | None,
+                   spill: bool = True) -> tuple[list[dict[str, Any]], int, int]:
     settings = out.settings
     assert settings.shard_rows is not None
     bounds = shard_bounds(pack_counts, settings.shard_rows)
@@ -829,38 +917,64 @@ def _gather_passes(out: OutputDir, sources: Sequence[Source], scan: Scan, plan: 
     itemsize = sum(np.dtype(scan.dtypes[c]).itemsize for c in settings.token_columns)
     fixed = 33 * len(scan.lengths)
     budget = memory if memory is not None else max(64 << 20, _available_memory() // 2 - fixed)
-    groups = _pass_groups(plan, scan.lengths, bounds, todo, itemsize, budget)
+    units = _units(bounds, todo, row_group_packs(settings))
+    passes = _pass_groups(plan, scan.lengths, units, itemsize, budget)
+    seg_ranges = [(int(plan.pack_offsets[units_[0][1]]), int(plan.pack_offsets[units_[-1][2]]))
+                  for units_ in passes]
+    spill_dir = out.state_dir / "spill"
+    spilled = spill and len(passes) > 1
+    if spill_dir.exists():
+        shutil.rmtree(spill_dir)  # an interrupted run's: which passes were whole is unknown
+    if spilled:
+        _distribute(out, sources, scan, plan, seg_ranges, spill_dir)
+
+    def batches() -> Iterator[pa.RecordBatch]:
+        """Every remaining row group in order, loading each pass's documents in turn."""
+        for g, units_ in enumerate(passes):
+            s_lo, s_hi = seg_ranges[g]
+            needed = np.zeros(len(scan.lengths), dtype=bool)
+            needed[plan.sample_ids[s_lo:s_hi]] = True
+            kept = np.flatnonzero(needed)
+            offsets = np.zeros(len(kept) + 1, dtype=np.int64)
+            np.cumsum(scan.lengths[kept], out=offsets[1:])
+            if spilled:
+                values = {}
+                for c in settings.token_columns:
+                    path = _spill_path(spill_dir, g, c)
+                    values[c] = np.fromfile(path, dtype=scan.dtypes[c]) if path.exists() \
+                        else np.zeros(0, dtype=scan.dtypes[c])
+                    if len(values[c]) != offsets[-1]:
+                        raise FastpackError(f"{path}: {len(values[c]):,} tokens spilled, "
+                                            f"{offsets[-1]:,} expected; rerun with --overwrite")
+                    path.unlink()
+                columns = Columns(values, offsets)
+            else:
+                columns = Columns({c: np.empty(int(offsets[-1]), dtype=scan.dtypes[c])
+                                   for c in settings.token_columns}, offsets)
+                label = "gather" if len(passes) == 1 else f"gather, pass {g + 1}/{len(passes)}"
+                _read_pass(out, sources, scan, needed, columns, label)
+            del needed
+            for _, p, q in units_:
+                seg0, seg1 = int(plan.pack_offsets[p]), int(plan.pack_offsets[q])
+                yield gather_batch(columns, np.searchsorted(kept, plan.sample_ids[seg0:seg1]),
+                                   plan.starts[seg0:seg1], plan.seqlens[seg0:seg1],
+                                   plan.pack_offsets[p:q + 1] - seg0)
+            del columns
+
     crash_after = os.environ.get(_CRASH_ENV)
     schema = output_schema(settings, scan.dtypes)
-    group = row_group_packs(settings)
+    stream = batches()
     entries = dict(done)
-    for g, shards in enumerate(groups):
-        s_lo = plan.pack_offsets[bounds[shards[0]]]
-        s_hi = plan.pack_offsets[bounds[shards[-1] + 1]]
-        needed = np.zeros(len(scan.lengths), dtype=bool)
-        needed[plan.sample_ids[s_lo:s_hi]] = True
-        kept = np.flatnonzero(needed)
-        offsets = np.zeros(len(kept) + 1, dtype=np.int64)
-        np.cumsum(scan.lengths[kept], out=offsets[1:])
-        columns = Columns({c: np.empty(int(offsets[-1]), dtype=scan.dtypes[c])
-                           for c in settings.token_columns}, offsets)
-        label = "gather" if len(groups) == 1 else f"gather, pass {g + 1}/{len(groups)}"
-        _read_pass(out, sources, scan, needed, columns, label)
-        del needed
-        for i in shards:
-            seg0, seg1 = plan.pack_offsets[bounds[i]], plan.pack_offsets[bounds[i + 1]]
-            rows = np.searchsorted(kept, plan.sample_ids[seg0:seg1])
-            pack_offsets = plan.pack_offsets[bounds[i]:bounds[i + 1] + 1] - seg0
-            crash = crash_after is not None and len(entries) == int(crash_after)
-            entry = write_shard(out.path, shard_name(i, n), schema, shard_batches(
-                columns, rows, plan.starts[seg0:seg1], plan.seqlens[seg0:seg1], pack_offsets,
-                group), crash=crash)
-            out.record(i, entry)
-            entries[i] = entry
-            log(f"wrote {entry['file']} ({entry['rows']:,} packs, "
-                f"{human_bytes(entry['bytes'])})", quiet=out.quiet or len(todo) > 50)
-        del columns
-    return [entries[i] for i in range(n)], len(groups), budget
+    for i in todo:
+        count = sum(1 for unit in units if unit[0] == i)
+        crash = crash_after is not None and len(entries) == int(crash_after)
+        entry = write_shard(out.path, shard_name(i, n), schema,
+                            itertools.islice(stream, count), crash=crash)
+        out.record(i, entry)
+        entries[i] = entry
+        log(f"wrote {entry['file']} ({entry['rows']:,} packs, {human_bytes(entry['bytes'])})",
+            quiet=out.quiet or len(todo) > 50)
+    return [entries[i] for i in range(n)], len(passes), budget
 
 
 def summary_lines(report: dict[str, Any], outdir: str) -> Iterator[str]:

@@ -387,8 +387,9 @@ def _check(batch: Batch, columns: dict[str, str], source: Source) -> None:
         if not _is_list(t) or not (pa.types.is_integer(t.value_type)):
             first = _first_value_row(column)
             value = column[first].as_py() if len(column) else None
-            fail(f"holds {t} (here {_show(value)}); expected lists of integer token ids", first,
-                 name)
+            held = f"lists of {t.value_type}" if _is_list(t) else str(t)
+            fail(f"holds {held} (here {_show(value)}); expected lists of integer token ids",
+                 first, name)
         if column.null_count:
             fail("is null; expected a list of integer token ids", _first_null(column), name)
         for chunk in column.chunks:

@@ -182,6 +182,10 @@ def stats(inputs: Sequence[str], caps: list[int], column: str, quiet: bool, batc
 @click.option("--memory", default="auto", show_default=True,
               help="Budget for one gather pass's tokens (e.g. 4G); more data than this is "
               "packed in several passes. auto: half the available memory.")
+@click.option("--spill/--no-spill", default=True, show_default=True,
+              help="With more than one pass: read the inputs once more and spill each "
+              "pass's tokens to OUTDIR/.fastpack (temporary disk as large as the tokens), "
+              "or read the inputs again for every pass.")
 @click.option("--resume", is_flag=True,
               help="Finish an interrupted run in OUTDIR, keeping its complete shards.")
 @click.option("--overwrite", is_flag=True, help="Replace fastpack output already in OUTDIR.")
@@ -194,7 +198,8 @@ def pack(inputs: Sequence[str], outdir: str, max_len: int, column: str, quiet: b
          columns: tuple[str, ...], text_column: str | None, tokenizer: str | None,
          strategy: str, overlong: str, long_max_len: int | None, group_tokens: int | None,
          shuffle: bool, seed: int, shard_rows: int | None, plan_shards: int, memory: str,
-         resume: bool, overwrite: bool, ray_address: str | None, no_plot: bool) -> None:
+         spill: bool, resume: bool, overwrite: bool, ray_address: str | None,
+         no_plot: bool) -> None:
     """Pack the documents of INPUT... (files or directories) into parquet shards of packed
     rows with the columns of fastpack.hf.pack_dataset: every packed token column,
     seq_lengths and position_ids (what TRL's SFTTrainer reads).
@@ -232,7 +237,8 @@ def pack(inputs: Sequence[str], outdir: str, max_len: int, column: str, quiet: b
             report = pack_files(inputs, outdir, settings, address=ray_address, resume=resume,
                                 overwrite=overwrite, quiet=quiet, plot=not no_plot)
         else:
-            report = pack_corpus(inputs, outdir, settings, memory=budget, resume=resume,
+            report = pack_corpus(inputs, outdir, settings, memory=budget, spill=spill,
+                                 resume=resume,
                                  overwrite=overwrite, quiet=quiet, plot=not no_plot)
     except KeyboardInterrupt:
         click.echo(f"fastpack: interrupted; complete shards are kept: rerun with --resume "

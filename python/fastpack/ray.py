@@ -37,7 +37,7 @@ from ._offline import (
     OutputDir,
     PackSettings,
     PlanStats,
-    _value_dtype,
+    column_dtype,
     output_schema,
     row_group_packs,
     shard_batches,
@@ -279,9 +279,9 @@ def _lengths_stage(table: pa.Table, *, columns: list[str], order: str | None,
                    num_shards: int) -> pa.Table:
     lengths = _checked_lengths(table, columns, order)
     keys = _keys(table, columns[0], order)
-    # Bit i: column i needs int64 in the output (as _value_dtype decides on one machine).
+    # Bit i: column i needs int64 in the output (as column_dtype decides on one machine).
     wide = sum(1 << i for i, c in enumerate(columns)
-               if _value_dtype(table.column(c).type.value_type) == "int64")
+               if column_dtype(table.column(c)) == "int64")
     return pa.table({_KEY: keys, "length": lengths.astype(np.int32),
                      _PLAN: shard_of(keys, num_shards).astype(np.int32),
                      "wide": np.full(len(keys), wide, dtype=np.int64)})
