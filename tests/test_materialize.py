@@ -153,7 +153,7 @@ def test_zero_copy_out() -> None:
         ((np.array([1, 2, 3, 4, 5]), np.array([0, 3, 9])), {}, "past the end"),
         ((np.array([1, 2, 3]), np.array([0, 3])), {}, "token data has 1 sequences"),
         ((np.arange(1, 7), np.array([0, 4, 6])), {}, "whole sequence"),
-        ([[1, 2, 3], [4, 5]], {"labels": [[1, 2, 3], [4]]}, "labels: sequence 1 has 1 values"),
+        ([[1, 2, 3], [4, 5]], {"labels": [[1, 2, 3], [4]]}, "column .labels.: row 1 has 1 values"),
         ([[1, 2, 3], [4, 5]], {"pad_to": 3}, "more than the row width"),
         ([[1, 2, 3], [4, 5]], {"layout": "cols"}, "layout"),
         ([[1, 2, 3], [4, 5]], {"packs": [5]}, "out of range"),

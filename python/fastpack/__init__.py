@@ -12,6 +12,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from ._errors import FastpackError, FastpackTypeError
 from ._examples import example_lengths
+from ._gather import gather
 from ._materialize import IGNORE_INDEX, Ragged, as_ragged, loss_mask_from_spans, materialize
 from ._plan import OVERLONG_POLICIES, STRATEGIES, Bucket, Plan, pack
 
@@ -32,6 +33,7 @@ __all__ = [
     "__version__",
     "as_ragged",
     "example_lengths",
+    "gather",
     "loss_mask_from_spans",
     "materialize",
     "pack",
