@@ -39,7 +39,7 @@ import numpy as np
 import pyarrow as pa
 
 from ._errors import FastpackError
-from ._gather import Columns, gather_batch
+from ._gather import gather
 from ._plan import Plan
 from ._progress import Progress, human_bytes, log
 from ._sharded import PlanConfig, file_keys, sharded_plan
@@ -452,7 +452,7 @@ def output_schema(settings: PackSettings, dtypes: dict[str, str]) -> pa.Schema:
     fields = [pa.field(c, pa.list_(pa.from_numpy_dtype(np.dtype(dtypes[c]))))
               for c in settings.token_columns]
     fields.append(pa.field("seq_lengths", pa.list_(pa.int32())))
-    fields.append(pa.field("position_ids", pa.list_(pa.int64())))
+    fields.append(pa.field("position_ids", pa.list_(pa.int32())))
     return pa.schema(fields)
 
 
@@ -461,18 +461,58 @@ def row_group_packs(settings: PackSettings) -> int:
     return max(1, min(settings.shard_rows, ROW_GROUP_TOKENS // settings.max_cap))
 
 
+class Columns:
+    """Token data of some documents in the Arrow list layout: every column shares
+    ``offsets`` (int64 [D+1]); document ``i`` of column ``c`` is
+    ``values[c][offsets[i]:offsets[i+1]]``."""
+
+    __slots__ = ("offsets", "values")
+
+    def __init__(self, values: dict[str, np.ndarray], offsets: np.ndarray) -> None:
+        self.values, self.offsets = values, offsets
+
+    def arrow(self) -> dict[str, pa.Array]:
+        """The columns as Arrow large lists over the same buffers (no copy)."""
+        offsets = pa.array(self.offsets)
+        return {c: pa.LargeListArray.from_arrays(offsets, pa.array(v))
+                for c, v in self.values.items()}
+
+
+def gather_rows(data: Any, rows: np.ndarray, starts: np.ndarray, seqlens: np.ndarray,
+                pack_offsets: np.ndarray, settings: PackSettings,
+                schema: pa.Schema) -> pa.RecordBatch:
+    """Packed rows, one per pack, gathered in Rust by ``fastpack.gather`` from ``data``
+    (Arrow list columns; ``rows`` index them) and given the output schema's types."""
+    fields: dict[str, Any] = dict.fromkeys(Plan._FIELDS, 0)
+    fields.update(sample_ids=np.ascontiguousarray(rows, dtype=np.int64),
+                  starts=np.ascontiguousarray(starts, dtype=np.int64),
+                  seqlens=np.ascontiguousarray(seqlens, dtype=np.int32),
+                  pack_offsets=np.ascontiguousarray(pack_offsets, dtype=np.int64),
+                  max_len=settings.max_cap, strategy=settings.strategy,
+                  overlong=settings.overlong)
+    batches = list(gather(Plan(fields), data, columns=settings.token_columns,
+                          batch_tokens=1 << 30))
+    if not batches:
+        return pa.RecordBatch.from_pylist([], schema=schema)
+    (batch,) = batches
+    return pa.RecordBatch.from_arrays(
+        [batch.column(i).cast(field.type) for i, field in enumerate(schema)], schema=schema)
+
+
 def shard_batches(
-    columns: Columns, rows: np.ndarray, starts: np.ndarray, seqlens: np.ndarray,
-    pack_offsets: np.ndarray, group: int,
+    data: Any, rows: np.ndarray, starts: np.ndarray, seqlens: np.ndarray,
+    pack_offsets: np.ndarray, settings: PackSettings, schema: pa.Schema,
 ) -> Iterator[pa.RecordBatch]:
-    """One shard's packed rows, ``group`` packs per record batch (one parquet row group).
-    ``rows`` index ``columns``' documents; ``pack_offsets`` index the segment arrays."""
+    """One shard's packed rows, ``row_group_packs`` packs per record batch (one parquet
+    row group). ``rows`` index ``data``'s documents; ``pack_offsets`` index the segment
+    arrays."""
+    group = row_group_packs(settings)
     packs = len(pack_offsets) - 1
     for p in range(0, packs, group):
         q = min(p + group, packs)
         s0, s1 = int(pack_offsets[p]), int(pack_offsets[q])
-        yield gather_batch(columns, rows[s0:s1], starts[s0:s1], seqlens[s0:s1],
-                           pack_offsets[p:q + 1] - s0)
+        yield gather_rows(data, rows[s0:s1], starts[s0:s1], seqlens[s0:s1],
+                          pack_offsets[p:q + 1] - s0, settings, schema)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -927,6 +967,7 @@ def _gather_passes(out: OutputDir, sources: Sequence[Source], scan: Scan, plan: 
         shutil.rmtree(spill_dir)  # an interrupted run's: which passes were whole is unknown
     if spilled:
         _distribute(out, sources, scan, plan, seg_ranges, spill_dir)
+    schema = output_schema(settings, scan.dtypes)
 
     def batches() -> Iterator[pa.RecordBatch]:
         """Every remaining row group in order, loading each pass's documents in turn."""
@@ -954,15 +995,15 @@ def _gather_passes(out: OutputDir, sources: Sequence[Source], scan: Scan, plan: 
                 label = "gather" if len(passes) == 1 else f"gather, pass {g + 1}/{len(passes)}"
                 _read_pass(out, sources, scan, needed, columns, label)
             del needed
+            data = columns.arrow()
             for _, p, q in units_:
                 seg0, seg1 = int(plan.pack_offsets[p]), int(plan.pack_offsets[q])
-                yield gather_batch(columns, np.searchsorted(kept, plan.sample_ids[seg0:seg1]),
-                                   plan.starts[seg0:seg1], plan.seqlens[seg0:seg1],
-                                   plan.pack_offsets[p:q + 1] - seg0)
-            del columns
+                yield gather_rows(data, np.searchsorted(kept, plan.sample_ids[seg0:seg1]),
+                                  plan.starts[seg0:seg1], plan.seqlens[seg0:seg1],
+                                  plan.pack_offsets[p:q + 1] - seg0, settings, schema)
+            del columns, data
 
     crash_after = os.environ.get(_CRASH_ENV)
-    schema = output_schema(settings, scan.dtypes)
     stream = batches()
     entries = dict(done)
     for i in todo:

@@ -32,14 +32,12 @@ import numpy as np
 import pyarrow as pa
 
 from ._errors import FastpackError
-from ._gather import Columns
 from ._offline import (
     OutputDir,
     PackSettings,
     PlanStats,
     column_dtype,
     output_schema,
-    row_group_packs,
     shard_batches,
     shard_name,
     write_shard,
@@ -57,6 +55,19 @@ _SHARD = "_fastpack_shard"
 _PLAN = "_fastpack_plan"
 # Lengths in flight from the driver to the planners before it waits for them.
 _IN_FLIGHT = 64
+
+
+def _unwrapped(error: BaseException) -> BaseException:
+    """The FastpackError inside a Ray task's error (Ray wraps what a worker raises)."""
+    seen = error
+    for _ in range(8):
+        if isinstance(seen, FastpackError) and type(seen).__module__.startswith("fastpack"):
+            return seen
+        inner = getattr(seen, "cause", None) or seen.__cause__
+        if inner is None:
+            break
+        seen = inner
+    return error
 
 
 def _ray() -> Any:
@@ -322,40 +333,27 @@ def _gather_stage(table: pa.Table, *, columns: list[str], planners: list[Any],
     if at.size and (at.max() >= len(keys) or (sorted_keys[at] != sub["keys"]).any()):
         raise FastpackError(f"output shard {out}: a document did not arrive")
     rows = order[at]
-    data = {}
-    offsets = None
-    for c in columns:
-        column = table.column(c).combine_chunks()
-        data[c] = np.asarray(column.flatten().to_numpy(), dtype=dtypes[c])
-        if offsets is None:
-            base = np.asarray(column.offsets, dtype=np.int64)
-            offsets = base - base[0]
-    assert offsets is not None
-    _check_collisions(sorted_keys, order, offsets, data[columns[0]])
-    cols = Columns(data, offsets)
-    batches = shard_batches(cols, rows, sub["starts"], sub["seqlens"], sub["pack_offsets"],
-                            row_group_packs(settings_))
+    _check_collisions(sorted_keys, order, table.column(columns[0]))
+    schema = output_schema(settings_, dtypes)
+    batches = shard_batches(table.select(columns), rows, sub["starts"], sub["seqlens"],
+                            sub["pack_offsets"], settings_, schema)
     if outdir is None:
         first = int(pack_base[plan_shard_]) + int(sub["first_pack"])
-        tables = [pa.Table.from_batches([b]) for b in batches]
-        packed = pa.concat_tables(tables) if tables else output_schema(
-            settings_, dtypes).empty_table()
+        packed = pa.Table.from_batches(list(batches), schema=schema)
         return packed.append_column("pack_index", pa.array(
             np.arange(first, first + packed.num_rows, dtype=np.int64)))
-    entry = write_shard(Path(outdir), shard_name(out, num_out), output_schema(settings_, dtypes),
-                        batches)
+    entry = write_shard(Path(outdir), shard_name(out, num_out), schema, batches)
     return pa.table({"shard": [out], **{k: [v] for k, v in entry.items()}})
 
 
-def _check_collisions(sorted_keys: np.ndarray, order: np.ndarray, offsets: np.ndarray,
-                      tokens: np.ndarray) -> None:
+def _check_collisions(sorted_keys: np.ndarray, order: np.ndarray,
+                      tokens: pa.ChunkedArray) -> None:
     """Rows sharing a key must be the same document (content keys of identical documents);
     two different documents with one key would be a silent mix-up, so they are refused."""
     same = np.flatnonzero(sorted_keys[1:] == sorted_keys[:-1])
     for i in same:
-        a, b = order[i], order[i + 1]
-        if not np.array_equal(tokens[offsets[a]:offsets[a + 1]],
-                              tokens[offsets[b]:offsets[b + 1]]):
+        a, b = int(order[i]), int(order[i + 1])
+        if tokens[a] != tokens[b]:
             raise FastpackError(
                 f"two different documents share the content key {int(sorted_keys[i])}; pass "
                 "order= a column of unique document ids")
@@ -363,6 +361,17 @@ def _check_collisions(sorted_keys: np.ndarray, order: np.ndarray, offsets: np.nd
 
 # ---------------------------------------------------------------------------------------
 # the pipeline
+
+
+def _reraising(batches: Any) -> Iterator[Any]:
+    """Batches of a Ray dataset, a worker's FastpackError raised as itself."""
+    try:
+        yield from batches
+    except Exception as e:
+        inner = _unwrapped(e)
+        if inner is e:
+            raise
+        raise inner from None
 
 
 class _Pipeline:
@@ -377,6 +386,12 @@ class _Pipeline:
     def plan(self) -> None:
         ray, settings = self.ray, self.settings
         clock = time.monotonic()
+        schema = self.ds.schema()
+        names = list(schema.names) if schema is not None else []
+        for name in [*self.columns, *([self.order] if self.order else [])]:
+            if schema is not None and name not in names:
+                raise FastpackError(f"columns: no column {name!r}; the dataset has "
+                                    f"{', '.join(map(repr, names))}")
         k = settings.plan_shards
         actor = ray.remote(num_cpus=0)(_Planner)
         self.planners = [actor.remote(s, k, settings.to_json(), self.order is not None)
@@ -387,7 +402,8 @@ class _Pipeline:
         pending: list[Any] = []
         wide = 0
         documents = 0
-        for batch in lengths.iter_batches(batch_format="numpy", batch_size=1 << 20):
+        for batch in _reraising(lengths.iter_batches(batch_format="numpy",
+                                                     batch_size=1 << 20)):
             keys, lens, shard = batch[_KEY], batch["length"], batch[_PLAN]
             wide |= int(np.bitwise_or.reduce(batch["wide"])) if len(keys) else 0
             documents += len(keys)
@@ -544,7 +560,7 @@ def pack_files(
     clock = time.monotonic()
     entries = dict(done)
     if len(done) < pipeline.num_out:
-        for row in pipeline.gather(str(out.path), frozenset(done)).iter_rows():
+        for row in _reraising(pipeline.gather(str(out.path), frozenset(done)).iter_rows()):
             entry = {k: row[k] for k in ("file", "rows", "tokens", "bytes", "sha256")}
             out.record(int(row["shard"]), entry)
             entries[int(row["shard"])] = entry
