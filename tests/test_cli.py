@@ -360,7 +360,7 @@ def _bad_cases(tmp: Path) -> list[tuple[str, list[str], list[str]]]:
     write(tmp / "long.parquet", documents([10, 700, 20, 900]))
     cases.append(("over the cap", [str(tmp / "long.parquet")],
                   ["long.parquet", "row 1", "column 'input_ids'", "700 tokens",
-                   "(1 more documents are too)", "--overlong split"]))
+                   "(and 1 more over the cap)", "--overlong split"]))
     pq.write_table(pa.table({"input_ids": pa.array([[1, 2], [3]], pa.list_(pa.int32())),
                              "labels": pa.array([[1, 2], [3, 4]], pa.list_(pa.int32()))}),
                    tmp / "labels.parquet")

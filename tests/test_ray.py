@@ -108,3 +108,17 @@ def test_pack_dataset_orders_documents_by_content(cluster):
         assert list(row["position_ids"]) == [j for n in seqlens for j in range(n)]
     with pytest.raises(fastpack.FastpackError, match="columns: no column 'tokens'"):
         pack_dataset(ds, 200, column="tokens")
+
+
+def test_the_docs_ray_example_runs(cluster, monkeypatch, capsys):
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "cli.md").read_text()
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", doc, flags=re.S) if "ray" in b]
+    assert blocks
+    monkeypatch.setattr(ray, "init", lambda *a, **k: None)  # the cluster is up already
+    for block in blocks:
+        exec(compile(block, "docs/cli.md", "exec"), {"__name__": "__doc_example__"})
+    printed = capsys.readouterr().out.split()
+    assert int(printed[0]) <= 256

@@ -211,7 +211,7 @@ def scan_lengths(
                             f"has {other[i]:,} values where {columns[0]!r} has "
                             f"{lengths[i]:,} tokens; packed columns need one value per token",
                             path=source.path, row=batch.row + i, column=c,
-                            line=None if batch.lines is None else int(batch.lines[i]))
+                            line=batch.line(i))
                 for c in columns:
                     value_type = batch.table.column(c).type.value_type
                     if column_dtype(batch.table.column(c)) == "int64":
@@ -314,7 +314,7 @@ def check_overlong(scan: Scan, settings: PackSettings, sources: Sequence[Source]
     over = np.flatnonzero(lengths > settings.max_cap)
     if over.size:
         path, row = scan.locate(int(over[0]), sources)
-        more = f" ({over.size - 1:,} more documents are too)" if over.size > 1 else ""
+        more = f" (and {over.size - 1:,} more over the cap)" if over.size > 1 else ""
         raise InputError(
             f"{int(lengths[over[0]]):,} tokens, longer than the cap of {settings.max_cap:,}"
             f"{more}; pass --overlong split, truncate or drop (or a larger --long-max-len)",
@@ -1022,7 +1022,8 @@ def summary_lines(report: dict[str, Any], outdir: str) -> Iterator[str]:
     """The final summary a person reads: nothing lost goes unmentioned."""
     r = report
     yield (f"packed {r['documents']:,} documents, {r['input_tokens']:,} tokens -> "
-           f"{r['packs']:,} packs of {r['settings']['max_len']:,} in {r['shards']} shards "
+           f"{r['packs']:,} packs of {r['settings']['max_len']:,} in {r['shards']} "
+           f"shard{'s' if r['shards'] != 1 else ''} "
            f"({human_bytes(r['bytes'])}) in {outdir}")
     yield (f"efficiency {r['efficiency']:.4%}; packs over the lower bound: "
            f"{r['packs_over_lower_bound']:,} ({r['packs']:,} for {r['lower_bound']:,})")

@@ -168,8 +168,24 @@ class Batch:
     row: int
     #: Bytes of the file consumed once this batch is read (for progress).
     done_bytes: int
-    #: Maps a row of ``table`` to its 1-based line (JSON lines only).
-    lines: np.ndarray | None = None
+    #: The block of JSON lines the rows come from and its first line's number, to name
+    #: the line of a bad row (found only when one is).
+    block: tuple[bytes, int] | None = None
+
+    def line(self, row_in_batch: int) -> int | None:
+        """The 1-based line of a row of ``table`` (JSON lines only)."""
+        if self.block is None:
+            return None
+        data, first = self.block
+        raw = np.frombuffer(data, dtype=np.uint8)
+        ends = np.flatnonzero(raw == 10)
+        if len(raw) and raw[-1] != 10:  # the file's last line, without a newline
+            ends = np.append(ends, len(raw))
+        starts = np.concatenate([[0], ends[:-1] + 1])
+        # Blank lines hold no row: a line counts when it has a byte other than whitespace.
+        solid = np.concatenate([[0], np.cumsum(~np.isin(raw, (9, 10, 13, 32)))])
+        rows = np.flatnonzero(solid[ends] > solid[starts])
+        return first + int(rows[row_in_batch]) if row_in_batch < len(rows) else None
 
 
 def _column_types(columns: dict[str, str]) -> pa.Schema:
@@ -303,8 +319,7 @@ def _jsonl_batches(
                     tail = data
                     continue
                 block, tail = data[:cut], data[cut:]
-            nonblank = [i for i, text in enumerate(block.split(b"\n")) if text.strip()]
-            if nonblank:
+            if block.strip():
                 try:
                     table = pj.read_json(pa.BufferReader(block), read_options=read,
                                          parse_options=parse)
@@ -312,8 +327,7 @@ def _jsonl_batches(
                     _diagnose_jsonl(source, block, columns, row, line)
                     raise InputError(f"cannot be parsed ({e})", path=source.path, row=row,
                                      line=line) from None
-                lines = line + np.asarray(nonblank, dtype=np.int64)
-                yield Batch(table, row, raw.tell(), lines)
+                yield Batch(table, row, raw.tell(), (block, line))
                 row += table.num_rows
             line += block.count(b"\n")
             if not chunk:
@@ -371,7 +385,7 @@ def _check(batch: Batch, columns: dict[str, str], source: Source) -> None:
     table = batch.table
 
     def fail(detail: str, row_in_batch: int, name: str) -> None:
-        line = None if batch.lines is None else int(batch.lines[row_in_batch])
+        line = batch.line(row_in_batch)
         raise InputError(detail, path=source.path, row=batch.row + row_in_batch, line=line,
                          column=name)
 

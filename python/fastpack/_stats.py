@@ -171,14 +171,15 @@ def table_lines(summary: dict[str, Any], results: list[dict[str, Any]],
            f"median {s['p50']:,}, mean {s['mean']:,.0f}, p90 {s['p90']:,}, p99 {s['p99']:,}, "
            f"max {s['max']:,}" + (f"; {s['empty']:,} empty" if s["empty"] else ""))
     caps = [r["cap"] for r in results]
-    width = 36
+    labels = [(key, label.replace("each batch to its", f"batches of {batch_size} to their")
+               .replace("sorted batches", f"sorted batches of {batch_size}"))
+              for key, label in METHODS]
+    width = max(len(label) for _, label in labels) + 2
     yield ""
     yield f"{'rows / efficiency':{width}}" + "".join(f"{'cap ' + format(c, ','):>24}"
                                                      for c in caps)
-    for key, label in METHODS:
-        label = label.replace("each batch to its", f"batches of {batch_size} to their") \
-            .replace("sorted batches", f"sorted batches of {batch_size}")
-        cells = "".join(f"{r[key]['rows']:>14,} {r[key]['efficiency']:>8.2%}" for r in results)
+    for key, label in labels:
+        cells = "".join(f"{r[key]['rows']:>15,} {r[key]['efficiency']:>8.2%}" for r in results)
         yield f"{label:{width}}{cells}"
     over = [(r["cap"], r["pieces"]) for r in results]
     yield ""
