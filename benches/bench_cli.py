@@ -151,7 +151,7 @@ def bench_billion() -> list[str]:
 
 
 def _corpus(directory: Path, n: int, files: int) -> int:
-    """``n`` short documents (log-normal, mean about 64 tokens) in ``files`` parquet files;
+    """``n`` short documents (log-normal, mean about 32 tokens) in ``files`` parquet files;
     returns the tokens."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -160,7 +160,7 @@ def _corpus(directory: Path, n: int, files: int) -> int:
     total = 0
     per = -(-n // files)
     for f in range(files):
-        lengths = np.clip(rng.lognormal(3.9, 0.7, min(per, n - f * per)), 1, 1024).astype(
+        lengths = np.clip(rng.lognormal(3.2, 0.7, min(per, n - f * per)), 1, 1024).astype(
             np.int32)
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
         values = rng.integers(0, 50_000, int(offsets[-1]), dtype=np.int32)
@@ -180,7 +180,7 @@ ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False,
 ray.data.DataContext.get_current().enable_progress_bars = False
 from fastpack._offline import PackSettings
 from fastpack.ray import pack_files
-settings = PackSettings(max_len=2048, shuffle=True, seed=0)
+settings = PackSettings(max_len=1024, shuffle=True, seed=0)
 start = time.perf_counter()
 report = pack_files([sys.argv[2]], sys.argv[3], settings, quiet=True, plot=False)
 print(json.dumps({"seconds": time.perf_counter() - start, "phases": report["seconds"],
@@ -190,7 +190,7 @@ print(json.dumps({"seconds": time.perf_counter() - start, "phases": report["seco
 _LOCAL_RUN = """
 import json, sys, time
 from fastpack._offline import PackSettings, pack_corpus
-settings = PackSettings(max_len=2048, shuffle=True, seed=0)
+settings = PackSettings(max_len=1024, shuffle=True, seed=0)
 start = time.perf_counter()
 report = pack_corpus([sys.argv[1]], sys.argv[2], settings, quiet=True, plot=False)
 print(json.dumps({"seconds": time.perf_counter() - start, "phases": report["seconds"],
@@ -206,8 +206,8 @@ def _same_shards(a: Path, b: Path) -> bool:
 
 def bench_ray(sizes: tuple[int, ...] = (10**5, 10**6, 10**7)) -> list[str]:
     lines = ["## `fastpack pack` on one machine and on Ray Data", "",
-             "Parquet files of short documents (log-normal, mean 64 tokens, random int32 "
-             "ids), `--max-len 2048 --shuffle`, one fresh process per run. Ray: a local "
+             "Parquet files of short documents (log-normal, mean 31 tokens, random int32 "
+             "ids), `--max-len 1024 --shuffle`, one fresh process per run. Ray: a local "
              "cluster of 1 or 2 CPUs (`ray.init(num_cpus=W)`) on the same 2-core machine; "
              "its time includes the lengths pass, the planners, the route + groupby shuffle "
              "and the gather + parquet write on the workers, not `ray.init`. Every Ray run's "

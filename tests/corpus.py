@@ -30,10 +30,11 @@ def documents(lengths: Sequence[int], first: int = 0) -> list[np.ndarray]:
 
 
 def write(path: Path, docs: Sequence[np.ndarray], *, labels: bool = False,
-          row_group_size: int | None = None, dtype: Any = pa.int32()) -> Path:
+          row_group_size: int | None = None, dtype: Any = None) -> Path:
     """``docs`` in the format ``path``'s name says: .parquet, .jsonl(.gz/.zst), or a
     directory ending in ``.ds`` (datasets.save_to_disk)."""
     name = path.name
+    dtype = dtype or pa.int32()
     columns: dict[str, Any] = {"input_ids": [d.tolist() for d in docs],
                                "text": [f"doc {i}" for i in range(len(docs))]}
     if labels:

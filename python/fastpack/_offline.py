@@ -7,9 +7,11 @@ The passes:
    tokenizes and spills the token ids to a temporary parquet file per input, so text is
    tokenized once.
 2. **plan** — one global plan (``fastpack.pack``) over all lengths, or a sharded plan.
-3. **gather** — output shards are grouped into passes whose documents' tokens fit the
-   memory budget; each pass reads the inputs again (skipping files and parquet row groups
-   it does not need), keeps only its documents' tokens, and writes its shards.
+3. **gather** — the output's row groups are grouped into passes whose documents' tokens
+   fit the memory budget. With one pass the inputs are read once more, into memory; with
+   several, that one read spills each pass's documents to its own file, which the pass
+   then loads (``spill=False``: every pass reads the inputs again, skipping the files and
+   parquet row groups it does not need). Rows are gathered in Rust (``fastpack.gather``).
 
 Memory: about ``33 bytes × documents`` (lengths, plan, pass mask) + ``--memory`` (one
 pass's tokens) + one input batch (``BATCH_BYTES`` of decoded rows, or one parquet row
@@ -42,7 +44,7 @@ from ._errors import FastpackError
 from ._gather import gather
 from ._plan import Plan
 from ._progress import Progress, human_bytes, log
-from ._sharded import PlanConfig, file_keys, sharded_plan
+from ._sharded import PlanConfig, file_keys, sharded_plan, sorted_unique
 from ._sources import InputError, Source, expand_inputs, iter_batches, list_lengths
 from ._stats import LengthHistogram
 
@@ -828,7 +830,7 @@ def _pass_groups(plan: Plan, lengths: np.ndarray, units: Sequence[tuple[int, int
     used = 0
     for unit in units:
         _, p, q = unit
-        docs = np.unique(plan.sample_ids[plan.pack_offsets[p]:plan.pack_offsets[q]])
+        docs = sorted_unique(plan.sample_ids[plan.pack_offsets[p]:plan.pack_offsets[q]])
         cost = int(lengths[docs].sum(dtype=np.int64)) * bytes_per_token + _PER_DOC * len(docs)
         if current and (used + cost > budget or p != current[-1][2]):
             passes.append(current)
@@ -912,7 +914,7 @@ def _distribute(out: OutputDir, sources: Sequence[Source], scan: Scan, plan: Pla
     loads its documents as one contiguous array (the layout a direct read would build)."""
     names = out.settings.token_columns
     num = len(seg_ranges)
-    pairs = np.unique(np.concatenate([plan.sample_ids[lo:hi] * num + g
+    pairs = sorted_unique(np.concatenate([plan.sample_ids[lo:hi] * num + g
                                       for g, (lo, hi) in enumerate(seg_ranges)]))
     pair_docs, pair_pass = np.divmod(pairs, num)
     del pairs

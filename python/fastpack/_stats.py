@@ -69,7 +69,11 @@ class LengthHistogram:
 
     @classmethod
     def of(cls, lengths: np.ndarray) -> LengthHistogram:
-        bins = np.searchsorted(cls._EDGES, lengths, side="right") - 1
+        lengths = np.asarray(lengths, dtype=np.int64)
+        bins = lengths.copy()  # below 2^16 a length is its own bin
+        long = lengths >= _EXACT
+        if long.any():
+            bins[long] = np.searchsorted(cls._EDGES, lengths[long], side="right") - 1
         counts = np.bincount(bins, minlength=len(cls._EDGES) - 1).astype(np.int64)
         if lengths.size == 0:
             return cls(counts, 0, 0, 0)

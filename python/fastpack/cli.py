@@ -58,7 +58,8 @@ def main() -> None:
     """
 
 
-@main.command()
+@main.command(short_help="Padding vs packing on a corpus shipped with fastpack (no data "
+              "needed).")
 @click.option("--example", type=click.Choice(["functions", "modules"]), default="functions",
               show_default=True, help="functions: SFT-like (many short); modules: "
               "pre-training-like (long documents).")
@@ -95,7 +96,8 @@ def _input_options(f: Any) -> Any:
     return f
 
 
-@main.command()
+@main.command(short_help="Lengths, and per cap the rows and efficiency of padding, "
+              "bucketing and packing.")
 @click.argument("inputs", nargs=-1, required=True, metavar="INPUT...")
 @click.option("--max-len", "caps", default="2048,4096,8192", show_default=True,
               callback=_caps, help="Caps (tokens per row) to compare, comma-separated.")
@@ -139,7 +141,8 @@ def stats(inputs: Sequence[str], caps: list[int], column: str, quiet: bool, batc
             click.echo(f"plot: {plot}")
 
 
-@main.command()
+@main.command(short_help="Pack files into TRL-ready parquet shards in bounded memory (or on "
+              "Ray).")
 @click.argument("inputs", nargs=-1, required=True, metavar="INPUT...")
 @click.option("-o", "--output", "outdir", required=True, type=click.Path(file_okay=False),
               help="Output directory: shard-*.parquet, manifest.json, report.json, "
@@ -178,7 +181,7 @@ def stats(inputs: Sequence[str], caps: list[int], column: str, quiet: bool, batc
               "at --max-len 4096].")
 @click.option("--plan-shards", type=click.IntRange(min=1), default=1, show_default=True,
               help="Plan in this many independent shards (for corpora whose lengths outgrow "
-              "one machine; costs a few packs per shard).")
+              "one machine; costs about half a pack per shard).")
 @click.option("--memory", default="auto", show_default=True,
               help="Budget for one gather pass's tokens (e.g. 4G); more data than this is "
               "packed in several passes. auto: half the available memory.")
@@ -191,8 +194,9 @@ def stats(inputs: Sequence[str], caps: list[int], column: str, quiet: bool, batc
 @click.option("--overwrite", is_flag=True, help="Replace fastpack output already in OUTDIR.")
 @click.option("--ray", "ray_address", is_flag=False, flag_value="auto", default=None,
               metavar="[ADDRESS]",
-              help="Run on a Ray cluster (Ray Data): the plan on the driver, gathers on the "
-              "workers. ADDRESS as for ray.init (default: auto, or a local cluster).")
+              help="Run on a Ray cluster (Ray Data): the plan made once by planner actors, "
+              "the shards gathered on the workers. ADDRESS as for ray.init (default: a "
+              "running cluster, else a local one); write --ray=ADDRESS, or --ray last.")
 @click.option("--no-plot", is_flag=True, help="Skip report.png.")
 def pack(inputs: Sequence[str], outdir: str, max_len: int, column: str, quiet: bool,
          columns: tuple[str, ...], text_column: str | None, tokenizer: str | None,

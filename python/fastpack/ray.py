@@ -43,7 +43,7 @@ from ._offline import (
     write_shard,
 )
 from ._progress import log
-from ._sharded import ROW_BITS, _mix, plan_shard, shard_of
+from ._sharded import ROW_BITS, _mix, plan_shard, shard_of, sorted_unique
 from ._sources import InputError, Source, expand_inputs, iter_batches, list_lengths
 
 __all__ = ["DOC", "content_keys", "pack_dataset", "pack_files", "read_files"]
@@ -236,13 +236,17 @@ class _Planner:
         assert settings.shard_rows is not None
         rows = settings.shard_rows
         self.num_out = -(-plan.num_packs // rows)
-        # For each document (rank in key order), the output shards holding its segments.
+        # For each document (rank in key order), the output shards holding its segments:
+        # one shard for a document in one segment (nearly all), a short sorted list for
+        # the rest (split documents) -- no sort over every segment.
+        width = max(self.num_out, 1)
         seg_out = np.repeat(np.arange(plan.num_packs, dtype=np.int64) // rows,
                             np.diff(plan.pack_offsets))
-        pairs = np.unique(plan.sample_ids * max(self.num_out, 1) + seg_out)
-        ranks, outs = np.divmod(pairs, max(self.num_out, 1))
-        self.route_offsets = np.searchsorted(ranks, np.arange(len(lengths) + 1))
-        self.route_shards = outs
+        self.out_of = np.full(len(lengths), -1, dtype=np.int64)
+        self.out_of[plan.sample_ids] = seg_out
+        many = np.bincount(plan.sample_ids, minlength=len(lengths))[plan.sample_ids] > 1
+        pairs = sorted_unique(plan.sample_ids[many] * width + seg_out[many])
+        self.many_ranks, self.many_outs = np.divmod(pairs, width)
         result.update(stats=PlanStats.of(plan, lengths, settings), packs=plan.num_packs,
                       outputs=self.num_out, group_offsets=plan.group_offsets)
         return result
@@ -251,16 +255,25 @@ class _Planner:
         """(row, output shard) pairs: every output shard of this plan shard that needs the
         document of each key (a key shared by identical documents: all their shards)."""
         lo = np.searchsorted(self.keys, keys, side="left")
-        hi = np.searchsorted(self.keys, keys, side="right")
+        if not len(self.keys):
+            hi = lo
+        elif self.unique:  # one document per key: its run is one long, if it is there
+            hi = lo + (self.keys[np.minimum(lo, len(self.keys) - 1)] == keys)
+        else:
+            hi = np.searchsorted(self.keys, keys, side="right")
         if (hi == lo).any():
             missing = int(keys[np.flatnonzero(hi == lo)[0]])
             raise FastpackError(f"the document with key {missing} was not seen by the lengths "
                                 "pass: the dataset changed between passes")
         rows, ranks = _expand(lo, hi - lo)
-        starts, stops = self.route_offsets[ranks], self.route_offsets[ranks + 1]
-        rows2, at = _expand(starts, stops - starts)
-        pairs = np.unique(rows[rows2] * max(self.num_out, 1) + self.route_shards[at])
-        return np.divmod(pairs, max(self.num_out, 1))
+        width = max(self.num_out, 1)
+        first = np.searchsorted(self.many_ranks, ranks, side="left")
+        count = np.searchsorted(self.many_ranks, ranks, side="right") - first
+        single = (count == 0) & (self.out_of[ranks] >= 0)
+        rows2, at = _expand(first, count)
+        pairs = np.concatenate([rows[single] * width + self.out_of[ranks[single]],
+                                rows[rows2] * width + self.many_outs[at]])
+        return np.divmod(sorted_unique(pairs), width)
 
     def subplan(self, out: int) -> dict[str, np.ndarray]:
         """The segments of one output shard, documents named by key."""
@@ -490,8 +503,8 @@ def pack_dataset(
     order (:func:`read_files` adds ``doc``); without it the order is by a hash of each
     document's tokens. The plan is made before this returns (the lengths pass runs now);
     the gather runs when the result is consumed. ``plan_shards=K`` plans in ``K``
-    independent shards (for more lengths than one process holds; a few extra packs per
-    shard). The other arguments are those of :func:`fastpack.pack`; ``shard_rows`` packs
+    independent shards (for more lengths than one process holds; about half a pack more
+    per shard). The other arguments are those of :func:`fastpack.pack`; ``shard_rows`` packs
     are gathered per task.
     """
     settings = _settings(max_len, column, columns, strategy=strategy, overlong=overlong,
