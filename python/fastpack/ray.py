@@ -396,15 +396,19 @@ class _Pipeline:
         self.locate = locate
         self.timings: dict[str, float] = {}
 
+    def check_columns(self) -> None:
+        """Names a missing column before any work (the schema costs a block or two)."""
+        schema = self.ds.schema()
+        if schema is None:
+            return
+        for name in [*self.columns, *([self.order] if self.order else [])]:
+            if name not in schema.names:
+                raise FastpackError(f"columns: no column {name!r}; the dataset has "
+                                    f"{', '.join(map(repr, schema.names))}")
+
     def plan(self) -> None:
         ray, settings = self.ray, self.settings
         clock = time.monotonic()
-        schema = self.ds.schema()
-        names = list(schema.names) if schema is not None else []
-        for name in [*self.columns, *([self.order] if self.order else [])]:
-            if schema is not None and name not in names:
-                raise FastpackError(f"columns: no column {name!r}; the dataset has "
-                                    f"{', '.join(map(repr, names))}")
         k = settings.plan_shards
         actor = ray.remote(num_cpus=0)(_Planner)
         self.planners = [actor.remote(s, k, settings.to_json(), self.order is not None)
@@ -513,6 +517,7 @@ def pack_dataset(
                          plan_shards=plan_shards)
     _validate(settings)
     pipeline = _Pipeline(ds, settings, order, quiet=True)
+    pipeline.check_columns()
     pipeline.plan()
     result = pipeline.gather(None)
     result._fastpack_plan = pipeline  # the planners live as long as the dataset
