@@ -53,7 +53,7 @@ def test_ray_writes_the_single_machine_shards_and_resumes_them(cluster, tmp_path
     result = CliRunner().invoke(main, ["pack", *args, "-o", str(tmp_path / "ray"), "--resume",
                                        "--ray"])
     assert result.exit_code == 0, result.output
-    assert "on Ray (1 nodes, 2 CPUs)" in result.output
+    assert "on Ray (1 node, 2 CPUs)" in result.output
     assert shard_bytes(tmp_path / "ray") == shard_bytes(tmp_path / "local")
     assert len(shard_bytes(tmp_path / "local")) == local["shards"] > 4
     _same_report(json.loads((tmp_path / "ray" / "report.json").read_text()), local)

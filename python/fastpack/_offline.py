@@ -1040,7 +1040,8 @@ def summary_lines(report: dict[str, Any], outdir: str) -> Iterator[str]:
         yield (f"groups of <= {g['group_tokens']:,} tokens: {g['groups']:,} (lower bound "
                f"{g['lower_bound']:,}), group efficiency {g['efficiency']:.4%}")
     if "ray" in r:
-        how = f"on Ray ({r['ray']['nodes']} nodes, {r['ray']['cpus']} CPUs)"
+        nodes = r["ray"]["nodes"]
+        how = f"on Ray ({nodes} node{'s' if nodes != 1 else ''}, {r['ray']['cpus']} CPUs)"
     else:
         how = (f"{r['passes']} gather pass{'es' if r['passes'] != 1 else ''} within a budget "
                f"of {human_bytes(r['memory_budget'])}")
