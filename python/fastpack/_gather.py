@@ -13,7 +13,7 @@ from ._arrow import list_columns
 from ._errors import FastpackError, FastpackTypeError
 from ._plan import PackIndex, Plan, _int_arg
 
-__all__ = ["DEFAULT_BATCH_TOKENS", "gather"]
+__all__ = ["DEFAULT_BATCH_TOKENS", "gather", "prepare"]
 
 #: Tokens per output record batch (a batch ends at the first pack boundary past it):
 #: 4 Mi tokens is 16 MiB per int32 column, big enough that per-batch costs vanish and
@@ -106,14 +106,34 @@ def gather(
         (list<int32>: every segment's tokens, reserved slots included, as TRL's
         ``pack_dataset`` writes) and ``position_ids`` (list<int32>).
     """
-    import pyarrow as pa
-
     if not isinstance(plan, Plan):
         raise FastpackTypeError(f"plan: expected a fastpack.Plan, got {type(plan).__name__}")
+    handles, types, _ = list_columns(data, columns)
+    _, batches = prepare(
+        plan, handles, types, packs, separator_id=separator_id, fill=fill,
+        position_ids=position_ids, batch_tokens=batch_tokens, threads=threads,
+    )
+    return batches
+
+
+def prepare(
+    plan: Plan,
+    handles: list[Any],
+    types: list[Any],
+    packs: PackIndex | None,
+    *,
+    separator_id: int | None,
+    fill: Mapping[str, Any] | None,
+    position_ids: bool,
+    batch_tokens: int,
+    threads: int | None,
+) -> tuple[Any, Iterator[Any]]:
+    """Checks the options once; returns the output schema and the lazy batches."""
+    import pyarrow as pa
+
     batch_tokens = _int_arg("batch_tokens", batch_tokens, minimum=1, maximum=_MAX_BATCH_TOKENS)
     if threads is not None:
         threads = _int_arg("threads", threads, minimum=1, maximum=4096)
-    handles, types, _ = list_columns(data, columns)
     names = [h.name for h in handles]
     taken = {"seq_lengths"} | ({"position_ids"} if position_ids else set())
     clash = [n for n in names if n in taken]
@@ -144,7 +164,7 @@ def gather(
         + [pa.field("seq_lengths", pa.list_(pa.int32()))]
         + ([pa.field("position_ids", pa.list_(pa.int32()))] if position_ids else [])
     )
-    return _iterate(
+    return schema, _iterate(
         plan, chosen, pack_tokens, batch_tokens, handles, out_types, fill_bytes, position_ids,
         threads, schema,
     )

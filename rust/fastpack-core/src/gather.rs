@@ -269,7 +269,7 @@ pub fn gather(
             return Err(Error::invalid(
                 "columns",
                 format!(
-                    "column {:?} has {} rows, column {:?} {rows}",
+                    "column '{}' has {} rows, column '{}' {rows}",
                     c.name(),
                     c.rows(),
                     first.name()
@@ -549,7 +549,7 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(
-            e.contains("column \"labels\": row 1 has 2 values, but \"input_ids\" has 3"),
+            e.contains("column 'labels': row 1 has 2 values, but 'input_ids' has 3"),
             "{e}"
         );
         let e = gather(&PlanRef::from(&plan), &[1], &columns, &opts).unwrap_err().to_string();
