@@ -13,7 +13,7 @@ from ._arrow import list_columns
 from ._errors import FastpackError, FastpackTypeError
 from ._plan import PackIndex, Plan, _int_arg
 
-__all__ = ["DEFAULT_BATCH_TOKENS", "gather", "prepare"]
+__all__ = ["DEFAULT_BATCH_TOKENS", "Batches", "gather", "prepare"]
 
 #: Tokens per output record batch (a batch ends at the first pack boundary past it):
 #: 4 Mi tokens is 16 MiB per int32 column, big enough that per-batch costs vanish and
@@ -75,7 +75,7 @@ def gather(
     position_ids: bool = True,
     batch_tokens: int = DEFAULT_BATCH_TOKENS,
     threads: int | None = None,
-) -> Iterator[Any]:
+) -> Batches:
     """The packs of ``plan`` as packed ``pyarrow.RecordBatch``es, one row per pack.
 
     The values are copied once, in Rust, from the input's Arrow buffers (every chunk in
@@ -101,19 +101,35 @@ def gather(
             it), bounding the memory of a batch in flight.
         threads: worker threads (default: ``RAYON_NUM_THREADS`` or all cores).
 
-    Yields:
-        Record batches with the chosen columns (a list per pack), ``seq_lengths``
+    Returns:
+        An iterator (with the output ``schema``) of record batches with the chosen columns (a list per pack), ``seq_lengths``
         (list<int32>: every segment's tokens, reserved slots included, as TRL's
         ``pack_dataset`` writes) and ``position_ids`` (list<int32>).
     """
     if not isinstance(plan, Plan):
         raise FastpackTypeError(f"plan: expected a fastpack.Plan, got {type(plan).__name__}")
     handles, types, _ = list_columns(data, columns)
-    _, batches = prepare(
+    schema, batches = prepare(
         plan, handles, types, packs, separator_id=separator_id, fill=fill,
         position_ids=position_ids, batch_tokens=batch_tokens, threads=threads,
     )
-    return batches
+    return Batches(schema, batches)
+
+
+class Batches(Iterator[Any]):
+    """The record batches of :func:`gather`, made one at a time as they are iterated;
+    ``schema`` is their ``pyarrow.Schema``, known before the first (say, to open a
+    parquet writer), even when there is none."""
+
+    def __init__(self, schema: Any, batches: Iterator[Any]) -> None:
+        self.schema = schema
+        self._batches = batches
+
+    def __iter__(self) -> Batches:
+        return self
+
+    def __next__(self) -> Any:
+        return next(self._batches)
 
 
 def prepare(

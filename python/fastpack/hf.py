@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from . import _core
-from ._arrow import list_columns, per_token_columns, dataset_parts
+from ._arrow import dataset_parts, list_columns, per_token_columns
 from ._errors import FastpackError, FastpackTypeError
 from ._gather import DEFAULT_BATCH_TOKENS, prepare
 from ._plan import OVERLONG_POLICIES, STRATEGIES, Plan, _choice, pack
@@ -98,7 +98,7 @@ def pack_dataset(
         (logger ``"fastpack"``: a warning when tokens were truncated or dropped).
     """
     kind = _kind(dataset)
-    options = dict(
+    options: dict[str, Any] = dict(
         strategy=strategy, overlong=overlong, reserve=reserve, separator_id=separator_id,
         shuffle=shuffle, seed=seed, group_tokens=group_tokens, long_max_len=long_max_len,
         columns=columns, threads=threads,

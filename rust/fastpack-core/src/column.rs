@@ -628,10 +628,7 @@ mod tests {
         .unwrap();
         let plain = Column::new("input_ids", chunks, None).unwrap();
         let e = lengths(&[plain, other]).unwrap_err().to_string();
-        assert!(
-            e.contains("column 'labels': row 1 has 1 values, but 'input_ids' has 0"),
-            "{e}"
-        );
+        assert!(e.contains("column 'labels': row 1 has 1 values, but 'input_ids' has 0"), "{e}");
     }
 
     #[test]

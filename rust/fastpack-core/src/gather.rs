@@ -548,10 +548,7 @@ mod tests {
         )
         .unwrap_err()
         .to_string();
-        assert!(
-            e.contains("column 'labels': row 1 has 2 values, but 'input_ids' has 3"),
-            "{e}"
-        );
+        assert!(e.contains("column 'labels': row 1 has 2 values, but 'input_ids' has 3"), "{e}");
         let e = gather(&PlanRef::from(&plan), &[1], &columns, &opts).unwrap_err().to_string();
         assert!(e.contains("out of range"), "{e}");
     }
