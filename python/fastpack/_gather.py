@@ -102,7 +102,8 @@ def gather(
         threads: worker threads (default: ``RAYON_NUM_THREADS`` or all cores).
 
     Returns:
-        An iterator (with the output ``schema``) of record batches with the chosen columns (a list per pack), ``seq_lengths``
+        An iterator (with the output ``schema``, known up front) of record batches made as
+        it is iterated: the chosen columns (a list per pack), ``seq_lengths``
         (list<int32>: every segment's tokens, reserved slots included, as TRL's
         ``pack_dataset`` writes) and ``position_ids`` (list<int32>).
     """
