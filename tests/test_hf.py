@@ -220,7 +220,22 @@ def test_counts_are_logged_and_described(caplog: pytest.LogCaptureFixture) -> No
     assert record.levelname == "WARNING"
     assert "truncated 35 tokens (2 sequences)" in record.getMessage()
     assert "truncated 35 tokens" in packed.info.description
-    assert "labels, mask, weight, text" in packed.info.description  # left out, and said so
+    # Left out, and said so.
+    assert ("columns not packed: labels (not in columns), mask (not in columns), weight (not in "
+            "columns), text (not one number per token)") in packed.info.description
+
+
+def test_separators_go_to_the_token_column_and_fills_fit_their_types() -> None:
+    ds = _bad(tokens=[[5, 6], [7]], labels=pa.array([[5, 6], [7]], pa.list_(pa.uint32())))
+    packed = pack_dataset(ds, 8, reserve=1, separator_id=2, strategy="next_fit",
+                          columns=["tokens"])
+    assert packed["tokens"] == [[5, 6, 2, 7, 2]]
+    # Without reserved slots, no fill is written, so -100 need not fit uint32 labels.
+    assert pack_dataset(ds, 8, strategy="next_fit")["labels"] == [[5, 6, 7]]
+    with pytest.raises(FastpackError, match="fill: -100 for column 'labels'"):
+        pack_dataset(ds, 8, reserve=1, separator_id=2)
+    with pytest.raises(FastpackError, match="separator_id: reserve=1"):
+        pack_dataset(ds, 8, reserve=1)
 
 
 def test_groups_and_buckets() -> None:

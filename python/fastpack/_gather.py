@@ -170,8 +170,10 @@ def prepare(
             f"separator_id: the plan reserves {plan.reserve} slot(s) after every sequence; "
             f"pass the separator token id (or fill={{'input_ids': ...}})"
         )
+    # Fills are only written into reserved slots: without any, no value needs to fit.
     fill_bytes = [
-        _fill_bytes(n, fills.get(n, DEFAULT_FILLS.get(n, 0)), t) for n, t in zip(names, types)
+        _fill_bytes(n, fills.get(n, DEFAULT_FILLS.get(n, 0)), t) if plan.reserve else b""
+        for n, t in zip(names, types)
     ]
     chosen = _packs(plan, packs)
     pack_tokens = _core.pack_tokens(plan.seqlens, plan.pack_offsets, chosen)

@@ -195,15 +195,21 @@ def _pack_one(
                        + message[len("lengths: "):].replace("sequence(s)", "row(s)")
                        .replace("at index", "at row"))
         raise FastpackError(message) from None
+    if reserve and separator_id is None:
+        raise FastpackError(
+            f"separator_id: reserve={reserve} keeps slots after every row; pass the "
+            f"separator token id to write into {names[first]!r}"
+        )
+    fill = None if separator_id is None else {names[first]: separator_id}
     schema, batches = prepare(
-        plan, handles, types, None, separator_id=separator_id, fill=None, position_ids=True,
+        plan, handles, types, None, separator_id=None, fill=fill, position_ids=True,
         batch_tokens=batch_tokens, threads=threads,
     )
     group = _group_of_packs(plan)
     if group is not None:
         schema = schema.append(pa.field("group", pa.int64()))
         batches = _with_groups(batches, group)
-    summary = _summary(plan, names[first], skipped)
+    summary = _summary(plan, names[first], dataset, skipped, columns is None)
     features = datasets.Features.from_arrow_schema(schema)
     schema = pa.schema(schema, metadata=features.arrow_schema.metadata)
     info = dataset.info.copy()
@@ -253,10 +259,20 @@ def _with_groups(batches: Any, group: np.ndarray) -> Any:
         at += n
 
 
-def _summary(plan: Plan, column: str, skipped: list[str]) -> str:
+def _summary(plan: Plan, column: str, dataset: Any, skipped: list[str], default: bool) -> str:
     lines = [f"Packed by fastpack from column {column!r}: " + plan.summary()]
     if skipped:
-        lines.append(f"columns not packed (not one number per token): {', '.join(skipped)}")
+        table, _ = dataset_parts(dataset)
+        per_token = set(per_token_columns(table))
+
+        def why(name: str) -> str:
+            if name in WRITTEN:
+                return "rewritten from the plan"
+            if name not in per_token:
+                return "not one number per token"
+            return "left out by default" if default else "not in columns"
+
+        lines.append("columns not packed: " + ", ".join(f"{n} ({why(n)})" for n in skipped))
     return "\n".join(lines)
 
 
