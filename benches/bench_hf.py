@@ -251,15 +251,19 @@ def report(env: dict[str, Any], packs: list[dict[str, Any]], steps: list[dict[st
         "",
         f"`python benches/bench_hf.py` — {env['cpu']}, {env['cores']} cores (shared), Python "
         f"{env['python']}, datasets {env['datasets']}, pyarrow {env['pyarrow']}, TRL "
-        f"{env['trl']}; load average at start {env['load']:.1f}. Method: see the script's "
-        "docstring.",
+        f"{env['trl']}; load average {env['load']:.1f} at the start, "
+        f"{env.get('load_end', float('nan')):.1f} at the end (other jobs shared the 2 cores). "
+        "Method: see the script's docstring.",
         "",
         "SFT-like rows (log-normal lengths, mean ≈300, max_len 4096), int32 `input_ids` and "
-        "`labels` in 1,000-row chunks, in memory. Time: median; peak extra: peak RSS growth "
-        "during the call (output included) and its ratio to the output table's bytes.",
+        "`labels` in 1,000-row chunks, in memory. Time: median wall clock; CPU time: the "
+        "process's user + system time over all threads (steadier than wall clock when other "
+        "jobs share the cores); peak extra: peak RSS growth during the call (output included) "
+        "and its ratio to the output table's bytes.",
         "",
-        "| rows | tool | time | vs TRL | vs one copy | peak extra | extra / output | packs |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|",
+        "| rows | tool | time | vs TRL | vs one copy | CPU time | CPU vs TRL | CPU vs copy | "
+        "peak extra | extra / output | packs |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     by = {(r.get("tool"), r.get("rows")): r for r in packs}
     for n in sorted({r["rows"] for r in packs if "rows" in r}):
@@ -271,18 +275,28 @@ def report(env: dict[str, Any], packs: list[dict[str, Any]], steps: list[dict[st
             name = {"fastpack": "fastpack.hf.pack_dataset", "trl": "trl.pack_dataset (bfd)",
                     "copy": "one copy of the token bytes"}[tool]
             if "error" in r:
-                lines.append(f"| {n:,} | {name} | n/a ({r['error']}) | | | | | |")
+                lines.append(f"| {n:,} | {name} | n/a ({r['error']}) | | | | | | | | |")
                 continue
-            vs_trl = (f"{trl_r['time'] / r['time']:.1f}× faster" if tool == "fastpack"
-                      and "time" in trl_r else "")
-            vs_copy = f"{r['time'] / copy_r['time']:.2f}×" if "time" in copy_r else ""
-            ratio = f"{r['peak_extra'] / r['output_bytes']:.2f}" if r.get("output_bytes") else ""
+
+            def ratio(key: str, base: dict[str, Any], r: dict[str, Any] = r) -> str:
+                return f"{base[key] / r[key]:.1f}×" if key in base and r.get(key) else ""
+
+            def over(key: str, base: dict[str, Any], r: dict[str, Any] = r) -> str:
+                return f"{r[key] / base[key]:.2f}×" if base.get(key) and key in r else ""
+
+            def best(r: dict[str, Any]) -> str:
+                times = r.get("times", [])
+                return f" (best {min(times):.2f})" if len(times) > 1 else ""
+
+            fast = tool == "fastpack"
+            extra = f"{r['peak_extra'] / r['output_bytes']:.2f}" if r.get("output_bytes") else ""
+            packs_cell = f"{r['packs']:,}" if r.get("packs") else ""
             lines.append(
-                f"| {n:,} | {name} | {r['time']:.3f} s | {vs_trl} | {vs_copy} | "
-                f"{fmt_bytes(r['peak_extra'])} | {ratio} | {r.get('packs', ''):,} |"
-                if r.get("packs") else
-                f"| {n:,} | {name} | {r['time']:.3f} s | {vs_trl} | {vs_copy} | "
-                f"{fmt_bytes(r['peak_extra'])} | {ratio} | |"
+                f"| {n:,} | {name} | {r['time']:.2f} s{best(r)} | "
+                f"{ratio('time', trl_r) if fast else ''} | "
+                f"{over('time', copy_r)} | {r.get('cpu', float('nan')):.2f} s | "
+                f"{ratio('cpu', trl_r) if fast else ''} | {over('cpu', copy_r)} | "
+                f"{fmt_bytes(r['peak_extra'])} | {extra} | {packs_cell} |"
             )
     if steps:
         lines += [
@@ -351,6 +365,7 @@ def main() -> None:
                 r.setdefault("source", source)
                 print(json.dumps(r), flush=True)
                 steps.append(r)
+    env["load_end"] = os.getloadavg()[0]
     text = report(env, packs, steps, args.before_label if args.before_python else None)
     Path(args.out).write_text(text)
     Path(args.out).with_suffix(".json").write_text(
