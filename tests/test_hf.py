@@ -306,8 +306,10 @@ def test_iterable_datasets_go_to_the_stream_packer(monkeypatch: pytest.MonkeyPat
     _, max_len, options = calls[0]
     assert max_len == 16 and options["strategy"] == "ffd" and options["overlong"] == "drop"
     assert options["seed"] == 3 and options["columns"] is None
-    both = pack_dataset(datasets.IterableDatasetDict({"a": stream, "b": stream}), 16)
+    both = pack_dataset(datasets.IterableDatasetDict({"a": stream, "b": stream}), 16,
+                        strategy="bfd_split")
     assert dict(both) == {"a": "packed stream", "b": "packed stream"}
+    assert calls[-1][2]["strategy"] == "bfd" and calls[-1][2]["overlong"] == "split"
 
 
 def test_fastpack_hf_is_lazy() -> None:

@@ -98,6 +98,7 @@ def pack_dataset(
         (logger ``"fastpack"``: a warning when tokens were truncated or dropped).
     """
     kind = _kind(dataset)
+    strategy, overlong = _strategy(strategy, overlong)  # TRL's names become fastpack's
     options: dict[str, Any] = dict(
         strategy=strategy, overlong=overlong, reserve=reserve, separator_id=separator_id,
         shuffle=shuffle, seed=seed, group_tokens=group_tokens, long_max_len=long_max_len,
