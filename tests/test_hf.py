@@ -310,6 +310,10 @@ def test_iterable_datasets_go_to_the_stream_packer(monkeypatch: pytest.MonkeyPat
                         strategy="bfd_split")
     assert dict(both) == {"a": "packed stream", "b": "packed stream"}
     assert calls[-1][2]["strategy"] == "bfd" and calls[-1][2]["overlong"] == "split"
+    pack_dataset(stream, 16, buffer_size=100)
+    assert calls[-1][2]["buffer_size"] == 100 and "buffer_size" not in calls[0][2]
+    with pytest.raises(FastpackError, match="buffer_size: applies to a streamed"):
+        pack_dataset(_bad(input_ids=[[1]]), 16, buffer_size=100)
 
 
 def test_fastpack_hf_is_lazy() -> None:

@@ -57,6 +57,7 @@ def pack_dataset(
     threads: int | None = None,
     keep_in_memory: bool = False,
     batch_tokens: int = DEFAULT_BATCH_TOKENS,
+    buffer_size: int | None = None,
 ) -> Any:
     """Pack a Hugging Face dataset: one row per pack of at most ``max_len`` tokens.
 
@@ -91,6 +92,8 @@ def pack_dataset(
         keep_in_memory: for a dataset backed by cache files, keep the result in memory
             instead of writing it (memory-mapped) next to the input's cache files.
         batch_tokens: tokens per written record batch: bounds the memory in flight.
+        buffer_size: for an ``IterableDataset``, the rows packed together in one window
+            (default: the stream packer's).
 
     Returns:
         A ``datasets.Dataset`` (or ``DatasetDict`` / ``IterableDataset``) in the input's
@@ -107,6 +110,8 @@ def pack_dataset(
     if kind in ("IterableDataset", "IterableDatasetDict"):
         from ._stream import pack_iterable_dataset
 
+        if buffer_size is not None:
+            options["buffer_size"] = buffer_size
         if kind == "IterableDatasetDict":
             import datasets
 
@@ -115,6 +120,11 @@ def pack_dataset(
                 for split, ds in dataset.items()
             })
         return pack_iterable_dataset(dataset, max_len, **options)
+    if buffer_size is not None:
+        raise FastpackError(
+            "buffer_size: applies to a streamed datasets.IterableDataset; a Dataset is "
+            "packed whole"
+        )
     if kind == "DatasetDict":
         import datasets
 
