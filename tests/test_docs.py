@@ -1,4 +1,4 @@
-"""Every Python example in README.md and docs/integrations.md runs."""
+"""Every Python example in README.md, docs/integrations.md and docs/data.md runs."""
 
 from __future__ import annotations
 
@@ -14,13 +14,13 @@ pytest.importorskip("datasets")
 ROOT = Path(__file__).resolve().parent.parent
 BLOCKS = [
     (doc.name, block)
-    for doc in (ROOT / "README.md", ROOT / "docs" / "integrations.md")
+    for doc in (ROOT / "README.md", ROOT / "docs" / "integrations.md", ROOT / "docs" / "data.md")
     if doc.exists()
     for block in re.findall(r"```python\n(.*?)```", doc.read_text(), flags=re.S)
 ]
 
 
-@pytest.mark.skipif(not BLOCKS, reason="README.md and docs/integrations.md not found")
+@pytest.mark.skipif(not BLOCKS, reason="README.md and docs/*.md not found")
 @pytest.mark.parametrize("index", range(len(BLOCKS)))
 def test_example_runs(index: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)

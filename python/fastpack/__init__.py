@@ -16,6 +16,16 @@ from ._gather import gather
 from ._materialize import IGNORE_INDEX, Ragged, as_ragged, loss_mask_from_spans, materialize
 from ._plan import OVERLONG_POLICIES, STRATEGIES, Bucket, Plan, pack
 
+
+def __getattr__(name: str) -> object:
+    # `fastpack.hf` imports on first use, so `import fastpack` stays light.
+    if name == "hf":
+        import importlib
+
+        return importlib.import_module(".hf", __name__)
+    raise AttributeError(f"module 'fastpack' has no attribute {name!r}")
+
+
 try:
     __version__ = version("fastpack")
 except PackageNotFoundError:  # pragma: no cover - running from a source tree

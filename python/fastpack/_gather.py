@@ -13,7 +13,7 @@ from ._arrow import list_columns
 from ._errors import FastpackError, FastpackTypeError
 from ._plan import PackIndex, Plan, _int_arg
 
-__all__ = ["DEFAULT_BATCH_TOKENS", "gather"]
+__all__ = ["DEFAULT_BATCH_TOKENS", "Batches", "gather", "prepare"]
 
 #: Tokens per output record batch (a batch ends at the first pack boundary past it):
 #: 4 Mi tokens is 16 MiB per int32 column, big enough that per-batch costs vanish and
@@ -75,7 +75,7 @@ def gather(
     position_ids: bool = True,
     batch_tokens: int = DEFAULT_BATCH_TOKENS,
     threads: int | None = None,
-) -> Iterator[Any]:
+) -> Batches:
     """The packs of ``plan`` as packed ``pyarrow.RecordBatch``es, one row per pack.
 
     The values are copied once, in Rust, from the input's Arrow buffers (every chunk in
@@ -101,19 +101,56 @@ def gather(
             it), bounding the memory of a batch in flight.
         threads: worker threads (default: ``RAYON_NUM_THREADS`` or all cores).
 
-    Yields:
-        Record batches with the chosen columns (a list per pack), ``seq_lengths``
+    Returns:
+        An iterator (with the output ``schema``, known up front) of record batches made as
+        it is iterated: the chosen columns (a list per pack), ``seq_lengths``
         (list<int32>: every segment's tokens, reserved slots included, as TRL's
         ``pack_dataset`` writes) and ``position_ids`` (list<int32>).
     """
-    import pyarrow as pa
-
     if not isinstance(plan, Plan):
         raise FastpackTypeError(f"plan: expected a fastpack.Plan, got {type(plan).__name__}")
+    handles, types, _ = list_columns(data, columns)
+    schema, batches = prepare(
+        plan, handles, types, packs, separator_id=separator_id, fill=fill,
+        position_ids=position_ids, batch_tokens=batch_tokens, threads=threads,
+    )
+    return Batches(schema, batches)
+
+
+class Batches(Iterator[Any]):
+    """The record batches of :func:`gather`, made one at a time as they are iterated;
+    ``schema`` is their ``pyarrow.Schema``, known before the first (say, to open a
+    parquet writer), even when there is none."""
+
+    def __init__(self, schema: Any, batches: Iterator[Any]) -> None:
+        self.schema = schema
+        self._batches = batches
+
+    def __iter__(self) -> Batches:
+        return self
+
+    def __next__(self) -> Any:
+        return next(self._batches)
+
+
+def prepare(
+    plan: Plan,
+    handles: list[Any],
+    types: list[Any],
+    packs: PackIndex | None,
+    *,
+    separator_id: int | None,
+    fill: Mapping[str, Any] | None,
+    position_ids: bool,
+    batch_tokens: int,
+    threads: int | None,
+) -> tuple[Any, Iterator[Any]]:
+    """Checks the options once; returns the output schema and the lazy batches."""
+    import pyarrow as pa
+
     batch_tokens = _int_arg("batch_tokens", batch_tokens, minimum=1, maximum=_MAX_BATCH_TOKENS)
     if threads is not None:
         threads = _int_arg("threads", threads, minimum=1, maximum=4096)
-    handles, types, _ = list_columns(data, columns)
     names = [h.name for h in handles]
     taken = {"seq_lengths"} | ({"position_ids"} if position_ids else set())
     clash = [n for n in names if n in taken]
@@ -133,8 +170,10 @@ def gather(
             f"separator_id: the plan reserves {plan.reserve} slot(s) after every sequence; "
             f"pass the separator token id (or fill={{'input_ids': ...}})"
         )
+    # Fills are only written into reserved slots: without any, no value needs to fit.
     fill_bytes = [
-        _fill_bytes(n, fills.get(n, DEFAULT_FILLS.get(n, 0)), t) for n, t in zip(names, types)
+        _fill_bytes(n, fills.get(n, DEFAULT_FILLS.get(n, 0)), t) if plan.reserve else b""
+        for n, t in zip(names, types)
     ]
     chosen = _packs(plan, packs)
     pack_tokens = _core.pack_tokens(plan.seqlens, plan.pack_offsets, chosen)
@@ -144,7 +183,7 @@ def gather(
         + [pa.field("seq_lengths", pa.list_(pa.int32()))]
         + ([pa.field("position_ids", pa.list_(pa.int32()))] if position_ids else [])
     )
-    return _iterate(
+    return schema, _iterate(
         plan, chosen, pack_tokens, batch_tokens, handles, out_types, fill_bytes, position_ids,
         threads, schema,
     )

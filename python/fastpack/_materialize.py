@@ -9,7 +9,8 @@ column is read where it lies, with no Python object per row and no concatenation
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from typing import Any, Union
 
 import numpy as np
@@ -68,7 +69,9 @@ class Ragged:
         self._column = column
         import pyarrow as pa
 
-        self._arrow = array if isinstance(array, pa.ChunkedArray) else pa.chunked_array([array])
+        # A new object over the same chunks: the source itself is not kept (see _reuse).
+        chunks = array.chunks if isinstance(array, pa.ChunkedArray) else [array]
+        self._arrow = pa.chunked_array(chunks, type=array.type)
         return self
 
     @property
@@ -196,8 +199,36 @@ def _as_mask_values(values: Any) -> np.ndarray:
     return (array != 0).view(np.uint8)
 
 
+# The Ragged of each live Arrow source (per column, mask and row mapping), so that
+# passing the same dataset or chunked array on every step does not redo its per-chunk work
+# (a dataset often has thousands of chunks). Keyed weakly: an entry goes with its source.
+_RAGGED: dict[int, tuple[Any, dict[tuple[Any, ...], tuple[Any, Ragged]]]] = {}
+
+
+def _reuse(source: Any, mapping: Any, key: tuple[Any, ...], build: Callable[[], Ragged]
+           ) -> Ragged:
+    # Arrow tables and arrays are unhashable: keyed by id, checked by a weak reference.
+    entry = _RAGGED.get(id(source))
+    if entry is None or entry[0]() is not source:
+        try:
+            ref = weakref.ref(source)
+        except TypeError:  # not weakly referenceable: no reuse
+            return build()
+        entry = (ref, {})
+        _RAGGED[id(source)] = entry
+        weakref.finalize(source, _RAGGED.pop, id(source), None)
+    entries = entry[1]
+    hit = entries.get((id(mapping), *key))
+    if hit is not None and hit[0] is mapping:
+        return hit[1]
+    ragged = build()
+    entries[(id(mapping), *key)] = (mapping, ragged)
+    return ragged
+
+
 def _from_arrow(array: Any, mask: bool, name: str = "tokens") -> Ragged:
-    return Ragged._from_arrow(array, name, None, mask)
+    return _reuse(array, None, (name, mask),
+                  lambda: Ragged._from_arrow(array, name, None, mask))
 
 
 def _from_dataset(dataset: Any, column: str, mask: bool) -> Ragged:
@@ -205,8 +236,12 @@ def _from_dataset(dataset: Any, column: str, mask: bool) -> Ragged:
         raise FastpackError(
             f"column {column!r} not in the dataset; it has {', '.join(dataset.column_names)}"
         )
-    table, indices = dataset_parts(dataset)
-    return Ragged._from_arrow(table.column(column), column, indices, mask)
+
+    def build() -> Ragged:
+        table, indices = dataset_parts(dataset)
+        return Ragged._from_arrow(table.column(column), column, indices, mask)
+
+    return _reuse(dataset.data, getattr(dataset, "_indices", None), (column, mask), build)
 
 
 def _from_table(table: Any, column: str, mask: bool) -> Ragged:
@@ -214,7 +249,8 @@ def _from_table(table: Any, column: str, mask: bool) -> Ragged:
         raise FastpackError(
             f"column {column!r} not in the table; it has {', '.join(table.column_names)}"
         )
-    return Ragged._from_arrow(table.column(column), column, None, mask)
+    return _reuse(table, None, (column, mask),
+                  lambda: Ragged._from_arrow(table.column(column), column, None, mask))
 
 
 def _from_parquet(source: Any, column: str, mask: bool) -> Ragged:

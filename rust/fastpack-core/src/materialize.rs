@@ -281,7 +281,7 @@ fn segment_piece(
                 return Err(Error::invalid(
                     "columns",
                     format!(
-                        "column {:?} has {} rows, fewer than the {} of the tokens",
+                        "column '{}' has {} rows, fewer than the {} of the tokens",
                         column.name(),
                         column.rows(),
                         tokens.rows()
