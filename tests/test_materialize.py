@@ -153,7 +153,7 @@ def test_zero_copy_out() -> None:
         ((np.array([1, 2, 3, 4, 5]), np.array([0, 3, 9])), {}, "past the end"),
         ((np.array([1, 2, 3]), np.array([0, 3])), {}, "token data has 1 sequences"),
         ((np.arange(1, 7), np.array([0, 4, 6])), {}, "whole sequence"),
-        ([[1, 2, 3], [4, 5]], {"labels": [[1, 2, 3], [4]]}, "labels: sequence 1 has 1 values"),
+        ([[1, 2, 3], [4, 5]], {"labels": [[1, 2, 3], [4]]}, "column .labels.: row 1 has 1 values"),
         ([[1, 2, 3], [4, 5]], {"pad_to": 3}, "more than the row width"),
         ([[1, 2, 3], [4, 5]], {"layout": "cols"}, "layout"),
         ([[1, 2, 3], [4, 5]], {"packs": [5]}, "out of range"),
@@ -179,3 +179,88 @@ def test_batch_out_of_a_big_plan_touches_only_its_rows() -> None:
     plan = fastpack.pack(lengths, 1024, shuffle=True)
     out = fastpack.materialize(plan, (values, offsets), [0, 1, 2, 3], layout="rows")
     assert out["input_ids"].shape[0] == 4 and out["num_tokens"] == plan.pack_tokens[:4].sum()
+
+
+def _plan_with(plan: fastpack.Plan, **arrays: np.ndarray) -> fastpack.Plan:
+    fields = {name: getattr(plan, name) for name in fastpack.Plan._FIELDS}
+    fields.update(arrays)
+    return fastpack.Plan(fields)
+
+
+def test_a_call_checks_only_the_packs_it_reads() -> None:
+    lengths = [3, 2, 4, 1, 5, 2]
+    plan = fastpack.pack(lengths, 5, strategy="next_fit")
+    offsets = plan.pack_offsets.copy()
+    offsets[-2] = offsets[-1] + 7  # the last two packs are broken, the others are not
+    broken = _plan_with(plan, pack_offsets=offsets)
+    seqs = _seqs(lengths)
+    good = fastpack.materialize(broken, seqs, [0, 1])
+    np.testing.assert_array_equal(good["input_ids"], fastpack.materialize(plan, seqs, [0, 1])["input_ids"])
+    with pytest.raises(FastpackError, match="pack_offsets of pack"):
+        fastpack.materialize(broken, seqs, [plan.num_packs - 1])
+
+
+def test_arrow_chunks_are_read_in_place() -> None:
+    pa = pytest.importorskip("pyarrow")
+    datasets = pytest.importorskip("datasets")
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 200, 4000)
+    seqs = [rng.integers(1, 30000, n).astype(np.int32) for n in lengths]
+    whole = pa.array(seqs, pa.list_(pa.int32()))
+    chunked = pa.chunked_array([whole.slice(a, 500) for a in range(0, len(seqs), 500)])
+    table = pa.table({"input_ids": chunked, "labels": chunked})
+    ds = datasets.Dataset(datasets.table.InMemoryTable(table)).shuffle(seed=0)
+    order = ds._indices.column(0).to_numpy()
+    for source, rows in ((chunked, np.arange(len(seqs))), (table, np.arange(len(seqs))),
+                         (ds, order)):
+        ragged = fastpack.as_ragged(source)
+        assert ragged.num_chunks == 8
+        np.testing.assert_array_equal(ragged.lengths, lengths[rows])
+        plan = fastpack.pack(ragged.lengths, 512, shuffle=True)
+        before = pa.total_allocated_bytes()
+        out = fastpack.materialize(plan, source, [3, 1], layout="rows")
+        # No concatenation, no take through the mapping: nothing near the data's size.
+        assert pa.total_allocated_bytes() - before < 64 << 10
+        want = []
+        for p in (3, 1):
+            ids, _, _ = plan.segments(p)
+            want.append(np.concatenate([seqs[rows[i]] for i in ids]))
+        for row, w in zip(out["input_ids"], want):
+            np.testing.assert_array_equal(row[: len(w)], w)
+        assert fastpack.as_ragged(source) is ragged  # per-chunk work done once per source
+        np.testing.assert_array_equal(ragged[5], seqs[rows[5]])
+
+
+def test_parquet_columns(tmp_path: object) -> None:
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    seqs = _seqs([3, 0, 5, 2, 7, 4])
+    table = pa.table({"input_ids": pa.array(seqs, pa.list_(pa.int64())),
+                      "text": [str(s) for s in seqs]})
+    path = f"{tmp_path}/part-0.parquet"
+    pq.write_table(table, path, row_group_size=2)
+    plan = fastpack.pack([len(s) for s in seqs], 8)
+    want = fastpack.materialize(plan, seqs)
+    for source in (path, [path], str(tmp_path)):
+        ragged = fastpack.as_ragged(source)
+        assert ragged.num_chunks == 3
+        got = fastpack.materialize(plan, source)
+        for key in ("input_ids", "labels", "position_ids"):
+            np.testing.assert_array_equal(got[key], want[key])
+    with pytest.raises(FastpackError, match="'tokens' not in the parquet data"):
+        fastpack.as_ragged(path, column="tokens")
+
+
+def test_any_integer_width_and_float_masks() -> None:
+    seqs = _seqs([3, 2])
+    plan = fastpack.pack([3, 2], 8, strategy="next_fit")
+    want = fastpack.materialize(plan, seqs)
+    for dtype in (np.int16, np.uint16, np.int32, np.uint32, np.int64):
+        flat = np.concatenate([np.asarray(s, dtype=dtype) for s in seqs])
+        got = fastpack.materialize(plan, (flat, np.array([0, 3, 5])))
+        np.testing.assert_array_equal(got["input_ids"], want["input_ids"])
+    mask = (np.array([0.0, 1.0, 0.5, -0.0, 2.0], dtype=np.float32), np.array([0, 3, 5]))
+    got = fastpack.materialize(plan, seqs, loss_mask=mask)
+    assert got["labels"].tolist() == [[-100, 2, 3, -100, 1002]]
+    with pytest.raises(fastpack.FastpackTypeError, match="expected integers"):
+        fastpack.materialize(plan, (np.zeros(5, dtype=np.float32), np.array([0, 3, 5])))

@@ -12,9 +12,20 @@ from importlib.metadata import PackageNotFoundError, version
 
 from ._errors import FastpackError, FastpackTypeError
 from ._examples import example_lengths
+from ._gather import gather
 from ._materialize import IGNORE_INDEX, Ragged, as_ragged, loss_mask_from_spans, materialize
 from ._plan import OVERLONG_POLICIES, STRATEGIES, Bucket, Plan, pack
 from ._stream import StreamPacker, StreamStats
+
+
+def __getattr__(name: str) -> object:
+    # `fastpack.hf` imports on first use, so `import fastpack` stays light.
+    if name == "hf":
+        import importlib
+
+        return importlib.import_module(".hf", __name__)
+    raise AttributeError(f"module 'fastpack' has no attribute {name!r}")
+
 
 try:
     __version__ = version("fastpack")
@@ -35,6 +46,7 @@ __all__ = [
     "__version__",
     "as_ragged",
     "example_lengths",
+    "gather",
     "loss_mask_from_spans",
     "materialize",
     "pack",

@@ -1,17 +1,21 @@
-from typing import Any
+from typing import Any, final
 
 import numpy as np
 
 __all__ = [
     "by_cost",
+    "ListColumn",
+    "column_lengths",
     "cu_seqlens",
     "default_threads",
     "flatten_int_lists",
+    "gather",
     "materialize",
     "pack",
     "permutation",
     "segment_targets",
     "step_sums",
+    "pack_tokens",
     "varlen",
 ]
 
@@ -41,12 +45,9 @@ def materialize(
     strategy: str,
     overlong: str,
     packs: np.ndarray,
-    tokens: np.ndarray,
-    token_offsets: np.ndarray,
-    labels: np.ndarray | None = None,
-    label_offsets: np.ndarray | None = None,
-    loss_mask: np.ndarray | None = None,
-    mask_offsets: np.ndarray | None = None,
+    tokens: ListColumn,
+    labels: ListColumn | None = None,
+    loss_mask: ListColumn | None = None,
     separator_id: int | None = None,
     train_separators: bool = False,
     layout: str = "flat",
@@ -81,3 +82,39 @@ def segment_targets(
     threads: int | None = None,
 ) -> np.ndarray: ...
 def flatten_int_lists(rows: list[Any], mask: bool = False) -> tuple[np.ndarray, np.ndarray]: ...
+
+@final
+class ListColumn:
+    def __new__(
+        cls,
+        name: str,
+        dtype: str,
+        chunks: list[tuple[np.ndarray, np.ndarray, int, int]],
+        indices: list[np.ndarray] | None = None,
+    ) -> ListColumn: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def rows(self) -> int: ...
+    @property
+    def num_chunks(self) -> int: ...
+    def __len__(self) -> int: ...
+
+def column_lengths(columns: list[ListColumn], threads: int | None = None) -> np.ndarray: ...
+def pack_tokens(seqlens: np.ndarray, pack_offsets: np.ndarray, packs: np.ndarray) -> np.ndarray: ...
+def gather(
+    sample_ids: np.ndarray,
+    starts: np.ndarray,
+    seqlens: np.ndarray,
+    pack_offsets: np.ndarray,
+    reserve: int,
+    strategy: str,
+    overlong: str,
+    packs: np.ndarray,
+    columns: list[ListColumn],
+    fills: list[bytes],
+    position_ids: bool = True,
+    threads: int | None = None,
+) -> dict[str, Any]: ...

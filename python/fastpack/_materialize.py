@@ -1,18 +1,22 @@
 """`materialize()`: packs of a plan plus token data -> training rows (numpy, zero-copy).
 
-Token data is held as :class:`Ragged` — one flat value array plus ``offsets`` (the Arrow
-list layout) — so a Hugging Face ``datasets`` column or a pyarrow ``ListArray`` is read
-in place, with no Python object per row.
+Token data is held as :class:`Ragged` — list data in the Arrow layout (value arrays plus
+``offsets``, one or more chunks, optionally read through a row mapping) — so a Hugging
+Face ``datasets`` column, a pyarrow ``Table`` / ``ChunkedArray`` or a parquet file's
+column is read where it lies, with no Python object per row and no concatenation.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+import weakref
+from collections.abc import Callable, Sequence
 from typing import Any, Union
 
 import numpy as np
 
 from . import _core
+from ._arrow import dataset_parts, list_column
 from ._errors import FastpackError, FastpackTypeError
 from ._plan import PackIndex, Plan, _int_arg
 
@@ -20,50 +24,159 @@ __all__ = ["IGNORE_INDEX", "Ragged", "as_ragged", "loss_mask_from_spans", "mater
 
 IGNORE_INDEX = -100
 
-_INT_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
-
 
 class Ragged:
     """Ragged data in the Arrow list layout: row ``i`` is ``values[offsets[i]:offsets[i+1]]``.
 
-    ``values`` is int32/int64 (token ids, labels) or uint8 (loss masks); ``offsets`` is
-    int32/int64 with ``len(offsets) == num_rows + 1``. Both are kept as given when they
-    already have those dtypes (no copy). Build one with :func:`as_ragged` from a list of
-    sequences, a pyarrow array or a ``datasets`` column, once per dataset.
+    Built from numpy, ``values`` is any integer dtype (token ids, labels) or, for a loss
+    mask, any numeric or bool dtype; ``offsets`` is int32/int64 with
+    ``len(offsets) == num_rows + 1``. Both are kept as given when they already have such
+    dtypes (no copy). :func:`as_ragged` also builds one over Arrow data — every chunk of a
+    pyarrow ``ChunkedArray``, a ``datasets`` column through its indices mapping, a parquet
+    column — read in place: then :attr:`values` / :attr:`offsets` are a concatenated copy
+    made on first access, which :func:`materialize` never needs.
     """
 
-    __slots__ = ("offsets", "values")
-
-    values: np.ndarray
-    offsets: np.ndarray
+    __slots__ = ("_arrow", "_column", "_indices", "_mask", "_name", "_offsets", "_values")
 
     def __init__(self, values: Any, offsets: Any, *, mask: bool = False) -> None:
-        self.values = _as_mask_values(values) if mask else _as_int_values(values, "values")
-        self.offsets = _as_int_values(offsets, "offsets")
-        if self.offsets.size == 0:
+        self._values: np.ndarray | None = (
+            _as_mask_values(values) if mask else _as_int_values(values, "values")
+        )
+        self._offsets: np.ndarray | None = _as_offsets(offsets)
+        if self._offsets.size == 0:
             raise FastpackError("offsets: expected at least one entry (num_rows + 1)")
+        self._mask = mask
+        self._arrow: Any = None
+        self._indices: list[np.ndarray] | None = None
+        self._name = "loss_mask" if mask else "tokens"
+        self._column: Any = None
+
+    @classmethod
+    def _from_arrow(
+        cls, array: Any, name: str, indices: list[np.ndarray] | None, mask: bool
+    ) -> Ragged:
+        self = cls.__new__(cls)
+        self._values = self._offsets = None
+        self._mask = mask
+        self._name = name
+        self._indices = indices
+        column = list_column(array, name, indices=indices)
+        if not mask and column.dtype.startswith(("float", "bool")):
+            raise FastpackTypeError(
+                f"{name}: expected integer values, got {column.dtype} (pass it as a loss mask?)"
+            )
+        self._column = column
+        import pyarrow as pa
+
+        # A new object over the same chunks: the source itself is not kept (see _reuse).
+        chunks = array.chunks if isinstance(array, pa.ChunkedArray) else [array]
+        self._arrow = pa.chunked_array(chunks, type=array.type)
+        return self
+
+    @property
+    def column(self) -> Any:
+        """The data as a ``fastpack._core.ListColumn`` (built once, read in place)."""
+        if self._column is None:
+            assert self._values is not None and self._offsets is not None
+            values = self._values
+            dtype = "uint8" if values.dtype == np.bool_ else str(values.dtype)
+            self._column = _core.ListColumn(
+                self._name, dtype, [(self._offsets, values, 0, values.size)], None
+            )
+        return self._column
+
+    @property
+    def num_chunks(self) -> int:
+        return 1 if self._arrow is None else int(self._arrow.num_chunks)
+
+    @property
+    def values(self) -> np.ndarray:
+        """The values, rows end to end (for Arrow data with several chunks or a row
+        mapping: a concatenated copy, made once)."""
+        if self._values is None:
+            self._materialize_arrays()
+        assert self._values is not None
+        return self._values
+
+    @property
+    def offsets(self) -> np.ndarray:
+        if self._offsets is None:
+            self._materialize_arrays()
+        assert self._offsets is not None
+        return self._offsets
+
+    def _materialize_arrays(self) -> None:
+        import pyarrow as pa
+
+        array = self._arrow
+        if self._indices is not None:
+            import pyarrow.compute as pc
+
+            array = pc.take(array, pa.chunked_array(self._indices, type=pa.int64()))
+        array = array.combine_chunks() if array.num_chunks != 1 else array.chunk(0)
+        if pa.types.is_fixed_size_list(array.type):
+            array = array.cast(pa.list_(array.type.value_type))
+        values = array.flatten().to_numpy(zero_copy_only=False)
+        offsets = array.offsets.to_numpy(zero_copy_only=False)
+        self._values = values.view(np.uint8) if values.dtype == np.bool_ else values
+        self._offsets = (offsets - offsets[0]) if offsets.size and offsets[0] else offsets
 
     @property
     def lengths(self) -> np.ndarray:
-        """Length of every row (int64), for :func:`fastpack.pack`."""
-        return np.diff(self.offsets.astype(np.int64, copy=False))
+        """Length of every row (int64), for :func:`fastpack.pack`; every row is checked."""
+        if self._offsets is not None:
+            return np.diff(self._offsets.astype(np.int64, copy=False))
+        lengths: np.ndarray = _core.column_lengths([self.column])
+        return lengths
 
     def __len__(self) -> int:
-        return len(self.offsets) - 1
+        if self._offsets is not None:
+            return len(self._offsets) - 1
+        return int(self.column.rows)
 
     def __getitem__(self, i: int) -> np.ndarray:
-        return self.values[int(self.offsets[i]) : int(self.offsets[i + 1])]
+        if self._values is not None and self._offsets is not None:
+            return self._values[int(self._offsets[i]) : int(self._offsets[i + 1])]
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"row {i} out of range; the data has {n} rows")
+        i %= n
+        if self._indices is not None:
+            starts = np.cumsum([0] + [len(p) for p in self._indices])
+            k = int(np.searchsorted(starts, i, side="right")) - 1
+            i = int(self._indices[k][i - starts[k]])
+        row = self._arrow[i].values
+        out = row.to_numpy(zero_copy_only=False)
+        return out.view(np.uint8) if out.dtype == np.bool_ else out
 
     def __repr__(self) -> str:
+        if self._arrow is not None:
+            return (f"Ragged({len(self)} rows, {self.num_chunks} Arrow chunk(s) of "
+                    f"{self._arrow.type.value_type}"
+                    + (", through a row mapping" if self._indices is not None else "") + ")")
         return f"Ragged({len(self)} rows, {self.values.size} values of {self.values.dtype})"
+
+
+def _as_offsets(offsets: Any) -> np.ndarray:
+    array = np.asarray(offsets)
+    if array.ndim != 1:
+        raise FastpackError(f"offsets: expected a 1-D array, got shape {array.shape}")
+    if array.dtype in (np.dtype(np.int32), np.dtype(np.int64)) and array.dtype.isnative:
+        return np.ascontiguousarray(array)
+    if array.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if array.dtype.kind not in "iu":
+        raise FastpackTypeError(f"offsets: expected integers, got dtype {array.dtype}")
+    return np.ascontiguousarray(array, dtype=np.int64)
 
 
 def _as_int_values(values: Any, name: str) -> np.ndarray:
     array = np.asarray(values)
     if array.ndim != 1:
         raise FastpackError(f"{name}: expected a 1-D array, got shape {array.shape}")
-    if array.dtype in _INT_DTYPES and array.dtype.isnative:
-        return np.ascontiguousarray(array)
+    if array.dtype.kind in "iu" and array.dtype.isnative:
+        return np.ascontiguousarray(array)  # every integer width is read in place
     if array.size == 0:
         return np.zeros(0, dtype=np.int64)
     if array.dtype.kind not in "iub":
@@ -75,8 +188,10 @@ def _as_mask_values(values: Any) -> np.ndarray:
     array = np.asarray(values)
     if array.ndim != 1:
         raise FastpackError(f"loss_mask: expected a 1-D array, got shape {array.shape}")
-    if array.dtype == np.uint8 or array.dtype == np.bool_:
+    if array.dtype == np.bool_:
         return np.ascontiguousarray(array).view(np.uint8)
+    if array.dtype.kind in "iuf" and array.dtype.isnative:
+        return np.ascontiguousarray(array)  # zero means "not a target", in any dtype
     if array.size == 0:
         return np.zeros(0, dtype=np.uint8)
     if array.dtype.kind not in "iuf":
@@ -84,19 +199,36 @@ def _as_mask_values(values: Any) -> np.ndarray:
     return (array != 0).view(np.uint8)
 
 
-def _from_arrow(array: Any, mask: bool) -> Ragged:
-    import pyarrow as pa
+# The Ragged of each live Arrow source (per column, mask and row mapping), so that
+# passing the same dataset or chunked array on every step does not redo its per-chunk work
+# (a dataset often has thousands of chunks). Keyed weakly: an entry goes with its source.
+_RAGGED: dict[int, tuple[Any, dict[tuple[Any, ...], tuple[Any, Ragged]]]] = {}
 
-    if isinstance(array, pa.ChunkedArray):
-        array = array.combine_chunks() if array.num_chunks != 1 else array.chunk(0)
-    if not isinstance(array, (pa.ListArray, pa.LargeListArray)):
-        raise FastpackTypeError(f"expected a pyarrow list array, got {array.type}")
-    # `.values` is the whole child array and `.offsets` index into it, sliced or not.
-    child = array.values
-    if child.null_count:
-        raise FastpackError("token data: the lists hold null values")
-    values = child.to_numpy(zero_copy_only=False)
-    return Ragged(values, array.offsets.to_numpy(zero_copy_only=False), mask=mask)
+
+def _reuse(source: Any, mapping: Any, key: tuple[Any, ...], build: Callable[[], Ragged]
+           ) -> Ragged:
+    # Arrow tables and arrays are unhashable: keyed by id, checked by a weak reference.
+    entry = _RAGGED.get(id(source))
+    if entry is None or entry[0]() is not source:
+        try:
+            ref = weakref.ref(source)
+        except TypeError:  # not weakly referenceable: no reuse
+            return build()
+        entry = (ref, {})
+        _RAGGED[id(source)] = entry
+        weakref.finalize(source, _RAGGED.pop, id(source), None)
+    entries = entry[1]
+    hit = entries.get((id(mapping), *key))
+    if hit is not None and hit[0] is mapping:
+        return hit[1]
+    ragged = build()
+    entries[(id(mapping), *key)] = (mapping, ragged)
+    return ragged
+
+
+def _from_arrow(array: Any, mask: bool, name: str = "tokens") -> Ragged:
+    return _reuse(array, None, (name, mask),
+                  lambda: Ragged._from_arrow(array, name, None, mask))
 
 
 def _from_dataset(dataset: Any, column: str, mask: bool) -> Ragged:
@@ -104,35 +236,87 @@ def _from_dataset(dataset: Any, column: str, mask: bool) -> Ragged:
         raise FastpackError(
             f"column {column!r} not in the dataset; it has {', '.join(dataset.column_names)}"
         )
-    chunked = dataset.data.column(column)
-    indices = getattr(dataset, "_indices", None)
-    if indices is not None:  # after select/shuffle: rows are read through an index column
-        import pyarrow.compute as pc
 
-        chunked = pc.take(chunked, indices.column(0))
-    return _from_arrow(chunked, mask)
+    def build() -> Ragged:
+        table, indices = dataset_parts(dataset)
+        return Ragged._from_arrow(table.column(column), column, indices, mask)
+
+    return _reuse(dataset.data, getattr(dataset, "_indices", None), (column, mask), build)
+
+
+def _from_table(table: Any, column: str, mask: bool) -> Ragged:
+    if column not in table.column_names:
+        raise FastpackError(
+            f"column {column!r} not in the table; it has {', '.join(table.column_names)}"
+        )
+    return _reuse(table, None, (column, mask),
+                  lambda: Ragged._from_arrow(table.column(column), column, None, mask))
+
+
+def _from_parquet(source: Any, column: str, mask: bool) -> Ragged:
+    """One column of parquet files, read through ``pyarrow.dataset``: only that column is
+    read, row group by row group, and its batches stay the chunks (never concatenated)."""
+    import pyarrow.dataset as pads
+
+    dataset = source if isinstance(source, pads.Dataset) else pads.dataset(
+        source if isinstance(source, (str, os.PathLike)) else [os.fspath(p) for p in source],
+        format="parquet",
+    )
+    if column not in dataset.schema.names:
+        raise FastpackError(
+            f"column {column!r} not in the parquet data; it has {', '.join(dataset.schema.names)}"
+        )
+    table = dataset.to_table(columns=[column])
+    return Ragged._from_arrow(table.column(column), column, None, mask)
+
+
+def _is_parquet_source(data: Any) -> bool:
+    def is_path(p: Any) -> bool:
+        return isinstance(p, (str, os.PathLike)) and (
+            os.fspath(p).endswith((".parquet", ".pq")) or os.path.isdir(os.fspath(p))
+        )
+
+    if type(data).__module__.startswith("pyarrow._dataset"):
+        return True
+    if is_path(data):
+        return True
+    return (isinstance(data, (list, tuple)) and bool(data)
+            and all(isinstance(p, (str, os.PathLike)) for p in data) and is_path(data[0]))
 
 
 TokenData = Union[Ragged, tuple[Any, Any], Sequence[Any], Any]
 
 
 def as_ragged(data: TokenData, *, column: str = "input_ids", mask: bool = False) -> Ragged:
-    """Token data (or labels, or with ``mask=True`` a 0/1 loss mask) as :class:`Ragged`.
+    """Token data (or labels, or with ``mask=True`` a loss mask: zero = not a target) as
+    :class:`Ragged`.
 
-    Accepts a :class:`Ragged`; a ``(values, offsets)`` pair; a pyarrow ``ListArray`` /
-    ``ChunkedArray``; a Hugging Face ``datasets.Dataset`` (its ``column``) or a column of
-    one (``dataset["input_ids"]``), read from the Arrow buffers without per-row Python
-    objects; or a sequence of per-row arrays or lists (concatenated once).
+    Accepts a :class:`Ragged`; a ``(values, offsets)`` pair; a pyarrow list ``Array`` /
+    ``ChunkedArray`` (every chunk read in place) or a ``Table`` / ``RecordBatch`` (its
+    ``column``); a Hugging Face ``datasets.Dataset`` (its ``column``, read through its
+    indices mapping after ``shuffle``/``select``/``filter``) or a column of one
+    (``dataset["input_ids"]``); parquet files — a path, a directory, a list of paths or a
+    ``pyarrow.dataset.Dataset`` — of which only ``column`` is read; or a sequence of
+    per-row arrays or lists (concatenated once). Arrow and parquet data are never
+    concatenated: batches of one plan cost their rows, whatever the chunking.
     """
     if isinstance(data, Ragged):
-        if mask and data.values.dtype != np.uint8:
-            return Ragged(data.values, data.offsets, mask=True)
+        if mask and not data._mask and data._values is not None:
+            return Ragged(data._values, data._offsets, mask=True)
         return data
     if isinstance(data, tuple) and len(data) == 2:
         return Ragged(data[0], data[1], mask=mask)
+    if _is_parquet_source(data):
+        return _from_parquet(data, column, mask)
     module = type(data).__module__
     if module.startswith("pyarrow"):
-        return _from_arrow(data, mask)
+        import pyarrow as pa
+
+        if isinstance(data, pa.Table):
+            return _from_table(data, column, mask)
+        if isinstance(data, pa.RecordBatch):
+            return _from_table(pa.Table.from_batches([data]), column, mask)
+        return _from_arrow(data, mask, "loss_mask" if mask else "tokens")
     if module.startswith("datasets"):
         if hasattr(data, "column_names") and hasattr(data, "data"):
             return _from_dataset(data, column, mask)
@@ -140,8 +324,9 @@ def as_ragged(data: TokenData, *, column: str = "input_ids", mask: bool = False)
             return _from_dataset(data.source, data.column_name, mask)
     if isinstance(data, (str, bytes, dict)) or not isinstance(data, Sequence):
         raise FastpackTypeError(
-            f"token data: expected Ragged, (values, offsets), a pyarrow list array, a "
-            f"datasets column or a sequence of sequences; got {type(data).__name__}"
+            f"token data: expected Ragged, (values, offsets), a pyarrow list array or table, "
+            f"a datasets column, parquet files or a sequence of sequences; got "
+            f"{type(data).__name__}"
         )
     return _from_rows(data, mask)
 
@@ -277,12 +462,9 @@ def materialize(
         threads = _int_arg("threads", threads, minimum=1, maximum=4096)
     out: dict[str, Any] = _core.materialize(
         plan.sample_ids, plan.starts, plan.seqlens, plan.pack_offsets, plan.reserve,
-        plan.strategy, plan.overlong, _packs(plan, packs),
-        token_data.values, token_data.offsets,
-        None if label_data is None else label_data.values,
-        None if label_data is None else label_data.offsets,
-        None if mask_data is None else mask_data.values,
-        None if mask_data is None else mask_data.offsets,
+        plan.strategy, plan.overlong, _packs(plan, packs), token_data.column,
+        None if label_data is None else label_data.column,
+        None if mask_data is None else mask_data.column,
         separator_id, bool(train_separators), layout, pad_to, multiple, int(pad_id), threads,
     )
     shape = (out.pop("rows"), out.pop("width"))
@@ -304,4 +486,7 @@ def _side(data: TokenData | str | None, dataset: Any, *, mask: bool) -> Ragged |
                 "labels/loss_mask: a column name needs a datasets.Dataset as tokens"
             )
         return _from_dataset(dataset, data, mask)
-    return as_ragged(data, mask=mask)
+    ragged = as_ragged(data, mask=mask)
+    if ragged is not data and ragged._column is None:
+        ragged._name = "loss_mask" if mask else "labels"  # for error messages
+    return ragged

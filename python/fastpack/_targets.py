@@ -41,10 +41,25 @@ def segment_targets(
         )
     result: np.ndarray = _core.segment_targets(
         plan.sample_ids, plan.starts, plan.seqlens, plan.reserve, plan.strategy, plan.overlong,
-        tokens.values, tokens.offsets,
-        None if labels is None else labels.values, None if labels is None else labels.offsets,
-        None if loss_mask is None else loss_mask.values,
-        None if loss_mask is None else loss_mask.offsets,
+        _ints(tokens.values), _ints(tokens.offsets),
+        None if labels is None else _ints(labels.values),
+        None if labels is None else _ints(labels.offsets),
+        None if loss_mask is None else _mask(loss_mask.values),
+        None if loss_mask is None else _ints(loss_mask.offsets),
         separator_id, bool(train_separators), threads,
     )
     return result
+
+
+def _ints(array: np.ndarray) -> np.ndarray:
+    """int32/int64 as they are; other integer widths (Ragged keeps them) widened once."""
+    if array.dtype in (np.dtype(np.int32), np.dtype(np.int64)) and array.dtype.isnative:
+        return np.ascontiguousarray(array)
+    return np.ascontiguousarray(array, dtype=np.int64)
+
+
+def _mask(array: np.ndarray) -> np.ndarray:
+    """A 0/1 mask as uint8 (bool viewed in place; other dtypes compared to 0 once)."""
+    if array.dtype == np.uint8 or array.dtype == np.bool_:
+        return np.ascontiguousarray(array).view(np.uint8)
+    return (array != 0).view(np.uint8)

@@ -4,6 +4,8 @@
 //! and returns a [`Plan`] in CSR form (see `plan.rs`). [`layout`] turns packs into
 //! attention metadata (`cu_seqlens`, `position_ids`). [`pack_two_level`] adds a long
 //! bucket with its own cap and level-2 groups of packs under a token budget.
+//! [`materialize`] builds training rows of chosen packs, and [`gather`] whole packed
+//! columns, from token data read in place as Arrow list [`column`]s.
 //!
 //! ```
 //! use fastpack_core::{pack, PackOptions};
@@ -39,8 +41,10 @@ macro_rules! trace_print {
 #[cfg(feature = "trace")]
 static TRACE: std::sync::Mutex<Vec<(f64, &str)>> = std::sync::Mutex::new(Vec::new());
 
+pub mod column;
 mod error;
 mod fit;
+pub mod gather;
 pub mod layout;
 mod length;
 pub mod materialize;

@@ -1,11 +1,12 @@
-//! Materialize: turn packs of a [`Plan`] plus the token data into training
+//! Materialize: turn packs of a [`crate::Plan`] plus the token data into training
 //! rows — `input_ids`, `position_ids`, `labels`, `seq_idx`, `cu_seqlens` — ready for any
 //! attention backend.
 //!
-//! Token data comes in the Arrow list layout (one flat value array plus `offsets`), so a
-//! Hugging Face dataset column is read in place. Only the sequences the chosen packs use
-//! are touched (and checked), so materializing one batch out of a plan over millions of
-//! sequences costs the batch, not the dataset.
+//! Token data comes as list [`Column`]s (the Arrow layout, every chunk in place, through an
+//! indices mapping if there is one), so a Hugging Face dataset column is read where it
+//! lies. Only the packs and sequences the call uses are touched (and checked), so
+//! materializing one batch out of a plan over millions of sequences costs the batch, not
+//! the dataset.
 //!
 //! Labels are *unshifted* (the model shifts them, as Hugging Face causal LMs do): the label
 //! of a token is the token itself, except `-100` at the first position of every segment
@@ -14,11 +15,13 @@
 //! attends to it and its positions restart at 0.
 //!
 //! ```
-//! use fastpack_core::materialize::{materialize, Ints, MaterializeOptions, PlanRef, Ragged, Sources};
+//! use fastpack_core::column::{Column, Ints, ListChunk, Values};
+//! use fastpack_core::materialize::{materialize, MaterializeOptions, PlanRef, Sources};
 //! use fastpack_core::{pack, PackOptions};
 //! let plan = pack(&[3u32, 2], &PackOptions::new(8)).unwrap();
-//! let tokens = Ragged { values: Ints::I32(&[10, 11, 12, 20, 21]), offsets: Ints::I64(&[0, 3, 5]) };
-//! let sources = Sources { tokens, labels: None, loss_mask: None };
+//! let chunk = ListChunk { offsets: Ints::I64(&[0, 3, 5]), values: Values::of(&[10i32, 11, 12, 20, 21]) };
+//! let tokens = Column::new("tokens", vec![chunk], None).unwrap();
+//! let sources = Sources { tokens: &tokens, labels: None, loss_mask: None };
 //! let rows = materialize(&PlanRef::from(&plan), &sources, &[0], &MaterializeOptions::default()).unwrap();
 //! assert_eq!(rows.input_ids, [10, 11, 12, 20, 21]);
 //! assert_eq!(rows.position_ids, [0, 1, 2, 0, 1]);
@@ -28,133 +31,21 @@
 
 use rayon::prelude::*;
 
+use crate::column::{check_row_len, Column, Row};
 use crate::error::{Error, Result};
-use crate::plan::{Overlong, Plan, Strategy};
+pub use crate::gather::PlanRef;
 
 /// The label that losses ignore.
 pub const IGNORE_INDEX: i64 = -100;
 
-/// An integer array read in place: int32 or int64 (token ids, labels or offsets).
-#[derive(Debug, Clone, Copy)]
-pub enum Ints<'a> {
-    I32(&'a [i32]),
-    I64(&'a [i64]),
-}
-
-impl Ints<'_> {
-    pub fn len(&self) -> usize {
-        match self {
-            Ints::I32(v) => v.len(),
-            Ints::I64(v) => v.len(),
-        }
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    #[inline]
-    fn get(&self, i: usize) -> i64 {
-        match self {
-            Ints::I32(v) => v[i] as i64,
-            Ints::I64(v) => v[i],
-        }
-    }
-
-    /// Writes `self[range]` widened to i64 into `out` (one dispatch per slice).
-    #[inline]
-    fn copy_into(&self, range: std::ops::Range<usize>, out: &mut [i64]) {
-        match self {
-            Ints::I32(v) => out.iter_mut().zip(&v[range]).for_each(|(o, &x)| *o = x as i64),
-            Ints::I64(v) => out.copy_from_slice(&v[range]),
-        }
-    }
-}
-
-/// Ragged data in the Arrow list layout: row `i` is `values[offsets[i]..offsets[i + 1]]`.
-/// `offsets[0]` need not be 0 (a sliced Arrow array).
-#[derive(Debug, Clone, Copy)]
-pub struct Ragged<'a, V> {
-    pub values: V,
-    pub offsets: Ints<'a>,
-}
-
-/// Anything with a length that [`Ragged`] can index: the value array of ragged data.
-pub trait Values {
-    fn value_len(&self) -> usize;
-}
-impl Values for Ints<'_> {
-    fn value_len(&self) -> usize {
-        self.len()
-    }
-}
-impl Values for &[u8] {
-    fn value_len(&self) -> usize {
-        self.len()
-    }
-}
-
-impl<V: Values> Ragged<'_, V> {
-    fn rows(&self) -> usize {
-        self.offsets.len().saturating_sub(1)
-    }
-
-    /// Checked `offsets[i]..offsets[i + 1]` of a row known to be in range.
-    fn range(&self, arg: &'static str, i: usize) -> Result<std::ops::Range<usize>> {
-        let (lo, hi) = (self.offsets.get(i), self.offsets.get(i + 1));
-        if lo < 0 || hi < lo {
-            return Err(Error::invalid(
-                arg,
-                format!("offsets are not monotone non-negative at row {i}: {lo}, {hi}"),
-            ));
-        }
-        if hi as u64 > self.values.value_len() as u64 {
-            return Err(Error::invalid(
-                arg,
-                format!(
-                    "offsets[{}] = {hi} is past the end of the {} values",
-                    i + 1,
-                    self.values.value_len()
-                ),
-            ));
-        }
-        Ok(lo as usize..hi as usize)
-    }
-}
-
 /// The token data: ids, optional labels (default: the ids) and an optional loss mask
-/// (0: not a target, e.g. a user turn in chat SFT), each ragged with its own offsets.
+/// (zero: not a target, e.g. a user turn in chat SFT), each a list column with one value
+/// per token. Ids and labels must hold integers; the mask may hold any type.
 #[derive(Debug, Clone, Copy)]
 pub struct Sources<'a> {
-    pub tokens: Ragged<'a, Ints<'a>>,
-    pub labels: Option<Ragged<'a, Ints<'a>>>,
-    pub loss_mask: Option<Ragged<'a, &'a [u8]>>,
-}
-
-/// A borrowed plan: its CSR arrays and the options that decide what each segment holds.
-#[derive(Debug, Clone, Copy)]
-pub struct PlanRef<'a> {
-    pub sample_ids: &'a [i64],
-    pub starts: &'a [i64],
-    pub seqlens: &'a [i32],
-    pub pack_offsets: &'a [i64],
-    pub reserve: u64,
-    pub strategy: Strategy,
-    pub overlong: Overlong,
-}
-
-impl<'a> From<&'a Plan> for PlanRef<'a> {
-    fn from(plan: &'a Plan) -> Self {
-        PlanRef {
-            sample_ids: &plan.sample_ids,
-            starts: &plan.starts,
-            seqlens: &plan.seqlens,
-            pack_offsets: &plan.pack_offsets,
-            reserve: plan.reserve,
-            strategy: plan.strategy,
-            overlong: plan.overlong,
-        }
-    }
+    pub tokens: &'a Column<'a>,
+    pub labels: Option<&'a Column<'a>>,
+    pub loss_mask: Option<&'a Column<'a>>,
 }
 
 /// How packs become rows.
@@ -226,8 +117,9 @@ struct Piece {
     sources: usize,
     /// Position of the piece's first token inside its sequence's data.
     source_start: usize,
-    /// The sequence index, for labels and mask lookups.
-    sample: usize,
+    /// Where the sequence lies in the tokens, labels and mask (the last two only when
+    /// given).
+    rows: [Row; 3],
 }
 
 const PAD: usize = usize::MAX;
@@ -242,7 +134,11 @@ pub fn materialize(
     packs: &[i64],
     opts: &MaterializeOptions,
 ) -> Result<Materialized> {
-    check_plan(plan)?;
+    plan.check_packs(packs)?;
+    sources.tokens.require_integers("tokens")?;
+    if let Some(labels) = sources.labels {
+        labels.require_integers("labels")?;
+    }
     if plan.reserve > 0 && opts.separator_id.is_none() {
         return Err(Error::invalid(
             "separator_id",
@@ -255,15 +151,7 @@ pub fn materialize(
     if opts.pad_to_multiple_of == 0 {
         return Err(Error::invalid("pad_to_multiple_of", "got 0; expected at least 1"));
     }
-    let num_packs = plan.pack_offsets.len() - 1;
-    if let Some(&bad) = packs.iter().find(|&&p| p < 0 || p as u64 >= num_packs as u64) {
-        return Err(Error::invalid(
-            "packs",
-            format!("pack index {bad} out of range; the plan has {num_packs} packs"),
-        ));
-    }
-    let pack_range =
-        |p: i64| plan.pack_offsets[p as usize] as usize..plan.pack_offsets[p as usize + 1] as usize;
+    let pack_range = |p: i64| plan.pack_range(p);
     let pack_len = |p: i64| plan.seqlens[pack_range(p)].iter().map(|&n| n as u64).sum::<u64>();
 
     // Row width.
@@ -321,7 +209,7 @@ pub fn materialize(
                 seq_idx: *segs,
                 sources: 0,
                 source_start: 0,
-                sample: 0,
+                rows: [NO_ROW; 3],
             });
         }
         *used = 0;
@@ -373,30 +261,7 @@ pub fn materialize(
     Ok(out)
 }
 
-fn check_plan(plan: &PlanRef<'_>) -> Result<()> {
-    let segments = plan.seqlens.len();
-    if plan.sample_ids.len() != segments || plan.starts.len() != segments {
-        return Err(Error::invalid(
-            "plan",
-            format!(
-                "sample_ids, starts and seqlens differ in length ({}, {}, {segments})",
-                plan.sample_ids.len(),
-                plan.starts.len()
-            ),
-        ));
-    }
-    let offsets = plan.pack_offsets;
-    if offsets.first() != Some(&0)
-        || offsets.last().copied() != Some(segments as i64)
-        || offsets.windows(2).any(|w| w[1] < w[0])
-    {
-        return Err(Error::invalid(
-            "plan",
-            "pack_offsets must rise from 0 to the number of segments".to_string(),
-        ));
-    }
-    Ok(())
-}
+const NO_ROW: Row = Row { chunk: 0, lo: 0, hi: 0 };
 
 /// The piece of segment `s`, after checking it against the data.
 fn segment_piece(
@@ -405,84 +270,36 @@ fn segment_piece(
     s: usize,
     seq_idx: i32,
 ) -> Result<Piece> {
-    let sample = plan.sample_ids[s];
-    let rows = sources.tokens.rows();
-    if sample < 0 || sample as u64 >= rows as u64 {
-        return Err(Error::invalid(
-            "plan",
-            format!(
-                "segment {s} refers to sequence {sample}, but the token data has {rows} sequences"
-            ),
-        ));
-    }
-    let i = sample as usize;
-    let tokens = sources.tokens.range("tokens", i)?;
-    let len = tokens.len() as u64;
-    if let Some(labels) = &sources.labels {
-        check_same_length("labels", labels, i, len)?;
-    }
-    if let Some(mask) = &sources.loss_mask {
-        check_same_length("loss_mask", mask, i, len)?;
-    }
-    let (start, seqlen) = (plan.starts[s], plan.seqlens[s]);
-    let extended = len + plan.reserve;
-    let mismatch = |why: &str| {
-        Error::invalid(
-            "plan",
-            format!(
-                "segment {s} (sequence {i}, start {start}, {seqlen} tokens) {why}: the sequence has {len} \
-                 tokens + {} reserved; was the plan made from these lengths?",
-                plan.reserve
-            ),
-        )
-    };
-    if start < 0 || seqlen <= 0 || start as u64 + seqlen as u64 > extended {
-        return Err(mismatch("runs past the end of its sequence"));
-    }
-    let (start, seqlen) = (start as u64, seqlen as u64);
-    let whole = start == 0 && seqlen == extended;
-    let cut = plan.strategy != Strategy::Wrapped;
-    let kept = match plan.overlong {
-        Overlong::Truncate if cut && !whole => {
-            if start != 0 || seqlen < plan.reserve {
-                return Err(mismatch("is not a truncation of its sequence"));
+    let tokens = sources.tokens;
+    let i = plan.sample(s, tokens.rows())?;
+    let row = tokens.row(i)?;
+    let len = row.len();
+    let mut rows = [row, NO_ROW, NO_ROW];
+    for (k, side) in [sources.labels, sources.loss_mask].into_iter().enumerate() {
+        if let Some(column) = side {
+            if column.rows() < tokens.rows() {
+                return Err(Error::invalid(
+                    "columns",
+                    format!(
+                        "column '{}' has {} rows, fewer than the {} of the tokens",
+                        column.name(),
+                        column.rows(),
+                        tokens.rows()
+                    ),
+                ));
             }
-            seqlen - plan.reserve
+            rows[k + 1] = check_row_len(column, tokens, i, len)?;
         }
-        Overlong::Error | Overlong::Drop if cut && !whole => {
-            return Err(mismatch("does not cover its whole sequence"));
-        }
-        _ => len,
-    };
-    let sources_in = kept.saturating_sub(start).min(seqlen);
+    }
+    let (source_start, sources_in) = plan.segment_source(s, len as u64)?;
     Ok(Piece {
         segment: s,
-        len: seqlen as usize,
+        len: plan.seqlens[s] as usize,
         seq_idx,
-        sources: sources_in as usize,
-        // A piece of separators only (wrapped or split tails) starts past the data.
-        source_start: start.min(len) as usize,
-        sample: i,
+        sources: sources_in,
+        source_start,
+        rows,
     })
-}
-
-fn check_same_length<V: Values>(
-    arg: &'static str,
-    data: &Ragged<'_, V>,
-    i: usize,
-    len: u64,
-) -> Result<()> {
-    if i >= data.rows() {
-        return Err(Error::invalid(
-            arg,
-            format!("has {} sequences, fewer than the tokens", data.rows()),
-        ));
-    }
-    let got = data.range(arg, i)?.len() as u64;
-    if got != len {
-        return Err(Error::invalid(arg, format!("sequence {i} has {got} values but {len} tokens")));
-    }
-    Ok(())
 }
 
 /// Output slices of one task.
@@ -565,26 +382,18 @@ fn write_group(
         }
         debug_assert!(piece.segment < plan.seqlens.len());
         let n = piece.sources;
-        // Ranges were checked when the piece was made.
-        let row = piece.sample;
-        let token_lo = sources.tokens.offsets.get(row) as usize + piece.source_start;
-        sources.tokens.values.copy_into(token_lo..token_lo + n, &mut ids[..n]);
+        // Rows were checked when the piece was made.
+        let [row, label_row, mask_row] = piece.rows;
+        let from = piece.source_start;
+        sources.tokens.values(row).copy_i64(row.lo + from, &mut ids[..n]);
         ids[n..].fill(separator);
-        match &sources.labels {
-            Some(l) => {
-                let lo = l.offsets.get(row) as usize + piece.source_start;
-                l.values.copy_into(lo..lo + n, &mut labels[..n]);
-            }
+        match sources.labels {
+            Some(l) => l.values(label_row).copy_i64(label_row.lo + from, &mut labels[..n]),
             None => labels[..n].copy_from_slice(&ids[..n]),
         }
         labels[n..].fill(separator_label);
-        if let Some(m) = &sources.loss_mask {
-            let lo = m.offsets.get(row) as usize + piece.source_start;
-            for (label, &keep) in labels[..n].iter_mut().zip(&m.values[lo..lo + n]) {
-                if keep == 0 {
-                    *label = IGNORE_INDEX;
-                }
-            }
+        if let Some(m) = sources.loss_mask {
+            m.values(mask_row).for_each_zero(mask_row.lo + from, n, |k| labels[k] = IGNORE_INDEX);
         }
         labels[0] = IGNORE_INDEX;
         targets += labels.iter().filter(|&&l| l != IGNORE_INDEX).count() as u64;
@@ -595,6 +404,8 @@ fn write_group(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::column::{Ints, ListChunk, Values};
+    use crate::plan::{Overlong, Plan};
     use crate::{pack, PackOptions};
     use proptest::prelude::*;
 
@@ -615,11 +426,9 @@ mod tests {
         packs: &[i64],
         opts: &MaterializeOptions,
     ) -> Result<Materialized> {
-        let sources = Sources {
-            tokens: Ragged { values: Ints::I64(values), offsets: Ints::I64(offsets) },
-            labels: None,
-            loss_mask: None,
-        };
+        let chunk = ListChunk { offsets: Ints::I64(offsets), values: Values::of(values) };
+        let tokens = Column::new("tokens", vec![chunk], None)?;
+        let sources = Sources { tokens: &tokens, labels: None, loss_mask: None };
         materialize(&PlanRef::from(plan), &sources, packs, opts)
     }
 

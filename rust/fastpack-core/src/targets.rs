@@ -10,7 +10,9 @@
 //! A proptest below checks the counts against materialize's own, pack by pack.
 //!
 //! ```
-//! use fastpack_core::materialize::{Ints, PlanRef, Ragged, Sources};
+//! use fastpack_core::column::Ints;
+//! use fastpack_core::materialize::PlanRef;
+//! use fastpack_core::targets::{Ragged, Sources};
 //! use fastpack_core::targets::segment_targets;
 //! use fastpack_core::{pack, PackOptions};
 //! let plan = pack(&[3u32, 2], &PackOptions::new(8)).unwrap();
@@ -24,8 +26,24 @@
 
 use rayon::prelude::*;
 
+use crate::column::Ints;
 use crate::error::{Error, Result};
-use crate::materialize::{Ints, PlanRef, Ragged, Sources, IGNORE_INDEX};
+use crate::materialize::{PlanRef, IGNORE_INDEX};
+
+/// Contiguous ragged data read in place: row `i` is `values[offsets[i]..offsets[i + 1]]`.
+#[derive(Debug, Clone, Copy)]
+pub struct Ragged<'a, V> {
+    pub values: V,
+    pub offsets: Ints<'a>,
+}
+
+/// The data whose targets are counted: token ids, optional labels and 0/1 loss mask.
+#[derive(Debug, Clone, Copy)]
+pub struct Sources<'a> {
+    pub tokens: Ragged<'a, Ints<'a>>,
+    pub labels: Option<Ragged<'a, Ints<'a>>>,
+    pub loss_mask: Option<Ragged<'a, &'a [u8]>>,
+}
 use crate::plan::{Overlong, Strategy};
 
 /// Segments per parallel task.
@@ -180,7 +198,8 @@ fn segment(plan: &PlanRef<'_>, sources: &Sources<'_>, separator: u64, s: usize) 
 #[cfg(test)]
 mod tests {
     use super::{segment_targets, Ints, Overlong, PlanRef, Ragged, Sources, IGNORE_INDEX};
-    use crate::materialize::{materialize, MaterializeOptions};
+    use crate::column::{Column, ListChunk, Values};
+    use crate::materialize::{self, materialize, MaterializeOptions};
     use crate::plan::Strategy as Planner;
     use crate::{pack, PackOptions};
     use proptest::prelude::*;
@@ -226,8 +245,19 @@ mod tests {
                 let plan_ref = PlanRef::from(&plan);
                 let counts = segment_targets(&plan_ref, &sources, separator, train_separators).unwrap();
                 let mopts = MaterializeOptions { separator_id: separator, train_separators, ..Default::default() };
+                fn column<'a>(name: &str, offsets: &'a [i64], values: Values<'a>) -> Column<'a> {
+                    Column::new(name, vec![ListChunk { offsets: Ints::I64(offsets), values }], None).unwrap()
+                }
+                let token_column = column("input_ids", &offsets, Values::of(&ids));
+                let label_column = with_labels.then(|| column("labels", &offsets, Values::of(&labels)));
+                let mask_column = with_mask.then(|| column("loss_mask", &offsets, Values::of(&mask)));
+                let columns = materialize::Sources {
+                    tokens: &token_column,
+                    labels: label_column.as_ref(),
+                    loss_mask: mask_column.as_ref(),
+                };
                 for p in 0..plan.num_packs() {
-                    let rows = materialize(&plan_ref, &sources, &[p as i64], &mopts).unwrap();
+                    let rows = materialize(&plan_ref, &columns, &[p as i64], &mopts).unwrap();
                     let range = plan.pack_offsets[p] as usize..plan.pack_offsets[p + 1] as usize;
                     let ours: u64 = counts[range].iter().map(|&c| c as u64).sum();
                     prop_assert_eq!(ours, rows.num_targets);

@@ -9,6 +9,7 @@ use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
+mod column;
 mod materialize;
 mod schedule;
 mod targets;
@@ -209,6 +210,8 @@ fn default_threads() -> usize {
 
 #[pymodule(gil_used = false)]
 mod _core {
+    #[pymodule_export]
+    use super::column::{column_lengths, gather, pack_tokens, ListColumn};
     #[pymodule_export]
     use super::materialize::{flatten_int_lists, materialize};
     #[pymodule_export]

@@ -1,15 +1,16 @@
 //! Binding of `fastpack_core::materialize`: reads the token data in place (int32 or int64
 //! values and offsets, uint8 masks), releases the GIL, and moves the rows into numpy.
 
-use fastpack_core::materialize::{
-    self as core, Ints, Layout, MaterializeOptions, PlanRef, Ragged, Sources,
-};
+use fastpack_core::materialize::{self as core, Layout, MaterializeOptions, PlanRef, Sources};
 use fastpack_core::{pool, Overlong, Strategy};
 use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
-use crate::{fastpack_error, to_py};
+use fastpack_core::column::Ints;
+
+use crate::column::ListColumn;
+use crate::{fastpack_error, guarded, to_py};
 
 /// A borrowed 1-D integer array of a dtype the core reads in place.
 pub(crate) enum IntArray<'py> {
@@ -57,12 +58,15 @@ pub(crate) fn optional_ints<'py>(
 /// `materialize(plan arrays..., packs, tokens, token_offsets, ...)`: the chosen packs as
 /// training rows; see `fastpack.materialize` for the arguments. Returns a dict of flat
 /// numpy arrays (`rows * width` tokens, row-major) and counts.
+/// `materialize(plan arrays..., packs, tokens, labels, loss_mask, ...)`: the chosen packs
+/// as training rows; see `fastpack.materialize` for the arguments (the token data are
+/// `ListColumn`s). Returns a dict of flat numpy arrays (`rows * width` tokens, row-major)
+/// and counts.
 #[pyfunction]
 #[pyo3(signature = (
     sample_ids, starts, seqlens, pack_offsets, reserve, strategy, overlong, packs,
-    tokens, token_offsets, labels=None, label_offsets=None, loss_mask=None, mask_offsets=None,
-    separator_id=None, train_separators=false, layout="flat", width=None, pad_to_multiple_of=1,
-    pad_id=0, threads=None
+    tokens, labels=None, loss_mask=None, separator_id=None, train_separators=false,
+    layout="flat", width=None, pad_to_multiple_of=1, pad_id=0, threads=None
 ))]
 #[allow(clippy::too_many_arguments)]
 pub fn materialize<'py>(
@@ -75,12 +79,9 @@ pub fn materialize<'py>(
     strategy: &str,
     overlong: &str,
     packs: PyReadonlyArray1<'py, i64>,
-    tokens: &Bound<'py, PyAny>,
-    token_offsets: &Bound<'py, PyAny>,
-    labels: Option<&Bound<'py, PyAny>>,
-    label_offsets: Option<&Bound<'py, PyAny>>,
-    loss_mask: Option<PyReadonlyArray1<'py, u8>>,
-    mask_offsets: Option<&Bound<'py, PyAny>>,
+    tokens: PyRef<'py, ListColumn>,
+    labels: Option<PyRef<'py, ListColumn>>,
+    loss_mask: Option<PyRef<'py, ListColumn>>,
     separator_id: Option<i64>,
     train_separators: bool,
     layout: &str,
@@ -89,10 +90,6 @@ pub fn materialize<'py>(
     pad_id: i64,
     threads: Option<usize>,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let contiguous = [sample_ids.is_contiguous(), starts.is_contiguous(), seqlens.is_contiguous()];
-    if !contiguous.iter().all(|&c| c) || !pack_offsets.is_contiguous() || !packs.is_contiguous() {
-        return Err(fastpack_error("plan, packs: expected contiguous arrays"));
-    }
     let plan = PlanRef {
         sample_ids: sample_ids.as_slice()?,
         starts: starts.as_slice()?,
@@ -111,31 +108,10 @@ pub fn materialize<'py>(
             )))
         }
     };
-    let token_values = IntArray::extract("tokens", tokens)?;
-    let token_offsets = IntArray::extract("token_offsets", token_offsets)?;
-    let label_values = optional_ints("labels", labels)?;
-    let label_offsets = optional_ints("label_offsets", label_offsets)?;
-    let mask_offsets = optional_ints("mask_offsets", mask_offsets)?;
-    if label_values.is_some() != label_offsets.is_some()
-        || loss_mask.is_some() != mask_offsets.is_some()
-    {
-        return Err(fastpack_error(
-            "labels, loss_mask: pass the values and their offsets together",
-        ));
-    }
-    if loss_mask.as_ref().is_some_and(|m| !m.is_contiguous()) {
-        return Err(fastpack_error("loss_mask: expected a contiguous array"));
-    }
     let sources = Sources {
-        tokens: Ragged { values: token_values.ints(), offsets: token_offsets.ints() },
-        labels: match (&label_values, &label_offsets) {
-            (Some(v), Some(o)) => Some(Ragged { values: v.ints(), offsets: o.ints() }),
-            _ => None,
-        },
-        loss_mask: match (&loss_mask, &mask_offsets) {
-            (Some(v), Some(o)) => Some(Ragged { values: v.as_slice()?, offsets: o.ints() }),
-            _ => None,
-        },
+        tokens: tokens.column(),
+        labels: labels.as_ref().map(|c| c.column()),
+        loss_mask: loss_mask.as_ref().map(|c| c.column()),
     };
     let opts = MaterializeOptions {
         separator_id,
@@ -148,17 +124,9 @@ pub fn materialize<'py>(
     let packs = packs.as_slice()?;
     let rows = py
         .detach(|| {
-            pool::install(threads, || {
-                // A bug must surface as an error, never abort a training run.
-                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    core::materialize(&plan, &sources, packs, &opts)
-                }))
-            })
+            pool::install(threads, || guarded(|| core::materialize(&plan, &sources, packs, &opts)))
         })
         .map_err(to_py)?
-        .map_err(|_| {
-            fastpack_error("materialize: internal error (a fastpack bug; please report it)")
-        })?
         .map_err(to_py)?;
 
     let d = PyDict::new(py);

@@ -1,8 +1,9 @@
 //! Binding of `fastpack_core::targets`: the targets of every segment of a plan, read from
 //! the token data in place, with the GIL released.
 
-use fastpack_core::materialize::{PlanRef, Ragged, Sources};
+use fastpack_core::materialize::PlanRef;
 use fastpack_core::targets as core;
+use fastpack_core::targets::{Ragged, Sources};
 use fastpack_core::{pool, Overlong, Strategy};
 use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1, PyUntypedArrayMethods};
 use pyo3::prelude::*;

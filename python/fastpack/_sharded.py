@@ -1,0 +1,159 @@
+"""Sharded plans: when one global plan does not fit one machine, documents are dealt to
+``K`` plan shards by a hash of their key, each shard is packed on its own (best fit over
+its own documents) and the plans are laid end to end. Every machine computes the same
+shard of a document from its key alone, so Ray workers and the single-machine path agree.
+
+Each shard leaves about half a pack more than its share of one global plan: 10 shards of
+10^7 lengths cost 5-7 packs in all (``benches/results/cli.md``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ._plan import Plan, pack
+
+__all__ = [
+    "ROW_BITS",
+    "sorted_unique",
+    "PlanConfig",
+    "combine_plans",
+    "file_keys",
+    "plan_shard",
+    "shard_of",
+    "sharded_plan",
+]
+
+#: A document read from files is keyed ``file_index << ROW_BITS | row``: its place in
+#: fastpack's order, computable by whichever machine reads the row.
+ROW_BITS = 40
+
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+
+
+def _mix(z: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer: a fixed, well-spread hash of 64-bit keys."""
+    z = z.astype(np.uint64, copy=True)
+    z ^= z >> np.uint64(30)
+    z *= _M1
+    z ^= z >> np.uint64(27)
+    z *= _M2
+    z ^= z >> np.uint64(31)
+    return z
+
+
+def sorted_unique(values: np.ndarray) -> np.ndarray:
+    """``np.unique`` by sorting: numpy 2's hash-based unique takes seconds per 10^7 values
+    where a sort takes a fraction of one."""
+    ordered = np.sort(values)
+    if ordered.size < 2:
+        return ordered
+    keep = np.empty(ordered.size, dtype=bool)
+    keep[0] = True
+    np.not_equal(ordered[1:], ordered[:-1], out=keep[1:])
+    return ordered[keep]
+
+
+def file_keys(file_rows: Sequence[int]) -> np.ndarray:
+    """The keys of every document of files holding ``file_rows`` rows, in order."""
+    if not file_rows:
+        return np.zeros(0, dtype=np.int64)
+    return np.concatenate([(np.int64(k) << ROW_BITS) + np.arange(n, dtype=np.int64)
+                           for k, n in enumerate(file_rows)])
+
+
+def shard_of(keys: np.ndarray, num_shards: int) -> np.ndarray:
+    """The plan shard (int64) of each document key."""
+    keys = np.ascontiguousarray(keys, dtype=np.int64)
+    if num_shards == 1:
+        return np.zeros(len(keys), dtype=np.int64)
+    return (_mix(keys.view(np.uint64)) % np.uint64(num_shards)).astype(np.int64)
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    """What ``fastpack.pack`` is called with, for one plan or every shard of one."""
+
+    max_len: int
+    strategy: str = "bfd"
+    overlong: str = "error"
+    shuffle: bool = False
+    seed: int = 0
+    long_max_len: int | None = None
+    group_tokens: int | None = None
+
+    def pack(self, lengths: np.ndarray, *, shard: int | None = None,
+             threads: int | None = None) -> Plan:
+        seed = self.seed
+        if shard is not None:  # each shard its own pack order, the same on every machine
+            seed = int(_mix(np.array([self.seed * 1_000_003 + shard], dtype=np.uint64))[0]
+                       >> np.uint64(1))
+        return pack(lengths, self.max_len, strategy=self.strategy, overlong=self.overlong,
+                    shuffle=self.shuffle, seed=seed, long_max_len=self.long_max_len,
+                    group_tokens=self.group_tokens, threads=threads)
+
+
+def plan_shard(lengths: np.ndarray, shard: int, config: PlanConfig,
+               threads: int | None = None) -> Plan:
+    """The plan of one shard, from its documents' lengths in key order."""
+    return config.pack(lengths, shard=shard, threads=threads)
+
+
+def combine_plans(plans: Sequence[Plan], sample_maps: Sequence[np.ndarray]) -> Plan:
+    """Plans laid end to end as one plan; ``sample_maps[k]`` maps plan ``k``'s sample ids to
+    global document ids."""
+    first = plans[0]
+    fields: dict[str, Any] = {}
+    fields["sample_ids"] = np.concatenate(
+        [m[p.sample_ids] for p, m in zip(plans, sample_maps)]).astype(np.int64)
+    fields["starts"] = np.concatenate([p.starts for p in plans])
+    fields["seqlens"] = np.concatenate([p.seqlens for p in plans])
+    seg_base = np.cumsum([0] + [p.num_segments for p in plans])
+    fields["pack_offsets"] = np.concatenate(
+        [np.zeros(1, dtype=np.int64)]
+        + [p.pack_offsets[1:] + seg_base[k] for k, p in enumerate(plans)])
+    for name in ("max_len", "reserve", "strategy", "overlong", "long_max_len", "group_cap"):
+        fields[name] = getattr(first, name)
+    for name in ("num_sequences", "empty_sequences", "dropped_sequences", "dropped_tokens",
+                 "truncated_sequences", "truncated_tokens", "split_sequences", "total_tokens"):
+        fields[name] = sum(getattr(p, name) for p in plans)
+    if first.long_max_len is not None:
+        fields["pack_caps"] = np.concatenate([p.pack_caps for p in plans])
+    if first.buckets:
+        fields["buckets"] = [
+            {"max_len": b.max_len,
+             **{k: sum(getattr(p.buckets[i], k) for p in plans)
+                for k in ("num_sequences", "num_packs", "total_tokens")}}
+            for i, b in enumerate(first.buckets)
+        ]
+    if first.group_offsets is not None:
+        pack_base = np.cumsum([0] + [p.num_packs for p in plans])
+        group_offsets = [np.zeros(1, dtype=np.int64)]
+        for k, p in enumerate(plans):
+            assert p.group_offsets is not None and p.group_tokens is not None
+            group_offsets.append(p.group_offsets[1:] + pack_base[k])
+        fields["group_offsets"] = np.concatenate(group_offsets).astype(np.int64)
+        fields["group_tokens"] = np.concatenate([p.group_tokens for p in plans
+                                                 if p.group_tokens is not None])
+    return Plan(fields)
+
+
+def sharded_plan(lengths: np.ndarray, num_shards: int, config: PlanConfig,
+                 keys: np.ndarray | None = None) -> tuple[Plan, list[int]]:
+    """The sharded plan of documents ``0..N`` (keys: their own index unless given), the one
+    a cluster computes shard by shard, and the packs of each shard."""
+    keys = np.arange(len(lengths), dtype=np.int64) if keys is None else keys
+    shards = shard_of(keys, num_shards)
+    order = np.lexsort((keys, shards))  # by shard, then by key
+    bounds = np.searchsorted(shards[order], np.arange(num_shards + 1))
+    plans, maps = [], []
+    for s in range(num_shards):
+        members = order[bounds[s]:bounds[s + 1]]
+        plans.append(plan_shard(lengths[members], s, config))
+        maps.append(members.astype(np.int64))
+    return combine_plans(plans, maps), [p.num_packs for p in plans]

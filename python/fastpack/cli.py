@@ -1,0 +1,259 @@
+"""The ``fastpack`` command (also ``python -m fastpack``): demo, stats and pack; see
+docs/cli.md."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+import click
+import numpy as np
+
+from ._errors import FastpackError
+from ._plan import OVERLONG_POLICIES, STRATEGIES
+
+__all__ = ["main"]
+
+
+def _fail(error: BaseException, status: int = 2) -> NoReturn:
+    """Bad input or options: status 2 (as click's usage errors); other failures (a full
+    disk) 1."""
+    click.echo(f"fastpack: error: {error}", err=True)
+    sys.exit(status)
+
+
+def _caps(_ctx: click.Context, _param: click.Parameter, value: str) -> list[int]:
+    try:
+        caps = [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: expected integers separated by commas, "
+                                 "e.g. 2048,4096,8192") from None
+    if not caps or min(caps) < 1:
+        raise click.BadParameter(f"{value!r}: expected positive integers")
+    return caps
+
+
+def _columns(_ctx: click.Context, _param: click.Parameter, value: str | None) -> tuple[str, ...]:
+    return tuple(c.strip() for c in value.split(",") if c.strip()) if value else ()
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(package_name="fastpack", prog_name="fastpack")
+def main() -> None:
+    """fastpack: pack token sequences into rows of at most max-len tokens for LLM training
+    (best fit over the whole corpus, in bounded memory), or see what packing would gain.
+
+    \b
+      fastpack demo                       pack a corpus shipped with fastpack: padding vs packing
+      fastpack stats data/*.parquet       lengths, and rows and efficiency of every method
+      fastpack pack data/ -o packed/ --max-len 4096
+                                          packed parquet shards for training (TRL columns)
+
+    Inputs: parquet files, JSON lines (.jsonl, .jsonl.gz, .jsonl.zst), Arrow files and
+    directories written by datasets.save_to_disk. Bad input exits with status 2 and a
+    message naming the file, the row and the column.
+    """
+
+
+@main.command(short_help="Padding vs packing on a corpus shipped with fastpack (no data "
+              "needed).")
+@click.option("--example", type=click.Choice(["functions", "modules"]), default="functions",
+              show_default=True, help="functions: SFT-like (many short); modules: "
+              "pre-training-like (long documents).")
+@click.option("--max-len", type=click.IntRange(min=1), default=4096, show_default=True,
+              help="Tokens per row.")
+@click.option("--batch", type=click.IntRange(min=1), default=32, show_default=True,
+              help="Rows per padded batch.")
+@click.option("--plot", type=click.Path(dir_okay=False, writable=True), default=None,
+              help="Also save the length histogram and the efficiency of each method "
+              "(PNG).")
+def demo(example: str, max_len: int, batch: int, plot: str | None) -> None:
+    """Pack a real corpus shipped with fastpack (CPython's standard library, one document
+    per function or module) and compare with padding. Needs no data."""
+    from . import demo as demo_module
+
+    code = demo_module.main(["--example", example, "--max-len", str(max_len),
+                             "--batch", str(batch)])
+    if plot:
+        from ._examples import example_lengths
+        from ._stats import compare, plot_stats
+
+        lengths = example_lengths(example).astype(np.int64)
+        plot_stats(lengths, compare(lengths, [max_len], batch_size=batch), plot)
+        click.echo(f"plot: {plot}")
+    sys.exit(code)
+
+
+def _input_options(f: Any) -> Any:
+    f = click.option("--column", default="input_ids", show_default=True,
+                     help="The column of token ids (lists of integers) whose lengths are "
+                     "packed.")(f)
+    f = click.option("--quiet", "-q", is_flag=True,
+                     help="No progress; only the result (and errors).")(f)
+    return f
+
+
+@main.command(short_help="Lengths, and per cap the rows and efficiency of padding, "
+              "bucketing and packing.")
+@click.argument("inputs", nargs=-1, required=True, metavar="INPUT...")
+@click.option("--max-len", "caps", default="2048,4096,8192", show_default=True,
+              callback=_caps, help="Caps (tokens per row) to compare, comma-separated.")
+@_input_options
+@click.option("--batch-size", type=click.IntRange(min=1), default=32, show_default=True,
+              help="Rows per batch for the padding and bucketing methods.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@click.option("--plot", type=click.Path(dir_okay=False), default=None,
+              help="Save a PNG: length histogram with the caps marked, efficiency per "
+              "method and cap.")
+def stats(inputs: Sequence[str], caps: list[int], column: str, quiet: bool, batch_size: int,
+          as_json: bool, plot: str | None) -> None:
+    """Length distribution of a corpus and, for each cap, the rows and efficiency of
+    padding to the cap, padding per batch, length bucketing, next-fit and best-fit-
+    decreasing packing, and the lower bound. Reads only the token column's lengths.
+
+    \b
+    Example:
+      fastpack stats data/train-*.parquet --max-len 2048,4096 --plot stats.png
+    """
+    from ._offline import scan_lengths
+    from ._sources import expand_inputs
+    from ._stats import compare, length_summary, plot_stats, table_lines
+
+    try:
+        sources = expand_inputs(inputs)
+        scan = scan_lengths(sources, [column], quiet=quiet)
+    except FastpackError as e:
+        _fail(e)
+    summary = length_summary(scan.lengths)
+    results = compare(scan.lengths, caps, batch_size=batch_size) if scan.lengths.size else []
+    if as_json:
+        click.echo(json.dumps({"inputs": [s.path for s in sources], "lengths": summary,
+                               "batch_size": batch_size, "caps": results}, indent=1))
+    else:
+        for line in table_lines(summary, results, batch_size):
+            click.echo(line)
+    if plot:
+        plot_stats(scan.lengths, results, plot)
+        if not as_json:
+            click.echo(f"plot: {plot}")
+
+
+@main.command(short_help="Pack files into TRL-ready parquet shards in bounded memory (or on "
+              "Ray).")
+@click.argument("inputs", nargs=-1, required=True, metavar="INPUT...")
+@click.option("-o", "--output", "outdir", required=True, type=click.Path(file_okay=False),
+              help="Output directory: shard-*.parquet, manifest.json, report.json, "
+              "report.png.")
+@click.option("--max-len", type=click.IntRange(min=1), required=True,
+              help="Tokens per packed row.")
+@_input_options
+@click.option("--columns", "columns", callback=_columns, default=None,
+              help="Other per-token columns to pack alongside, comma-separated (e.g. "
+              "labels,attention_mask); each must have one value per token.")
+@click.option("--text-column", default=None,
+              help="Tokenize this text column (with --tokenizer) instead of reading "
+              "--column; the ids are written as --column.")
+@click.option("--tokenizer", type=click.Path(), default=None,
+              help="A Hugging Face tokenizer saved locally (save_pretrained directory); no "
+              "network.")
+@click.option("--strategy", type=click.Choice(STRATEGIES), default="bfd", show_default=True,
+              help="bfd: best-fit decreasing (fewest packs); ffd; next_fit (keeps input "
+              "order); wrapped (concatenate and cut).")
+@click.option("--overlong", type=click.Choice(OVERLONG_POLICIES), default="error",
+              show_default=True,
+              help="A document longer than the cap: stop with an error naming it, "
+              "truncate it, split it into pieces, or drop it. Every token lost is reported.")
+@click.option("--long-max-len", type=click.IntRange(min=2), default=None,
+              help="A second bucket: documents longer than --max-len go into packs of this "
+              "many tokens.")
+@click.option("--group-tokens", type=click.IntRange(min=1), default=None,
+              help="Two-level packing: order packs in groups of at most this many tokens "
+              "(a step or micro-batch); group_offsets.npy gives the groups.")
+@click.option("--shuffle/--no-shuffle", default=False, show_default=True,
+              help="Shuffle the pack order (packs otherwise come sorted by size).")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Seed of --shuffle.")
+@click.option("--shard-rows", type=click.IntRange(min=1), default=None,
+              help="Packed rows per parquet shard [default: 2^25 tokens' worth, e.g. 8192 "
+              "at --max-len 4096].")
+@click.option("--plan-shards", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Plan in this many independent shards (for corpora whose lengths outgrow "
+              "one machine; costs about half a pack per shard).")
+@click.option("--memory", default="auto", show_default=True,
+              help="Budget for one gather pass's tokens (e.g. 4G); more data than this is "
+              "packed in several passes. auto: half the available memory.")
+@click.option("--spill/--no-spill", default=True, show_default=True,
+              help="With more than one pass: read the inputs once more and spill each "
+              "pass's tokens to OUTDIR/.fastpack (temporary disk as large as the tokens), "
+              "or read the inputs again for every pass.")
+@click.option("--resume", is_flag=True,
+              help="Finish an interrupted run in OUTDIR, keeping its complete shards.")
+@click.option("--overwrite", is_flag=True, help="Replace fastpack output already in OUTDIR.")
+@click.option("--ray", "ray_address", is_flag=False, flag_value="auto", default=None,
+              metavar="[ADDRESS]",
+              help="Run on a Ray cluster (Ray Data): the plan made once by planner actors, "
+              "the shards gathered on the workers. ADDRESS as for ray.init (default: a "
+              "running cluster, else a local one); write --ray=ADDRESS, or --ray last.")
+@click.option("--no-plot", is_flag=True, help="Skip report.png.")
+def pack(inputs: Sequence[str], outdir: str, max_len: int, column: str, quiet: bool,
+         columns: tuple[str, ...], text_column: str | None, tokenizer: str | None,
+         strategy: str, overlong: str, long_max_len: int | None, group_tokens: int | None,
+         shuffle: bool, seed: int, shard_rows: int | None, plan_shards: int, memory: str,
+         spill: bool, resume: bool, overwrite: bool, ray_address: str | None,
+         no_plot: bool) -> None:
+    """Pack the documents of INPUT... (files or directories) into parquet shards of packed
+    rows with the columns of fastpack.hf.pack_dataset: every packed token column,
+    seq_lengths and position_ids (what TRL's SFTTrainer reads).
+
+    Memory stays bounded: lengths first (a few bytes per document), one global plan, then
+    the shards gathered in as many passes as --memory requires. Shards are written
+    atomically, listed with checksums in manifest.json; the same inputs and options give
+    byte-identical shards.
+
+    \b
+    Example:
+      fastpack pack data/*.jsonl.zst -o packed/ --max-len 4096 --overlong split --shuffle
+    """
+    from ._offline import PackSettings, pack_corpus, parse_size, summary_lines
+
+    if (text_column is None) != (tokenizer is None):
+        _fail(FastpackError("--text-column and --tokenizer go together: the text is "
+                            "tokenized with the tokenizer"))
+    if resume and overwrite:
+        _fail(FastpackError("--resume and --overwrite exclude each other"))
+    if long_max_len is not None and long_max_len <= max_len:
+        _fail(FastpackError(f"--long-max-len: got {long_max_len}; expected more than "
+                            f"--max-len ({max_len})"))
+    try:
+        budget = None if memory == "auto" else parse_size(memory)
+        settings = PackSettings(
+            max_len=max_len, column=column, columns=columns, text_column=text_column,
+            tokenizer=str(Path(tokenizer).resolve()) if tokenizer else None,
+            strategy=strategy, overlong=overlong, long_max_len=long_max_len,
+            group_tokens=group_tokens, shuffle=shuffle, seed=seed, shard_rows=shard_rows,
+            plan_shards=plan_shards)
+        if ray_address is not None:
+            from .ray import pack_files
+
+            report = pack_files(inputs, outdir, settings, address=ray_address, resume=resume,
+                                overwrite=overwrite, quiet=quiet, plot=not no_plot)
+        else:
+            report = pack_corpus(inputs, outdir, settings, memory=budget, spill=spill,
+                                 resume=resume,
+                                 overwrite=overwrite, quiet=quiet, plot=not no_plot)
+    except KeyboardInterrupt:
+        click.echo(f"fastpack: interrupted; complete shards are kept: rerun with --resume "
+                   f"to finish {outdir}", err=True)
+        sys.exit(130)
+    except FastpackError as e:
+        _fail(e)
+    except OSError as e:
+        _fail(e, 1)
+    for line in summary_lines(report, outdir):
+        click.echo(line)
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

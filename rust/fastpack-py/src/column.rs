@@ -1,0 +1,265 @@
+//! Binding of `fastpack_core::column` and `fastpack_core::gather`: a `ListColumn` holds
+//! the buffers of a list column (numpy views of Arrow buffers, every chunk, an optional
+//! indices mapping) once, so that each later call reads them without converting anything.
+
+use fastpack_core::column::{self, Column, Dtype, Indices, Ints, ListChunk, Values};
+use fastpack_core::gather::{self as core, Buffer, GatherOptions, PlanRef};
+use fastpack_core::{pool, Overlong, Strategy};
+use numpy::prelude::*;
+use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1, PyUntypedArray};
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList};
+
+use crate::{fastpack_error, guarded, to_py};
+
+/// A list column read in place: chunks of `(offsets, values, value_offset, value_len)`
+/// — int32/int64 offsets, and the value buffer as any contiguous 1-D numpy array whose
+/// bytes hold `value_len` values of `dtype` from value (for `bool`, bit) `value_offset` —
+/// and an optional indices mapping (int64 arrays in row order). The arrays are kept
+/// alive, and read in place, as long as the column lives.
+#[pyclass(frozen, module = "fastpack._core")]
+pub struct ListColumn {
+    // Borrows from `owners`; declared first so it is dropped first.
+    column: Column<'static>,
+    #[allow(dead_code)]
+    owners: Vec<Py<PyAny>>,
+}
+
+/// The bytes of a contiguous 1-D numpy array, for as long as the array lives.
+fn bytes_of(arg: &str, array: &Bound<'_, PyUntypedArray>) -> PyResult<&'static [u8]> {
+    if array.ndim() != 1 || !array.is_c_contiguous() {
+        return Err(fastpack_error(&format!("{arg}: expected a contiguous 1-D array")));
+    }
+    let nbytes = array.len() * array.dtype().itemsize();
+    if nbytes == 0 {
+        return Ok(&[]);
+    }
+    // SAFETY: the data pointer of a contiguous array holds `nbytes` bytes; the caller keeps
+    // a reference to the array (which keeps its buffer alive) as long as the slice is used.
+    Ok(unsafe {
+        std::slice::from_raw_parts((*array.as_array_ptr()).fields.data as *const u8, nbytes)
+    })
+}
+
+/// An int32 / int64 array as `Ints`, for as long as the array lives.
+fn ints_of(arg: &str, obj: &Bound<'_, PyAny>) -> PyResult<Ints<'static>> {
+    let aligned = |p: *const u8, a: usize| (p as usize) % a == 0;
+    if let Ok(a) = obj.cast::<PyArray1<i64>>() {
+        let b = bytes_of(arg, a.as_untyped())?;
+        if aligned(b.as_ptr(), 8) {
+            // SAFETY: aligned, and as long as the array (see `bytes_of`).
+            return Ok(Ints::I64(unsafe {
+                std::slice::from_raw_parts(b.as_ptr() as *const i64, b.len() / 8)
+            }));
+        }
+    } else if let Ok(a) = obj.cast::<PyArray1<i32>>() {
+        let b = bytes_of(arg, a.as_untyped())?;
+        if aligned(b.as_ptr(), 4) {
+            // SAFETY: as above.
+            return Ok(Ints::I32(unsafe {
+                std::slice::from_raw_parts(b.as_ptr() as *const i32, b.len() / 4)
+            }));
+        }
+    }
+    Err(fastpack_error(&format!("{arg}: expected an aligned 1-D int32 or int64 numpy array")))
+}
+
+type ChunkSpec<'py> = (Bound<'py, PyAny>, Bound<'py, PyUntypedArray>, usize, usize);
+
+#[pymethods]
+impl ListColumn {
+    #[new]
+    #[pyo3(signature = (name, dtype, chunks, indices=None))]
+    fn new(
+        name: String,
+        dtype: &str,
+        chunks: Vec<ChunkSpec<'_>>,
+        indices: Option<Vec<Bound<'_, PyAny>>>,
+    ) -> PyResult<Self> {
+        let dtype = Dtype::parse(dtype).map_err(to_py)?;
+        let mut owners = Vec::with_capacity(2 * chunks.len());
+        let mut parts = Vec::with_capacity(chunks.len());
+        for (offsets, buffer, value_offset, value_len) in &chunks {
+            let bytes = bytes_of("values", buffer)?;
+            let values = Values::new(bytes, dtype, *value_offset, *value_len).map_err(to_py)?;
+            parts.push(ListChunk { offsets: ints_of("offsets", offsets)?, values });
+            owners.push(offsets.clone().unbind());
+            owners.push(buffer.clone().into_any().unbind());
+        }
+        let indices = match indices {
+            None => None,
+            Some(arrays) => {
+                let mut slices = Vec::with_capacity(arrays.len());
+                for a in &arrays {
+                    match ints_of("indices", a)? {
+                        Ints::I64(s) => slices.push(s),
+                        Ints::I32(_) => {
+                            return Err(fastpack_error("indices: expected int64 arrays"));
+                        }
+                    }
+                    owners.push(a.clone().unbind());
+                }
+                Some(Indices::new(slices))
+            }
+        };
+        let column = Column::new(name, parts, indices).map_err(to_py)?;
+        Ok(Self { column, owners })
+    }
+
+    #[getter]
+    fn name(&self) -> &str {
+        self.column.name()
+    }
+
+    /// The value type: int8 .. uint64, float16 .. float64 or bool.
+    #[getter]
+    fn dtype(&self) -> &'static str {
+        self.column.dtype().name()
+    }
+
+    /// Rows, through the indices mapping if there is one.
+    #[getter]
+    fn rows(&self) -> usize {
+        self.column.rows()
+    }
+
+    #[getter]
+    fn num_chunks(&self) -> usize {
+        self.column.num_chunks()
+    }
+
+    fn __len__(&self) -> usize {
+        self.column.rows()
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "ListColumn({:?}, {} rows, {} chunk(s) of {})",
+            self.column.name(),
+            self.column.rows(),
+            self.column.num_chunks(),
+            self.column.dtype().name()
+        )
+    }
+}
+
+impl ListColumn {
+    pub(crate) fn column(&self) -> &Column<'_> {
+        &self.column
+    }
+}
+
+/// `column_lengths(columns, threads)`: the row lengths (int64) of `columns[0]`, after
+/// checking every row of every column (offsets, indices, and that each column has as
+/// many values per row as the first).
+#[pyfunction]
+#[pyo3(signature = (columns, threads=None))]
+pub fn column_lengths<'py>(
+    py: Python<'py>,
+    columns: Vec<PyRef<'py, ListColumn>>,
+    threads: Option<usize>,
+) -> PyResult<Bound<'py, PyArray1<i64>>> {
+    let cols: Vec<Column<'_>> = columns.iter().map(|c| c.column().clone()).collect();
+    let lengths = py
+        .detach(|| pool::install(threads, || guarded(|| column::lengths(&cols))))
+        .map_err(to_py)?
+        .map_err(to_py)?;
+    Ok(lengths.into_pyarray(py))
+}
+
+/// `pack_tokens(seqlens, pack_offsets, packs)`: tokens (int64) in each of `packs`.
+#[pyfunction]
+pub fn pack_tokens<'py>(
+    py: Python<'py>,
+    seqlens: PyReadonlyArray1<'py, i32>,
+    pack_offsets: PyReadonlyArray1<'py, i64>,
+    packs: PyReadonlyArray1<'py, i64>,
+) -> PyResult<Bound<'py, PyArray1<i64>>> {
+    let seqlens = seqlens.as_slice()?;
+    // Only the counts are read: a plan of segments with no sequences behind them.
+    let none: Vec<i64> = Vec::new();
+    let plan = PlanRef {
+        sample_ids: &none,
+        starts: &none,
+        seqlens,
+        pack_offsets: pack_offsets.as_slice()?,
+        reserve: 0,
+        strategy: Strategy::BestFitDecreasing,
+        overlong: Overlong::Error,
+    };
+    let packs = packs.as_slice()?;
+    let tokens = py.detach(|| guarded(|| core::pack_tokens(&plan, packs))).map_err(to_py)?;
+    Ok(tokens.into_pyarray(py))
+}
+
+/// `gather(plan arrays..., packs, columns, fills, position_ids, threads)`: the packs as
+/// packed columns; see `fastpack.gather`. `fills` holds each column's separator value as
+/// 8 little-endian bytes. Returns a dict of numpy arrays: `offsets`, `seq_offsets`
+/// (int64), `seq_lengths`, `position_ids` (int32), and `columns`, one entry per column:
+/// its values (uint8..uint64 by width), or `(bits, len)` for booleans.
+#[pyfunction]
+#[pyo3(signature = (
+    sample_ids, starts, seqlens, pack_offsets, reserve, strategy, overlong, packs, columns,
+    fills, position_ids=true, threads=None
+))]
+#[allow(clippy::too_many_arguments)]
+pub fn gather<'py>(
+    py: Python<'py>,
+    sample_ids: PyReadonlyArray1<'py, i64>,
+    starts: PyReadonlyArray1<'py, i64>,
+    seqlens: PyReadonlyArray1<'py, i32>,
+    pack_offsets: PyReadonlyArray1<'py, i64>,
+    reserve: u64,
+    strategy: &str,
+    overlong: &str,
+    packs: PyReadonlyArray1<'py, i64>,
+    columns: Vec<PyRef<'py, ListColumn>>,
+    fills: Vec<Vec<u8>>,
+    position_ids: bool,
+    threads: Option<usize>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let plan = PlanRef {
+        sample_ids: sample_ids.as_slice()?,
+        starts: starts.as_slice()?,
+        seqlens: seqlens.as_slice()?,
+        pack_offsets: pack_offsets.as_slice()?,
+        reserve,
+        strategy: Strategy::parse(strategy).map_err(to_py)?,
+        overlong: Overlong::parse(overlong).map_err(to_py)?,
+    };
+    let packs = packs.as_slice()?;
+    let mut fill_bytes = Vec::with_capacity(fills.len());
+    for f in &fills {
+        let mut b = [0u8; 8];
+        if f.len() > 8 {
+            return Err(fastpack_error("fills: expected at most 8 bytes per column"));
+        }
+        b[..f.len()].copy_from_slice(f);
+        fill_bytes.push(b);
+    }
+    let opts = GatherOptions { fills: fill_bytes, position_ids };
+    let cols: Vec<Column<'_>> = columns.iter().map(|c| c.column().clone()).collect();
+    let out = py
+        .detach(|| pool::install(threads, || guarded(|| core::gather(&plan, packs, &cols, &opts))))
+        .map_err(to_py)?
+        .map_err(to_py)?;
+
+    let d = PyDict::new(py);
+    let values = PyList::empty(py);
+    for b in out.columns {
+        // Moved, not copied: numpy takes ownership of each Vec's buffer.
+        match b {
+            Buffer::U8(v) => values.append(v.into_pyarray(py))?,
+            Buffer::U16(v) => values.append(v.into_pyarray(py))?,
+            Buffer::U32(v) => values.append(v.into_pyarray(py))?,
+            Buffer::U64(v) => values.append(v.into_pyarray(py))?,
+            Buffer::Bits { bits, len } => values.append((bits.into_pyarray(py), len))?,
+        }
+    }
+    d.set_item("columns", values)?;
+    d.set_item("offsets", out.offsets.into_pyarray(py))?;
+    d.set_item("seq_offsets", out.seq_offsets.into_pyarray(py))?;
+    d.set_item("seq_lengths", out.seq_lengths.into_pyarray(py))?;
+    d.set_item("position_ids", out.position_ids.into_pyarray(py))?;
+    Ok(d)
+}

@@ -1,0 +1,131 @@
+"""fastpack on Ray Data, on a local cluster started here: the same shards, byte for byte,
+as the single-machine command, with one global plan and with a sharded one; and
+``fastpack.ray.pack_dataset`` on a dataset whose row order Ray does not keep."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from click.testing import CliRunner
+from corpus import check_output, cli, corpus, documents, shard_bytes
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("ray.data")
+
+from fastpack._offline import PackSettings, pack_corpus  # noqa: E402
+from fastpack.cli import main  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    import logging
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             logging_level=logging.WARNING)
+    context = ray.data.DataContext.get_current()
+    context.enable_progress_bars = False
+    yield
+    ray.shutdown()
+
+
+def _same_report(a: dict, b: dict) -> None:
+    skip = {"seconds", "passes", "memory_budget", "spilled", "ray"}
+    assert {k: v for k, v in a.items() if k not in skip} == \
+        {k: v for k, v in b.items() if k not in skip}
+
+
+def test_ray_writes_the_single_machine_shards_and_resumes_them(cluster, tmp_path):
+    rng = np.random.default_rng(0)
+    lengths = [rng.integers(0, 400, 120).tolist() for _ in range(3)]
+    paths, docs = corpus(tmp_path, lengths, ["a.parquet", "b.jsonl.zst", "c.ds"], labels=True)
+    settings = PackSettings(max_len=256, columns=("labels",), overlong="split", shuffle=True,
+                            seed=2, shard_rows=12)
+    local = pack_corpus(paths, tmp_path / "local", settings, quiet=True, plot=False)
+    # A local run killed after two shards, finished on the cluster: the shards agree.
+    args = [*paths, "--max-len", "256", "--columns", "labels", "--overlong", "split",
+            "--shuffle", "--seed", "2", "--shard-rows", "12", "--no-plot", "-q"]
+    crashed = cli("pack", *args, "-o", str(tmp_path / "ray"),
+                  env={"FASTPACK_TEST_CRASH_AFTER_SHARDS": "2"})
+    assert crashed.returncode == -9
+    result = CliRunner().invoke(main, ["pack", *args, "-o", str(tmp_path / "ray"), "--resume",
+                                       "--ray"])
+    assert result.exit_code == 0, result.output
+    assert "on Ray (1 node, 2 CPUs)" in result.output
+    assert shard_bytes(tmp_path / "ray") == shard_bytes(tmp_path / "local")
+    assert len(shard_bytes(tmp_path / "local")) == local["shards"] > 4
+    _same_report(json.loads((tmp_path / "ray" / "report.json").read_text()), local)
+    check_output(tmp_path / "ray", docs, max_len=256, overlong="split", labels=True)
+
+
+def test_ray_sharded_plan_matches_the_single_machine_one(cluster, tmp_path):
+    from fastpack.ray import pack_files
+
+    rng = np.random.default_rng(1)
+    lengths = [rng.integers(1, 200, 300).tolist() for _ in range(2)]
+    paths, docs = corpus(tmp_path, lengths, ["a.parquet", "b.jsonl"])
+    settings = PackSettings(max_len=256, plan_shards=3, shard_rows=20, group_tokens=1024)
+    local = pack_corpus(paths, tmp_path / "local", settings, quiet=True, plot=False)
+    on_ray = pack_files(paths, str(tmp_path / "ray"), settings, quiet=True, plot=False)
+    assert shard_bytes(tmp_path / "ray") == shard_bytes(tmp_path / "local")
+    _same_report(on_ray, local)
+    assert np.array_equal(np.load(tmp_path / "ray" / "group_offsets.npy"),
+                          np.load(tmp_path / "local" / "group_offsets.npy"))
+    check_output(tmp_path / "ray", docs, max_len=256)
+    # Three plan shards cost a few packs over one global plan.
+    one = pack_corpus(paths, tmp_path / "one", PackSettings(max_len=256), quiet=True,
+                      plot=False)
+    assert one["packs"] <= on_ray["packs"] <= one["packs"] + 3
+
+
+def test_pack_dataset_orders_documents_by_content(cluster):
+    """No id column and a shuffled, many-block dataset: the plan follows the documents'
+    content keys, identical documents are interchangeable, and the rows equal the
+    single-machine gather over the same documents in that order."""
+    import fastpack
+    from fastpack.ray import content_keys, pack_dataset
+
+    rng = np.random.default_rng(2)
+    docs = documents(rng.integers(1, 150, 400).tolist())
+    docs += [docs[5], docs[5], docs[17]]  # duplicates travel and pack like any document
+    table = pa.table({"input_ids": pa.array([d.tolist() for d in docs], pa.list_(pa.int64()))})
+    ds = ray.data.from_arrow(table).random_shuffle(seed=1).repartition(7)
+    packed = pack_dataset(ds, 200, overlong="split", shuffle=True, seed=4, shard_rows=25)
+    rows = sorted(packed.take_all(), key=lambda r: r["pack_index"])
+    keys = content_keys(table.column("input_ids"))
+    order = np.argsort(keys, kind="stable")
+    plan = fastpack.pack(np.array([len(docs[i]) for i in order]), 200, overlong="split",
+                         shuffle=True, seed=4)
+    assert [r["pack_index"] for r in rows] == list(range(plan.num_packs))
+    for p, row in enumerate(rows):
+        ids, starts, seqlens = plan.segments(p)
+        expected = [int(t) for i, s, n in zip(ids, starts, seqlens)
+                    for t in docs[order[i]][s:s + n]]
+        assert list(row["input_ids"]) == expected
+        assert list(row["seq_lengths"]) == seqlens.tolist()
+        assert list(row["position_ids"]) == [j for n in seqlens for j in range(n)]
+    with pytest.raises(fastpack.FastpackError, match="columns: no column 'tokens'"):
+        pack_dataset(ds, 200, column="tokens")
+
+
+def test_the_docs_python_examples_run(cluster, tmp_path, monkeypatch, capsys):
+    """docs/cli.md's Python blocks (loading the shards; fastpack.ray), as written."""
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "cli.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", doc, flags=re.S)
+    assert len(blocks) == 2
+    paths, _ = corpus(tmp_path, [[40, 90, 7]], ["a.parquet"])
+    monkeypatch.chdir(tmp_path)
+    pack_corpus(paths, "packed", PackSettings(max_len=128), quiet=True, plot=False)
+    monkeypatch.setattr(ray, "init", lambda *a, **k: None)  # the cluster is up already
+    scopes = [{"__name__": "__doc_example__"} for _ in blocks]
+    for block, scope in zip(blocks, scopes):
+        exec(compile(block, "docs/cli.md", "exec"), scope)
+    assert scopes[0]["packed"].column_names == ["input_ids", "seq_lengths", "position_ids"]
+    assert len(scopes[0]["packed"]) == 2
+    printed = capsys.readouterr().out.split()
+    assert int(printed[0]) <= 256
