@@ -40,7 +40,6 @@ macro_rules! trace_print {
 static TRACE: std::sync::Mutex<Vec<(f64, &str)>> = std::sync::Mutex::new(Vec::new());
 
 mod error;
-mod fit;
 pub mod layout;
 mod length;
 pub mod materialize;
@@ -52,7 +51,14 @@ mod shuffle;
 mod two_level;
 
 pub use error::{Error, Result};
+
+/// Proptest cases: `default`, or `PROPTEST_CASES` when set (CI runs fewer in a debug
+/// build; a long run sets many).
+#[cfg(test)]
+pub(crate) fn proptest_cases(default: u32) -> u32 {
+    std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
 pub use length::Length;
-pub use pack::pack;
+pub use pack::{pack, pack_two_level};
 pub use plan::{Overlong, PackOptions, Plan, Stats, Strategy, MAX_ITEMS, MAX_LEN_LIMIT};
-pub use two_level::{pack_two_level, Bucket, Groups, Levels, TwoLevelPlan, GROUP_TOKENS_LIMIT};
+pub use two_level::{Bucket, Groups, Levels, TwoLevelPlan, GROUP_TOKENS_LIMIT};

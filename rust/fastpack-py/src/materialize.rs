@@ -61,7 +61,7 @@ fn optional_ints<'py>(
 #[pyo3(signature = (
     sample_ids, starts, seqlens, pack_offsets, reserve, strategy, overlong, packs,
     tokens, token_offsets, labels=None, label_offsets=None, loss_mask=None, mask_offsets=None,
-    separator_id=None, train_separators=false, layout="flat", width=None, pad_to_multiple_of=1,
+    separator_id=None, train_separators=false, layout="flat", pad_to=None, pad_to_multiple_of=1,
     pad_id=0, threads=None
 ))]
 #[allow(clippy::too_many_arguments)]
@@ -84,7 +84,7 @@ pub fn materialize<'py>(
     separator_id: Option<i64>,
     train_separators: bool,
     layout: &str,
-    width: Option<u64>,
+    pad_to: Option<u64>,
     pad_to_multiple_of: u64,
     pad_id: i64,
     threads: Option<usize>,
@@ -141,7 +141,7 @@ pub fn materialize<'py>(
         separator_id,
         train_separators,
         layout,
-        width,
+        width: pad_to,
         pad_to_multiple_of,
         pad_id,
     };
