@@ -14,11 +14,12 @@ import numpy as np
 
 from . import _core
 from ._errors import FastpackError, FastpackTypeError
-from ._plan import PackIndex, Plan, _int_arg
+from ._plan import PackIndex, Plan, _bool_arg, _choice, _int_arg, _threads, as_lengths
 
 __all__ = ["IGNORE_INDEX", "Ragged", "as_ragged", "loss_mask_from_spans", "materialize"]
 
 IGNORE_INDEX = -100
+LAYOUTS = ("flat", "rows")
 
 _INT_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
 
@@ -40,8 +41,24 @@ class Ragged:
     def __init__(self, values: Any, offsets: Any, *, mask: bool = False) -> None:
         self.values = _as_mask_values(values) if mask else _as_int_values(values, "values")
         self.offsets = _as_int_values(offsets, "offsets")
-        if self.offsets.size == 0:
+        offsets = self.offsets
+        if offsets.size == 0:
             raise FastpackError("offsets: expected at least one entry (num_rows + 1)")
+        # Checked once here, so a bad layout fails where it is built (O(rows), no copy).
+        if offsets[0] < 0:
+            raise FastpackError(f"offsets: starts at {int(offsets[0])}; expected >= 0")
+        steps = np.diff(offsets)
+        if steps.size and steps.min() < 0:
+            i = int(np.argmax(steps < 0))
+            raise FastpackError(
+                f"offsets: not monotone: offsets[{i}] = {int(offsets[i])} > offsets[{i + 1}] "
+                f"= {int(offsets[i + 1])}; expected non-decreasing offsets"
+            )
+        if offsets[-1] > self.values.size:
+            raise FastpackError(
+                f"offsets: ends at {int(offsets[-1])}, past the end of values "
+                f"({self.values.size} values)"
+            )
 
     @property
     def lengths(self) -> np.ndarray:
@@ -84,25 +101,29 @@ def _as_mask_values(values: Any) -> np.ndarray:
     return (array != 0).view(np.uint8)
 
 
-def _from_arrow(array: Any, mask: bool) -> Ragged:
+def _from_arrow(array: Any, mask: bool, name: str) -> Ragged:
     import pyarrow as pa
 
     if isinstance(array, pa.ChunkedArray):
         array = array.combine_chunks() if array.num_chunks != 1 else array.chunk(0)
     if not isinstance(array, (pa.ListArray, pa.LargeListArray)):
-        raise FastpackTypeError(f"expected a pyarrow list array, got {array.type}")
+        raise FastpackTypeError(
+            f"{name}: expected a pyarrow list array (list<int>), got {type(array).__name__} "
+            f"of type {array.type}"
+        )
     # `.values` is the whole child array and `.offsets` index into it, sliced or not.
     child = array.values
     if child.null_count:
-        raise FastpackError("token data: the lists hold null values")
+        raise FastpackError(f"{name}: the lists hold {child.null_count} null values")
     values = child.to_numpy(zero_copy_only=False)
     return Ragged(values, array.offsets.to_numpy(zero_copy_only=False), mask=mask)
 
 
-def _from_dataset(dataset: Any, column: str, mask: bool) -> Ragged:
+def _from_dataset(dataset: Any, column: str, mask: bool, name: str = "column") -> Ragged:
     if column not in dataset.column_names:
         raise FastpackError(
-            f"column {column!r} not in the dataset; it has {', '.join(dataset.column_names)}"
+            f"{name}: no column {column!r} in the dataset; it has "
+            f"{', '.join(map(repr, dataset.column_names))}"
         )
     chunked = dataset.data.column(column)
     indices = getattr(dataset, "_indices", None)
@@ -110,20 +131,25 @@ def _from_dataset(dataset: Any, column: str, mask: bool) -> Ragged:
         import pyarrow.compute as pc
 
         chunked = pc.take(chunked, indices.column(0))
-    return _from_arrow(chunked, mask)
+    return _from_arrow(chunked, mask, name)
 
 
 TokenData = Union[Ragged, tuple[Any, Any], Sequence[Any], Any]
 
 
-def as_ragged(data: TokenData, *, column: str = "input_ids", mask: bool = False) -> Ragged:
+def as_ragged(
+    data: TokenData, *, column: str = "input_ids", mask: bool = False, name: str = "data"
+) -> Ragged:
     """Token data (or labels, or with ``mask=True`` a 0/1 loss mask) as :class:`Ragged`.
 
     Accepts a :class:`Ragged`; a ``(values, offsets)`` pair; a pyarrow ``ListArray`` /
     ``ChunkedArray``; a Hugging Face ``datasets.Dataset`` (its ``column``) or a column of
     one (``dataset["input_ids"]``), read from the Arrow buffers without per-row Python
-    objects; or a sequence of per-row arrays or lists (concatenated once).
+    objects; or a sequence of per-row arrays or lists (concatenated once). ``name`` is the
+    argument errors name.
     """
+    if not isinstance(column, str):
+        raise FastpackTypeError(f"column: expected a string, got {type(column).__name__}")
     if isinstance(data, Ragged):
         if mask and data.values.dtype != np.uint8:
             return Ragged(data.values, data.offsets, mask=True)
@@ -132,43 +158,53 @@ def as_ragged(data: TokenData, *, column: str = "input_ids", mask: bool = False)
         return Ragged(data[0], data[1], mask=mask)
     module = type(data).__module__
     if module.startswith("pyarrow"):
-        return _from_arrow(data, mask)
+        return _from_arrow(data, mask, name)
     if module.startswith("datasets"):
         if hasattr(data, "column_names") and hasattr(data, "data"):
-            return _from_dataset(data, column, mask)
+            return _from_dataset(data, column, mask, name)
         if hasattr(data, "source") and hasattr(data, "column_name"):
-            return _from_dataset(data.source, data.column_name, mask)
+            return _from_dataset(data.source, data.column_name, mask, name)
     if isinstance(data, (str, bytes, dict)) or not isinstance(data, Sequence):
         raise FastpackTypeError(
-            f"token data: expected Ragged, (values, offsets), a pyarrow list array, a "
+            f"{name}: expected Ragged, (values, offsets), a pyarrow list array, a "
             f"datasets column or a sequence of sequences; got {type(data).__name__}"
         )
-    return _from_rows(data, mask)
+    return _from_rows(data, mask, name)
 
 
-def _from_rows(rows: Sequence[Any], mask: bool) -> Ragged:
+def _from_rows(rows: Sequence[Any], mask: bool, name: str = "data") -> Ragged:
     if isinstance(rows, list) and rows and isinstance(rows[0], list):
         try:  # lists of Python ints, read in Rust straight from the list objects
             values, offsets = _core.flatten_int_lists(rows, mask)
             return Ragged(values, offsets, mask=mask)
         except FastpackError:
             pass  # not all lists of ints: the general path below says what is wrong
+    for i, row in enumerate(rows):
+        if isinstance(row, (str, bytes, dict)) or not hasattr(row, "__len__"):
+            raise FastpackTypeError(
+                f"{name}: row {i} is {type(row).__name__}; expected a sequence of integers "
+                f"(list, tuple, numpy array or tensor)"
+            )
     lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
     offsets = np.zeros(len(rows) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
-    if len(rows) and isinstance(rows[0], (list, tuple)):
-        import itertools
+    # Rows that are not all lists of Python ints (those went to Rust above): each row to
+    # numpy once, so a float or a string is an error below, never silently truncated.
+    try:
+        if len(rows):
+            values = np.concatenate([_to_numpy(r) for r in rows])
+        else:
+            values = np.zeros(0, dtype=np.int64)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise FastpackTypeError(f"{name}: expected rows of integers ({e})") from None
+    return _ragged(values, offsets, mask, name)
 
-        values = np.fromiter(
-            itertools.chain.from_iterable(rows),
-            dtype=np.uint8 if mask else np.int64,
-            count=int(offsets[-1]),
-        )
-    elif len(rows):
-        values = np.concatenate([_to_numpy(r) for r in rows])
-    else:
-        values = np.zeros(0, dtype=np.int64)
-    return Ragged(values, offsets, mask=mask)
+
+def _ragged(values: Any, offsets: Any, mask: bool, name: str) -> Ragged:
+    try:
+        return Ragged(values, offsets, mask=mask)
+    except FastpackError as e:  # name the argument the rows came from
+        raise type(e)(f"{name}: {e}") from None
 
 
 def _to_numpy(row: Any) -> np.ndarray:
@@ -183,16 +219,35 @@ def loss_mask_from_spans(lengths: Any, spans: Sequence[Sequence[tuple[int, int]]
     """A 0/1 loss mask from role spans: ``spans[i]`` lists the ``(start, end)`` token
     ranges of row ``i`` that are trained on (say, the assistant turns); everything else
     gets label -100. Spans may overlap; ends past the row are clipped."""
-    lengths = np.asarray(lengths, dtype=np.int64)
+    lengths = as_lengths(lengths).astype(np.int64, copy=False)
+    if (lengths < 0).any():
+        i = int(np.argmax(lengths < 0))
+        raise FastpackError(f"lengths: negative length {int(lengths[i])} at index {i}")
+    if isinstance(spans, (str, bytes, dict)) or not isinstance(spans, Sequence):
+        raise FastpackTypeError(
+            f"spans: expected a sequence of per-row lists of (start, end) pairs, got "
+            f"{type(spans).__name__}"
+        )
     if len(spans) != len(lengths):
         raise FastpackError(f"spans: got {len(spans)} rows for {len(lengths)} lengths")
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
     counts = np.fromiter((len(s) for s in spans), dtype=np.int64, count=len(spans))
-    flat = np.array([pair for row in spans for pair in row], dtype=np.int64).reshape(-1, 2)
+    try:
+        flat = np.array([pair for row in spans for pair in row], dtype=np.int64).reshape(-1, 2)
+    except (TypeError, ValueError, OverflowError):
+        raise FastpackError(
+            "spans: expected (start, end) pairs of integers, e.g. [[(0, 4), (9, 12)], []]"
+        ) from None
+    if len(flat) != int(counts.sum()):
+        raise FastpackError("spans: expected (start, end) pairs, e.g. [[(0, 4), (9, 12)], []]")
     rows = np.repeat(np.arange(len(lengths)), counts)
     if flat.size and ((flat < 0).any() or (flat[:, 1] < flat[:, 0]).any()):
-        raise FastpackError("spans: expected (start, end) pairs with 0 <= start <= end")
+        bad = int(np.argmax((flat < 0).any(axis=1) | (flat[:, 1] < flat[:, 0])))
+        raise FastpackError(
+            f"spans: row {int(rows[bad])} has the span {tuple(flat[bad].tolist())}; expected "
+            f"(start, end) pairs with 0 <= start <= end"
+        )
     lo = offsets[rows] + np.minimum(flat[:, 0], lengths[rows])
     hi = offsets[rows] + np.minimum(flat[:, 1], lengths[rows])
     delta = np.zeros(int(offsets[-1]) + 1, dtype=np.int64)
@@ -260,21 +315,22 @@ def materialize(
     """
     if not isinstance(plan, Plan):
         raise FastpackTypeError(f"plan: expected a fastpack.Plan, got {type(plan).__name__}")
-    if layout not in ("flat", "rows"):
-        raise FastpackError(f"layout: unknown value {layout!r}; expected 'flat' or 'rows'")
-    dataset = tokens if _is_dataset(tokens) else None
-    token_data = as_ragged(tokens)
-    label_data = _side(labels, dataset, mask=False)
-    mask_data = _side(loss_mask, dataset, mask=True)
+    layout = _choice("layout", layout, LAYOUTS)
     multiple = 1 if pad_to_multiple_of is None else _int_arg(
-        "pad_to_multiple_of", pad_to_multiple_of, minimum=1
+        "pad_to_multiple_of", pad_to_multiple_of, minimum=1, maximum=2**31 - 1
     )
     if pad_to is not None:
-        pad_to = _int_arg("pad_to", pad_to, minimum=0)
+        pad_to = _int_arg("pad_to", pad_to, minimum=0, maximum=2**63 - 1)
     if separator_id is not None:
-        separator_id = _int_arg("separator_id", separator_id, minimum=-(2**63))
-    if threads is not None:
-        threads = _int_arg("threads", threads, minimum=1, maximum=4096)
+        separator_id = _int_arg("separator_id", separator_id, minimum=-(2**63),
+                                maximum=2**63 - 1)
+    train_separators = _bool_arg("train_separators", train_separators)
+    pad_id = _int_arg("pad_id", pad_id, minimum=-(2**63), maximum=2**63 - 1)
+    threads = _threads(threads)
+    dataset = tokens if _is_dataset(tokens) else None
+    token_data = as_ragged(tokens, name="tokens")
+    label_data = _side(labels, dataset, mask=False, name="labels")
+    mask_data = _side(loss_mask, dataset, mask=True, name="loss_mask")
     out: dict[str, Any] = _core.materialize(
         plan.sample_ids, plan.starts, plan.seqlens, plan.pack_offsets, plan.reserve,
         plan.strategy, plan.overlong, _packs(plan, packs),
@@ -283,7 +339,7 @@ def materialize(
         None if label_data is None else label_data.offsets,
         None if mask_data is None else mask_data.values,
         None if mask_data is None else mask_data.offsets,
-        separator_id, bool(train_separators), layout, pad_to, multiple, int(pad_id), threads,
+        separator_id, train_separators, layout, pad_to, multiple, pad_id, threads,
     )
     shape = (out.pop("rows"), out.pop("width"))
     for key in ("input_ids", "position_ids", "labels", "seq_idx"):
@@ -295,13 +351,16 @@ def _is_dataset(obj: Any) -> bool:
     return type(obj).__module__.startswith("datasets") and hasattr(obj, "column_names")
 
 
-def _side(data: TokenData | str | None, dataset: Any, *, mask: bool) -> Ragged | None:
+def _side(
+    data: TokenData | str | None, dataset: Any, *, mask: bool, name: str
+) -> Ragged | None:
     if data is None:
         return None
     if isinstance(data, str):
         if dataset is None:
             raise FastpackTypeError(
-                "labels/loss_mask: a column name needs a datasets.Dataset as tokens"
+                f"{name}: got the column name {data!r}, which needs a datasets.Dataset as "
+                f"tokens; pass the values instead"
             )
-        return _from_dataset(dataset, data, mask)
-    return as_ragged(data, mask=mask)
+        return _from_dataset(dataset, data, mask, name)
+    return as_ragged(data, mask=mask, name=name)
