@@ -1,4 +1,4 @@
-"""Every Python example in README.md and docs/integrations.md runs."""
+"""Every Python example in README.md, docs/integrations.md and docs/core.md runs."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ pytest.importorskip("datasets")
 ROOT = Path(__file__).resolve().parent.parent
 BLOCKS = [
     (doc.name, block)
-    for doc in (ROOT / "README.md", ROOT / "docs" / "integrations.md")
+    for doc in (ROOT / "README.md", ROOT / "docs" / "integrations.md", ROOT / "docs" / "core.md")
     if doc.exists()
     for block in re.findall(r"```python\n(.*?)```", doc.read_text(), flags=re.S)
 ]

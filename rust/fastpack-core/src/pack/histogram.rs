@@ -10,6 +10,10 @@ use crate::plan::Stats;
 use super::classify::{tally_chunk, Rules, Tally};
 use super::Input;
 
+/// A chunk holds at least 2^CHUNK_SHIFT lengths. Under Miri, a few dozen: its small
+/// inputs then cross chunk boundaries as real ones do.
+const CHUNK_SHIFT: u32 = if cfg!(miri) { 5 } else { 16 };
+
 /// The input's fixed chunks: every pass over the input uses the same ones, so a chunk's
 /// counts from one pass are its cursors in the next.
 #[derive(Clone, Copy, Debug)]
@@ -25,7 +29,7 @@ impl Chunks {
     pub(crate) fn new(n: usize, max_len: u64) -> Self {
         let threads = rayon::current_num_threads();
         let by_memory = ((1usize << 23) / (max_len as usize + 1)).max(1);
-        let count = (n >> 16).clamp(1, 4 * threads).min(by_memory);
+        let count = (n >> CHUNK_SHIFT).clamp(1, 4 * threads).min(by_memory);
         let len = n.div_ceil(count).max(1);
         Self { len, count: n.div_ceil(len).max(1) }
     }

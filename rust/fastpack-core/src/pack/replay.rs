@@ -22,8 +22,9 @@ struct Run {
     len: u32,
 }
 
-/// Runs go from the placement to the writers in batches of this many (128 KiB)...
-const RUN_BATCH: usize = 1 << 13;
+/// Runs go from the placement to the writers in batches of this many (128 KiB; under Miri
+/// a few, so its small inputs are handed off too)...
+const RUN_BATCH: usize = if cfg!(miri) { 4 } else { 1 << 13 };
 /// ...with at most this many batches waiting, so memory stays bounded when the writers
 /// fall behind (the placement then writes its batches itself).
 const RUNS_IN_FLIGHT: usize = 4;
