@@ -130,7 +130,8 @@ def worker(task: str, dist: str, n: int, reps: int) -> dict:
         timed(lambda: np.sort(lengths))
     elif task in ("pack", "pack-1thread"):
         threads = 1 if task == "pack-1thread" else None
-        plan = timed(lambda: fastpack.pack(lengths, MAX_LEN, overlong=overlong, threads=threads))
+        plan = timed(lambda: fastpack.pack(lengths, MAX_LEN, overlong=overlong, threads=threads,
+                                           shuffle=False))
         out.update(packs=plan.num_packs, lower_bound=plan.lower_bound,
                    efficiency=plan.efficiency, digest=digest(plan), threads=threads or
                    fastpack._core.default_threads())
@@ -180,7 +181,7 @@ def worker(task: str, dist: str, n: int, reps: int) -> dict:
         }
         del nf, nf_fills, nf_batches
         # Baseline 2: single-level packing straight into rows of B tokens.
-        single = fastpack.pack(lengths, budget, overlong=overlong)
+        single = fastpack.pack(lengths, budget, overlong=overlong, shuffle=False)
         out["single_level"] = {
             "packs": single.num_packs, "lower_bound": single.lower_bound,
             "efficiency": single.efficiency, "tokens": spread(single.pack_fills, budget),
@@ -188,7 +189,7 @@ def worker(task: str, dist: str, n: int, reps: int) -> dict:
         }
     elif task == "buckets":
         long_max_len, budget = 32768, 65536
-        plan = timed(lambda: fastpack.pack(lengths, MAX_LEN, overlong=overlong,
+        plan = timed(lambda: fastpack.pack(lengths, MAX_LEN, overlong=overlong, shuffle=False,
                                            long_max_len=long_max_len, group_tokens=budget))
         assert plan.group_fills is not None
         caps = plan.pack_caps[plan.group_offsets[:-1]]

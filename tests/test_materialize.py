@@ -80,7 +80,7 @@ def test_properties(
         real = flat_ids > 0
         assert not is_target[real & ((flat_ids % 1000 - 1) % 3 == 0)].any()
     assert out["num_targets"] == is_target.sum()
-    assert out["num_tokens"] == plan.total_tokens == (flat_ids != 0).sum()
+    assert out["total_tokens"] == plan.total_tokens == (flat_ids != 0).sum()
     # Rows layout: one pack per row, all the same width.
     if layout == "rows":
         assert ids.shape[0] == plan.num_packs
@@ -164,11 +164,20 @@ def test_outputs_are_rust_buffers_not_copies() -> None:
         _owner(out["input_ids"].copy())
 
 
-def test_batch_out_of_a_big_plan_touches_only_its_rows() -> None:
+def test_a_batch_of_a_big_plan_holds_exactly_its_packs() -> None:
     rng = np.random.default_rng(0)
     lengths = rng.integers(1, 300, 200_000)
     offsets = np.concatenate(([0], np.cumsum(lengths)))
     values = rng.integers(1, 30000, int(offsets[-1]), dtype=np.int32)
     plan = fastpack.pack(lengths, 1024, shuffle=True)
-    out = fastpack.materialize(plan, (values, offsets), [0, 1, 2, 3], layout="rows")
-    assert out["input_ids"].shape[0] == 4 and out["num_tokens"] == plan.pack_fills[:4].sum()
+    packs = [7, 0, plan.num_packs - 1, 3]
+    out = fastpack.materialize(plan, (values, offsets), packs, layout="rows")
+    assert out["input_ids"].shape[0] == 4
+    assert out["total_tokens"] == plan.pack_fills[packs].sum()
+    for row, p in enumerate(packs):  # each row: its pack's segments, in order, then padding
+        ids, starts, seqlens = plan.segments(p)
+        expected = np.concatenate([values[offsets[i] + s : offsets[i] + s + n]
+                                   for i, s, n in zip(ids, starts, seqlens)])
+        got = out["input_ids"][row]
+        np.testing.assert_array_equal(got[: len(expected)], expected)
+        assert (got[len(expected):] == 0).all()

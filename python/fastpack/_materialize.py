@@ -307,8 +307,10 @@ def materialize(
         ``position_ids``, ``labels`` (int64 ``[rows, width]``), ``seq_idx`` (int32
         ``[rows, width]``: segment index restarting at 0 in each row),
         ``cu_seqlens`` (int32, every segment of all rows end to end, padding included),
-        and ints ``max_seqlen``, ``num_targets`` (labels other than -100: the loss's
-        ``num_items_in_batch``), ``num_tokens`` (real tokens).
+        and ints ``max_seqlen`` (the longest segment), ``num_targets`` (labels other than
+        -100: the loss's ``num_items_in_batch``), ``total_tokens`` (tokens of the chosen
+        packs, separators included, padding not: the packs' share of
+        ``Plan.total_tokens``).
 
     In every segment the label of the first position is -100, so no sequence is trained
     to predict the next one's first token, and positions restart at 0.

@@ -1,16 +1,22 @@
 //! Memory: allocation that can fail, huge-page hints, and shared writes. Every `unsafe`
-//! block of the packing code lives in this module, behind safe functions.
+//! block of the packing code lives in this module, behind safe types and functions.
 //!
-//! - [`Slots`]: one buffer that many threads fill at disjoint positions (the counting
-//!   sort, the replay, the shuffle). Stores are relaxed atomics — a plain `mov` on x86-64
-//!   and aarch64, so they cost what a raw pointer write costs — and every index is
-//!   bounds-checked. A bug that made two writers share a slot would give a wrong value,
-//!   never undefined behaviour, and the phases check their counts to turn it into an
-//!   error.
+//! - [`Tiles`]: a fresh buffer that many threads fill, each position once, before anyone
+//!   reads it (the counting sort, the replay). Its positions are cut into ranges that tile
+//!   it; a range is filled front to back through its cursor, cursors are split between
+//!   writers (never shared), and the buffer is read only once [`Tiles::finish`] has found
+//!   every cursor exactly at its range's end — proof that every position was written.
+//!   Writes are relaxed atomic stores (a plain `mov`) checked against the buffer's end: no
+//!   write leaves the allocation, none can race, none is read unwritten, whatever the
+//!   callers compute — and nothing is zeroed first.
+//! - [`Slots`]: an initialized buffer that threads write at disjoint positions (the
+//!   shuffle, the layout, `starts`). Stores are relaxed atomics — a plain `mov` on x86-64
+//!   and aarch64 — and every index is bounds-checked: a bug that made two writers share a
+//!   slot would give a wrong value, never undefined behaviour.
 //! - [`try_zeroed`] and [`try_with_capacity`]: a large allocation that fails returns
 //!   [`Error::OutOfMemory`] (a Python `MemoryError`) instead of aborting the process.
 //!   Zeroed buffers come from `calloc`, so pages nobody writes cost nothing.
-//! - [`fill_zeros`] and [`prefault`]: a buffer's page faults paid on idle threads.
+//! - [`prefault`] and [`prefault_spare`]: a buffer's page faults paid on idle threads.
 
 use std::alloc::Layout;
 use std::sync::atomic::{AtomicI32, AtomicI64, AtomicU32, AtomicU64, AtomicUsize, Ordering};
@@ -18,10 +24,16 @@ use std::sync::atomic::{AtomicI32, AtomicI64, AtomicU32, AtomicU64, AtomicUsize,
 use crate::error::{Error, Result};
 
 /// A machine word that has an atomic twin of the same size and alignment.
-pub(crate) trait Word: Copy + Send + Sync + 'static {
+pub(crate) trait Word: Copy + Default + Send + Sync + 'static {
     type Atomic: Sync;
     fn store(cell: &Self::Atomic, value: Self);
     fn load(cell: &Self::Atomic) -> Self;
+    /// A relaxed atomic store through a raw pointer.
+    ///
+    /// # Safety
+    /// `ptr` is aligned, inside a live allocation, and every other access to it while
+    /// others may store there is atomic too.
+    unsafe fn store_at(ptr: *mut Self, value: Self);
 }
 
 macro_rules! word {
@@ -35,6 +47,11 @@ macro_rules! word {
             #[inline(always)]
             fn load(cell: &$a) -> $t {
                 cell.load(Ordering::Relaxed)
+            }
+            #[inline(always)]
+            unsafe fn store_at(ptr: *mut $t, value: $t) {
+                // SAFETY: the caller's contract; the atomic has the layout of `$t`.
+                unsafe { <$a>::from_ptr(ptr) }.store(value, Ordering::Relaxed)
             }
         }
     )*};
@@ -87,15 +104,13 @@ impl<'a, T: Word> Slots<'a, T> {
     pub(crate) fn get(&self, index: usize) -> T {
         T::load(&self.cells[index])
     }
+}
 
-    /// Writes `values` at `start..`, with one bounds check for the whole run.
-    #[inline(always)]
-    pub(crate) fn set_run(&self, start: usize, values: impl ExactSizeIterator<Item = T>) {
-        let cells = &self.cells[start..start + values.len()];
-        for (cell, value) in cells.iter().zip(values) {
-            T::store(cell, value);
-        }
-    }
+/// An exclusively borrowed `u64` buffer as atomics, for bits set by many threads.
+pub(crate) fn as_atomic(buffer: &mut [u64]) -> &[AtomicU64] {
+    // SAFETY: `AtomicU64` has the size, alignment and bit validity of `u64`, and the
+    // exclusive borrow makes the atomics the buffer's only accessors while they live.
+    unsafe { std::slice::from_raw_parts(buffer.as_mut_ptr() as *const AtomicU64, buffer.len()) }
 }
 
 /// `n` zeros, or [`Error::OutOfMemory`]. Large buffers come from a fresh mapping whose
@@ -155,34 +170,334 @@ pub(crate) fn try_reserve<T>(v: &mut Vec<T>, more: usize, what: &'static str) ->
 #[inline(always)]
 pub(crate) fn try_push<T>(v: &mut Vec<T>, value: T, what: &'static str) -> Result<()> {
     if v.len() == v.capacity() {
-        try_reserve(v, (v.len() / 2).max(64), what)?;
+        grow(v, what)?;
     }
     v.push(value);
     Ok(())
 }
 
-/// Extends an empty vector to its capacity with zeros, in parallel: its page faults (and
-/// the kernel's zeroing) are paid by whichever threads are idle rather than later by a
-/// sequential writer, and memory reused from the heap (warm pages) costs only the stores.
-pub(crate) fn fill_zeros<T: Word + Default>(v: &mut Vec<T>) {
+#[cold]
+#[inline(never)]
+fn grow<T>(v: &mut Vec<T>, what: &'static str) -> Result<()> {
+    try_reserve(v, (v.len() / 2).max(64), what)
+}
+
+/// Faults in every page of a vector's spare capacity, in parallel (writing zero to one
+/// item per page), so that they are paid by whichever threads are idle rather than later
+/// by a sequential writer. The vector is unchanged: its spare capacity stays unread.
+pub(crate) fn prefault_spare<T: Word + Default>(v: &mut Vec<T>) {
     use rayon::prelude::*;
-    v.clear();
-    let spare = v.spare_capacity_mut();
-    let n = spare.len();
-    spare.par_chunks_mut(1 << 16).for_each(|chunk| {
-        for item in chunk {
-            item.write(T::default());
+    let step = (PAGE / std::mem::size_of::<T>()).max(1);
+    v.spare_capacity_mut().par_chunks_mut(step).with_min_len(512).for_each(|page| {
+        page[0].write(T::default());
+    });
+}
+
+const PAGE: usize = 4096;
+
+/// How a buffer's positions are cut into ranges: each range's first position and end
+/// (see [`Tiles`]). Positions are u32: a plan holds at most MAX_ITEMS segments.
+pub(crate) struct Tiling {
+    total: usize,
+    /// Per range: its next position (its first, until written): the writers' only state,
+    /// 4 bytes a range (the replay's hot array, indexed at random).
+    next: Vec<u32>,
+    /// Where each place ends (`offsets[q + 1]`; a CSR's offsets from 0), place `q` holding
+    /// range `order[q]` (range `q` without an order). Read by [`Tiles::finish`] only.
+    offsets: Vec<i64>,
+    order: Option<Vec<u32>>,
+}
+
+impl Tiling {
+    /// Ranges of `sizes[r]` positions laid end to end in the order `order` lists them
+    /// (`order[q]` = the range at place `q`; `None`: `0, 1, 2, ...`). An `order` that is
+    /// not a permutation of the ranges is an error.
+    pub(crate) fn new(
+        mut sizes: Vec<u32>,
+        order: Option<Vec<u32>>,
+        what: &'static str,
+    ) -> Result<Self> {
+        use rayon::prelude::*;
+        let ranges = sizes.len();
+        let mut offsets = try_with_capacity::<i64>(ranges + 1, what)?;
+        offsets.push(0);
+        let Some(order) = order else {
+            // The sizes become the cursors, in place.
+            let mut at = 0u64;
+            for size in sizes.iter_mut() {
+                let first = at as u32;
+                at += *size as u64;
+                *size = first;
+                offsets.push(at as i64);
+            }
+            let total = check_total(at)?;
+            return Ok(Self { total, next: sizes, offsets, order: None });
+        };
+        // Random gathers and scatters over millions of ranges: parallel.
+        let mut seen = try_zeroed::<u64>(ranges.div_ceil(64), what)?;
+        let bits = as_atomic(&mut seen);
+        let once = order.len() == ranges
+            && order.par_iter().all(|&r| {
+                let (word, bit) = (r as usize >> 6, 1u64 << (r & 63));
+                (r as usize) < ranges && bits[word].fetch_or(bit, Ordering::Relaxed) & bit == 0
+            });
+        if !once {
+            return Err(Error::invalid("fastpack", "internal error: ranges do not tile"));
+        }
+        let mut in_order = try_with_capacity::<u32>(ranges, what)?;
+        order.par_iter().map(|&r| sizes[r as usize]).collect_into_vec(&mut in_order);
+        let mut at = 0u64;
+        for size in in_order {
+            at += size as u64;
+            offsets.push(at as i64);
+        }
+        let total = check_total(at)?;
+        // Every range is set (the order is a permutation): the sizes become the cursors.
+        {
+            let next = Slots::new(&mut sizes);
+            let offsets = &offsets;
+            order
+                .par_iter()
+                .enumerate()
+                .for_each(|(q, &r)| next.set(r as usize, offsets[q] as u32));
+        }
+        Ok(Self { total, next: sizes, offsets, order: Some(order) })
+    }
+
+    /// Where each place ends (`offsets[q + 1]`), from 0.
+    #[cfg(test)]
+    pub(crate) fn offsets(&self) -> &[i64] {
+        &self.offsets
+    }
+
+    /// Binds the tiling to the positions after a vector's items (room is made for them,
+    /// fallibly) for writers to fill.
+    pub(crate) fn over<'v, T: Word>(
+        self,
+        v: &'v mut Vec<T>,
+        what: &'static str,
+    ) -> Result<Tiles<'v, T>> {
+        try_reserve(v, self.total, what)?;
+        advise_huge(v.as_ptr() as *const u8, (v.len() + self.total) * std::mem::size_of::<T>());
+        Ok(Tiles { v, tiling: self })
+    }
+}
+
+fn check_total(at: u64) -> Result<usize> {
+    if at > u32::MAX as u64 {
+        return Err(Error::overflow("lengths", "more than 2^32 - 1 segments"));
+    }
+    Ok(at as usize)
+}
+
+/// A fresh buffer filled, each position once, by writers that each hold the cursors of
+/// some of its ranges (see the module docs): positions `v.len() .. v.len() + total` of
+/// the vector it fills.
+pub(crate) struct Tiles<'v, T: Word> {
+    v: &'v mut Vec<T>,
+    tiling: Tiling,
+}
+
+impl<T: Word> Tiles<'_, T> {
+    /// The cursors of every range, for writers to split between them.
+    pub(crate) fn cursors(&mut self) -> Cursors<'_, T> {
+        // SAFETY: `Tiling::over` made room for `total` items after the vector's length, so
+        // the pointer and every position below `total` from it are in the allocation.
+        let base = unsafe { self.v.as_mut_ptr().add(self.v.len()) };
+        let (total, next) = (self.tiling.total, &mut self.tiling.next);
+        Cursors { base, total, next, _written: std::marker::PhantomData }
+    }
+
+    /// Every range full: the tiled positions become the vector's items, and the tiling's
+    /// offsets are handed back. `None` (and the vector unchanged) if some range was not
+    /// filled exactly.
+    pub(crate) fn finish(self) -> Option<Vec<i64>> {
+        use rayon::prelude::*;
+        let Tiling { total, next, offsets, order } = self.tiling;
+        let ends = &offsets[1..];
+        let full = match &order {
+            None => next.iter().zip(ends).all(|(&n, &e)| n as i64 == e),
+            Some(order) => order.par_iter().zip(ends).all(|(&r, &e)| next[r as usize] as i64 == e),
+        };
+        if !full {
+            return None;
+        }
+        let len = self.v.len() + total;
+        // SAFETY: the ranges tile positions `v.len() .. len` (`Tiling::new` laid them end to
+        // end, each once: the order was checked to be a permutation). A range's cursor
+        // starts at its first position and only moves forward: by one after a write at its
+        // old value (`Cursors::push`), or past `k` positions that a `Claims` then writes or,
+        // dropped unfilled, zeroes. Every cursor is now exactly at its range's end, so it
+        // never left its range and every position of every range was written. All writes
+        // are complete: the writers hold borrows of `self`, and they are gone. `T` is a
+        // plain integer.
+        unsafe { self.v.set_len(len) };
+        Some(offsets)
+    }
+}
+
+/// The cursors of some ranges of a [`Tiles`]. A write goes to its range's next position;
+/// writes are relaxed atomic stores anywhere below the buffer's end, so even cursors that
+/// (by a bug) ran past their range could not race — and [`Tiles::finish`] would refuse
+/// the buffer. Split to hand ranges to several writers.
+pub(crate) struct Cursors<'t, T> {
+    base: *mut T,
+    total: usize,
+    next: &'t mut [u32],
+    _written: std::marker::PhantomData<&'t mut [T]>,
+}
+
+// SAFETY: a `Cursors` stores only atomically, below the buffer's end, and nothing reads
+// the buffer before `Tiles::finish` (which needs every writer gone): moving one to
+// another thread cannot make a data race. `T` is a plain integer.
+unsafe impl<T: Send> Send for Cursors<'_, T> {}
+
+impl<'t, T: Word> Cursors<'t, T> {
+    /// Ranges `0..mid` and `mid..` (renumbered from 0).
+    pub(crate) fn split_at(self, mid: usize) -> (Self, Self) {
+        let (a, b) = self.next.split_at_mut(mid);
+        let (base, total, marker) = (self.base, self.total, std::marker::PhantomData);
+        (
+            Cursors { base, total, next: a, _written: marker },
+            Cursors { base, total, next: b, _written: marker },
+        )
+    }
+
+    /// How many ranges.
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
+        self.next.len()
+    }
+
+    /// Writes `value` at range `r`'s next position; returns it, or `None` (writing nothing)
+    /// past the buffer's end or when `r` is not one of these ranges.
+    #[inline(always)]
+    pub(crate) fn push(&mut self, r: usize, value: T) -> Option<usize> {
+        let next = self.next.get_mut(r)?;
+        let pos = *next as usize;
+        if pos >= self.total {
+            return None;
+        }
+        // SAFETY: `pos < total`: aligned and in the allocation (`Tiling::over`); every
+        // store to the buffer before `finish` is atomic.
+        unsafe { T::store_at(self.base.add(pos), value) };
+        *next += 1;
+        Some(pos)
+    }
+
+    /// An empty batch of claims on these ranges' buffer, with room for `capacity`.
+    pub(crate) fn claims<P>(&self, capacity: usize) -> Claims<'t, T, P> {
+        let runs = Vec::with_capacity(capacity);
+        Claims { base: self.base, runs, filled: false, _written: std::marker::PhantomData }
+    }
+
+    /// Claims range `r`'s next `k` positions into `claims` (the cursor moves past them now)
+    /// with `payload` for whoever fills them; `false` (claiming nothing) past the buffer's
+    /// end or when `r` is not one of these ranges.
+    #[inline(always)]
+    pub(crate) fn claim<P>(
+        &mut self,
+        r: usize,
+        k: usize,
+        payload: P,
+        claims: &mut Claims<'t, T, P>,
+    ) -> bool {
+        assert!(std::ptr::eq(claims.base, self.base), "claims on another buffer");
+        let Some(next) = self.next.get_mut(r) else { return false };
+        let pos = *next as usize;
+        if pos + k > self.total {
+            return false;
+        }
+        *next = (pos + k) as u32;
+        claims.runs.push((pos as u32, k as u32, payload));
+        true
+    }
+}
+
+/// Runs of positions claimed from a [`Tiles`]'s ranges (see [`Cursors::claim`]), for one
+/// writer — possibly on another thread — to fill. Dropped unfilled, it fills them with
+/// zeros: no position a range counts as written is ever left unwritten.
+pub(crate) struct Claims<'t, T: Word, P> {
+    base: *mut T,
+    /// (first position, count, payload) of each run.
+    runs: Vec<(u32, u32, P)>,
+    filled: bool,
+    _written: std::marker::PhantomData<&'t mut [T]>,
+}
+
+// SAFETY: the `Claims` stores only atomically, below the buffer's end, and nothing reads
+// the buffer before `Tiles::finish` (which needs every writer gone).
+unsafe impl<T: Word, P: Send> Send for Claims<'_, T, P> {}
+
+impl<T: Word, P> Claims<'_, T, P> {
+    pub(crate) fn len(&self) -> usize {
+        self.runs.len()
+    }
+
+    /// Fills every run: `values(payload, first position, count)` gives its values, exactly
+    /// `count` of them.
+    #[inline(always)]
+    pub(crate) fn fill<I: ExactSizeIterator<Item = T>>(
+        mut self,
+        mut values: impl FnMut(&P, usize, usize) -> I,
+    ) {
+        for (pos, k, payload) in &self.runs {
+            let (pos, k) = (*pos as usize, *k as usize);
+            let it = values(payload, pos, k);
+            assert_eq!(it.len(), k, "a run is filled whole");
+            for (j, value) in it.enumerate() {
+                // SAFETY: `pos + j < pos + k <= total` (`Cursors::claim`): aligned and in the
+                // allocation; every store to the buffer before `finish` is atomic.
+                unsafe { T::store_at(self.base.add(pos + j), value) };
+            }
+        }
+        self.filled = true;
+    }
+}
+
+impl<T: Word, P> Drop for Claims<'_, T, P> {
+    fn drop(&mut self) {
+        if self.filled {
+            return;
+        }
+        for &(pos, k, _) in &self.runs {
+            for j in pos as usize..(pos + k) as usize {
+                // SAFETY: a claimed position, as in `fill`.
+                unsafe { T::store_at(self.base.add(j), T::default()) };
+            }
+        }
+    }
+}
+
+/// Sets `dst` to `f(&mut src[i])` for every `i`, in parallel (its old items are dropped:
+/// plain integers), fallibly.
+pub(crate) fn fill_from<S: Send, T: Word>(
+    dst: &mut Vec<T>,
+    src: &mut [S],
+    f: impl Fn(&mut S) -> T + Sync,
+    what: &'static str,
+) -> Result<()> {
+    use rayon::prelude::*;
+    const CHUNK: usize = 1 << 16;
+    let n = src.len();
+    dst.clear();
+    try_reserve(dst, n, what)?;
+    let spare = &mut dst.spare_capacity_mut()[..n];
+    src.par_chunks_mut(CHUNK).zip(spare.par_chunks_mut(CHUNK)).for_each(|(from, to)| {
+        for (s, t) in from.iter_mut().zip(to) {
+            t.write(f(s));
         }
     });
-    // SAFETY: the loop above wrote every item of the spare capacity, `0..n` of the buffer.
-    unsafe { v.set_len(n) };
+    // SAFETY: the chunks of `src` and of the first `n` spare items pair up one to one, and
+    // the loop wrote every item of every chunk: items `0..n` are written.
+    unsafe { dst.set_len(n) };
+    Ok(())
 }
 
 /// Faults in every page of a zeroed buffer, in parallel, leaving its contents unchanged:
 /// for a buffer written at random slots later, by a sequential writer.
 pub(crate) fn prefault<T: Word>(buffer: &mut [T]) {
     use rayon::prelude::*;
-    const PAGE: usize = 4096;
     let step = (PAGE / std::mem::size_of::<T>()).max(1);
     let pages = buffer.len().div_ceil(step);
     let slots = Slots::new(buffer);
@@ -226,13 +541,11 @@ mod tests {
             let slots = Slots::new(&mut buffer);
             (0..n as u32).into_par_iter().for_each(|i| slots.set((i as usize * 7919) % n, i));
             assert!(!slots.try_set(n, 1));
-            slots.set_run(0, [5u32, 6].into_iter());
         }
-        assert_eq!(&buffer[..2], &[5, 6]);
-        let mut seen = buffer[2..].to_vec();
+        let mut seen = buffer.to_vec();
         seen.sort_unstable();
         seen.dedup();
-        assert_eq!(seen.len(), n - 2);
+        assert_eq!(seen.len(), n);
     }
 
     #[test]
@@ -266,11 +579,116 @@ mod tests {
     }
 
     #[test]
-    fn fill_zeros_fills_the_capacity() {
-        let mut v: Vec<u64> = (0..if cfg!(miri) { 3_000 } else { 300_000 }).collect();
-        v.truncate(10);
-        fill_zeros(&mut v);
-        assert_eq!(v.len(), 300_000);
-        assert!(v.iter().all(|&x| x == 0));
+    fn fill_from_maps_every_item() {
+        let n = if cfg!(miri) { 3_000 } else { 300_000 };
+        let mut src: Vec<u64> = (0..n as u64).collect();
+        let mut dst: Vec<u32> = vec![7; 5];
+        fill_from(
+            &mut dst,
+            &mut src,
+            |s| {
+                *s += 1;
+                (*s * 2) as u32
+            },
+            "test",
+        )
+        .unwrap();
+        assert_eq!(dst.len(), n);
+        assert!(dst.iter().enumerate().all(|(i, &x)| x == 2 * (i as u32 + 1)));
+        assert!(src.iter().enumerate().all(|(i, &x)| x == i as u64 + 1));
+        let mut spare: Vec<u32> = Vec::with_capacity(100);
+        prefault_spare(&mut spare);
+        assert!(spare.is_empty());
+    }
+
+    #[test]
+    fn tiles_fill_every_position_once() {
+        use rayon::prelude::*;
+        // Ranges of 2, 0, 3 and 1 positions laid out as 2, 0, 3, 1.
+        let tiling = Tiling::new(vec![2, 0, 3, 1], Some(vec![2, 0, 3, 1]), "t").unwrap();
+        assert_eq!(tiling.offsets(), &[0, 3, 5, 6, 6]);
+        let mut v: Vec<u32> = vec![99];
+        let mut tiles = tiling.over(&mut v, "t").unwrap();
+        let mut cursors = tiles.cursors();
+        assert_eq!(cursors.push(2, 20), Some(0));
+        assert_eq!(cursors.push(2, 21), Some(1));
+        assert_eq!(cursors.push(2, 22), Some(2));
+        assert_eq!(cursors.push(9, 10), None, "no range 9");
+        let (mut a, mut b) = cursors.split_at(1);
+        let mut claims = a.claims(4);
+        assert!(a.claim(0, 2, 'x', &mut claims));
+        assert_eq!(claims.len(), 1);
+        std::thread::scope(|s| {
+            s.spawn(move || {
+                claims.fill(|&p, first, k| {
+                    assert_eq!((p, first, k), ('x', 3, 2));
+                    [1, 2].into_iter()
+                })
+            });
+        });
+        assert_eq!(b.push(2, 30), Some(5)); // range 3 is `b`'s range 2
+        assert_eq!(tiles.finish(), Some(vec![0, 3, 5, 6, 6]));
+        assert_eq!(v, vec![99, 20, 21, 22, 1, 2, 30]);
+
+        // A range left short, or one run past its end (onto its neighbour's positions,
+        // which then fills in full): no items, nothing read. Past the buffer: refused.
+        for overrun in [false, true] {
+            let tiling = Tiling::new(vec![1, 1], None, "t").unwrap();
+            let mut v: Vec<u64> = Vec::new();
+            let mut tiles = tiling.over(&mut v, "t").unwrap();
+            let mut cursors = tiles.cursors();
+            assert_eq!(cursors.push(0, 5), Some(0));
+            if overrun {
+                assert_eq!(cursors.push(0, 6), Some(1));
+                assert_eq!(cursors.push(1, 7), Some(1));
+                assert_eq!(cursors.push(1, 8), None, "past the buffer");
+                let mut claims = cursors.claims(1);
+                assert!(!cursors.claim(0, 1, (), &mut claims), "past the buffer");
+            }
+            assert!(tiles.finish().is_none());
+            assert!(v.is_empty());
+        }
+        // Orders that are not permutations.
+        for bad in [vec![0u32, 0], vec![0], vec![0, 2]] {
+            assert!(Tiling::new(vec![1, 1], Some(bad), "t").is_err());
+        }
+
+        // Many threads, each with its own ranges; an unfilled claim is zeroed, not skipped.
+        let ranges = if cfg!(miri) { 40 } else { 4_000 };
+        let sizes: Vec<u32> = (0..ranges).map(|r| (r % 5) as u32).collect();
+        let order: Vec<u32> = (0..ranges as u32).rev().collect();
+        let tiling = Tiling::new(sizes.clone(), Some(order.clone()), "t").unwrap();
+        let mut v: Vec<u64> = Vec::new();
+        let mut tiles = tiling.over(&mut v, "t").unwrap();
+        let mut parts = Vec::new();
+        let mut rest = tiles.cursors();
+        for _ in 0..3 {
+            let (part, tail) = rest.split_at(ranges / 4);
+            parts.push(part);
+            rest = tail;
+        }
+        parts.push(rest);
+        parts.into_par_iter().enumerate().for_each(|(p, mut cursors)| {
+            for r in 0..cursors.len() {
+                let global = (p * (ranges / 4) + r) as u64;
+                let size = sizes[global as usize] as usize;
+                if global % 7 == 0 && size > 0 {
+                    let mut claims = cursors.claims(1);
+                    assert!(cursors.claim(r, size, (), &mut claims));
+                    drop(claims);
+                } else {
+                    for _ in 0..size {
+                        cursors.push(r, global + 1).unwrap();
+                    }
+                }
+            }
+        });
+        let offsets = tiles.finish().unwrap();
+        assert_eq!(v.len() as i64, *offsets.last().unwrap());
+        for (q, &r) in order.iter().enumerate() {
+            let want = if r % 7 == 0 { 0 } else { r as u64 + 1 };
+            let place = offsets[q] as usize..offsets[q + 1] as usize;
+            assert!(v[place].iter().all(|&x| x == want), "range {r}");
+        }
     }
 }

@@ -166,7 +166,8 @@ pub fn materialize<'py>(
     d.set_item("width", rows.width)?;
     d.set_item("max_seqlen", rows.max_seqlen)?;
     d.set_item("num_targets", rows.num_targets)?;
-    d.set_item("num_tokens", rows.num_tokens)?;
+    // The same word as `Plan.total_tokens`: tokens of the packs, separators included.
+    d.set_item("total_tokens", rows.num_tokens)?;
     // Moved, not copied: numpy takes ownership of each Vec's buffer.
     d.set_item("input_ids", rows.input_ids.into_pyarray(py))?;
     d.set_item("position_ids", rows.position_ids.into_pyarray(py))?;

@@ -31,7 +31,8 @@ impl Chunks {
         let by_memory = ((1usize << 23) / (max_len as usize + 1)).max(1);
         let count = (n >> CHUNK_SHIFT).clamp(1, 4 * threads).min(by_memory);
         let len = n.div_ceil(count).max(1);
-        Self { len, count: n.div_ceil(len).max(1) }
+        // No chunk at all for no input: every pass over the chunks is then empty.
+        Self { len, count: n.div_ceil(len) }
     }
 }
 
@@ -80,8 +81,9 @@ fn merge<T>(parts: Vec<Result<(Tally, Vec<u32>, T)>>) -> Result<Merged<T>> {
 ///
 /// Invariant handed on: the sorted order puts length `l`'s items at
 /// `bucket_start[l] .. bucket_start[l] + counts[l]`, longest first, and inside that range
-/// chunk `c`'s items from `cursors[c][l]` on, in input order; `split_before[c]` and
-/// `full_before[c]` count the split sequences and full pieces of the chunks before `c`.
+/// chunk `c`'s `chunk_counts[c * (max_len + 1) + l]` items after those of the chunks
+/// before it, in input order; `split_before[c]` and `full_before[c]` count the split
+/// sequences and full pieces of the chunks before `c`.
 pub(crate) struct Histogram {
     pub tally: Tally,
     pub stats: Stats,
@@ -92,9 +94,9 @@ pub(crate) struct Histogram {
     pub bucket_start: Vec<usize>,
     /// The lengths present, longest first: the placement visits only these.
     pub present: Vec<u32>,
-    /// Per chunk, its first sorted position in each length's range (u32: a plan holds at
-    /// most MAX_ITEMS segments).
-    pub cursors: Vec<Vec<u32>>,
+    /// Per chunk, its items of each length `0..=max_len`, chunk after chunk (u32: a plan
+    /// holds at most MAX_ITEMS segments).
+    pub chunk_counts: Vec<u32>,
     /// Per chunk (and one past the last), split sequences and full pieces before it.
     pub split_before: Vec<u64>,
     pub full_before: Vec<u64>,
@@ -133,18 +135,11 @@ impl Histogram {
         let lengths_present = (1..=max_len).filter(|&l| counts[l] > 0).count();
         let mut present = memory::try_with_capacity(lengths_present, "the lengths present")?;
         present.extend((1..=max_len).rev().filter(|&l| counts[l] > 0).map(|l| l as u32));
-        let mut cursors = Vec::with_capacity(hists.len());
-        let mut running = memory::try_with_capacity::<u32>(max_len + 1, "sort cursors")?;
-        running.extend(bucket_start[..=max_len].iter().map(|&s| s as u32));
-        for h in hists {
-            let mut next = h;
-            for (r, c) in running.iter_mut().zip(next.iter_mut()) {
-                let start = *r;
-                *r += *c;
-                *c = start;
-            }
-            cursors.push(next);
+        let mut chunk_counts = memory::try_with_capacity(hists.len() * (max_len + 1), "counts")?;
+        for h in &hists {
+            chunk_counts.extend_from_slice(h);
         }
+        drop(hists);
         let (mut split_before, mut full_before) = (vec![0u64], vec![0u64]);
         for t in &tallies {
             split_before.push(split_before[split_before.len() - 1] + t.split_sequences);
@@ -157,7 +152,7 @@ impl Histogram {
             counts,
             bucket_start,
             present,
-            cursors,
+            chunk_counts,
             split_before,
             full_before,
             routed,

@@ -4,7 +4,7 @@
 
 use crate::error::{Error, Result};
 use crate::length::Length;
-use crate::memory::{self, Slots};
+use crate::memory::{self, Cursors, Slots};
 use crate::plan::MAX_ITEMS;
 
 use super::classify::{Class, Rules, Tally};
@@ -137,48 +137,48 @@ pub(crate) fn count<L: Length>(
         return Err(Error::input_changed("lengths"));
     }
     let packs = segments.len();
-    Ok((PackCounts { segments, fills, shard_packs: vec![packs] }, cut))
+    Ok((PackCounts { packs, segments, fills, shard_packs: vec![packs] }, cut))
 }
 
-/// The second walk writes every segment to its pack's next slot. The input is read again:
-/// a walk that finds other packs than the first one did (segments or tokens: the caller
-/// changed the array between the two walks) is an error, and writes nothing outside its
-/// packs' slots.
+/// The second walk writes every segment to its pack's next slot, through the packs'
+/// cursors. The input is read again: a walk that finds other packs than the first one did
+/// (segments or tokens: the caller changed the array between the two walks) is an error,
+/// and writes nothing outside its packs' slots.
 pub(crate) fn write<L: Length>(
     input: Input<'_, L>,
     rules: &Rules,
     counts: &PackCounts,
-    first: &mut [u32],
-    words: &Slots<'_, i64>,
+    mut cursors: Cursors<'_, i64>,
     starts: &Slots<'_, i64>,
 ) -> Result<()> {
-    let packs = counts.segments.len();
-    let mut left = memory::try_with_capacity::<u32>(packs, "pack counts")?;
-    left.extend_from_slice(&counts.segments);
+    let packs = counts.packs;
     let mut tokens_left = memory::try_with_capacity::<u32>(packs, "pack fills")?;
     tokens_left.extend_from_slice(&counts.fills);
     let mut changed = false;
     walk(input, rules, |pack, id, start, len| {
         let pack = pack as usize;
-        match (left.get_mut(pack), tokens_left.get_mut(pack)) {
-            (Some(n), Some(t)) if *n > 0 && *t as u64 >= len => {
-                *n -= 1;
+        let slot = match tokens_left.get_mut(pack) {
+            Some(t) if *t as u64 >= len => {
                 *t -= len as u32;
-                let slot = first[pack] as usize;
-                first[pack] += 1;
-                words.set(slot, slot_word(len, id));
+                cursors.push(pack, slot_word(len, id))
+            }
+            _ => None,
+        };
+        match slot {
+            Some(slot) => {
                 if start != 0 {
                     starts.set(slot, start as i64);
                 }
                 true
             }
-            _ => {
+            None => {
                 changed = true;
                 false
             }
         }
     });
-    if changed || left.iter().chain(&tokens_left).any(|&n| n != 0) {
+    // (Each pack's slots all written is checked by the tiles.)
+    if changed || tokens_left.iter().any(|&n| n != 0) {
         return Err(Error::input_changed("lengths"));
     }
     Ok(())

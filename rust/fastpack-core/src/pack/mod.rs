@@ -25,8 +25,9 @@
 //! groups of at most `group_tokens`, and the layout puts each group's packs together.
 //!
 //! Every output array is allocated once at its final size (counted first, then written)
-//! and fallibly: a plan that cannot be held is an error, never an abort. Shared writes go
-//! through [`crate::memory::Slots`]; this module has no `unsafe`.
+//! and fallibly: a plan that cannot be held is an error, never an abort. Parallel writes
+//! go through [`crate::memory::Tiles`] (fresh buffers, each position written once, read
+//! only once all are) and [`crate::memory::Slots`]; this module has no `unsafe`.
 
 mod classify;
 mod groups;
@@ -40,7 +41,7 @@ mod unpack;
 
 use crate::error::{Error, Result};
 use crate::length::Length;
-use crate::memory::{self, Slots};
+use crate::memory::{self, Slots, Tiling};
 use crate::plan::{PackOptions, Plan, Stats, Strategy, MAX_ITEMS};
 use crate::shuffle::permutation;
 use crate::two_level::{Bucket, Groups, Levels, TwoLevelPlan};
@@ -167,11 +168,12 @@ impl<'a, L: Length> Level1<'a, L> {
 
 /// What the layout hands to the writers.
 struct Laid {
-    /// Per bucket, its packs' counts in placement order.
+    /// Per bucket, its packs' counts in placement order (the segment counts themselves
+    /// moved into the tiling for the fit strategies; their number stays).
     counts: Vec<PackCounts>,
-    pack_offsets: Vec<i64>,
-    /// Each pack's first slot, packs numbered as placed, buckets one after another.
-    first: Vec<u32>,
+    /// Each pack's slots (packs numbered as placed, buckets one after another); its
+    /// offsets are the plan's `pack_offsets`.
+    tiling: Option<Tiling>,
     /// Each pack's cap in the final order (with a long bucket).
     pack_caps: Option<Vec<i32>>,
     groups: Option<Groups>,
@@ -230,8 +232,8 @@ pub fn pack_two_level<L: Length>(
             format!("the plan would hold {segments} segments; at most {MAX_ITEMS} are supported"),
         ));
     }
-    // `sample_ids` and `seqlens` are written whole: zeroed on idle threads below. `starts`
-    // is written only where sequences are split: its untouched pages cost nothing.
+    // `sample_ids` and `seqlens` are written whole, through tiles (no zeroing first);
+    // `starts` only where sequences are split: its untouched pages cost nothing.
     let mut sample_ids = memory::try_with_capacity::<i64>(segments, "sample_ids")?;
     let mut starts = memory::try_zeroed::<i64>(segments, "starts")?;
     let mut seqlens = memory::try_with_capacity::<i32>(segments, "seqlens")?;
@@ -239,7 +241,7 @@ pub fn pack_two_level<L: Length>(
     // (the long bucket, a few percent) have their own.
     let mut scratch: Vec<Vec<i32>> = Vec::with_capacity(buckets.len());
     for b in &buckets[1..] {
-        scratch.push(memory::try_zeroed::<i32>(b.items(), "the sorted order")?);
+        scratch.push(memory::try_with_capacity::<i32>(b.items(), "the sorted order")?);
     }
 
     // Placement and layout, alongside the counting sort and the outputs' page faults.
@@ -250,24 +252,26 @@ pub fn pack_two_level<L: Length>(
             laid
         },
         || -> Result<Vec<Option<Sorted>>> {
-            memory::fill_zeros(&mut seqlens);
-            let (head, _) = seqlens.split_at_mut(buckets[0].items());
-            let orders = std::iter::once(head).chain(scratch.iter_mut().map(|v| v.as_mut_slice()));
+            let orders = std::iter::once(&mut seqlens).chain(scratch.iter_mut());
             let mut sorted = Vec::with_capacity(buckets.len());
             for (bucket, order) in buckets.iter().zip(orders) {
                 sorted.push(match &bucket.hist {
-                    Some(hist) => Some(sort::sort(bucket.input, &bucket.rules, hist, order)?),
+                    Some(hist) => {
+                        let max_len = bucket.rules.max_len as usize;
+                        let tiles = sort::tiling(hist, max_len)?.over(order, "the sorted order")?;
+                        Some(sort::sort(bucket.input, &bucket.rules, hist, tiles)?)
+                    }
                     None => None,
                 });
             }
             trace!(start, "  counting sort");
             // The replay writes the outputs at random slots, sequentially: fault them in
             // now, on the threads the placement leaves idle.
-            memory::fill_zeros(&mut sample_ids);
+            memory::prefault_spare(&mut sample_ids);
             if buckets.iter().any(Level1::any_split) {
                 memory::prefault(&mut starts);
             }
-            trace!(start, "  zeroed");
+            trace!(start, "  prefault");
             Ok(sorted)
         },
     );
@@ -275,44 +279,41 @@ pub fn pack_two_level<L: Length>(
     let sorted = sorted?;
     trace!(start, "joined");
 
-    // Replay: every bucket writes its slot words.
+    // Replay: every bucket writes its packs' slots, each through its packs' cursors.
     let mut remainders = Vec::with_capacity(buckets.len());
+    let pack_offsets;
     {
-        let words = Slots::new(&mut sample_ids);
+        let tiling = laid.tiling.take().expect("laid out");
+        let mut tiles = tiling.over(&mut sample_ids, "sample_ids")?;
         let start_slots = Slots::new(&mut starts);
-        let mut first: &mut [u32] = &mut laid.first;
+        let mut rest = tiles.cursors();
         for (b, bucket) in buckets.iter().enumerate() {
             let counts = &laid.counts[b];
-            let (mine, rest) = std::mem::take(&mut first).split_at_mut(counts.segments.len());
-            first = rest;
+            let (cursors, tail) = rest.split_at(counts.packs);
+            rest = tail;
             let slots = match (&bucket.hist, &sorted[b]) {
                 (Some(hist), Some(sorted)) => {
-                    let order: &[i32] =
-                        if b == 0 { &seqlens[..hist.items()] } else { &scratch[b - 1] };
+                    let order: &[i32] = if b == 0 { &seqlens } else { &scratch[b - 1] };
                     let placement = bucket.placement().expect("a fit bucket");
                     let fit = replay::FitBucket { hist, placement: &placement, order, sorted };
-                    replay::write_fit(&fit, mine, &counts.shard_packs, &words, &start_slots)?
+                    replay::write_fit(&fit, cursors, &counts.shard_packs, &start_slots)?
                 }
                 _ => {
-                    in_order::write(
-                        bucket.input,
-                        &bucket.rules,
-                        counts,
-                        mine,
-                        &words,
-                        &start_slots,
-                    )?;
+                    in_order::write(bucket.input, &bucket.rules, counts, cursors, &start_slots)?;
                     Vec::new()
                 }
             };
             remainders.push(slots);
         }
+        pack_offsets = tiles.finish().ok_or_else(|| {
+            Error::invalid("fastpack", "internal error: a segment was not written")
+        })?;
     }
     drop(scratch);
     trace!(start, "replay");
 
     // Unpack.
-    unpack::unpack(&mut sample_ids, &mut seqlens);
+    unpack::unpack(&mut sample_ids, &mut seqlens)?;
     trace!(start, "unpack");
     for ((bucket, slots), sorted) in buckets.iter().zip(&remainders).zip(&sorted) {
         if let Some(sorted) = sorted {
@@ -320,7 +321,6 @@ pub fn pack_two_level<L: Length>(
             unpack::resolve_remainders(slots, &sorted.split_of, m, &mut sample_ids, &mut starts)?;
         }
     }
-
     trace!(start, "remainders");
     trace_print!();
 
@@ -336,13 +336,12 @@ pub fn pack_two_level<L: Length>(
         stats.split_sequences += s.split_sequences;
         stats.total_tokens += s.total_tokens;
     }
-    let bucket_metrics =
-        buckets.iter().zip(&laid.counts).map(|(b, c)| b.bucket(c.segments.len())).collect();
+    let bucket_metrics = buckets.iter().zip(&laid.counts).map(|(b, c)| b.bucket(c.packs)).collect();
     let plan = Plan {
         sample_ids,
         starts,
         seqlens,
-        pack_offsets: laid.pack_offsets,
+        pack_offsets,
         max_len: opts.max_len,
         reserve: opts.reserve,
         strategy: opts.strategy,
@@ -366,6 +365,8 @@ fn lay_out<L: Length>(
     levels: &Levels,
 ) -> Result<Laid> {
     let fills = levels.group_tokens.is_some();
+    #[cfg(feature = "trace")]
+    let start = std::time::Instant::now();
     let mut counts = Vec::with_capacity(buckets.len());
     for (bucket, counted) in buckets.iter().zip(in_order_counts) {
         counts.push(match counted {
@@ -376,7 +377,8 @@ fn lay_out<L: Length>(
             }
         });
     }
-    let packs: usize = counts.iter().map(|c| c.segments.len()).sum();
+    trace!(start, "    (placement)");
+    let packs: usize = counts.iter().map(|c| c.packs).sum();
     if packs as u64 > MAX_ITEMS {
         return Err(Error::overflow("lengths", format!("the plan would hold {packs} packs")));
     }
@@ -385,7 +387,7 @@ fn lay_out<L: Length>(
         .iter()
         .scan(0, |at, c| {
             let first = *at;
-            *at += c.segments.len();
+            *at += c.packs;
             Some(first)
         })
         .collect();
@@ -406,28 +408,41 @@ fn lay_out<L: Length>(
             None => (None, None),
         },
     };
-    let (pack_offsets, first) = if counts.len() == 1 {
-        order::lay_out(&counts[0].segments, order.as_deref())?
+    // The tiling takes the segment counts (one bucket's without a copy).
+    let all = if counts.len() == 1 {
+        std::mem::take(&mut counts[0].segments)
     } else {
         let mut all = memory::try_with_capacity::<u32>(packs, "pack counts")?;
-        for c in &counts {
-            all.extend_from_slice(&c.segments);
+        for c in &mut counts {
+            all.extend_from_slice(&std::mem::take(&mut c.segments));
         }
-        order::lay_out(&all, order.as_deref())?
+        all
     };
-    let pack_caps = if buckets.len() > 1 {
-        let cap_of = |p: usize| {
-            let b = firsts.partition_point(|&f| f <= p) - 1;
-            buckets[b].rules.max_len as i32
-        };
-        let mut caps = memory::try_with_capacity::<i32>(packs, "pack_caps")?;
-        match &order {
-            Some(order) => caps.extend(order.iter().map(|&p| cap_of(p as usize))),
-            None => caps.extend((0..packs).map(cap_of)),
-        }
-        Some(caps)
-    } else {
-        None
+    trace!(start, "    (order)");
+    let pack_caps = pack_caps(buckets, &firsts, order.as_deref(), packs)?;
+    let tiling = order::lay_out(all, order)?;
+    trace!(start, "    (tiling)");
+    Ok(Laid { counts, tiling: Some(tiling), pack_caps, groups })
+}
+
+/// Each pack's cap in the final order, with a long bucket.
+fn pack_caps<L>(
+    buckets: &[Level1<'_, L>],
+    firsts: &[usize],
+    order: Option<&[u32]>,
+    packs: usize,
+) -> Result<Option<Vec<i32>>> {
+    if buckets.len() == 1 {
+        return Ok(None);
+    }
+    let cap_of = |p: usize| {
+        let b = firsts.partition_point(|&f| f <= p) - 1;
+        buckets[b].rules.max_len as i32
     };
-    Ok(Laid { counts, pack_offsets, first, pack_caps, groups })
+    let mut caps = memory::try_with_capacity::<i32>(packs, "pack_caps")?;
+    match order {
+        Some(order) => caps.extend(order.iter().map(|&p| cap_of(p as usize))),
+        None => caps.extend((0..packs).map(cap_of)),
+    }
+    Ok(Some(caps))
 }

@@ -241,11 +241,23 @@ pub(crate) fn first_fit(
 /// Each pack's segments and (when asked) tokens, in placement order: full-piece packs
 /// first, then shard by shard.
 pub(crate) struct PackCounts {
+    /// Packs (the length of `segments` until the layout takes it).
+    pub packs: usize,
     pub segments: Vec<u32>,
     /// Empty unless asked for (level-2 groups need it).
     pub fills: Vec<u32>,
     /// Packs of each shard (full-piece packs not included).
     pub shard_packs: Vec<usize>,
+}
+
+/// A new pack's counters (its tokens too when `fills`).
+#[inline(always)]
+fn open(segs: &mut Vec<u32>, tokens: &mut Vec<u32>, fills: bool) -> Result<()> {
+    memory::try_push(segs, 0, "pack counts")?;
+    if fills {
+        memory::try_push(tokens, 0, "pack fills")?;
+    }
+    Ok(())
 }
 
 /// A bucket's placement: which strategy, over which lengths, cut into which shards.
@@ -324,24 +336,14 @@ impl<'h> Placement<'h> {
                 let mut failed = None;
                 self.run(shard, &mut |pack, _pos, k, len| {
                     let g = lead + pack as usize;
-                    if g == segs.len() {
-                        let pushed = memory::try_push(&mut segs, 0, "pack counts").and_then(|()| {
-                            if fills {
-                                memory::try_push(&mut tokens, 0, "pack fills")
-                            } else {
-                                Ok(())
-                            }
-                        });
-                        if let Err(e) = pushed {
-                            failed.get_or_insert(e);
-                            return;
+                    if g == segs.len() && failed.is_none() {
+                        failed = open(&mut segs, &mut tokens, fills).err();
+                    }
+                    if failed.is_none() {
+                        segs[g] += k as u32;
+                        if fills {
+                            tokens[g] += k as u32 * len;
                         }
-                    }
-                    if let Some(s) = segs.get_mut(g) {
-                        *s += k as u32;
-                    }
-                    if let Some(t) = tokens.get_mut(g) {
-                        *t += k as u32 * len;
                     }
                 })?;
                 if let Some(e) = failed {
@@ -366,7 +368,7 @@ impl<'h> Placement<'h> {
             }
             (segments, all_fills)
         };
-        Ok(PackCounts { segments, fills, shard_packs })
+        Ok(PackCounts { packs: segments.len(), segments, fills, shard_packs })
     }
 }
 

@@ -6,7 +6,7 @@ use rayon::prelude::*;
 
 use crate::error::{Error, Result};
 use crate::length::Length;
-use crate::memory::{self, Slots};
+use crate::memory::{self, Cursors, Slots, Tiles, Tiling};
 
 use super::classify::{Class, Rules};
 use super::histogram::Histogram;
@@ -30,21 +30,35 @@ impl Sorted {
     }
 }
 
+/// The sorted order's ranges: one per chunk and length (`c * (max_len + 1) + l`, so a
+/// chunk's ranges are contiguous), laid out longest length first and, within a length, in
+/// chunk order — a stable counting sort.
+pub(crate) fn tiling(hist: &Histogram, max_len: usize) -> Result<Tiling> {
+    let width = max_len + 1;
+    let chunks = hist.chunks.count;
+    let mut order = memory::try_with_capacity::<u32>(chunks * width, "the sorted order")?;
+    for len in (0..width).rev() {
+        order.extend((0..chunks).map(|c| (c * width + len) as u32));
+    }
+    let mut sizes = memory::try_with_capacity::<u32>(chunks * width, "the sorted order")?;
+    sizes.extend_from_slice(&hist.chunk_counts);
+    Tiling::new(sizes, Some(order), "the sorted order")
+}
+
 /// Writes the sorted order into `order` (`order[pos]` = the input index of the item at
 /// sorted position `pos`, as `u32` bits): longest first, each length in input order.
 ///
-/// Each chunk writes from its own cursors, which cover disjoint position ranges. A chunk
-/// that finds other counts than the histogram did (the caller changed the array between
-/// the two passes) ends its ranges elsewhere: that is checked for every chunk and length,
-/// and is an error; its stray writes stay inside `order` (bounds-checked).
+/// Each chunk writes its own ranges through their cursors. A chunk that finds other counts
+/// than the histogram did (the caller changed the array between the two passes) finds a
+/// range full, or leaves one short: either way the order is never read, and the input's
+/// change is an error.
 pub(crate) fn sort<L: Length>(
     input: Input<'_, L>,
     rules: &Rules,
     hist: &Histogram,
-    order: &mut [i32],
+    mut order: Tiles<'_, i32>,
 ) -> Result<Sorted> {
     let items = hist.items();
-    assert_eq!(order.len(), items, "the order holds every sortable item");
     let splits = hist.tally.split_sequences as usize;
     let mut split_of = memory::try_zeroed::<u64>(splits, "the split sequences")?;
     let is_remainder = if splits > 0 {
@@ -54,69 +68,97 @@ pub(crate) fn sort<L: Length>(
     } else {
         Vec::new()
     };
-    let max_len = rules.max_len as usize;
+    let width = rules.max_len as usize + 1;
     let chunks = hist.chunks;
+    let mut per_chunk = Vec::with_capacity(chunks.count);
+    let mut rest = order.cursors();
+    for _ in 0..chunks.count {
+        let (mine, tail) = rest.split_at(width);
+        per_chunk.push(mine);
+        rest = tail;
+    }
     {
-        let order = Slots::new(order);
         let split_out = Slots::new(&mut split_of);
-        let is_remainder = &is_remainder;
-        let checks: Vec<Result<()>> = input
+        let sort = Chunk { rules, hist, split_out: &split_out, is_remainder: &is_remainder };
+        let checks: Vec<bool> = input
             .lengths
             .par_chunks(chunks.len)
+            .zip(per_chunk)
             .enumerate()
-            .map(|(c, chunk)| {
-                let mut cursor = memory::try_with_capacity::<u32>(max_len + 1, "sort cursors")?;
-                cursor.extend_from_slice(&hist.cursors[c]);
+            .map(|(c, (lengths, cursors))| {
                 let base = c * chunks.len;
-                let mut r = hist.split_before[c] as usize;
-                let mut full = 0u64;
-                let mut stray = false;
-                for (j, &raw) in chunk.iter().enumerate() {
-                    let value = raw.to_u64();
-                    let id = input.id(base + j);
-                    let (len, entry, remainder) = match rules.fits(value) {
-                        Some(len) => (len, id, false),
-                        None => match rules.classify(value) {
-                            Class::Whole { len, .. } => (len, id, false),
-                            Class::Split { full: f, rest, .. } => {
-                                stray |= !split_out.try_set(r, f << 32 | id as u64);
-                                full += f;
-                                r += 1;
-                                if rest == 0 {
-                                    continue;
-                                }
-                                (rest, r as u32 - 1, true)
-                            }
-                            _ => continue,
-                        },
-                    };
-                    let pos = cursor[len as usize] as usize;
-                    cursor[len as usize] = cursor[len as usize].saturating_add(1);
-                    if !order.try_set(pos, entry as i32) {
-                        stray = true;
-                    } else if remainder {
-                        match is_remainder.get(pos >> 6) {
-                            Some(bits) => _ = bits.fetch_or(1 << (pos & 63), Ordering::Relaxed),
-                            None => stray = true,
-                        }
-                    }
+                // One loop per kind of id, so the common one (the input itself) is a count.
+                match input.ids {
+                    None => sort.run(c, lengths, cursors, |j| (base + j) as u32),
+                    Some(ids) => sort.run(c, lengths, cursors, |j| ids[base + j]),
                 }
-                let ends = (1..=max_len).all(|len| {
-                    let end = match hist.cursors.get(c + 1) {
-                        Some(next) => next[len] as usize,
-                        None => hist.bucket_start[len] + hist.counts[len],
-                    };
-                    cursor[len] as usize == end
-                });
-                let split_end = hist.split_before[c + 1] as usize;
-                let full_count = hist.full_before[c + 1] - hist.full_before[c];
-                if stray || !ends || r != split_end || full != full_count {
-                    return Err(Error::input_changed("lengths"));
-                }
-                Ok(())
             })
             .collect();
-        checks.into_iter().collect::<Result<()>>()?;
+        if !checks.into_iter().all(|ok| ok) {
+            return Err(Error::input_changed("lengths"));
+        }
+    }
+    // Every chunk's every range full: exactly the histogram's counts were written.
+    if order.finish().is_none() {
+        return Err(Error::input_changed("lengths"));
     }
     Ok(Sorted { split_of, is_remainder })
+}
+
+/// One chunk's share of the sort.
+struct Chunk<'a> {
+    rules: &'a Rules,
+    hist: &'a Histogram,
+    split_out: &'a Slots<'a, u64>,
+    is_remainder: &'a [AtomicU64],
+}
+
+impl Chunk<'_> {
+    /// Sorts chunk `c` (its lengths, the cursors of its ranges, the id of its `j`-th
+    /// length); `false` if it finds other counts than the histogram did.
+    #[inline(always)]
+    fn run<L: Length>(
+        &self,
+        c: usize,
+        lengths: &[L],
+        mut cursors: Cursors<'_, i32>,
+        id: impl Fn(usize) -> u32,
+    ) -> bool {
+        let (rules, hist) = (self.rules, self.hist);
+        let mut r = hist.split_before[c] as usize;
+        let mut full = 0u64;
+        for (j, &raw) in lengths.iter().enumerate() {
+            let value = raw.to_u64();
+            let (len, entry, remainder) = match rules.fits(value) {
+                Some(len) => (len, id(j), false),
+                None => match rules.classify(value) {
+                    Class::Whole { len, .. } => (len, id(j), false),
+                    Class::Split { full: f, rest, .. } => {
+                        if !self.split_out.try_set(r, f << 32 | id(j) as u64) {
+                            return false;
+                        }
+                        full += f;
+                        r += 1;
+                        if rest == 0 {
+                            continue;
+                        }
+                        (rest, r as u32 - 1, true)
+                    }
+                    _ => continue,
+                },
+            };
+            let Some(pos) = cursors.push(len as usize, entry as i32) else {
+                return false;
+            };
+            if remainder {
+                match self.is_remainder.get(pos >> 6) {
+                    Some(bits) => _ = bits.fetch_or(1 << (pos & 63), Ordering::Relaxed),
+                    None => return false,
+                }
+            }
+        }
+        let split_end = hist.split_before[c + 1] as usize;
+        let full_count = hist.full_before[c + 1] - hist.full_before[c];
+        r == split_end && full == full_count
+    }
 }
