@@ -269,7 +269,7 @@ pub fn pack_two_level<L: Length>(
             // now, on the threads the placement leaves idle.
             memory::prefault_spare(&mut sample_ids);
             if buckets.iter().any(Level1::any_split) {
-                memory::prefault(&mut starts);
+                memory::prefault_zeroed(&mut starts);
             }
             trace!(start, "  prefault");
             Ok(sorted)
