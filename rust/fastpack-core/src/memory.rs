@@ -196,6 +196,9 @@ pub(crate) fn prefault_spare<T: Word + Default>(v: &mut Vec<T>) {
 
 const PAGE: usize = 4096;
 
+/// Ranges per parallel task of a tiling's gathers and scatters.
+const PARALLEL_RANGES: usize = 1 << 16;
+
 /// How a buffer's positions are cut into ranges: each range's first position and end
 /// (see [`Tiles`]). Positions are u32: a plan holds at most MAX_ITEMS segments.
 pub(crate) struct Tiling {
@@ -234,11 +237,13 @@ impl Tiling {
             let total = check_total(at)?;
             return Ok(Self { total, next: sizes, offsets, order: None });
         };
-        // Random gathers and scatters over millions of ranges: parallel.
+        // Random gathers and scatters over millions of ranges: parallel (a few thousand
+        // ranges, the counting sort's, stay on this thread: waking the pool costs more).
+        let min_len = PARALLEL_RANGES;
         let mut seen = try_zeroed::<u64>(ranges.div_ceil(64), what)?;
         let bits = as_atomic(&mut seen);
         let once = order.len() == ranges
-            && order.par_iter().all(|&r| {
+            && order.par_iter().with_min_len(min_len).all(|&r| {
                 let (word, bit) = (r as usize >> 6, 1u64 << (r & 63));
                 (r as usize) < ranges && bits[word].fetch_or(bit, Ordering::Relaxed) & bit == 0
             });
@@ -246,7 +251,11 @@ impl Tiling {
             return Err(Error::invalid("fastpack", "internal error: ranges do not tile"));
         }
         let mut in_order = try_with_capacity::<u32>(ranges, what)?;
-        order.par_iter().map(|&r| sizes[r as usize]).collect_into_vec(&mut in_order);
+        order
+            .par_iter()
+            .with_min_len(min_len)
+            .map(|&r| sizes[r as usize])
+            .collect_into_vec(&mut in_order);
         let mut at = 0u64;
         for size in in_order {
             at += size as u64;
@@ -318,7 +327,11 @@ impl<T: Word> Tiles<'_, T> {
         let ends = &offsets[1..];
         let full = match &order {
             None => next.iter().zip(ends).all(|(&n, &e)| n as i64 == e),
-            Some(order) => order.par_iter().zip(ends).all(|(&r, &e)| next[r as usize] as i64 == e),
+            Some(order) => order
+                .par_iter()
+                .with_min_len(PARALLEL_RANGES)
+                .zip(ends)
+                .all(|(&r, &e)| next[r as usize] as i64 == e),
         };
         if !full {
             return None;

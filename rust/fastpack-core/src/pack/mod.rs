@@ -305,12 +305,13 @@ pub fn pack_two_level<L: Length>(
             };
             remainders.push(slots);
         }
+        trace!(start, "replay (writes)");
         pack_offsets = tiles.finish().ok_or_else(|| {
             Error::invalid("fastpack", "internal error: a segment was not written")
         })?;
     }
     drop(scratch);
-    trace!(start, "replay");
+    trace!(start, "replay (every slot written: checked)");
 
     // Unpack.
     unpack::unpack(&mut sample_ids, &mut seqlens)?;
