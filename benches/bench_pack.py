@@ -7,7 +7,7 @@
 
 Tools (each measured in its own fresh subprocess per (distribution, N)):
 
-  fastpack-bfd      fastpack.pack(lengths, max_len, strategy="bfd")      numpy int64 in, CSR numpy out
+  fastpack-bfd      fastpack.pack(lengths, max_len, strategy="bfd", shuffle=False)  numpy int64 in, CSR out
   fastpack-bfd-1t   the same with threads=1 (the peers are single-threaded)
   seqpacker-obfd    seqpacker.Packer(max_len, "obfd").pack_flat(arr)     its default (optimized) BFD
   seqpacker-bfd     seqpacker.Packer(max_len, "bfd").pack_flat(arr)      its plain BFD
@@ -207,7 +207,9 @@ def worker(tool: str, dist: str, raw_path: str, pieces_path: str, max_len: int, 
         info["module"] = os.path.dirname(fastpack.__file__)
 
         def run():
-            return fastpack.pack(raw, max_len, strategy="bfd", overlong=overlong, threads=threads)
+            # Placement order, as the peers return it (no shuffle): the same work.
+            return fastpack.pack(raw, max_len, strategy="bfd", overlong=overlong, threads=threads,
+                                 shuffle=False)
 
         def check(r):
             return check_fastpack(r, raw, max_len)

@@ -130,7 +130,8 @@ def worker(task: str, dist: str, n: int, reps: int) -> dict:
         timed(lambda: np.sort(lengths))
     elif task in ("pack", "pack-1thread"):
         threads = 1 if task == "pack-1thread" else None
-        plan = timed(lambda: fastpack.pack(lengths, MAX_LEN, overlong=overlong, threads=threads))
+        plan = timed(lambda: fastpack.pack(lengths, MAX_LEN, overlong=overlong, threads=threads,
+                                           shuffle=False))
         out.update(packs=plan.num_packs, lower_bound=plan.lower_bound,
                    efficiency=plan.efficiency, digest=digest(plan), threads=threads or
                    fastpack._core.default_threads())
@@ -147,16 +148,16 @@ def worker(task: str, dist: str, n: int, reps: int) -> dict:
         out["budget"] = budget
         plan = timed(lambda: fastpack.pack(lengths, MAX_LEN, overlong=overlong,
                                            group_tokens=budget, shuffle=True, seed=0))
-        assert plan.group_tokens is not None
+        assert plan.group_fills is not None
         out["two_level"] = {
             "packs": plan.num_packs, "pack_efficiency": plan.efficiency,
             "groups": plan.num_groups, "group_lower_bound": plan.group_lower_bound,
-            "group_efficiency": plan.group_efficiency, "tokens": spread(plan.group_tokens, budget),
+            "group_efficiency": plan.group_efficiency, "tokens": spread(plan.group_fills, budget),
         }
         # Baseline 1: the same level-1 packs, shuffled, batched B / max_len at a time.
         level1 = fastpack.pack(lengths, MAX_LEN, overlong=overlong, shuffle=True, seed=0)
         k = budget // MAX_LEN
-        fills = level1.pack_tokens
+        fills = level1.pack_fills
         batches = np.add.reduceat(fills, np.arange(0, len(fills), k))
         out["fixed_batches"] = {
             "batches": len(batches), "packs_per_batch": k,
@@ -167,30 +168,30 @@ def worker(task: str, dist: str, n: int, reps: int) -> dict:
         # Where groups matter: order-preserving level 1 (next_fit) leaves uneven packs.
         nf = fastpack.pack(lengths, MAX_LEN, overlong=overlong, strategy="next_fit",
                            group_tokens=budget, shuffle=True, seed=0)
-        assert nf.group_tokens is not None
+        assert nf.group_fills is not None
         nf_fills = fastpack.pack(lengths, MAX_LEN, overlong=overlong, strategy="next_fit",
-                                 shuffle=True, seed=0).pack_tokens
+                                 shuffle=True, seed=0).pack_fills
         nf_batches = np.add.reduceat(nf_fills, np.arange(0, len(nf_fills), k))
         out["next_fit"] = {
             "pack_efficiency": nf.efficiency, "groups": nf.num_groups,
             "group_lower_bound": nf.group_lower_bound, "group_efficiency": nf.group_efficiency,
-            "tokens": spread(nf.group_tokens, budget), "batches": len(nf_batches),
+            "tokens": spread(nf.group_fills, budget), "batches": len(nf_batches),
             "batch_efficiency": nf.total_tokens / (len(nf_batches) * budget),
             "batch_tokens": spread(nf_batches, budget),
         }
         del nf, nf_fills, nf_batches
         # Baseline 2: single-level packing straight into rows of B tokens.
-        single = fastpack.pack(lengths, budget, overlong=overlong)
+        single = fastpack.pack(lengths, budget, overlong=overlong, shuffle=False)
         out["single_level"] = {
             "packs": single.num_packs, "lower_bound": single.lower_bound,
-            "efficiency": single.efficiency, "tokens": spread(single.pack_tokens, budget),
+            "efficiency": single.efficiency, "tokens": spread(single.pack_fills, budget),
             "longest_row_sequences": int(np.diff(single.pack_offsets).max()),
         }
     elif task == "buckets":
         long_max_len, budget = 32768, 65536
-        plan = timed(lambda: fastpack.pack(lengths, MAX_LEN, overlong=overlong,
+        plan = timed(lambda: fastpack.pack(lengths, MAX_LEN, overlong=overlong, shuffle=False,
                                            long_max_len=long_max_len, group_tokens=budget))
-        assert plan.group_tokens is not None
+        assert plan.group_fills is not None
         caps = plan.pack_caps[plan.group_offsets[:-1]]
         out["long_max_len"], out["budget"] = long_max_len, budget
         out["buckets"] = [
@@ -199,7 +200,7 @@ def worker(task: str, dist: str, n: int, reps: int) -> dict:
             for b in plan.buckets
         ]
         out["groups"] = {
-            name: {"groups": int((caps == cap).sum()), "tokens": spread(plan.group_tokens[
+            name: {"groups": int((caps == cap).sum()), "tokens": spread(plan.group_fills[
                 caps == cap], budget)}
             for name, cap in (("short", MAX_LEN), ("long", long_max_len)) if (caps == cap).any()
         }

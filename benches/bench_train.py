@@ -199,14 +199,14 @@ def loader(method: str, samples: list[np.ndarray], args: argparse.Namespace
         ds = PackedDataset((values, offsets), collator,
                            packs_per_batch=args.tokens_per_step // args.max_len, seed=args.seed)
         ppb = ds.packs_per_batch
-        pack_tokens = ds.plan.pack_tokens  # real tokens per pack
+        pack_fills = ds.plan.pack_fills  # real tokens per pack
         info["plan"] = ds.plan.summary()
         info["batches_per_epoch"] = len(ds)
 
         def packed_stream() -> Iterator[Callable[[], tuple[Batch, int]]]:
             for epoch in range(1000):
                 for b in np.random.default_rng((args.seed, epoch)).permutation(len(ds)):
-                    yield lambda b=int(b): (ds[b], int(pack_tokens[b * ppb : (b + 1) * ppb].sum()))
+                    yield lambda b=int(b): (ds[b], int(pack_fills[b * ppb : (b + 1) * ppb].sum()))
 
         return packed_stream(), info
     collator = PackedCollator(max_len=args.max_len, backend="padded")

@@ -27,7 +27,7 @@ def check_plan(plan: fastpack.Plan, lengths: np.ndarray, *, strategy: str, overl
     assert offsets[0] == 0 and offsets[-1] == plan.num_segments
     assert np.all(np.diff(offsets) > 0), "every pack holds a segment"
     assert np.all(plan.seqlens > 0)
-    fills = plan.pack_tokens
+    fills = plan.pack_fills
     assert np.all(fills <= max_len), "no pack over max_len"
     assert plan.total_tokens == int(plan.seqlens.sum())
     assert plan.num_packs >= plan.lower_bound

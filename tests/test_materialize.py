@@ -80,7 +80,7 @@ def test_properties(
         real = flat_ids > 0
         assert not is_target[real & ((flat_ids % 1000 - 1) % 3 == 0)].any()
     assert out["num_targets"] == is_target.sum()
-    assert out["num_tokens"] == plan.total_tokens == (flat_ids != 0).sum()
+    assert out["total_tokens"] == plan.total_tokens == (flat_ids != 0).sum()
     # Rows layout: one pack per row, all the same width.
     if layout == "rows":
         assert ids.shape[0] == plan.num_packs
@@ -135,15 +135,17 @@ def test_input_kinds_agree() -> None:
     )
     # A shuffled / selected dataset is read in its own row order.
     rev = ds.select(range(len(seqs))[::-1])
-    plan_rev = fastpack.pack(fastpack.as_ragged(rev).lengths, 8, strategy="next_fit")
+    plan_rev = fastpack.pack(fastpack.as_ragged(rev).lengths, 8, strategy="next_fit", shuffle=False)
     got = fastpack.materialize(plan_rev, rev)["input_ids"]
     assert got[got > 0].tolist() == [t for s in seqs[::-1] for t in s]
 
 
-def test_zero_copy_out() -> None:
-    plan = fastpack.pack([3, 2], 8)
-    out = fastpack.materialize(plan, [[1, 2, 3], [4, 5]])
-    assert out["input_ids"].base is not None and out["input_ids"].flags.c_contiguous
+def _owner(array: np.ndarray) -> object:
+    """What finally holds an array's memory: follows numpy views to the first non-array."""
+    while isinstance(array, np.ndarray):
+        assert not array.flags.owndata, "a numpy copy: the buffer did not come from Rust"
+        array = array.base
+    return array
 
 
 @pytest.mark.parametrize(
@@ -165,20 +167,14 @@ def test_errors(tokens: object, kwargs: dict[str, object], message: str) -> None
         fastpack.materialize(plan, tokens, **kwargs)  # type: ignore[arg-type]
 
 
-def test_separator_required() -> None:
-    plan = fastpack.pack([3, 2], 8, reserve=1)
-    with pytest.raises(FastpackError, match="separator_id"):
-        fastpack.materialize(plan, [[1, 2, 3], [4, 5]])
-
-
-def test_batch_out_of_a_big_plan_touches_only_its_rows() -> None:
+def test_a_batch_of_a_big_plan_holds_exactly_its_packs() -> None:
     rng = np.random.default_rng(0)
     lengths = rng.integers(1, 300, 200_000)
     offsets = np.concatenate(([0], np.cumsum(lengths)))
     values = rng.integers(1, 30000, int(offsets[-1]), dtype=np.int32)
     plan = fastpack.pack(lengths, 1024, shuffle=True)
     out = fastpack.materialize(plan, (values, offsets), [0, 1, 2, 3], layout="rows")
-    assert out["input_ids"].shape[0] == 4 and out["num_tokens"] == plan.pack_tokens[:4].sum()
+    assert out["input_ids"].shape[0] == 4 and out["total_tokens"] == plan.pack_fills[:4].sum()
 
 
 def _plan_with(plan: fastpack.Plan, **arrays: np.ndarray) -> fastpack.Plan:

@@ -53,6 +53,37 @@ def test_same_plan_on_one_and_many_threads(inputs, strategy, seed):
             np.testing.assert_array_equal(getattr(plans[0], name), getattr(other, name))
 
 
+def _mixed_lengths(n: int, max_len: int, seed: int) -> np.ndarray:
+    """Mostly short, some near max_len, 5% over-long (up to 6x), 1% empty."""
+    rng = np.random.default_rng(seed)
+    kind = rng.integers(0, 100, n)
+    lengths = rng.integers(1, 200, n)
+    lengths = np.where(kind < 21, rng.integers(max_len // 2, max_len + 1, n), lengths)
+    lengths = np.where(kind < 6, rng.integers(max_len + 1, 6 * max_len, n), lengths)
+    return np.where(kind < 1, 0, lengths)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_same_plan_on_any_thread_count_across_chunks(strategy):
+    # 2^20 lengths: the input is cut into 4, 8 or 12 chunks on 1, 2 or 3 threads (at most 4
+    # per thread, of at least 2^16), so sort cursors, split sequences and the parallel
+    # writers all cross chunk boundaries, differently on each thread count.
+    lengths = _mixed_lengths(1 << 20, 512, seed=11).astype(np.int32)
+    for kwargs in (dict(overlong="split", reserve=1), dict(overlong="truncate"),
+                   dict(overlong="split", long_max_len=2048, group_tokens=8192)):
+        if strategy == "wrapped" and "long_max_len" in kwargs:
+            continue
+        plans = [fastpack.pack(lengths, 512, strategy=strategy, seed=3, threads=t, **kwargs)
+                 for t in (1, 2, 3)]
+        if strategy == "bfd" and kwargs.get("reserve"):
+            check_plan(plans[0], lengths, strategy=strategy, overlong="split", reserve=1)
+        for other in plans[1:]:
+            for name in ("sample_ids", "starts", "seqlens", "pack_offsets", "pack_caps"):
+                np.testing.assert_array_equal(getattr(plans[0], name), getattr(other, name))
+            assert plans[0].group_offsets is None or np.array_equal(
+                plans[0].group_offsets, other.group_offsets)
+
+
 @settings(max_examples=60, deadline=None)
 @given(packing_inputs(), st.lists(st.integers(0, 10**6), max_size=8))
 def test_cu_seqlens_and_position_ids_match_seqlens(inputs, picks):
@@ -88,11 +119,11 @@ def test_shuffle_is_deterministic_and_changes_the_order():
     a = fastpack.pack(lengths, 1024, shuffle=True, seed=7)
     b = fastpack.pack(lengths, 1024, shuffle=True, seed=7)
     c = fastpack.pack(lengths, 1024, shuffle=True, seed=8)
-    plain = fastpack.pack(lengths, 1024)
+    plain = fastpack.pack(lengths, 1024, shuffle=False)
     np.testing.assert_array_equal(a.sample_ids, b.sample_ids)
     assert not np.array_equal(a.sample_ids, c.sample_ids)
-    assert not np.array_equal(a.pack_tokens, plain.pack_tokens)
-    np.testing.assert_array_equal(np.sort(a.pack_tokens), np.sort(plain.pack_tokens))
+    assert not np.array_equal(a.pack_fills, plain.pack_fills)
+    np.testing.assert_array_equal(np.sort(a.pack_fills), np.sort(plain.pack_fills))
 
 
 @pytest.mark.parametrize(
@@ -130,50 +161,6 @@ def test_lists_tuples_torch_and_integral_floats_are_accepted():
     np.testing.assert_array_equal(fastpack.pack(big_endian, 8).seqlens, expected.seqlens)
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "error", "pattern"),
-    [
-        ({"lengths": [1, -2, 3]}, fastpack.FastpackError, r"lengths: negative length -2 at index 1"),
-        ({"lengths": [1.5, 2]}, fastpack.FastpackError, r"lengths: 1\.5 at index 0 is not a whole"),
-        ({"lengths": [1, float("nan")]}, fastpack.FastpackError, r"lengths: nan at index 1"),
-        ({"lengths": [[1, 2], [3, 4]]}, fastpack.FastpackError, r"lengths: expected a 1-D array"),
-        ({"lengths": [True, False]}, fastpack.FastpackTypeError, r"lengths: expected integers"),
-        ({"lengths": ["a", "b"]}, fastpack.FastpackTypeError, r"lengths: expected integers"),
-        ({"lengths": 5}, fastpack.FastpackTypeError, r"lengths: expected a 1-D array-like"),
-        ({"lengths": [1, None]}, fastpack.FastpackTypeError, r"lengths: element 1 is NoneType"),
-        ({"lengths": [2**70]}, fastpack.FastpackError, r"lengths: .*int64"),
-        ({"max_len": 0}, fastpack.FastpackError, r"max_len: got 0; expected an integer >= 1"),
-        ({"max_len": -3}, fastpack.FastpackError, r"max_len: got -3"),
-        ({"max_len": 2**30}, fastpack.FastpackError, r"max_len: got 1073741824; expected .*16777216"),
-        ({"max_len": 8.0}, fastpack.FastpackTypeError, r"max_len: expected an integer, got float"),
-        ({"max_len": True}, fastpack.FastpackTypeError, r"max_len: expected an integer, got bool"),
-        ({"strategy": "best"}, fastpack.FastpackError, r"strategy: unknown value 'best'; expected"),
-        ({"overlong": "cut"}, fastpack.FastpackError, r"overlong: unknown value 'cut'"),
-        ({"reserve": 8}, fastpack.FastpackError, r"reserve: got 8; expected fewer tokens than max_len"),
-        ({"reserve": -1}, fastpack.FastpackError, r"reserve: got -1"),
-        ({"threads": 0}, fastpack.FastpackError, r"threads: got 0"),
-        ({"seed": -1}, fastpack.FastpackError, r"seed: got -1"),
-        ({"shuffle": "yes"}, fastpack.FastpackTypeError, r"shuffle: expected a bool"),
-        ({"lengths": [3, 9, 4, 12]}, fastpack.FastpackError,
-         r"lengths: 2 sequence\(s\) longer than 8 tokens \(first at index 1, length 9\)"),
-        ({"lengths": [3, 7], "reserve": 2}, fastpack.FastpackError,
-         r"1 sequence\(s\) longer than 8 tokens with 2 reserved separator token\(s\) each"),
-    ],
-)
-def test_bad_input_names_the_argument(kwargs, error, pattern):
-    args = {"lengths": [3, 5], "max_len": 8, **kwargs}
-    lengths = args.pop("lengths")
-    max_len = args.pop("max_len")
-    with pytest.raises(error, match=pattern):
-        fastpack.pack(lengths, max_len, **args)
-
-
-def test_errors_are_value_and_type_errors():
-    assert issubclass(fastpack.FastpackError, ValueError)
-    assert issubclass(fastpack.FastpackTypeError, TypeError)
-    assert issubclass(fastpack.FastpackTypeError, fastpack.FastpackError)
-
-
 def test_empty_input_and_empty_sequences():
     for strategy in STRATEGIES:
         plan = fastpack.pack([], 16, strategy=strategy)
@@ -204,10 +191,6 @@ def test_pack_index_forms():
     np.testing.assert_array_equal(plan.cu_seqlens(-1), plan.cu_seqlens(n - 1))
     np.testing.assert_array_equal(plan.cu_seqlens(slice(0, 3)), plan.cu_seqlens(range(3)))
     np.testing.assert_array_equal(plan.cu_seqlens(np.array([0, 1, 2])), plan.cu_seqlens([0, 1, 2]))
-    with pytest.raises(fastpack.FastpackError, match="packs: pack .* out of range"):
-        plan.cu_seqlens(n)
-    with pytest.raises(fastpack.FastpackError, match="packs: pack index -1 out of range"):
-        plan.cu_seqlens(np.array([-1]))
     assert "Plan(num_packs=" in repr(plan)
 
 

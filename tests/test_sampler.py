@@ -413,8 +413,8 @@ def test_steps_are_groups_or_pack_counts(ds: PackedDataset) -> None:
     assert table.pack_offsets[0] == 0 and table.pack_offsets[-1] == plan.num_packs
     assert (np.diff(table.pack_offsets) > 0).all()
     if ds.packs_per_batch is None:
-        assert np.array_equal(table.tokens, plan.group_tokens)
-        assert (table.tokens <= plan.group_cap).all()
+        assert np.array_equal(table.tokens, plan.group_fills)
+        assert (table.tokens <= plan.group_tokens).all()
     else:
         assert (np.diff(table.pack_offsets) <= ds.packs_per_batch).all()
     seqlens = plan.seqlens.astype(np.int64)

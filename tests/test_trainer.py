@@ -101,7 +101,9 @@ def test_two_processes_equal_the_unpacked_step(tmp_path: Path, trainer: str, wei
     assert worst <= 1e-5, worst
     update = max(float((got[k] - p).abs().max() / (p - start[k]).abs().max())
                  for k, p in want.items())
-    assert update <= 1e-4, update
+    # Relative to the update itself (~lr * grad): fp32 sums in another order differ by
+    # about 1e-4 of it; a wrong normaliser or world-size factor is off by 10-100%.
+    assert update <= 5e-4, update
 
 
 # ------------------------------------------------------------------ one process

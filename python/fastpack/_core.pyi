@@ -51,7 +51,7 @@ def materialize(
     separator_id: int | None = None,
     train_separators: bool = False,
     layout: str = "flat",
-    width: int | None = None,
+    pad_to: int | None = None,
     pad_to_multiple_of: int = 1,
     pad_id: int = 0,
     threads: int | None = None,

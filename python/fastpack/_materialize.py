@@ -18,11 +18,12 @@ import numpy as np
 from . import _core
 from ._arrow import dataset_parts, list_column
 from ._errors import FastpackError, FastpackTypeError
-from ._plan import PackIndex, Plan, _int_arg
+from ._plan import PackIndex, Plan, _bool_arg, _choice, _int_arg, _threads, as_lengths
 
 __all__ = ["IGNORE_INDEX", "Ragged", "as_ragged", "loss_mask_from_spans", "materialize"]
 
 IGNORE_INDEX = -100
+LAYOUTS = ("flat", "rows")
 
 
 class Ragged:
@@ -46,6 +47,8 @@ class Ragged:
         self._offsets: np.ndarray | None = _as_offsets(offsets)
         if self._offsets.size == 0:
             raise FastpackError("offsets: expected at least one entry (num_rows + 1)")
+        if self._offsets[0] < 0:
+            raise FastpackError(f"offsets: starts at {int(self._offsets[0])}; expected >= 0")
         self._mask = mask
         self._arrow: Any = None
         self._indices: list[np.ndarray] | None = None
@@ -227,14 +230,24 @@ def _reuse(source: Any, mapping: Any, key: tuple[Any, ...], build: Callable[[], 
 
 
 def _from_arrow(array: Any, mask: bool, name: str = "tokens") -> Ragged:
+    import pyarrow as pa
+
+    kind = array.type if isinstance(array, (pa.Array, pa.ChunkedArray)) else None
+    if kind is None or not (pa.types.is_list(kind) or pa.types.is_large_list(kind)
+                            or pa.types.is_fixed_size_list(kind)):
+        raise FastpackTypeError(
+            f"{name}: expected a pyarrow list array (list<int>), got {type(array).__name__}"
+            + (f" of {kind}" if kind is not None else "")
+        )
     return _reuse(array, None, (name, mask),
                   lambda: Ragged._from_arrow(array, name, None, mask))
 
 
-def _from_dataset(dataset: Any, column: str, mask: bool) -> Ragged:
+def _from_dataset(dataset: Any, column: str, mask: bool, name: str = "column") -> Ragged:
     if column not in dataset.column_names:
         raise FastpackError(
-            f"column {column!r} not in the dataset; it has {', '.join(dataset.column_names)}"
+            f"{name}: no column {column!r} in the dataset; it has "
+            f"{', '.join(map(repr, dataset.column_names))}"
         )
 
     def build() -> Ragged:
@@ -287,7 +300,9 @@ def _is_parquet_source(data: Any) -> bool:
 TokenData = Union[Ragged, tuple[Any, Any], Sequence[Any], Any]
 
 
-def as_ragged(data: TokenData, *, column: str = "input_ids", mask: bool = False) -> Ragged:
+def as_ragged(
+    data: TokenData, *, column: str = "input_ids", mask: bool = False, name: str = "data"
+) -> Ragged:
     """Token data (or labels, or with ``mask=True`` a loss mask: zero = not a target) as
     :class:`Ragged`.
 
@@ -298,8 +313,11 @@ def as_ragged(data: TokenData, *, column: str = "input_ids", mask: bool = False)
     (``dataset["input_ids"]``); parquet files — a path, a directory, a list of paths or a
     ``pyarrow.dataset.Dataset`` — of which only ``column`` is read; or a sequence of
     per-row arrays or lists (concatenated once). Arrow and parquet data are never
-    concatenated: batches of one plan cost their rows, whatever the chunking.
+    concatenated: batches of one plan cost their rows, whatever the chunking. ``name`` is
+    the argument that errors name.
     """
+    if not isinstance(column, str):
+        raise FastpackTypeError(f"column: expected a string, got {type(column).__name__}")
     if isinstance(data, Ragged):
         if mask and not data._mask and data._values is not None:
             return Ragged(data._values, data._offsets, mask=True)
@@ -316,50 +334,67 @@ def as_ragged(data: TokenData, *, column: str = "input_ids", mask: bool = False)
             return _from_table(data, column, mask)
         if isinstance(data, pa.RecordBatch):
             return _from_table(pa.Table.from_batches([data]), column, mask)
-        return _from_arrow(data, mask, "loss_mask" if mask else "tokens")
+        return _from_arrow(data, mask, name)
     if module.startswith("datasets"):
         if hasattr(data, "column_names") and hasattr(data, "data"):
-            return _from_dataset(data, column, mask)
+            return _from_dataset(data, column, mask, name)
         if hasattr(data, "source") and hasattr(data, "column_name"):
-            return _from_dataset(data.source, data.column_name, mask)
+            return _from_dataset(data.source, data.column_name, mask, name)
     if isinstance(data, (str, bytes, dict)) or not isinstance(data, Sequence):
         raise FastpackTypeError(
-            f"token data: expected Ragged, (values, offsets), a pyarrow list array or table, "
+            f"{name}: expected Ragged, (values, offsets), a pyarrow list array or table, "
             f"a datasets column, parquet files or a sequence of sequences; got "
             f"{type(data).__name__}"
         )
-    return _from_rows(data, mask)
+    return _from_rows(data, mask, name)
 
 
-def _from_rows(rows: Sequence[Any], mask: bool) -> Ragged:
+def _from_rows(rows: Sequence[Any], mask: bool, name: str = "data") -> Ragged:
     if isinstance(rows, list) and rows and isinstance(rows[0], list):
         try:  # lists of Python ints, read in Rust straight from the list objects
             values, offsets = _core.flatten_int_lists(rows, mask)
-            return Ragged(values, offsets, mask=mask)
+            return _ragged(values, offsets, mask, name)
         except FastpackError:
             pass  # not all lists of ints: the general path below says what is wrong
+    for i, row in enumerate(rows):
+        if isinstance(row, (str, bytes, dict)) or not hasattr(row, "__len__"):
+            raise FastpackTypeError(
+                f"{name}: row {i} is {type(row).__name__}; expected a sequence of integers "
+                f"(list, tuple, numpy array or tensor)"
+            )
     lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
     offsets = np.zeros(len(rows) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
-    if len(rows) and isinstance(rows[0], (list, tuple)):
-        import itertools
+    # Rows that are not all lists of Python ints (those went to Rust above): each row to
+    # numpy once, so a float or a string is an error below, never silently truncated.
+    try:
+        if len(rows):
+            values = np.concatenate([_to_numpy(r) for r in rows])
+        else:
+            values = np.zeros(0, dtype=np.int64)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise FastpackTypeError(f"{name}: expected rows of integers ({e})") from None
+    return _ragged(values, offsets, mask, name)
 
-        values = np.fromiter(
-            itertools.chain.from_iterable(rows),
-            dtype=np.uint8 if mask else np.int64,
-            count=int(offsets[-1]),
-        )
-    elif len(rows):
-        values = np.concatenate([_to_numpy(r) for r in rows])
-    else:
-        values = np.zeros(0, dtype=np.int64)
-    return Ragged(values, offsets, mask=mask)
+
+def _ragged(values: Any, offsets: Any, mask: bool, name: str) -> Ragged:
+    try:
+        ragged = Ragged(values, offsets, mask=mask)
+    except FastpackError as e:  # name the argument the rows came from
+        message = str(e)
+        raise type(e)(message if message.startswith(f"{name}:") else f"{name}: {message}") from None
+    if name != "data":
+        ragged._name = name  # errors found later (in Rust) name the same argument
+    return ragged
 
 
 def _to_numpy(row: Any) -> np.ndarray:
     if type(row).__module__.startswith("torch"):
         row = row.detach().cpu().numpy()
-    array = np.asarray(row).reshape(-1)
+    array = np.asarray(row)
+    if array.ndim > 1:  # a nested row is an error, never silently flattened
+        raise ValueError(f"a row has shape {array.shape}; expected one flat list per row")
+    array = array.reshape(-1)
     # An empty list becomes float64 in numpy; it must not change the dtype of the rest.
     return array if array.size else np.zeros(0, dtype=np.int32)
 
@@ -368,16 +403,35 @@ def loss_mask_from_spans(lengths: Any, spans: Sequence[Sequence[tuple[int, int]]
     """A 0/1 loss mask from role spans: ``spans[i]`` lists the ``(start, end)`` token
     ranges of row ``i`` that are trained on (say, the assistant turns); everything else
     gets label -100. Spans may overlap; ends past the row are clipped."""
-    lengths = np.asarray(lengths, dtype=np.int64)
+    lengths = as_lengths(lengths).astype(np.int64, copy=False)
+    if (lengths < 0).any():
+        i = int(np.argmax(lengths < 0))
+        raise FastpackError(f"lengths: negative length {int(lengths[i])} at index {i}")
+    if isinstance(spans, (str, bytes, dict)) or not isinstance(spans, Sequence):
+        raise FastpackTypeError(
+            f"spans: expected a sequence of per-row lists of (start, end) pairs, got "
+            f"{type(spans).__name__}"
+        )
     if len(spans) != len(lengths):
         raise FastpackError(f"spans: got {len(spans)} rows for {len(lengths)} lengths")
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
     counts = np.fromiter((len(s) for s in spans), dtype=np.int64, count=len(spans))
-    flat = np.array([pair for row in spans for pair in row], dtype=np.int64).reshape(-1, 2)
+    try:
+        flat = np.array([pair for row in spans for pair in row], dtype=np.int64).reshape(-1, 2)
+    except (TypeError, ValueError, OverflowError):
+        raise FastpackError(
+            "spans: expected (start, end) pairs of integers, e.g. [[(0, 4), (9, 12)], []]"
+        ) from None
+    if len(flat) != int(counts.sum()):
+        raise FastpackError("spans: expected (start, end) pairs, e.g. [[(0, 4), (9, 12)], []]")
     rows = np.repeat(np.arange(len(lengths)), counts)
     if flat.size and ((flat < 0).any() or (flat[:, 1] < flat[:, 0]).any()):
-        raise FastpackError("spans: expected (start, end) pairs with 0 <= start <= end")
+        bad = int(np.argmax((flat < 0).any(axis=1) | (flat[:, 1] < flat[:, 0])))
+        raise FastpackError(
+            f"spans: row {int(rows[bad])} has the span {tuple(flat[bad].tolist())}; expected "
+            f"(start, end) pairs with 0 <= start <= end"
+        )
     lo = offsets[rows] + np.minimum(flat[:, 0], lengths[rows])
     hi = offsets[rows] + np.minimum(flat[:, 1], lengths[rows])
     delta = np.zeros(int(offsets[-1]) + 1, dtype=np.int64)
@@ -437,29 +491,32 @@ def materialize(
         ``position_ids``, ``labels`` (int64 ``[rows, width]``), ``seq_idx`` (int32
         ``[rows, width]``: segment index restarting at 0 in each row),
         ``cu_seqlens`` (int32, every segment of all rows end to end, padding included),
-        and ints ``max_seqlen``, ``num_targets`` (labels other than -100: the loss's
-        ``num_items_in_batch``), ``num_tokens`` (real tokens).
+        and ints ``max_seqlen`` (the longest segment), ``num_targets`` (labels other than
+        -100: the loss's ``num_items_in_batch``), ``total_tokens`` (tokens of the chosen
+        packs, separators included, padding not: the packs' share of
+        ``Plan.total_tokens``).
 
     In every segment the label of the first position is -100, so no sequence is trained
     to predict the next one's first token, and positions restart at 0.
     """
     if not isinstance(plan, Plan):
         raise FastpackTypeError(f"plan: expected a fastpack.Plan, got {type(plan).__name__}")
-    if layout not in ("flat", "rows"):
-        raise FastpackError(f"layout: unknown value {layout!r}; expected 'flat' or 'rows'")
-    dataset = tokens if _is_dataset(tokens) else None
-    token_data = as_ragged(tokens)
-    label_data = _side(labels, dataset, mask=False)
-    mask_data = _side(loss_mask, dataset, mask=True)
+    layout = _choice("layout", layout, LAYOUTS)
     multiple = 1 if pad_to_multiple_of is None else _int_arg(
-        "pad_to_multiple_of", pad_to_multiple_of, minimum=1
+        "pad_to_multiple_of", pad_to_multiple_of, minimum=1, maximum=2**31 - 1
     )
     if pad_to is not None:
-        pad_to = _int_arg("pad_to", pad_to, minimum=0)
+        pad_to = _int_arg("pad_to", pad_to, minimum=0, maximum=2**63 - 1)
     if separator_id is not None:
-        separator_id = _int_arg("separator_id", separator_id, minimum=-(2**63))
-    if threads is not None:
-        threads = _int_arg("threads", threads, minimum=1, maximum=4096)
+        separator_id = _int_arg("separator_id", separator_id, minimum=-(2**63),
+                                maximum=2**63 - 1)
+    train_separators = _bool_arg("train_separators", train_separators)
+    pad_id = _int_arg("pad_id", pad_id, minimum=-(2**63), maximum=2**63 - 1)
+    threads = _threads(threads)
+    dataset = tokens if _is_dataset(tokens) else None
+    token_data = as_ragged(tokens, name="tokens")
+    label_data = _side(labels, dataset, mask=False, name="labels")
+    mask_data = _side(loss_mask, dataset, mask=True, name="loss_mask")
     out: dict[str, Any] = _core.materialize(
         plan.sample_ids, plan.starts, plan.seqlens, plan.pack_offsets, plan.reserve,
         plan.strategy, plan.overlong, _packs(plan, packs), token_data.column,
@@ -477,16 +534,19 @@ def _is_dataset(obj: Any) -> bool:
     return type(obj).__module__.startswith("datasets") and hasattr(obj, "column_names")
 
 
-def _side(data: TokenData | str | None, dataset: Any, *, mask: bool) -> Ragged | None:
+def _side(
+    data: TokenData | str | None, dataset: Any, *, mask: bool, name: str
+) -> Ragged | None:
     if data is None:
         return None
     if isinstance(data, str):
         if dataset is None:
             raise FastpackTypeError(
-                "labels/loss_mask: a column name needs a datasets.Dataset as tokens"
+                f"{name}: got the column name {data!r}, which needs a datasets.Dataset as "
+                f"tokens; pass the values instead"
             )
-        return _from_dataset(dataset, data, mask)
-    ragged = as_ragged(data, mask=mask)
+        return _from_dataset(dataset, data, mask, name)
+    ragged = as_ragged(data, mask=mask, name=name)
     if ragged is not data and ragged._column is None:
         ragged._name = "loss_mask" if mask else "labels"  # for error messages
     return ragged

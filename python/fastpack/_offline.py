@@ -366,13 +366,13 @@ class PlanStats:
                     "tokens": b.total_tokens} for b in plan.buckets] or [
             {"max_len": plan.max_len, "documents": plan.num_sequences - plan.empty_sequences,
              "packs": plan.num_packs, "tokens": plan.total_tokens}]
-        fill = plan.pack_tokens / plan.pack_caps
+        fill = plan.pack_fills / plan.pack_caps
         counts = np.histogram(fill, bins=FILL_BINS, range=(0.0, 1.0))[0].astype(np.int64)
         return cls(plan.max_len, int(len(lengths)), plan.empty_sequences,
                    int(lengths.sum(dtype=np.int64)), plan.total_tokens, plan.num_packs,
                    (plan.dropped_sequences, plan.dropped_tokens),
                    (plan.truncated_sequences, plan.truncated_tokens), split, buckets,
-                   plan.group_cap, plan.num_groups, counts, LengthHistogram.of(lengths))
+                   plan.group_tokens, plan.num_groups, counts, LengthHistogram.of(lengths))
 
     @classmethod
     def merge(cls, parts: Sequence[PlanStats]) -> PlanStats:

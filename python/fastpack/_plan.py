@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Union
 
@@ -30,6 +30,8 @@ PackIndex = Union[int, slice, range, Sequence[int], np.ndarray]
 
 # A group flattens into one varlen row whose cu_seqlens are int32.
 GROUP_TOKENS_LIMIT = 2**31 - 1
+# The fit strategies keep an index over every capacity 0..=max_len (the core's limit).
+MAX_LEN_LIMIT = 2**24
 
 
 def _int_arg(
@@ -46,9 +48,22 @@ def _int_arg(
     return value
 
 
+def _threads(threads: Any) -> int | None:
+    return None if threads is None else _int_arg("threads", threads, minimum=1, maximum=4096)
+
+
+def _bool_arg(name: str, value: Any) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise FastpackTypeError(f"{name}: expected a bool, got {type(value).__name__} {value!r}")
+    return bool(value)
+
+
 def _choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
     if not isinstance(value, str):
-        raise FastpackTypeError(f"{name}: expected a string, got {type(value).__name__}")
+        raise FastpackTypeError(
+            f"{name}: expected one of {', '.join(map(repr, choices))}, got "
+            f"{type(value).__name__} {value!r}"
+        )
     if value not in choices:
         raise FastpackError(
             f"{name}: unknown value {value!r}; expected one of {', '.join(map(repr, choices))}"
@@ -65,9 +80,12 @@ def as_lengths(lengths: Any, name: str = "lengths") -> np.ndarray:
             tensor = tensor.cpu()
         # Floating tensors go through the same whole-number check as numpy floats below.
         lengths = tensor.contiguous().numpy()
-    if isinstance(lengths, (str, bytes, dict)) or np.isscalar(lengths):
+    if isinstance(lengths, Iterator):  # a generator or map(...): read it once, in order
+        lengths = list(lengths)
+    if isinstance(lengths, (str, bytes, dict, set, frozenset)) or np.isscalar(lengths):
         raise FastpackTypeError(
-            f"{name}: expected a 1-D array-like of integers, got {type(lengths).__name__}"
+            f"{name}: expected a 1-D array-like of integers (numpy array, list, tuple, range, "
+            f"iterator or tensor), got {type(lengths).__name__}"
         )
     array = lengths if isinstance(lengths, np.ndarray) else np.asarray(lengths)
     if array.ndim != 1:
@@ -123,10 +141,36 @@ def _readonly(array: np.ndarray) -> np.ndarray:
     return array
 
 
+def _with_metrics(fields: dict[str, Any]) -> dict[str, Any]:
+    """The metrics of a plan assembled in Python (a step's sub-plan, shards joined, a
+    stream's window restored), which the core did not make: the same definitions as the
+    core's (``Plan.lower_bound``, ``Plan.efficiency``, ``Bucket``)."""
+    fields = dict(fields)
+    num_packs = len(fields["pack_offsets"]) - 1
+    max_len = int(fields["max_len"])
+    total = int(fields["total_tokens"])
+    buckets = []
+    for b in fields.get("buckets", ()):
+        b = dict(b)
+        b.setdefault("lower_bound", -(-int(b["total_tokens"]) // int(b["max_len"])))
+        capacity = int(b["num_packs"]) * int(b["max_len"])
+        b.setdefault("efficiency", b["total_tokens"] / capacity if capacity else 1.0)
+        buckets.append(b)
+    if buckets:
+        fields["buckets"] = buckets
+        fields.setdefault("lower_bound", sum(b["lower_bound"] for b in buckets))
+    else:
+        fields.setdefault("lower_bound", -(-total // max_len))
+    caps = fields.get("pack_caps")
+    capacity = int(np.asarray(caps).sum()) if caps is not None else num_packs * max_len
+    fields.setdefault("efficiency", total / capacity if capacity else 1.0)
+    return fields
+
+
 @dataclass(frozen=True)
 class Bucket:
     """One bucket of a plan: packs of one cap. A plan has the short bucket (``max_len``)
-    and, with ``long_max_len``, the long one."""
+    and, with ``long_max_len``, the long one. The metrics come from the core."""
 
     name: str
     max_len: int
@@ -134,18 +178,10 @@ class Bucket:
     num_sequences: int
     num_packs: int
     total_tokens: int
-
-    @property
-    def lower_bound(self) -> int:
-        """``ceil(total_tokens / max_len)``."""
-        return -(-self.total_tokens // self.max_len)
-
-    @property
-    def efficiency(self) -> float:
-        """``total_tokens / (num_packs * max_len)``; 1.0 for an empty bucket."""
-        if self.num_packs == 0:
-            return 1.0
-        return self.total_tokens / (self.num_packs * self.max_len)
+    #: ``ceil(total_tokens / max_len)``.
+    lower_bound: int
+    #: ``total_tokens / (num_packs * max_len)``; 1.0 for an empty bucket.
+    efficiency: float
 
 
 class Plan:
@@ -166,16 +202,24 @@ class Plan:
 
     With ``group_tokens`` (two-level packing), packs are ordered so that each group's packs
     are contiguous: group ``g`` holds packs ``group_offsets[g]:group_offsets[g+1]``
-    (int64 [G+1]) and ``group_tokens[g]`` tokens (int64 [G]), at most ``group_cap``. Groups
-    never mix buckets; shuffled, the groups are shuffled and packs stay in their group.
+    (int64 [G+1]) and ``group_fills[g]`` tokens (int64 [G]), at most ``group_tokens``.
+    Groups never mix buckets; shuffled, the groups are shuffled and packs stay in their
+    group.
+
+    Every metric (``lower_bound``, ``efficiency``, the buckets' and the groups') is computed
+    by the core with the plan; a *fill* is the number of tokens a pack or group holds.
     """
 
     _FIELDS = (
         "sample_ids", "starts", "seqlens", "pack_offsets", "max_len", "reserve", "strategy",
         "overlong", "num_sequences", "empty_sequences", "dropped_sequences", "dropped_tokens",
         "truncated_sequences", "truncated_tokens", "split_sequences", "total_tokens",
+        "lower_bound", "efficiency",
     )
-    _OPTIONAL = ("long_max_len", "group_cap", "group_offsets", "group_tokens")
+    _OPTIONAL = (
+        "long_max_len", "group_tokens", "group_offsets", "group_fills", "group_lower_bound",
+        "group_efficiency",
+    )
 
     __slots__ = (*_FIELDS, *_OPTIONAL, "buckets", "_pack_caps")
 
@@ -195,17 +239,31 @@ class Plan:
     truncated_tokens: int
     split_sequences: int
     total_tokens: int
+    #: ``ceil(total_tokens / max_len)``: no plan can use fewer packs. With buckets, the sum
+    #: of each bucket's bound (packs never mix buckets).
+    lower_bound: int
+    #: ``total_tokens / (num_packs * max_len)``; with buckets, over each pack's own cap:
+    #: ``total_tokens / sum(pack_caps)``. 1.0 for an empty plan.
+    efficiency: float
     #: Cap of the long bucket, or None without buckets.
     long_max_len: int | None
-    #: The ``group_tokens`` budget, or None without groups.
-    group_cap: int | None
+    #: The token budget of a group (the ``group_tokens`` argument), or None without groups.
+    group_tokens: int | None
     group_offsets: np.ndarray | None
     #: Tokens in each group (int64 [G]), or None without groups.
-    group_tokens: np.ndarray | None
+    group_fills: np.ndarray | None
+    #: Fewest groups possible: per bucket ``ceil(total_tokens / group_tokens)``, summed.
+    group_lower_bound: int | None
+    #: ``total_tokens / (num_groups * group_tokens)``, or None without groups.
+    group_efficiency: float | None
     buckets: tuple[Bucket, ...]
     _pack_caps: np.ndarray | None
 
     def __init__(self, fields: dict[str, Any]) -> None:
+        if "lower_bound" not in fields or any(
+            "lower_bound" not in b for b in fields.get("buckets", ())
+        ):
+            fields = _with_metrics(fields)
         for name in self._FIELDS:
             value = fields[name]
             setattr(self, name, _readonly(value) if isinstance(value, np.ndarray) else value)
@@ -231,22 +289,6 @@ class Plan:
         return self.num_packs
 
     @property
-    def lower_bound(self) -> int:
-        """``ceil(total_tokens / max_len)``: no plan can use fewer packs. With buckets, the
-        sum of each bucket's bound (packs never mix buckets)."""
-        if self.buckets:
-            return sum(b.lower_bound for b in self.buckets)
-        return -(-self.total_tokens // self.max_len)
-
-    @property
-    def efficiency(self) -> float:
-        """``total_tokens / (num_packs * max_len)``; with buckets, over each pack's own cap:
-        ``total_tokens / sum(pack_caps)``. 1.0 for an empty plan."""
-        capacity = sum(b.num_packs * b.max_len for b in self.buckets) if self.buckets else (
-            self.num_packs * self.max_len)
-        return self.total_tokens / capacity if capacity else 1.0
-
-    @property
     def pack_caps(self) -> np.ndarray:
         """Each pack's cap (int32 [P]): ``max_len``, or ``long_max_len`` for long packs."""
         if self._pack_caps is None:
@@ -257,21 +299,6 @@ class Plan:
     def num_groups(self) -> int:
         """Level-2 groups; 0 when the plan was made without ``group_tokens``."""
         return 0 if self.group_offsets is None else len(self.group_offsets) - 1
-
-    @property
-    def group_efficiency(self) -> float | None:
-        """``total_tokens / (num_groups * group_cap)``, or None without groups."""
-        if self.group_cap is None:
-            return None
-        return self.total_tokens / (self.num_groups * self.group_cap) if self.num_groups else 1.0
-
-    @property
-    def group_lower_bound(self) -> int | None:
-        """Fewest groups possible: per bucket ``ceil(tokens / group_cap)``, summed."""
-        if self.group_cap is None:
-            return None
-        cap = self.group_cap
-        return sum(-(-b.total_tokens // cap) for b in self.buckets)
 
     def _group(self, group: int) -> int:
         if self.group_offsets is None:
@@ -296,8 +323,8 @@ class Plan:
         return self.varlen(self.group_packs(group), threads=threads)
 
     @property
-    def pack_tokens(self) -> np.ndarray:
-        """Tokens in each pack (int64 [P])."""
+    def pack_fills(self) -> np.ndarray:
+        """Tokens in each pack (int64 [P]), from ``seqlens`` and ``pack_offsets``."""
         cumulative = np.concatenate(([0], np.cumsum(self.seqlens, dtype=np.int64)))
         return np.diff(cumulative[self.pack_offsets])
 
@@ -338,7 +365,9 @@ class Plan:
         self, packs: PackIndex, *, threads: int | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
         """``(cu_seqlens, position_ids)`` for ``packs`` in one Rust call."""
-        return _core.varlen(self.seqlens, self.pack_offsets, self._packs(packs), threads)
+        return _core.varlen(
+            self.seqlens, self.pack_offsets, self._packs(packs), _threads(threads)
+        )
 
     def summary(self) -> str:
         """A few lines a person can read: packs, efficiency and every token not packed."""
@@ -355,14 +384,14 @@ class Plan:
                     f"{b.num_packs:,} packs, efficiency {b.efficiency:.4%}, "
                     f"lower bound {b.lower_bound:,}"
                 )
-        if self.group_tokens is not None:
-            tokens = self.group_tokens
+        if self.group_fills is not None:
+            fills = self.group_fills
             spread = (
-                f"tokens per group min/median/max {int(tokens.min()):,}/"
-                f"{int(np.median(tokens)):,}/{int(tokens.max()):,}" if tokens.size else "no tokens"
+                f"tokens per group min/median/max {int(fills.min()):,}/"
+                f"{int(np.median(fills)):,}/{int(fills.max()):,}" if fills.size else "no tokens"
             )
             lines.append(
-                f"groups of <= {self.group_cap:,} tokens: {self.num_groups:,} "
+                f"groups of <= {self.group_tokens:,} tokens: {self.num_groups:,} "
                 f"(lower bound {self.group_lower_bound:,}); group efficiency "
                 f"{self.group_efficiency:.4%}; {spread}"
             )
@@ -388,7 +417,7 @@ class Plan:
             f"efficiency={self.efficiency:.4f}, lower_bound={self.lower_bound}, "
             f"dropped_tokens={self.dropped_tokens}, truncated_tokens={self.truncated_tokens}"
             + (f", long_max_len={self.long_max_len}" if self.long_max_len is not None else "")
-            + (f", num_groups={self.num_groups}" if self.group_cap is not None else "")
+            + (f", num_groups={self.num_groups}" if self.group_tokens is not None else "")
             + ")"
         )
 
@@ -400,7 +429,7 @@ def pack(
     strategy: str = "bfd",
     overlong: str = "error",
     reserve: int = 0,
-    shuffle: bool = False,
+    shuffle: bool = True,
     seed: int = 0,
     threads: int | None = None,
     long_max_len: int | None = None,
@@ -421,8 +450,10 @@ def pack(
             or truncated token is counted in the plan.
         reserve: tokens to reserve after every sequence (say an EOS inserted later), so no
             pack overflows once they are added. ``seqlens`` include them.
-        shuffle: shuffle the pack order (deterministically for a ``seed``); packs otherwise
-            come roughly sorted by size, which hurts training.
+        shuffle: shuffle the pack order (default; the same order for the same ``seed``).
+            ``shuffle=False`` keeps the packs as placed: roughly sorted by size for
+            ``"bfd"``/``"ffd"`` (which hurts training), in input order for the others.
+        seed: the shuffle's seed (0 to 2**64 - 1).
         threads: worker threads (default: ``RAYON_NUM_THREADS`` or all cores; one for
             fewer than 2^17 lengths). ``threads=1`` runs on the calling thread. The plan
             does not depend on it.
@@ -433,24 +464,25 @@ def pack(
         group_tokens: two-level packing: bin-pack the packs, by their tokens, into groups of
             at most ``group_tokens`` (at least the largest pack cap), so every group (a step
             or micro-batch) carries nearly the same number of tokens. See
-            ``Plan.group_offsets``, ``Plan.group_tokens`` and ``Plan.group_cu_seqlens``.
+            ``Plan.group_offsets``, ``Plan.group_fills`` and ``Plan.group_cu_seqlens``.
 
     Sequences of length 0 are skipped and counted in ``empty_sequences``.
     """
     array = as_lengths(lengths)
-    max_len = _int_arg("max_len", max_len, minimum=1)
+    max_len = _int_arg("max_len", max_len, minimum=1, maximum=MAX_LEN_LIMIT)
     strategy = _choice("strategy", strategy, STRATEGIES)
     overlong = _choice("overlong", overlong, OVERLONG_POLICIES)
-    reserve = _int_arg("reserve", reserve, minimum=0)
+    reserve = _int_arg(
+        "reserve", reserve, minimum=0, maximum=max_len - 1,
+        why=f": fewer tokens than max_len ({max_len}) so that a sequence fits",
+    )
     seed = _int_arg("seed", seed, minimum=0, maximum=2**64 - 1)
-    if threads is not None:
-        threads = _int_arg("threads", threads, minimum=1, maximum=4096)
-    if not isinstance(shuffle, (bool, np.bool_)):
-        raise FastpackTypeError(f"shuffle: expected a bool, got {type(shuffle).__name__}")
+    threads = _threads(threads)
+    shuffle = _bool_arg("shuffle", shuffle)
     if long_max_len is not None:
         long_max_len = _int_arg(
-            "long_max_len", long_max_len, minimum=max_len + 1,
-            why=f" (more than max_len = {max_len})",
+            "long_max_len", long_max_len, minimum=max_len + 1, maximum=MAX_LEN_LIMIT,
+            why=f", above max_len ({max_len})",
         )
     if group_tokens is not None:
         cap_name, cap = ("long_max_len", long_max_len) if long_max_len else ("max_len", max_len)

@@ -157,7 +157,7 @@ def compare(lengths: np.ndarray, caps: Sequence[int], *, batch_size: int = 32,
         row["pad_per_batch"] = entry(len(pieces), _padded_batches(shuffled, batch_size))
         row["bucketing"] = entry(len(pieces), _padded_batches(np.sort(pieces), batch_size))
         for strategy in ("next_fit", "bfd"):
-            plan = pack(lengths, cap, strategy=strategy, overlong="split")
+            plan = pack(lengths, cap, strategy=strategy, overlong="split", shuffle=False)
             row[strategy] = entry(plan.num_packs, plan.num_packs * cap)
         lb = -(-tokens // cap)
         row["lower_bound"] = entry(lb, lb * cap)

@@ -284,7 +284,7 @@ class StreamPacker:
         plan = pack(
             _row_lengths(window[LENGTH_COLUMN]), self.max_len, strategy=self.strategy,
             overlong=self.overlong, reserve=self.reserve, threads=self.threads,
-            long_max_len=self.long_max_len,
+            long_max_len=self.long_max_len, shuffle=False,  # emitted packs are shuffled below
         )
         index = 0 if previous is None else previous.index + 1
         emit, carry = self._select(plan, window, row_starts, ages, final)
@@ -321,7 +321,7 @@ class StreamPacker:
             return every, every[:0]
         counts = np.diff(plan.pack_offsets)
         caps = plan.pack_caps.astype(np.int64)
-        fill = plan.pack_tokens
+        fill = plan.pack_fills
         # A pack can wait only if each of its segments becomes a row of the next window
         # as it is: a segment that ends its sample (so it holds the reserved slots) and
         # holds a real token.
@@ -393,7 +393,7 @@ class StreamPacker:
         s.truncated_sequences += plan.truncated_sequences
         s.truncated_tokens += plan.truncated_tokens
         emit = rnd.emit
-        fill = plan.pack_tokens
+        fill = plan.pack_fills
         s.num_packs += len(emit)
         s.total_tokens += int(fill[emit].sum())
         s.capacity += int(plan.pack_caps[emit].astype(np.int64).sum())

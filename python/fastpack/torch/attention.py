@@ -42,6 +42,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from .._errors import FastpackError, FastpackTypeError
+
 if TYPE_CHECKING:
     import numpy as np
     import numpy.typing as npt
@@ -60,34 +62,12 @@ _FLEX_BLOCK_SIZE = 128
 # --------------------------------------------------------------------------- errors
 
 
-def _error_type() -> type[ValueError]:
-    """``fastpack.FastpackError`` when the package provides it, else ``ValueError``."""
-    try:
-        pkg = importlib.import_module("fastpack")
-    except Exception:  # the package (or its Rust extension) may not import
-        return ValueError
-    exc = getattr(pkg, "FastpackError", None)
-    if isinstance(exc, type) and issubclass(exc, ValueError):
-        return exc
-    return ValueError
+def _error(message: str) -> FastpackError:
+    return FastpackError(message)
 
 
-def _error(message: str) -> ValueError:
-    return _error_type()(message)
-
-
-def _type_error(message: str) -> TypeError:
-    """``fastpack.FastpackTypeError`` (a ``TypeError`` and a ``FastpackError``) when
-    defined, else ``TypeError``."""
-    try:
-        pkg = importlib.import_module("fastpack")
-    except Exception:
-        return TypeError(message)
-    exc = getattr(pkg, "FastpackTypeError", None)
-    if isinstance(exc, type) and issubclass(exc, TypeError):
-        err: TypeError = exc(message)
-        return err
-    return TypeError(message)
+def _type_error(message: str) -> FastpackTypeError:
+    return FastpackTypeError(message)
 
 
 # ------------------------------------------------------------------ optional imports
@@ -191,7 +171,7 @@ def _unavailable_reason(kernel: str, q: torch.Tensor) -> str | None:
 
 
 def available_kernels(q: torch.Tensor) -> list[str]:
-    """Backends that :func:`varlen_attention` could use for inputs like ``q``, in
+    """Kernels that :func:`varlen_attention` could use for inputs like ``q``, in
     ``kernel="auto"`` priority order (``"sdpa"`` is always last and always there)."""
     return [b for b in KERNELS[1:] if _unavailable_reason(b, q) is None]
 
@@ -563,15 +543,27 @@ def varlen_attention(
         ``(total_tokens, Hq, D)`` in ``q``'s dtype.
 
     Raises:
-        fastpack.FastpackError (a ``ValueError``; plain ``ValueError`` when fastpack
-        does not define it): invalid inputs or an unavailable forced kernel.
+        fastpack.FastpackError (a ``ValueError``; ``FastpackTypeError`` for an argument of
+        the wrong type): invalid inputs or an unavailable forced kernel.
     """
     _check_qkv(q, k, v)
-    max_len = _check_max_seqlen(max_seqlen)
+    longest = _check_max_seqlen(max_seqlen)
+    for name, flag in (("causal", causal), ("validate", validate)):
+        if not isinstance(flag, bool):
+            raise _type_error(f"{name} must be a bool, got {type(flag).__name__} {flag!r}")
     if softmax_scale is not None:
-        softmax_scale = float(softmax_scale)
+        try:
+            if isinstance(softmax_scale, bool):
+                raise TypeError
+            softmax_scale = float(softmax_scale)
+        except (TypeError, ValueError):
+            raise _type_error(
+                f"softmax_scale must be a number or None, got {type(softmax_scale).__name__}"
+            ) from None
         if not softmax_scale > 0 or math.isinf(softmax_scale):
             raise _error(f"softmax_scale must be a positive finite number, got {softmax_scale}")
+    if not isinstance(kernel, str):
+        raise _type_error(f"kernel must be a string, got {type(kernel).__name__}")
     if kernel not in KERNELS:
         raise _error(f"kernel must be one of {', '.join(map(repr, KERNELS))}; got {kernel!r}")
     chosen = _resolve_kernel(kernel, q)
@@ -583,7 +575,7 @@ def varlen_attention(
         host = cu_in.detach().to(device="cpu", dtype=torch.int64)  # the one host read
     if validate:
         assert host is not None
-        _check_cu_values(host, total, max_len)
+        _check_cu_values(host, total, longest)
 
     if total == 0:
         return q.clone()
@@ -596,9 +588,9 @@ def varlen_attention(
     if chosen == "flash":
         flash = _flash_varlen_func()
         assert flash is not None
-        return _flash_forward(flash, q, k, v, cu, max_len, causal, softmax_scale)
+        return _flash_forward(flash, q, k, v, cu, longest, causal, softmax_scale)
     if chosen == "varlen":
         fn = _torch_varlen_attn()
         assert fn is not None
-        return _torch_varlen_forward(fn, q, k, v, cu, max_len, causal, softmax_scale)
+        return _torch_varlen_forward(fn, q, k, v, cu, longest, causal, softmax_scale)
     return _flex_forward(q, k, v, cu, causal, softmax_scale)

@@ -10,8 +10,18 @@ import torch
 
 from .._errors import FastpackError, FastpackTypeError
 from .._materialize import TokenData, _from_rows, materialize
-from .._plan import OVERLONG_POLICIES, STRATEGIES, Plan, _choice, _int_arg, pack
-from .formats import BACKENDS, MASK_MODES, BatchFormat
+from .._plan import (
+    MAX_LEN_LIMIT,
+    OVERLONG_POLICIES,
+    STRATEGIES,
+    Plan,
+    _bool_arg,
+    _choice,
+    _int_arg,
+    _threads,
+    pack,
+)
+from .formats import BACKENDS, MASK_MODES, RETURN_TENSORS, BatchFormat
 
 __all__ = ["LOSS_MASK_KEYS", "PackedCollator"]
 
@@ -69,27 +79,40 @@ class PackedCollator:
         return_num_items: bool = False,
         threads: int | None = None,
     ) -> None:
-        self.max_len = _int_arg("max_len", max_len, minimum=1)
+        # Every option is checked here, so a mistake fails where the collator is built,
+        # not at the first batch.
+        self.max_len = _int_arg("max_len", max_len, minimum=1, maximum=MAX_LEN_LIMIT)
         self.backend = _choice("backend", backend, BACKENDS)
         self.mask = _choice("mask", mask, MASK_MODES)
-        if self.mask == "explicit" and self.backend not in ("sdpa", "eager", "flex"):
-            raise FastpackError(
-                f"mask: 'explicit' applies to sdpa, eager and flex, not {self.backend!r}"
-            )
-        self.pad_to_multiple_of = pad_to_multiple_of
-        self.pad_to = pad_to
-        self.separator_id = separator_id
-        self.train_separators = train_separators
-        self.pad_id = pad_id
+        self.pad_to_multiple_of = None if pad_to_multiple_of is None else _int_arg(
+            "pad_to_multiple_of", pad_to_multiple_of, minimum=1, maximum=2**31 - 1
+        )
+        self.pad_to = None if pad_to is None else _int_arg(
+            "pad_to", pad_to, minimum=1, maximum=2**63 - 1
+        )
+        self.separator_id = None if separator_id is None else _int_arg(
+            "separator_id", separator_id, minimum=-(2**63), maximum=2**63 - 1
+        )
+        self.train_separators = _bool_arg("train_separators", train_separators)
+        self.pad_id = _int_arg("pad_id", pad_id, minimum=-(2**63), maximum=2**63 - 1)
         self.strategy = _choice("strategy", strategy, STRATEGIES)
         self.overlong = _choice("overlong", overlong, OVERLONG_POLICIES)
+        if self.backend == "padded" and self.overlong in ("split", "drop"):
+            raise FastpackError(
+                f"overlong: {self.overlong!r} does not apply to backend='padded' (one sample "
+                f"per row); expected 'error' or 'truncate'"
+            )
+        if not (loss_mask_key is None or loss_mask_key is False or isinstance(loss_mask_key, str)):
+            raise FastpackTypeError(
+                f"loss_mask_key: expected a key (str), None (the first of {LOSS_MASK_KEYS} "
+                f"present) or False (no mask), got {type(loss_mask_key).__name__} "
+                f"{loss_mask_key!r}"
+            )
         self.loss_mask_key = loss_mask_key
-        self.threads = threads
-        if fixed_cu_seqlens is not None and self.backend != "flash":
-            raise FastpackError("fixed_cu_seqlens: applies to backend='flash' only")
+        self.threads = _threads(threads)
         self.format = BatchFormat(
             backend=self.backend, mask=self.mask,
-            return_tensors=_choice("return_tensors", return_tensors, ("pt", "np")),
+            return_tensors=_choice("return_tensors", return_tensors, RETURN_TENSORS),
             fixed_cu_seqlens=fixed_cu_seqlens, mask_dtype=mask_dtype,
             return_seq_idx=return_seq_idx, return_num_items=return_num_items,
         )
@@ -108,29 +131,52 @@ class PackedCollator:
 
     # ------------------------------------------------------------------ collate
     def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-        if not features:
-            raise FastpackError("features: got an empty batch")
-        if not isinstance(features[0], Mapping):
+        if isinstance(features, (str, bytes, Mapping)) or not isinstance(features, Sequence):
             raise FastpackTypeError(
-                f"features: expected dicts with 'input_ids', got {type(features[0]).__name__}"
+                f"features: expected a list of samples (dicts with 'input_ids'), got "
+                f"{type(features).__name__}"
             )
-        tokens = _from_rows([f["input_ids"] for f in features], mask=False)
-        labels = _from_rows([f["labels"] for f in features], mask=False) if (
-            "labels" in features[0]
-        ) else None
-        key = self._mask_key(features[0])
-        loss_mask = _from_rows([f[key] for f in features], mask=True) if key else None
-        plan = self.plan(tokens.lengths)
+        if not features:
+            raise FastpackError("features: got an empty batch; expected at least one sample")
+        for i, f in enumerate(features):
+            if not isinstance(f, Mapping):
+                raise FastpackTypeError(
+                    f"features: sample {i} is {type(f).__name__}; expected a dict with "
+                    f"'input_ids'"
+                )
+        tokens = _from_rows(self._column(features, "input_ids"), mask=False, name="input_ids")
+        labels = None
+        if any("labels" in f for f in features):
+            labels = _from_rows(self._column(features, "labels"), mask=False, name="labels")
+        key = self._mask_key(features)
+        loss_mask = None if key is None else _from_rows(
+            self._column(features, key), mask=True, name=key
+        )
+        plan = self.plan(tokens.lengths, shuffle=False)
         return self.batch(plan, tokens, None, labels=labels, loss_mask=loss_mask)
 
-    def _mask_key(self, feature: Mapping[str, Any]) -> str | None:
+    @staticmethod
+    def _column(features: Sequence[Mapping[str, Any]], key: str) -> list[Any]:
+        missing = [i for i, f in enumerate(features) if key not in f]
+        if missing:
+            raise FastpackError(
+                f"features: sample {missing[0]} has no {key!r} ({len(missing)} of "
+                f"{len(features)} samples lack it); expected every sample of a batch to have "
+                f"{key!r} or none"
+            )
+        return [f[key] for f in features]
+
+    def _mask_key(self, features: Sequence[Mapping[str, Any]]) -> str | None:
         if self.loss_mask_key is False:
             return None
         if isinstance(self.loss_mask_key, str):
-            if self.loss_mask_key not in feature:
-                raise FastpackError(f"loss_mask_key: samples have no {self.loss_mask_key!r}")
+            if not any(self.loss_mask_key in f for f in features):
+                raise FastpackError(
+                    f"loss_mask_key: no sample has {self.loss_mask_key!r}; its keys are "
+                    f"{sorted(features[0])}"
+                )
             return self.loss_mask_key
-        return next((k for k in LOSS_MASK_KEYS if k in feature), None)
+        return next((k for k in LOSS_MASK_KEYS if any(k in f for f in features)), None)
 
     def plan(
         self,
@@ -179,8 +225,6 @@ class PackedCollator:
 
 def _one_per_pack(lengths: np.ndarray, max_len: int, reserve: int, overlong: str) -> Plan:
     """A plan with every sample in its own pack, in order (the padded baseline)."""
-    if overlong in ("split", "drop"):
-        raise FastpackError(f"overlong: {overlong!r} does not apply to backend='padded'")
     extended = lengths + reserve
     over = extended > max_len
     if over.any() and overlong == "error":
@@ -192,7 +236,15 @@ def _one_per_pack(lengths: np.ndarray, max_len: int, reserve: int, overlong: str
     keep = lengths > 0
     seqlens = np.minimum(extended, max_len)[keep]
     n = int(keep.sum())
+    total = int(seqlens.sum())
+    # This planner is Python (one sample per pack), so its metrics are computed here.
+    metrics = {
+        "lower_bound": -(-total // max_len), "efficiency": total / (n * max_len) if n else 1.0,
+    }
     return Plan({
+        **metrics,
+        "buckets": [{"max_len": max_len, "num_sequences": n, "num_packs": n,
+                     "total_tokens": total, **metrics}],
         "sample_ids": np.flatnonzero(keep).astype(np.int64),
         "starts": np.zeros(n, dtype=np.int64),
         "seqlens": seqlens.astype(np.int32),
@@ -203,5 +255,5 @@ def _one_per_pack(lengths: np.ndarray, max_len: int, reserve: int, overlong: str
         "dropped_sequences": 0, "dropped_tokens": 0,
         "truncated_sequences": int(over.sum()),
         "truncated_tokens": int((extended - np.minimum(extended, max_len)).sum()),
-        "split_sequences": 0, "total_tokens": int(seqlens.sum()),
+        "split_sequences": 0, "total_tokens": total,
     })

@@ -137,7 +137,7 @@ class PackedDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
         elif not isinstance(plan, Plan):
             raise FastpackTypeError(f"plan: expected a fastpack.Plan, got {type(plan).__name__}")
         else:
-            for name, value, have in (("group_tokens", group_tokens, plan.group_cap),
+            for name, value, have in (("group_tokens", group_tokens, plan.group_tokens),
                                       ("long_max_len", long_max_len, plan.long_max_len)):
                 if value is not None and value != have:
                     raise FastpackError(

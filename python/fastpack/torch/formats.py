@@ -24,12 +24,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._errors import FastpackError
+from .._errors import FastpackError, FastpackTypeError
+from .._plan import _bool_arg, _choice, _int_arg
 
-__all__ = ["BACKENDS", "MASK_MODES", "BatchFormat"]
+__all__ = ["BACKENDS", "MASK_MODES", "RETURN_TENSORS", "BatchFormat"]
 
+#: The batch formats, one per Hugging Face ``attn_implementation`` (plus the padded
+#: baseline). Not :data:`fastpack.torch.KERNELS`, the kernels of ``varlen_attention``.
 BACKENDS = ("flash", "sdpa", "eager", "flex", "padded")
 MASK_MODES = ("position_ids", "explicit")
+RETURN_TENSORS = ("pt", "np")
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,29 @@ class BatchFormat:
     mask_dtype: torch.dtype = torch.float32
     return_seq_idx: bool = False
     return_num_items: bool = False
+
+    def __post_init__(self) -> None:
+        _choice("backend", self.backend, BACKENDS)
+        _choice("mask", self.mask, MASK_MODES)
+        _choice("return_tensors", self.return_tensors, RETURN_TENSORS)
+        if self.mask == "explicit" and self.backend not in ("sdpa", "eager", "flex"):
+            raise FastpackError(
+                f"mask: 'explicit' applies to backend 'sdpa', 'eager' or 'flex', not "
+                f"{self.backend!r}; expected mask='position_ids'"
+            )
+        if self.fixed_cu_seqlens is not None:
+            if self.backend != "flash":
+                raise FastpackError(
+                    f"fixed_cu_seqlens: applies to backend='flash' only, not {self.backend!r}"
+                )
+            _int_arg("fixed_cu_seqlens", self.fixed_cu_seqlens, minimum=2, maximum=2**31 - 1)
+        if not isinstance(self.mask_dtype, torch.dtype) or not self.mask_dtype.is_floating_point:
+            raise FastpackTypeError(
+                f"mask_dtype: expected a floating torch dtype (the additive eager mask), got "
+                f"{self.mask_dtype!r}"
+            )
+        _bool_arg("return_seq_idx", self.return_seq_idx)
+        _bool_arg("return_num_items", self.return_num_items)
 
     @property
     def layout(self) -> str:

@@ -29,6 +29,11 @@ def register_hf_attention(name: str = "fastpack_varlen") -> str:
     per-sequence SDPA loop on the CPU — with no ``attention_mask`` and no O(T²) mask.
     Calls without ``cu_seq_lens_q`` (say, generation) fall back to Hugging Face's SDPA.
     Attention dropout is not supported on the packed path (it raises)."""
+    if not isinstance(name, str) or not name:
+        raise FastpackTypeError(
+            f"name: expected a non-empty string (the attn_implementation to register), got "
+            f"{type(name).__name__} {name!r}"
+        )
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 

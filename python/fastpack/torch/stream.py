@@ -402,7 +402,7 @@ class _Pass:
         keys = [LENGTH_COLUMN]
         if "labels" in sample:
             keys.append("labels")
-        mask = self.ds.collator._mask_key(sample)
+        mask = self.ds.collator._mask_key([sample])
         if mask is not None:
             keys.append(mask)
         return keys

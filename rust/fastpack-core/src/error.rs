@@ -16,6 +16,9 @@ pub enum Error {
     /// A size that does not fit the plan's integer types.
     #[error("{arg}: {message}")]
     Overflow { arg: &'static str, message: String },
+    /// A large allocation failed: the process lives on (Python raises `MemoryError`).
+    #[error("out of memory: could not allocate {bytes} bytes for {what}")]
+    OutOfMemory { what: &'static str, bytes: u64 },
 }
 
 impl Error {
@@ -24,6 +27,17 @@ impl Error {
     }
     pub(crate) fn overflow(arg: &'static str, message: impl Into<String>) -> Self {
         Error::Overflow { arg, message: message.into() }
+    }
+    pub(crate) fn out_of_memory(what: &'static str, bytes: impl TryInto<u64>) -> Self {
+        Error::OutOfMemory { what, bytes: bytes.try_into().unwrap_or(u64::MAX) }
+    }
+    /// The input differs between two passes over it: another thread wrote to it.
+    pub(crate) fn input_changed(arg: &'static str) -> Self {
+        Error::invalid(
+            arg,
+            "the array changed while fastpack read it (another thread wrote to it); pass an \
+             array nothing writes to during the call",
+        )
     }
 }
 

@@ -337,19 +337,22 @@ pub fn gather(
     let mut buffers: Vec<Buffer> = Vec::with_capacity(ncols);
     for c in columns {
         if c.dtype() == Dtype::Bool {
-            bytes.push(memory::with_capacity(total));
+            bytes.push(memory::try_with_capacity(total, "gathered columns")?);
             buffers.push(Buffer::Bits { bits: Vec::new(), len: total });
         } else {
             buffers.push(match c.dtype().width() {
-                1 => Buffer::U8(memory::with_capacity(total)),
-                2 => Buffer::U16(memory::with_capacity(total)),
-                4 => Buffer::U32(memory::with_capacity(total)),
-                _ => Buffer::U64(memory::with_capacity(total)),
+                1 => Buffer::U8(memory::try_with_capacity(total, "gathered columns")?),
+                2 => Buffer::U16(memory::try_with_capacity(total, "gathered columns")?),
+                4 => Buffer::U32(memory::try_with_capacity(total, "gathered columns")?),
+                _ => Buffer::U64(memory::try_with_capacity(total, "gathered columns")?),
             });
         }
     }
-    let mut position_ids: Vec<i32> =
-        if opts.position_ids { memory::with_capacity(total) } else { Vec::new() };
+    let mut position_ids: Vec<i32> = if opts.position_ids {
+        memory::try_with_capacity(total, "gathered columns")?
+    } else {
+        Vec::new()
+    };
     let mut next_bytes = bytes.iter_mut();
     let targets: Vec<SyncPtr<u8>> = buffers
         .iter_mut()

@@ -43,7 +43,6 @@ static TRACE: std::sync::Mutex<Vec<(f64, &str)>> = std::sync::Mutex::new(Vec::ne
 
 pub mod column;
 mod error;
-mod fit;
 pub mod gather;
 pub mod layout;
 mod length;
@@ -58,7 +57,14 @@ pub mod targets;
 mod two_level;
 
 pub use error::{Error, Result};
+
+/// Proptest cases: `default`, or `PROPTEST_CASES` when set (CI runs fewer in a debug
+/// build; a long run sets many).
+#[cfg(test)]
+pub(crate) fn proptest_cases(default: u32) -> u32 {
+    std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
 pub use length::Length;
-pub use pack::pack;
+pub use pack::{pack, pack_two_level};
 pub use plan::{Overlong, PackOptions, Plan, Stats, Strategy, MAX_ITEMS, MAX_LEN_LIMIT};
-pub use two_level::{pack_two_level, Bucket, Groups, Levels, TwoLevelPlan, GROUP_TOKENS_LIMIT};
+pub use two_level::{Bucket, Groups, Levels, TwoLevelPlan, GROUP_TOKENS_LIMIT};

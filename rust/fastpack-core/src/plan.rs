@@ -194,8 +194,8 @@ impl Plan {
         self.stats.total_tokens as f64 / (self.num_packs() as f64 * self.max_len as f64)
     }
 
-    /// Tokens in each pack.
-    pub fn pack_tokens(&self) -> Vec<i64> {
+    /// Tokens in each pack (its fill).
+    pub fn pack_fills(&self) -> Vec<i64> {
         self.pack_offsets
             .windows(2)
             .map(|w| self.seqlens[w[0] as usize..w[1] as usize].iter().map(|&n| n as i64).sum())

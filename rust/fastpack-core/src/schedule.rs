@@ -7,7 +7,7 @@
 //! use fastpack_core::schedule::{by_cost, permutation};
 //! let order = by_cost(&[3.0, 1.0, 2.0, 1.0], 7);
 //! assert_eq!(order[2..], [2, 0]); // the two 1.0s first, in a seeded order
-//! let mut p = permutation(5, 7);
+//! let mut p = permutation(5, 7).unwrap();
 //! p.sort();
 //! assert_eq!(p, [0, 1, 2, 3, 4]);
 //! ```
@@ -20,8 +20,9 @@ use crate::shuffle::{self, SplitMix64};
 /// Below this many steps one thread sorts faster than waking the pool.
 const PARALLEL_SORT: usize = 1 << 16;
 
-/// A uniformly random permutation of `0..n` from `seed` (`n < 2^32`).
-pub fn permutation(n: usize, seed: u64) -> Vec<u32> {
+/// A uniformly random permutation of `0..n` from `seed` (`n < 2^32`); fails only when
+/// its memory cannot be had.
+pub fn permutation(n: usize, seed: u64) -> Result<Vec<u32>> {
     shuffle::permutation(n, seed)
 }
 

@@ -2,7 +2,8 @@
 
 use rayon::prelude::*;
 
-use crate::memory::{self, SyncPtr};
+use crate::error::Result;
+use crate::memory::{self, Slots};
 
 /// SplitMix64: tiny, fast, and fully specified, so a seed means the same order everywhere.
 pub(crate) struct SplitMix64(u64);
@@ -42,7 +43,8 @@ fn shuffle_in_place(items: &mut [u32], rng: &mut SplitMix64) {
 
 /// Items per bucket (about) and per counting chunk of the parallel shuffle; fixed, so the
 /// result does not depend on the thread count.
-const BUCKET_ITEMS: usize = 1 << 15;
+/// (Under Miri, a few: its small inputs then take the parallel path.)
+const BUCKET_ITEMS: usize = if cfg!(miri) { 4 } else { 1 << 15 };
 
 /// A uniformly random permutation of `0..n`, as `perm[i]` = the new position of item `i`
 /// (the inverse of a uniform permutation is uniform, so either reading holds).
@@ -52,11 +54,11 @@ const BUCKET_ITEMS: usize = 1 << 15;
 /// it), the buckets are laid out one after another, and each is Fisher–Yates shuffled
 /// with its own stream. Swaps then stay inside a cache-sized bucket instead of jumping
 /// across the whole array.
-pub(crate) fn permutation(n: usize, seed: u64) -> Vec<u32> {
+pub(crate) fn permutation(n: usize, seed: u64) -> Result<Vec<u32>> {
     if n <= 2 * BUCKET_ITEMS {
         let mut perm: Vec<u32> = (0..n as u32).collect();
         shuffle_in_place(&mut perm, &mut SplitMix64::new(seed));
-        return perm;
+        return Ok(perm);
     }
     let buckets = n.div_ceil(BUCKET_ITEMS);
     let bucket_of = |i: usize| {
@@ -65,16 +67,17 @@ pub(crate) fn permutation(n: usize, seed: u64) -> Vec<u32> {
     };
     let chunks: Vec<std::ops::Range<usize>> =
         (0..n).step_by(BUCKET_ITEMS).map(|s| s..(s + BUCKET_ITEMS).min(n)).collect();
-    let counts: Vec<Vec<u32>> = chunks
+    let counts: Vec<Result<Vec<u32>>> = chunks
         .par_iter()
         .map(|range| {
-            let mut c = vec![0u32; buckets];
+            let mut c = memory::try_zeroed::<u32>(buckets, "the shuffle")?;
             for i in range.clone() {
                 c[bucket_of(i)] += 1;
             }
-            c
+            Ok(c)
         })
         .collect();
+    let counts: Vec<Vec<u32>> = counts.into_iter().collect::<Result<_>>()?;
     // Bucket b holds, chunk by chunk, the items that drew b: cursors[chunk][b] is where
     // the chunk's next such item goes.
     let mut bucket_start = vec![0usize; buckets + 1];
@@ -99,19 +102,17 @@ pub(crate) fn permutation(n: usize, seed: u64) -> Vec<u32> {
         .collect();
     drop(counts);
 
-    let mut perm = memory::with_capacity::<u32>(n);
-    let out = SyncPtr(perm.as_mut_ptr());
+    let mut perm = memory::try_zeroed::<u32>(n, "the shuffle")?;
+    let out = Slots::new(&mut perm);
+    // The cursors of all chunks and buckets cover disjoint positions of `perm`, which the
+    // buckets tile: every position is written once.
     chunks.par_iter().zip(cursors).for_each(|(range, mut cursor)| {
         for i in range.clone() {
             let b = bucket_of(i);
-            // SAFETY: the cursors of all chunks and buckets cover disjoint positions of
-            // `perm`, each written once, and `perm` outlives this loop.
-            unsafe { *out.get().add(cursor[b]) = i as u32 };
+            out.set(cursor[b], i as u32);
             cursor[b] += 1;
         }
     });
-    // SAFETY: the buckets tile `0..n`, so every position was written just above.
-    unsafe { perm.set_len(n) };
     let mut parts = Vec::with_capacity(buckets);
     let mut rest = perm.as_mut_slice();
     for b in 0..buckets {
@@ -123,7 +124,7 @@ pub(crate) fn permutation(n: usize, seed: u64) -> Vec<u32> {
         let stream = seed ^ mix((b as u64).wrapping_add(1).wrapping_mul(0xD1B5_4A32_D192_ED03));
         shuffle_in_place(part, &mut SplitMix64::new(stream));
     });
-    perm
+    Ok(perm)
 }
 
 #[cfg(test)]
@@ -132,16 +133,21 @@ mod tests {
 
     #[test]
     fn permutations_are_permutations_and_seeded() {
-        for n in [0, 1, 2, 1000, 2 * BUCKET_ITEMS + 1, 300_000] {
-            let p = permutation(n, 42);
+        let sizes: &[usize] = if cfg!(miri) {
+            &[0, 1, 2, 9, 100]
+        } else {
+            &[0, 1, 2, 1000, 2 * BUCKET_ITEMS + 1, 300_000]
+        };
+        for &n in sizes {
+            let p = permutation(n, 42).unwrap();
             let mut seen = vec![false; n];
             for &q in &p {
                 assert!(!seen[q as usize], "{n}: position {q} twice");
                 seen[q as usize] = true;
             }
-            assert_eq!(p, permutation(n, 42));
+            assert_eq!(p, permutation(n, 42).unwrap());
             if n > 1000 {
-                assert_ne!(p, permutation(n, 43));
+                assert_ne!(p, permutation(n, 43).unwrap());
                 // Not the identity, nor close to it: few fixed points (about 1 expected).
                 let fixed = p.iter().enumerate().filter(|&(i, &q)| i == q as usize).count();
                 assert!(fixed < 20, "{n}: {fixed} fixed points");
@@ -150,10 +156,11 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "a statistical test over 500,000 items")]
     fn large_permutations_spread_items_evenly() {
         // Where items of the first tenth land: about a tenth in each tenth of the output.
         let n = 500_000;
-        let p = permutation(n, 7);
+        let p = permutation(n, 7).unwrap();
         let mut tenths = [0usize; 10];
         for &q in &p[..n / 10] {
             tenths[q as usize * 10 / n] += 1;

@@ -5,7 +5,7 @@ use fastpack_core::{
     layout, pack_two_level, pool, Error, Levels, Overlong, PackOptions, Strategy, TwoLevelPlan,
 };
 use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1, PyUntypedArrayMethods};
-use pyo3::exceptions::PyRuntimeError;
+use pyo3::exceptions::{PyMemoryError, PyRuntimeError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
@@ -14,9 +14,13 @@ mod materialize;
 mod schedule;
 mod targets;
 
-/// Raises `fastpack.FastpackError` (a `ValueError`) with the core's message.
+/// Raises `fastpack.FastpackError` (a `ValueError`) with the core's message; a failed
+/// allocation raises `MemoryError`.
 pub(crate) fn to_py(err: Error) -> PyErr {
-    fastpack_error(&err.to_string())
+    match err {
+        Error::OutOfMemory { .. } => PyMemoryError::new_err(err.to_string()),
+        _ => fastpack_error(&err.to_string()),
+    }
 }
 
 /// Runs core work so that a bug surfaces as a `FastpackError`, never as a panic that
@@ -63,6 +67,26 @@ fn options(
 
 fn plan_to_dict<'py>(py: Python<'py>, out: TwoLevelPlan) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
+    // Every metric comes from the core; Python reads them and never recomputes them.
+    d.set_item("lower_bound", out.lower_bound())?;
+    d.set_item("efficiency", out.efficiency())?;
+    d.set_item("group_lower_bound", out.group_lower_bound())?;
+    d.set_item("group_efficiency", out.group_efficiency())?;
+    let buckets = PyList::empty(py);
+    for b in &out.buckets {
+        let bd = PyDict::new(py);
+        bd.set_item("max_len", b.max_len)?;
+        bd.set_item("num_sequences", b.num_sequences)?;
+        bd.set_item("num_packs", b.num_packs)?;
+        bd.set_item("total_tokens", b.total_tokens)?;
+        bd.set_item("lower_bound", b.lower_bound())?;
+        bd.set_item("efficiency", b.efficiency())?;
+        buckets.append(bd)?;
+    }
+    d.set_item("buckets", buckets)?;
+    if let Some(long) = out.buckets.get(1) {
+        d.set_item("long_max_len", long.max_len)?;
+    }
     let plan = out.plan;
     let s = &plan.stats;
     d.set_item("num_sequences", s.num_sequences)?;
@@ -82,26 +106,13 @@ fn plan_to_dict<'py>(py: Python<'py>, out: TwoLevelPlan) -> PyResult<Bound<'py, 
     d.set_item("starts", plan.starts.into_pyarray(py))?;
     d.set_item("seqlens", plan.seqlens.into_pyarray(py))?;
     d.set_item("pack_offsets", plan.pack_offsets.into_pyarray(py))?;
-    let buckets = PyList::empty(py);
-    for b in &out.buckets {
-        let bd = PyDict::new(py);
-        bd.set_item("max_len", b.max_len)?;
-        bd.set_item("num_sequences", b.num_sequences)?;
-        bd.set_item("num_packs", b.num_packs)?;
-        bd.set_item("total_tokens", b.total_tokens)?;
-        buckets.append(bd)?;
-    }
-    d.set_item("buckets", buckets)?;
-    if let Some(long) = out.buckets.get(1) {
-        d.set_item("long_max_len", long.max_len)?;
-    }
     if let Some(caps) = out.pack_caps {
         d.set_item("pack_caps", caps.into_pyarray(py))?;
     }
     if let Some(groups) = out.groups {
-        d.set_item("group_cap", groups.cap)?;
+        d.set_item("group_tokens", groups.group_tokens)?;
         d.set_item("group_offsets", groups.group_offsets.into_pyarray(py))?;
-        d.set_item("group_tokens", groups.group_tokens.into_pyarray(py))?;
+        d.set_item("group_fills", groups.group_fills.into_pyarray(py))?;
     }
     Ok(d)
 }

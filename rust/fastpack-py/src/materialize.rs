@@ -55,9 +55,6 @@ pub(crate) fn optional_ints<'py>(
     obj.map(|o| IntArray::extract(arg, o)).transpose()
 }
 
-/// `materialize(plan arrays..., packs, tokens, token_offsets, ...)`: the chosen packs as
-/// training rows; see `fastpack.materialize` for the arguments. Returns a dict of flat
-/// numpy arrays (`rows * width` tokens, row-major) and counts.
 /// `materialize(plan arrays..., packs, tokens, labels, loss_mask, ...)`: the chosen packs
 /// as training rows; see `fastpack.materialize` for the arguments (the token data are
 /// `ListColumn`s). Returns a dict of flat numpy arrays (`rows * width` tokens, row-major)
@@ -66,7 +63,7 @@ pub(crate) fn optional_ints<'py>(
 #[pyo3(signature = (
     sample_ids, starts, seqlens, pack_offsets, reserve, strategy, overlong, packs,
     tokens, labels=None, loss_mask=None, separator_id=None, train_separators=false,
-    layout="flat", width=None, pad_to_multiple_of=1, pad_id=0, threads=None
+    layout="flat", pad_to=None, pad_to_multiple_of=1, pad_id=0, threads=None
 ))]
 #[allow(clippy::too_many_arguments)]
 pub fn materialize<'py>(
@@ -85,7 +82,7 @@ pub fn materialize<'py>(
     separator_id: Option<i64>,
     train_separators: bool,
     layout: &str,
-    width: Option<u64>,
+    pad_to: Option<u64>,
     pad_to_multiple_of: u64,
     pad_id: i64,
     threads: Option<usize>,
@@ -117,7 +114,7 @@ pub fn materialize<'py>(
         separator_id,
         train_separators,
         layout,
-        width,
+        width: pad_to,
         pad_to_multiple_of,
         pad_id,
     };
@@ -134,7 +131,8 @@ pub fn materialize<'py>(
     d.set_item("width", rows.width)?;
     d.set_item("max_seqlen", rows.max_seqlen)?;
     d.set_item("num_targets", rows.num_targets)?;
-    d.set_item("num_tokens", rows.num_tokens)?;
+    // The same word as `Plan.total_tokens`: tokens of the packs, separators included.
+    d.set_item("total_tokens", rows.num_tokens)?;
     // Moved, not copied: numpy takes ownership of each Vec's buffer.
     d.set_item("input_ids", rows.input_ids.into_pyarray(py))?;
     d.set_item("position_ids", rows.position_ids.into_pyarray(py))?;

@@ -21,9 +21,7 @@ pub fn permutation(
         return Err(fastpack_error(&format!("n: got {n}; at most 2^32 - 1 items")));
     }
     let perm = py
-        .detach(|| {
-            pool::install(threads, || guarded(|| Ok::<_, Error>(core::permutation(n, seed))))
-        })
+        .detach(|| pool::install(threads, || guarded(|| core::permutation(n, seed))))
         .map_err(to_py)?
         .map_err(to_py)?;
     Ok(perm.into_pyarray(py))

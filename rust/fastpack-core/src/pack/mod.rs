@@ -1,0 +1,449 @@
+//! `pack`: the packing pipeline, buckets → packs → groups, written once into a CSR plan.
+//!
+//! **Buckets.** The input is the short bucket; with `long_max_len`, the sequences over
+//! `max_len` are routed (during the short bucket's first pass) to a long bucket: a compact
+//! copy of their lengths with their input indices, packed with its own cap.
+//!
+//! **Packs** (level 1), per bucket, in phases — each a module whose docs state what it
+//! guarantees and what it hands on:
+//!
+//! 1. [`histogram`]: one parallel pass over the input classifies every length (the
+//!    over-long policy), tallies the bucket, and counts its sortable items by length.
+//! 2. [`sort`]: the input's second and last pass, a stable counting sort, longest first.
+//! 3. [`placement`]: best or first fit over the sorted lengths, run to count each pack's
+//!    segments while the sort runs (it needs only the histogram).
+//! 4. [`order`] (layout): the pack order — as placed, shuffled, or by groups — becomes
+//!    `pack_offsets` and each pack's first slot.
+//! 5. [`replay`]: the placement runs again and writes each of its runs to its slots.
+//! 6. [`unpack`]: slot words become `sample_ids` and `seqlens`; split remainders get their
+//!    starts.
+//!
+//! The order-preserving strategies ([`in_order`]) tally (phase 1), walk the input once to
+//! count (3) and once more to write (5).
+//!
+//! **Groups** (level 2, [`groups`]): each bucket's packs are bin-packed by their fills into
+//! groups of at most `group_tokens`, and the layout puts each group's packs together.
+//!
+//! Every output array is allocated once at its final size (counted first, then written)
+//! and fallibly: a plan that cannot be held is an error, never an abort. Parallel writes
+//! go through [`crate::memory::Tiles`] (fresh buffers, each position written once, read
+//! only once all are) and [`crate::memory::Slots`]; this module has no `unsafe`.
+
+mod classify;
+mod groups;
+mod histogram;
+mod in_order;
+mod order;
+mod placement;
+mod replay;
+mod sort;
+mod unpack;
+
+use crate::error::{Error, Result};
+use crate::length::Length;
+use crate::memory::{self, Slots, Tiling};
+use crate::plan::{PackOptions, Plan, Stats, Strategy, MAX_ITEMS};
+use crate::shuffle::permutation;
+use crate::two_level::{Bucket, Groups, Levels, TwoLevelPlan};
+
+use classify::Rules;
+use histogram::Histogram;
+use placement::{PackCounts, Placement};
+use sort::Sorted;
+
+/// Until the unpack, a slot of `sample_ids` holds its segment's length and sample as one
+/// word, `len << LEN_SHIFT | id`: a writer stores one word per segment instead of two, at
+/// random slots, and `seqlens` is free to hold the sorted order meanwhile. Ids are below
+/// 2^32, lengths at most 2^24: the word stays below 2^63.
+const LEN_SHIFT: u32 = 39;
+const SAMPLE_MASK: u64 = (1 << LEN_SHIFT) - 1;
+
+#[inline(always)]
+fn slot_word(len: u64, id: u32) -> i64 {
+    (len << LEN_SHIFT | id as u64) as i64
+}
+
+/// The sequences one bucket packs: `lengths[j]` is input sequence `id(j)`.
+#[derive(Clone, Copy)]
+pub(crate) struct Input<'a, L> {
+    pub lengths: &'a [L],
+    /// Input index of each length; `None`: the lengths are the input itself.
+    pub ids: Option<&'a [u32]>,
+}
+
+impl<L> Input<'_, L> {
+    /// Input index of position `j` (below 2^32: at most MAX_ITEMS sequences).
+    #[inline(always)]
+    pub(crate) fn id(&self, j: usize) -> u32 {
+        match self.ids {
+            None => j as u32,
+            Some(ids) => ids[j],
+        }
+    }
+}
+
+/// Packs `lengths` into packs of at most `opts.max_len` tokens.
+pub fn pack<L: Length>(lengths: &[L], opts: &PackOptions) -> Result<Plan> {
+    Ok(pack_two_level(lengths, opts, &Levels::default())?.plan)
+}
+
+/// One bucket's level 1, counted (phases 1 and, for the order-preserving strategies, 3).
+struct Level1<'a, L> {
+    input: Input<'a, L>,
+    rules: Rules,
+    strategy: Strategy,
+    shard_items: usize,
+    stats: Stats,
+    segments: usize,
+    /// Best/first fit: the histogram. Order-preserving: `None`.
+    hist: Option<Histogram>,
+    routed: Vec<u32>,
+}
+
+impl<'a, L: Length> Level1<'a, L> {
+    /// Phase 1; the order-preserving strategies also count their packs here (they have no
+    /// sort to overlap with), returned with the bucket.
+    fn count(
+        input: Input<'a, L>,
+        rules: Rules,
+        opts: &PackOptions,
+    ) -> Result<(Self, Option<PackCounts>)> {
+        let strategy = opts.strategy;
+        let mut bucket = Self {
+            input,
+            rules,
+            strategy,
+            shard_items: opts.shard_items,
+            stats: Stats::default(),
+            segments: 0,
+            hist: None,
+            routed: Vec::new(),
+        };
+        match strategy {
+            Strategy::BestFitDecreasing | Strategy::FirstFitDecreasing => {
+                let mut hist = Histogram::build(input, &rules)?;
+                bucket.stats = hist.stats.clone();
+                bucket.segments = hist.items() + hist.full_pieces();
+                bucket.routed = std::mem::take(&mut hist.routed);
+                bucket.hist = Some(hist);
+                Ok((bucket, None))
+            }
+            Strategy::NextFit | Strategy::Wrapped => {
+                let (tally, routed) = histogram::tally(input, &rules)?;
+                bucket.stats = tally.check(input, &rules)?;
+                bucket.routed = routed;
+                let (counts, cut) = in_order::count(input, &rules, &tally)?;
+                if rules.wrapped {
+                    bucket.stats.split_sequences = cut;
+                }
+                bucket.segments = counts.segments.iter().map(|&c| c as usize).sum();
+                Ok((bucket, Some(counts)))
+            }
+        }
+    }
+
+    fn placement(&self) -> Option<Placement<'_>> {
+        let hist = self.hist.as_ref()?;
+        Some(Placement::new(hist, self.strategy, self.rules.max_len, self.shard_items))
+    }
+
+    /// Sortable items: the length of the scratch the sort needs.
+    fn items(&self) -> usize {
+        self.hist.as_ref().map_or(0, Histogram::items)
+    }
+
+    fn any_split(&self) -> bool {
+        self.stats.split_sequences > 0
+    }
+
+    fn bucket(&self, packs: usize) -> Bucket {
+        Bucket {
+            max_len: self.rules.max_len,
+            num_sequences: self.stats.num_sequences - self.stats.empty_sequences,
+            num_packs: packs as u64,
+            total_tokens: self.stats.total_tokens,
+        }
+    }
+}
+
+/// What the layout hands to the writers.
+struct Laid {
+    /// Per bucket, its packs' counts in placement order (the segment counts themselves
+    /// moved into the tiling for the fit strategies; their number stays).
+    counts: Vec<PackCounts>,
+    /// Each pack's slots (packs numbered as placed, buckets one after another); its
+    /// offsets are the plan's `pack_offsets`.
+    tiling: Option<Tiling>,
+    /// Each pack's cap in the final order (with a long bucket).
+    pack_caps: Option<Vec<i32>>,
+    groups: Option<Groups>,
+}
+
+/// [`pack`] with an optional long bucket and optional level-2 groups; one pipeline for
+/// every combination (see the module docs).
+///
+/// ```
+/// use fastpack_core::{pack_two_level, Levels, PackOptions};
+/// let levels = Levels { long_max_len: Some(32), group_tokens: Some(32) };
+/// let out = pack_two_level(&[3u32, 5, 20, 6, 9], &PackOptions::new(8), &levels).unwrap();
+/// assert_eq!(out.pack_caps.as_deref(), Some(&[8, 8, 32][..]));
+/// assert_eq!(out.groups.unwrap().group_fills, vec![14, 29]);
+/// ```
+pub fn pack_two_level<L: Length>(
+    lengths: &[L],
+    opts: &PackOptions,
+    levels: &Levels,
+) -> Result<TwoLevelPlan> {
+    opts.validate()?;
+    levels.validate(opts)?;
+    if lengths.len() as u64 > MAX_ITEMS {
+        return Err(Error::overflow(
+            "lengths",
+            format!("got {} sequences; at most {MAX_ITEMS} are supported", lengths.len()),
+        ));
+    }
+    #[cfg(feature = "trace")]
+    let start = std::time::Instant::now();
+
+    // Buckets, and the count of every segment they will write.
+    let short_rules = Rules::new(opts, levels.long_max_len.is_some());
+    let input = Input { lengths, ids: None };
+    let (mut short, short_counts) = Level1::count(input, short_rules, opts)?;
+    // The long bucket: the routed positions, in input order, and a compact copy of their
+    // lengths (the input is not read again).
+    let routed = std::mem::take(&mut short.routed);
+    let mut long_lengths = memory::try_with_capacity::<L>(routed.len(), "the long bucket")?;
+    long_lengths.extend(routed.iter().map(|&i| lengths[i as usize]));
+    let mut buckets = vec![short];
+    let mut in_order_counts = vec![short_counts];
+    if let Some(long_max_len) = levels.long_max_len {
+        let long_opts = PackOptions { max_len: long_max_len, ..opts.clone() };
+        let long_input = Input { lengths: &long_lengths, ids: Some(&routed) };
+        let long_rules = Rules::new(&long_opts, false);
+        let (long, long_counts) = Level1::count(long_input, long_rules, &long_opts)?;
+        buckets.push(long);
+        in_order_counts.push(long_counts);
+    }
+    trace!(start, "histogram");
+    let segments: usize = buckets.iter().map(|b| b.segments).sum();
+    if segments as u64 > MAX_ITEMS {
+        return Err(Error::overflow(
+            "lengths",
+            format!("the plan would hold {segments} segments; at most {MAX_ITEMS} are supported"),
+        ));
+    }
+    // `sample_ids` and `seqlens` are written whole, through tiles (no zeroing first);
+    // `starts` only where sequences are split: its untouched pages cost nothing.
+    let mut sample_ids = memory::try_with_capacity::<i64>(segments, "sample_ids")?;
+    let mut starts = memory::try_zeroed::<i64>(segments, "starts")?;
+    let mut seqlens = memory::try_with_capacity::<i32>(segments, "seqlens")?;
+    // The first bucket's sorted order lives in `seqlens` until the unpack; the others
+    // (the long bucket, a few percent) have their own.
+    let mut scratch: Vec<Vec<i32>> = Vec::with_capacity(buckets.len());
+    for b in &buckets[1..] {
+        scratch.push(memory::try_with_capacity::<i32>(b.items(), "the sorted order")?);
+    }
+
+    // Placement and layout, alongside the counting sort and the outputs' page faults.
+    let (laid, sorted) = rayon::join(
+        || {
+            let laid = lay_out(&buckets, in_order_counts, opts, levels);
+            trace!(start, "  placement (counting) and layout");
+            laid
+        },
+        || -> Result<Vec<Option<Sorted>>> {
+            let orders = std::iter::once(&mut seqlens).chain(scratch.iter_mut());
+            let mut sorted = Vec::with_capacity(buckets.len());
+            for (bucket, order) in buckets.iter().zip(orders) {
+                sorted.push(match &bucket.hist {
+                    Some(hist) => {
+                        let max_len = bucket.rules.max_len as usize;
+                        let tiles = sort::tiling(hist, max_len)?.over(order, "the sorted order")?;
+                        Some(sort::sort(bucket.input, &bucket.rules, hist, tiles)?)
+                    }
+                    None => None,
+                });
+            }
+            trace!(start, "  counting sort");
+            // The replay writes the outputs at random slots, sequentially: fault them in
+            // now, on the threads the placement leaves idle.
+            memory::prefault_spare(&mut sample_ids);
+            if buckets.iter().any(Level1::any_split) {
+                memory::prefault_zeroed(&mut starts);
+            }
+            trace!(start, "  prefault");
+            Ok(sorted)
+        },
+    );
+    let mut laid = laid?;
+    let sorted = sorted?;
+    trace!(start, "joined");
+
+    // Replay: every bucket writes its packs' slots, each through its packs' cursors.
+    let mut remainders = Vec::with_capacity(buckets.len());
+    let pack_offsets;
+    {
+        let tiling = laid.tiling.take().expect("laid out");
+        let mut tiles = tiling.over(&mut sample_ids, "sample_ids")?;
+        let start_slots = Slots::new(&mut starts);
+        let mut rest = tiles.cursors();
+        for (b, bucket) in buckets.iter().enumerate() {
+            let counts = &laid.counts[b];
+            let (cursors, tail) = rest.split_at(counts.packs);
+            rest = tail;
+            let slots = match (&bucket.hist, &sorted[b]) {
+                (Some(hist), Some(sorted)) => {
+                    let order: &[i32] = if b == 0 { &seqlens } else { &scratch[b - 1] };
+                    let placement = bucket.placement().expect("a fit bucket");
+                    let fit = replay::FitBucket { hist, placement: &placement, order, sorted };
+                    replay::write_fit(&fit, cursors, &counts.shard_packs, &start_slots)?
+                }
+                _ => {
+                    in_order::write(bucket.input, &bucket.rules, counts, cursors, &start_slots)?;
+                    Vec::new()
+                }
+            };
+            remainders.push(slots);
+        }
+        trace!(start, "replay (writes)");
+        pack_offsets = tiles.finish().ok_or_else(|| {
+            Error::invalid("fastpack", "internal error: a segment was not written")
+        })?;
+    }
+    drop(scratch);
+    trace!(start, "replay (every slot written: checked)");
+
+    // Unpack.
+    unpack::unpack(&mut sample_ids, &mut seqlens)?;
+    trace!(start, "unpack");
+    for ((bucket, slots), sorted) in buckets.iter().zip(&remainders).zip(&sorted) {
+        if let Some(sorted) = sorted {
+            let m = bucket.rules.max_len;
+            unpack::resolve_remainders(slots, &sorted.split_of, m, &mut sample_ids, &mut starts)?;
+        }
+    }
+    trace!(start, "remainders");
+    trace_print!();
+
+    // The plan and its metrics.
+    let mut stats = Stats { num_sequences: lengths.len() as u64, ..Stats::default() };
+    for b in &buckets {
+        let s = &b.stats;
+        stats.empty_sequences += s.empty_sequences;
+        stats.dropped_sequences += s.dropped_sequences;
+        stats.dropped_tokens += s.dropped_tokens;
+        stats.truncated_sequences += s.truncated_sequences;
+        stats.truncated_tokens += s.truncated_tokens;
+        stats.split_sequences += s.split_sequences;
+        stats.total_tokens += s.total_tokens;
+    }
+    let bucket_metrics = buckets.iter().zip(&laid.counts).map(|(b, c)| b.bucket(c.packs)).collect();
+    let plan = Plan {
+        sample_ids,
+        starts,
+        seqlens,
+        pack_offsets,
+        max_len: opts.max_len,
+        reserve: opts.reserve,
+        strategy: opts.strategy,
+        overlong: opts.overlong,
+        stats,
+    };
+    Ok(TwoLevelPlan {
+        plan,
+        pack_caps: laid.pack_caps.take(),
+        buckets: bucket_metrics,
+        groups: laid.groups.take(),
+    })
+}
+
+/// Phases 3 and 4 for every bucket: count the packs, choose their order (groups, shuffle,
+/// or as placed) and lay them out.
+fn lay_out<L: Length>(
+    buckets: &[Level1<'_, L>],
+    in_order_counts: Vec<Option<PackCounts>>,
+    opts: &PackOptions,
+    levels: &Levels,
+) -> Result<Laid> {
+    let fills = levels.group_tokens.is_some();
+    #[cfg(feature = "trace")]
+    let start = std::time::Instant::now();
+    let mut counts = Vec::with_capacity(buckets.len());
+    for (bucket, counted) in buckets.iter().zip(in_order_counts) {
+        counts.push(match counted {
+            Some(c) => c,
+            None => {
+                let placement = bucket.placement().expect("a fit bucket");
+                placement.count(bucket.hist.as_ref().map_or(0, Histogram::full_pieces), fills)?
+            }
+        });
+    }
+    trace!(start, "    (placement)");
+    let packs: usize = counts.iter().map(|c| c.packs).sum();
+    if packs as u64 > MAX_ITEMS {
+        return Err(Error::overflow("lengths", format!("the plan would hold {packs} packs")));
+    }
+    // First pack (as placed) of each bucket.
+    let firsts: Vec<usize> = counts
+        .iter()
+        .scan(0, |at, c| {
+            let first = *at;
+            *at += c.packs;
+            Some(first)
+        })
+        .collect();
+
+    let (order, groups) = match levels.group_tokens {
+        Some(budget) => {
+            let mut parts = Vec::with_capacity(buckets.len());
+            for ((bucket, c), &first) in buckets.iter().zip(&counts).zip(&firsts) {
+                let item_max = bucket.rules.max_len as usize;
+                parts.push((first, groups::group_best_fit(&c.fills, item_max, budget)?));
+            }
+            let (order, groups) = groups::lay_out_groups(&parts, budget, opts.shuffle_seed)?;
+            (Some(order), Some(groups))
+        }
+        // Shuffled, the packs of all buckets are interleaved.
+        None => match opts.shuffle_seed {
+            Some(seed) => (Some(permutation(packs, seed)?), None),
+            None => (None, None),
+        },
+    };
+    // The tiling takes the segment counts (one bucket's without a copy).
+    let all = if counts.len() == 1 {
+        std::mem::take(&mut counts[0].segments)
+    } else {
+        let mut all = memory::try_with_capacity::<u32>(packs, "pack counts")?;
+        for c in &mut counts {
+            all.extend_from_slice(&std::mem::take(&mut c.segments));
+        }
+        all
+    };
+    trace!(start, "    (order)");
+    let pack_caps = pack_caps(buckets, &firsts, order.as_deref(), packs)?;
+    let tiling = order::lay_out(all, order)?;
+    trace!(start, "    (tiling)");
+    Ok(Laid { counts, tiling: Some(tiling), pack_caps, groups })
+}
+
+/// Each pack's cap in the final order, with a long bucket.
+fn pack_caps<L>(
+    buckets: &[Level1<'_, L>],
+    firsts: &[usize],
+    order: Option<&[u32]>,
+    packs: usize,
+) -> Result<Option<Vec<i32>>> {
+    if buckets.len() == 1 {
+        return Ok(None);
+    }
+    let cap_of = |p: usize| {
+        let b = firsts.partition_point(|&f| f <= p) - 1;
+        buckets[b].rules.max_len as i32
+    };
+    let mut caps = memory::try_with_capacity::<i32>(packs, "pack_caps")?;
+    match order {
+        Some(order) => caps.extend(order.iter().map(|&p| cap_of(p as usize))),
+        None => caps.extend((0..packs).map(cap_of)),
+    }
+    Ok(Some(caps))
+}

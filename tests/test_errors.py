@@ -1,0 +1,471 @@
+"""Every user mistake fastpack knows of, and what it gets: one table.
+
+Each row is a call that a user could write, the exception it must raise and a regex its
+message must match — the argument named, the value it got, what is accepted. Bad input
+raises ``fastpack.FastpackError`` (a ``ValueError``) or ``FastpackTypeError`` (also a
+``TypeError``); the few protocol exceptions (``IndexError`` from ``__getitem__``,
+``SystemExit`` from a command line, ``MemoryError``) are listed too. A row marked
+``gap`` is a known miss in a module this table does not own yet: it fails strictly
+(``xfail(strict=True)``), so it turns red the day it is fixed and its mark must go.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import numpy as np
+import pytest
+
+import fastpack
+from fastpack import FastpackError, FastpackTypeError
+from fastpack.demo import main as demo
+
+E, T = FastpackError, FastpackTypeError
+
+
+class Row(NamedTuple):
+    id: str
+    call: Callable[[], Any]
+    error: type[BaseException]
+    match: str
+    gap: str = ""
+
+
+def _plan(**kwargs: Any) -> fastpack.Plan:
+    """The plan of the token rows ``[[1, 2, 3], [4, 5]]``: one pack."""
+    return fastpack.pack([3, 2], 8, **kwargs)
+
+
+def _pack(lengths: Any = (3, 5), max_len: Any = 8, **kwargs: Any) -> Callable[[], Any]:
+    return lambda: fastpack.pack(lengths, max_len, **kwargs)
+
+
+def _gen():  # a generator is accepted; a set is not (no order)
+    yield from (3, 5)
+
+
+PACK = [
+    Row("lengths-negative", _pack([1, -2, 3]), E, r"^lengths: negative length -2 at index 1;"),
+    Row("lengths-negative-int8", _pack(np.array([1, -2], np.int8)), E,
+        r"^lengths: negative length -2 at index 1"),
+    Row("lengths-fraction", _pack([1.5, 2]), E, r"^lengths: 1\.5 at index 0 is not a whole"),
+    Row("lengths-nan", _pack([1, float("nan")]), E, r"^lengths: nan at index 1"),
+    Row("lengths-2d", _pack([[1, 2], [3, 4]]), E, r"^lengths: expected a 1-D array, got shape"),
+    Row("lengths-bool", _pack([True, False]), T, r"^lengths: expected integers, got booleans"),
+    Row("lengths-str", _pack(["a", "b"]), T, r"^lengths: expected integers"),
+    Row("lengths-scalar", _pack(5), T, r"^lengths: expected a 1-D array-like .* got int"),
+    Row("lengths-string", _pack("35"), T, r"^lengths: expected a 1-D array-like .* got str"),
+    Row("lengths-set", _pack({3, 5}), T, r"^lengths: expected a 1-D array-like .* got set"),
+    Row("lengths-dict", _pack({0: 3}), T, r"^lengths: expected a 1-D array-like .* got dict"),
+    Row("lengths-generator-of-str", _pack(iter("ab")), T, r"^lengths: expected integers"),
+    Row("lengths-none-element", _pack([1, None]), T, r"^lengths: element 1 is NoneType None"),
+    Row("lengths-huge", _pack([2**70]), E, r"^lengths: .*int64"),
+    Row("lengths-overlong", _pack([3, 9, 4, 12]), E,
+        r"^lengths: 2 sequence\(s\) longer than 8 tokens \(first at index 1, length 9\); pass "
+        r"overlong=\"truncate\", \"split\" or \"drop\""),
+    Row("lengths-overlong-reserve", _pack([3, 7], reserve=2), E,
+        r"1 sequence\(s\) longer than 8 tokens with 2 reserved separator token\(s\) each"),
+    Row("lengths-wrapped-too-many-packs", _pack([10**15], 4096, strategy="wrapped"), E,
+        r"^lengths: strategy \"wrapped\" would cut 1000000000000000 tokens into 244140625000 "
+        r"packs of 4096 tokens; at most 4294967294"),
+    Row("lengths-split-too-many-segments", _pack([10**15], 4096, overlong="split"), E,
+        r"^lengths: the plan would hold 244140625000 segments; at most 4294967294"),
+    Row("max_len-zero", _pack(max_len=0), E, r"^max_len: got 0; expected an integer in 1\.\.=16777216"),
+    Row("max_len-negative", _pack(max_len=-3), E, r"^max_len: got -3; expected"),
+    Row("max_len-huge", _pack(max_len=2**30), E, r"^max_len: got 1073741824; expected .*16777216"),
+    Row("max_len-float", _pack(max_len=8.0), T, r"^max_len: expected an integer, got float 8\.0"),
+    Row("max_len-bool", _pack(max_len=True), T, r"^max_len: expected an integer, got bool"),
+    Row("max_len-str", _pack(max_len="8"), T, r"^max_len: expected an integer, got str '8'"),
+    Row("strategy-unknown", _pack(strategy="best"), E,
+        r"^strategy: unknown value 'best'; expected one of 'bfd', 'ffd', 'next_fit', 'wrapped'"),
+    Row("strategy-not-str", _pack(strategy=1), T, r"^strategy: expected one of 'bfd', .* got int"),
+    Row("overlong-unknown", _pack(overlong="cut"), E,
+        r"^overlong: unknown value 'cut'; expected one of 'error', 'truncate', 'split', 'drop'"),
+    Row("reserve-too-big", _pack(reserve=8), E,
+        r"^reserve: got 8; expected an integer in 0\.\.=7: fewer tokens than max_len \(8\)"),
+    Row("reserve-negative", _pack(reserve=-1), E, r"^reserve: got -1"),
+    Row("threads-zero", _pack(threads=0), E, r"^threads: got 0; expected an integer in 1\.\.=4096"),
+    Row("threads-float", _pack(threads=1.5), T, r"^threads: expected an integer, got float"),
+    Row("seed-negative", _pack(seed=-1), E, r"^seed: got -1; expected an integer in 0\.\.="),
+    Row("seed-huge", _pack(seed=2**64), E, r"^seed: got 18446744073709551616"),
+    Row("shuffle-str", _pack(shuffle="yes"), T, r"^shuffle: expected a bool, got str 'yes'"),
+    Row("long_max_len-not-above", _pack([1, 2], 100, long_max_len=100), E,
+        r"^long_max_len: got 100; expected an integer in 101\.\.=16777216, above max_len \(100\)"),
+    Row("long_max_len-below", _pack([1, 2], 100, long_max_len=50), E, r"^long_max_len: got 50"),
+    Row("long_max_len-huge", _pack([1, 2], 100, long_max_len=1 << 25), E,
+        r"^long_max_len: got 33554432"),
+    Row("long_max_len-float", _pack([1, 2], 100, long_max_len=200.0), T,
+        r"^long_max_len: expected an integer"),
+    Row("long_max_len-wrapped", _pack([1, 2], 100, long_max_len=200, strategy="wrapped"), E,
+        r"^long_max_len: strategy \"wrapped\" cuts every sequence at max_len"),
+    Row("long-overlong-index", _pack([1, 9, 2, 17, 3], 8, long_max_len=16), E,
+        r"^lengths: 1 sequence\(s\) longer than 16 tokens \(first at index 3, length 17\)"),
+    Row("group_tokens-below-cap", _pack([1, 2], 100, group_tokens=99), E,
+        r"^group_tokens: got 99; expected an integer in 100\.\.=2147483647: at least max_len"),
+    Row("group_tokens-below-long-cap", _pack([1, 2], 100, group_tokens=150, long_max_len=200),
+        E, r"^group_tokens: got 150; .*at least long_max_len \(200\)"),
+    Row("group_tokens-huge", _pack([1, 2], 100, group_tokens=2**31), E,
+        r"^group_tokens: got 2147483648"),
+    Row("group_tokens-str", _pack([1, 2], 100, group_tokens="4096"), T,
+        r"^group_tokens: expected an integer, got str"),
+]
+
+PLAN = [
+    Row("packs-out-of-range", lambda: _plan().cu_seqlens(5), E,
+        r"^packs: pack 5 out of range; the plan has 1 packs"),
+    Row("packs-negative-index", lambda: _plan().cu_seqlens(np.array([-1])), E,
+        r"^packs: pack index -1 out of range; the plan has 1 packs"),
+    Row("packs-bool", lambda: _plan().cu_seqlens(True), T, r"^packs: expected an int"),
+    Row("packs-float", lambda: _plan().varlen(np.array([0.5])), T,
+        r"^packs: expected an int, slice, range or 1-D array of ints"),
+    Row("segments-out-of-range", lambda: _plan().segments(3), E, r"^packs: pack 3 out of range"),
+    Row("varlen-threads", lambda: _plan().varlen([0], threads=0), E, r"^threads: got 0"),
+    Row("varlen-threads-negative", lambda: _plan().varlen([0], threads=-1), E,
+        r"^threads: got -1"),
+    Row("group-without-groups", lambda: _plan().group_packs(0), E,
+        r"^group: the plan has no groups; pass group_tokens= to pack\(\)"),
+    Row("group-out-of-range", lambda: fastpack.pack([5, 5, 5], 10, group_tokens=10).group_packs(2),
+        E, r"^group: got 2; expected an integer in -2\.\.=1"),
+    Row("group-float", lambda: fastpack.pack([5, 5], 10, group_tokens=10).group_packs(0.5), T,
+        r"^group: expected an integer, got float"),
+]
+
+
+def _mat(tokens: Any = ([1, 2, 3], [4, 5]), plan: Any = None, **kwargs: Any) -> Callable[[], Any]:
+    return lambda: fastpack.materialize(_plan() if plan is None else plan, list(tokens), **kwargs)
+
+
+MATERIALIZE = [
+    Row("plan-not-a-plan", lambda: fastpack.materialize({"sample_ids": []}, [[1]]), T,
+        r"^plan: expected a fastpack\.Plan, got dict"),
+    Row("tokens-int", lambda: fastpack.materialize(_plan(), 5), T,
+        r"^tokens: expected Ragged, \(values, offsets\), a pyarrow list array"),
+    Row("tokens-rows-of-str", _mat(["abc", "de"]), T, r"^tokens: row 0 is str; expected"),
+    Row("tokens-rows-of-floats", _mat([[1.5, 2.0, 3.0], [4.0, 5.0]]), T,
+        r"^tokens: values: expected integers, got dtype float64"),
+    Row("tokens-offsets-not-monotone",
+        lambda: fastpack.materialize(_plan(), (np.arange(5), np.array([0, 3, 2, 5]))), E,
+        r"column 'tokens': row 1 has offsets 3, 2: not monotone"),
+    Row("tokens-offsets-past-end",
+        lambda: fastpack.materialize(_plan(), (np.arange(5), np.array([0, 3, 9]))), E,
+        r"column 'tokens': row 1 ends at value 9, past the end of its chunk's 5 values"),
+    Row("tokens-offsets-empty", lambda: fastpack.materialize(_plan(), (np.arange(5), [])), E,
+        r"^offsets: expected at least one entry"),
+    Row("tokens-values-2d",
+        lambda: fastpack.materialize(_plan(), (np.zeros((2, 3), np.int64), [0, 3, 5])), E,
+        r"^values: expected a 1-D array, got shape \(2, 3\)"),
+    Row("tokens-too-few-rows",
+        lambda: fastpack.materialize(_plan(), (np.array([1, 2, 3]), np.array([0, 3]))), E,
+        r"token data has 1 sequences"),
+    Row("tokens-row-shorter-than-plan",
+        lambda: fastpack.materialize(_plan(), (np.arange(1, 7), np.array([0, 4, 6]))), E,
+        r"whole sequence"),
+    Row("labels-row-length", _mat(labels=[[1, 2, 3], [4]]), E,
+        r"column 'labels': row 1 has 1 values, but 'tokens' has 2"),
+    Row("labels-column-without-dataset", _mat(labels="labels"), T,
+        r"^labels: got the column name 'labels', which needs a datasets\.Dataset"),
+    Row("loss_mask-strings", _mat(loss_mask=[["a", "b", "c"], ["d", "e"]]), T,
+        r"^loss_mask: "),
+    Row("layout-unknown", _mat(layout="cols"), E,
+        r"^layout: unknown value 'cols'; expected one of 'flat', 'rows'"),
+    Row("pad_to-too-small", _mat(pad_to=3), E, r"more than the row width"),
+    Row("pad_to-negative", _mat(pad_to=-1), E, r"^pad_to: got -1"),
+    Row("pad_to-float", _mat(pad_to=8.5), T, r"^pad_to: expected an integer, got float"),
+    Row("pad_to_multiple_of-zero", _mat(pad_to_multiple_of=0), E,
+        r"^pad_to_multiple_of: got 0; expected an integer in 1\.\."),
+    Row("pad_id-float", _mat(pad_id=0.5), T, r"^pad_id: expected an integer, got float"),
+    Row("separator_id-missing", _mat(plan=fastpack.pack([3, 2], 8, reserve=1)), E,
+        r"separator_id"),
+    Row("separator_id-str", _mat(plan=fastpack.pack([3, 2], 8, reserve=1), separator_id="eos"),
+        T, r"^separator_id: expected an integer, got str"),
+    Row("train_separators-str", _mat(train_separators="yes"), T,
+        r"^train_separators: expected a bool, got str"),
+    Row("materialize-packs-out-of-range", _mat(packs=[5]), E, r"out of range"),
+    Row("materialize-threads-zero", _mat(threads=0), E, r"^threads: got 0"),
+]
+
+RAGGED = [
+    Row("ragged-float-values", lambda: fastpack.Ragged(np.array([1.5]), [0, 1]), T,
+        r"^values: expected integers, got dtype float64"),
+    Row("ragged-mask-strings", lambda: fastpack.Ragged(np.array(["a"]), [0, 1], mask=True), T,
+        r"^loss_mask: expected 0/1 values, got dtype <U1"),
+    Row("ragged-offsets-negative-start", lambda: fastpack.Ragged(np.arange(3), [-1, 2]), E,
+        r"^offsets: starts at -1; expected >= 0"),
+    Row("as_ragged-int", lambda: fastpack.as_ragged(5), T, r"^data: expected Ragged"),
+    Row("as_ragged-dict", lambda: fastpack.as_ragged({"input_ids": [[1]]}), T,
+        r"^data: expected Ragged, .* got dict"),
+    Row("as_ragged-column-not-str", lambda: fastpack.as_ragged([[1]], column=1), T,
+        r"^column: expected a string, got int"),
+    Row("spans-row-count", lambda: fastpack.loss_mask_from_spans([4, 2], [[(0, 1)]]), E,
+        r"^spans: got 1 rows for 2 lengths"),
+    Row("spans-reversed", lambda: fastpack.loss_mask_from_spans([4], [[(3, 1)]]), E,
+        r"^spans: row 0 has the span \(3, 1\); expected \(start, end\) pairs with 0 <= start"),
+    Row("spans-negative", lambda: fastpack.loss_mask_from_spans([4, 2], [[], [(-1, 1)]]), E,
+        r"^spans: row 1 has the span \(-1, 1\)"),
+    Row("spans-not-pairs", lambda: fastpack.loss_mask_from_spans([4], [[(0, 1, 2)]]), E,
+        r"^spans: expected \(start, end\) pairs"),
+    Row("spans-not-a-list", lambda: fastpack.loss_mask_from_spans([4], 5), T,
+        r"^spans: expected a sequence of per-row lists"),
+    Row("spans-lengths-negative", lambda: fastpack.loss_mask_from_spans([-4], [[]]), E,
+        r"^lengths: negative length -4 at index 0"),
+    Row("spans-lengths-str", lambda: fastpack.loss_mask_from_spans("ab", [[]]), T,
+        r"^lengths: expected a 1-D array-like"),
+    Row("example-unknown", lambda: fastpack.example_lengths("wiki"), E,
+        r"^name: unknown example 'wiki'; expected one of 'functions', 'modules'"),
+    Row("example-not-str", lambda: fastpack.example_lengths(1), T,
+        r"^name: expected a string, got int"),
+    Row("demo-max-len-zero", lambda: demo(["--max-len", "0"]), SystemExit, r"^2$"),
+    Row("demo-max-len-text", lambda: demo(["--max-len", "big"]), SystemExit, r"^2$"),
+    Row("demo-example-unknown", lambda: demo(["--example", "wiki"]), SystemExit, r"^2$"),
+]
+
+
+def _datasets_rows() -> list[Row]:
+    try:
+        import datasets
+        import pyarrow as pa
+    except ImportError:
+        return []
+    ds = datasets.Dataset.from_dict({"input_ids": [[1, 2, 3], [4, 5]]})
+    return [
+        Row("dataset-missing-column", lambda: fastpack.as_ragged(ds, column="text"), E,
+            r"^data: no column 'text' in the dataset; it has 'input_ids'"),
+        Row("dataset-labels-column-missing",
+            lambda: fastpack.materialize(_plan(), ds, labels="labels"), E,
+            r"^labels: no column 'labels' in the dataset; it has 'input_ids'"),
+        Row("arrow-not-a-list", lambda: fastpack.as_ragged(pa.array([1, 2])), T,
+            r"^data: expected a pyarrow list array \(list<int>\), got Int64Array of int64"),
+        Row("arrow-nulls", lambda: fastpack.materialize(_plan(), pa.array([[1, None, 3], [4, 5]])),
+            E, r"column 'tokens': row 0 holds a null value"),
+    ]
+
+
+def _torch_rows() -> list[Row]:
+    try:
+        import torch
+    except ImportError:
+        return []
+    from fastpack.torch import BatchFormat, PackedCollator, PackedDataset, first_item
+    from fastpack.torch import varlen_attention as attend
+
+    def collate(*features: Any, **kwargs: Any) -> Callable[[], Any]:
+        return lambda: PackedCollator(**{"max_len": 8, **kwargs})(list(features))
+
+    def collator(**kwargs: Any) -> Callable[[], Any]:
+        return lambda: PackedCollator(**{"max_len": 8, **kwargs})
+
+    sample = {"input_ids": [1, 2, 3]}
+    tokens = [[1, 2, 3], [4, 5]]
+
+    def dataset(**kwargs: Any) -> Callable[[], Any]:
+        return lambda: PackedDataset(tokens, **{"collator": PackedCollator(max_len=8), **kwargs})
+
+    lengths = [3, 0, 5]
+    total = sum(lengths)
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(total, 4, 16, generator=gen)
+    kv = torch.randn(total, 2, 16, generator=gen)
+    cu = torch.tensor([0, 3, 3, 8], dtype=torch.int32)
+
+    def attn(**change: Any) -> Callable[[], Any]:
+        args = {"q": q, "k": kv, "v": kv, "cu_seqlens": cu, "max_seqlen": 5, **change}
+        kwargs = {k: args.pop(k) for k in list(args) if k not in ("q", "k", "v", "cu_seqlens",
+                                                                   "max_seqlen")}
+        return lambda: attend(args["q"], args["k"], args["v"], args["cu_seqlens"],
+                              args["max_seqlen"], **kwargs)
+
+    def hf_call(batch_rows: int = 1, dropout: float = 0.0) -> Callable[[], Any]:
+        def run() -> Any:
+            import transformers
+
+            from fastpack.torch import register_hf_attention
+
+            name = register_hf_attention()
+            forward = transformers.AttentionInterface()[name]
+            module = torch.nn.Linear(1, 1)
+            module.train(dropout > 0)
+            query = torch.randn(batch_rows, 4, 8, 16)
+            key = torch.randn(batch_rows, 4, 8, 16)
+            return forward(module, query, key, key, None, dropout=dropout,
+                           cu_seq_lens_q=torch.tensor([0, 3, 8], dtype=torch.int32),
+                           max_length_q=5)
+        return run
+
+    return [
+        # PackedCollator: every option is checked where the collator is built.
+        Row("collator-max_len", collator(max_len=0), E, r"^max_len: got 0; expected an integer"),
+        Row("collator-max_len-str", collator(max_len="8"), T, r"^max_len: expected an integer"),
+        Row("collator-backend", collator(backend="xformers"), E,
+            r"^backend: unknown value 'xformers'; expected one of 'flash', 'sdpa', 'eager', "
+            r"'flex', 'padded'"),
+        Row("collator-mask", collator(mask="dense"), E,
+            r"^mask: unknown value 'dense'; expected one of 'position_ids', 'explicit'"),
+        Row("collator-mask-explicit-flash", collator(backend="flash", mask="explicit"), E,
+            r"^mask: 'explicit' applies to backend 'sdpa', 'eager' or 'flex', not 'flash'"),
+        Row("collator-pad_to_multiple_of", collator(pad_to_multiple_of=0), E,
+            r"^pad_to_multiple_of: got 0"),
+        Row("collator-pad_to_multiple_of-str", collator(pad_to_multiple_of="8"), T,
+            r"^pad_to_multiple_of: expected an integer, got str"),
+        Row("collator-pad_to", collator(pad_to=0), E, r"^pad_to: got 0; expected an integer"),
+        Row("collator-pad_to-float", collator(pad_to=64.0), T, r"^pad_to: expected an integer"),
+        Row("collator-fixed_cu_seqlens-sdpa", collator(fixed_cu_seqlens=16), E,
+            r"^fixed_cu_seqlens: applies to backend='flash' only, not 'sdpa'"),
+        Row("collator-fixed_cu_seqlens-one", collator(backend="flash", fixed_cu_seqlens=1), E,
+            r"^fixed_cu_seqlens: got 1; expected an integer in 2\.\."),
+        Row("collator-return_tensors", collator(return_tensors="tf"), E,
+            r"^return_tensors: unknown value 'tf'; expected one of 'pt', 'np'"),
+        Row("collator-separator_id", collator(separator_id="eos"), T,
+            r"^separator_id: expected an integer, got str"),
+        Row("collator-train_separators", collator(train_separators=1), T,
+            r"^train_separators: expected a bool, got int"),
+        Row("collator-pad_id", collator(pad_id=None), T, r"^pad_id: expected an integer"),
+        Row("collator-strategy", collator(strategy="best"), E, r"^strategy: unknown value"),
+        Row("collator-overlong", collator(overlong="cut"), E, r"^overlong: unknown value"),
+        Row("collator-padded-split", collator(backend="padded", overlong="split"), E,
+            r"^overlong: 'split' does not apply to backend='padded'"),
+        Row("collator-loss_mask_key", collator(loss_mask_key=1), T,
+            r"^loss_mask_key: expected a key \(str\), None .* or False \(no mask\), got int"),
+        Row("collator-mask_dtype", collator(mask_dtype=torch.int32), T,
+            r"^mask_dtype: expected a floating torch dtype"),
+        Row("collator-return_seq_idx", collator(return_seq_idx="yes"), T,
+            r"^return_seq_idx: expected a bool"),
+        Row("collator-return_num_items", collator(return_num_items=None), T,
+            r"^return_num_items: expected a bool"),
+        Row("collator-threads", collator(threads=0), E, r"^threads: got 0"),
+        Row("format-backend", lambda: BatchFormat(backend="xformers"), E, r"^backend: unknown"),
+        # PackedCollator.__call__: the batch itself.
+        Row("batch-empty", collate(), E, r"^features: got an empty batch"),
+        Row("batch-not-a-list", lambda: PackedCollator(max_len=8)(sample), T,
+            r"^features: expected a list of samples \(dicts with 'input_ids'\), got dict"),
+        Row("batch-not-dicts", collate([1, 2, 3]), T,
+            r"^features: sample 0 is list; expected a dict with 'input_ids'"),
+        Row("batch-no-input_ids", collate(sample, {"ids": [1]}), E,
+            r"^features: sample 1 has no 'input_ids' \(1 of 2 samples lack it\)"),
+        Row("batch-labels-on-some", collate({**sample, "labels": [1, 2, 3]}, {"input_ids": [4]}),
+            E, r"^features: sample 1 has no 'labels'"),
+        Row("batch-labels-only-later", collate(sample, {"input_ids": [4], "labels": [4]}), E,
+            r"^features: sample 0 has no 'labels'"),
+        Row("batch-mask-on-some", collate({**sample, "assistant_masks": [0, 1, 1]}, {
+            "input_ids": [4]}), E, r"^features: sample 1 has no 'assistant_masks'"),
+        Row("batch-loss_mask_key-absent", collate(sample, loss_mask_key="completion_mask"), E,
+            r"^loss_mask_key: no sample has 'completion_mask'; its keys are \['input_ids'\]"),
+        Row("batch-input_ids-str", collate({"input_ids": "abc"}), T,
+            r"^input_ids: row 0 is str; expected a sequence of integers"),
+        Row("batch-input_ids-floats", collate({"input_ids": np.array([1.5, 2.0])}), T,
+            r"^input_ids: values: expected integers"),
+        Row("batch-labels-length", collate({**sample, "labels": [1, 2]}), E,
+            r"column 'labels': row 0 has 2 values, but 'input_ids' has 3"),
+        Row("batch-overlong", collate({"input_ids": list(range(1, 12))}), E,
+            r"^lengths: 1 sequence\(s\) longer than 8 tokens \(first at index 0, length 11\)"),
+        # PackedDataset and first_item.
+        Row("dataset-packs_per_batch", dataset(packs_per_batch=0), E,
+            r"^packs_per_batch: got 0; expected an integer >= 1"),
+        Row("dataset-labels-column", dataset(labels="labels"), T,
+            r"^labels/loss_mask: a column name needs a datasets\.Dataset"),
+        Row("dataset-shuffle", dataset(shuffle="yes"), T, r"^shuffle: expected a bool"),
+        Row("dataset-seed", dataset(seed=-1), E, r"^seed: got -1"),
+        Row("dataset-index", lambda: dataset()()[10], IndexError,
+            r"^step 10 out of range; the dataset has 1 steps"),
+        Row("dataset-collator-not-a-collator", dataset(collator="sdpa"), T, r"^collator: "),
+        Row("dataset-plan-not-a-plan", dataset(plan=[0, 1]), T, r"^plan: "),
+        Row("dataset-plan-of-other-data", dataset(plan=fastpack.pack([1, 2, 3], 8)), E,
+            r"^plan: "),
+        Row("first_item-two", lambda: first_item([1, 2]), E,
+            r"^first_item: got 2 items; a PackedDataset item is a whole batch"),
+        # varlen_attention.
+        Row("attn-cu-not-zero", attn(cu_seqlens=torch.tensor([1, 3, 3, 8])), E,
+            r"^cu_seqlens must start at 0, got 1"),
+        Row("attn-cu-decreasing", attn(cu_seqlens=torch.tensor([0, 5, 3, 8])), E,
+            r"^cu_seqlens must be non-decreasing, got cu_seqlens\[1\]=5 > cu_seqlens\[2\]=3"),
+        Row("attn-cu-last-short", attn(cu_seqlens=torch.tensor([0, 3, 3, 7])), E,
+            r"^cu_seqlens\[-1\] must equal total_tokens = q\.shape\[0\] = 8, got 7"),
+        Row("attn-cu-last-long", attn(cu_seqlens=torch.tensor([0, 3, 3, 9])), E,
+            r"cu_seqlens\[-1\].*8, got 9"),
+        Row("attn-cu-2d", attn(cu_seqlens=torch.tensor([[0, 3, 3, 8]])), E,
+            r"^cu_seqlens must be 1-D of shape \[N\+1\], got shape \(1, 4\)"),
+        Row("attn-cu-empty", attn(cu_seqlens=torch.tensor([], dtype=torch.int32)), E,
+            r"^cu_seqlens must have at least one element"),
+        Row("attn-cu-float", attn(cu_seqlens=torch.tensor([0.0, 3.0, 3.0, 8.0])), E,
+            r"^cu_seqlens must hold integers, got dtype torch\.float32"),
+        Row("attn-cu-bool", attn(cu_seqlens=torch.tensor([False, True])), E,
+            r"^cu_seqlens must hold integers"),
+        Row("attn-cu-strings", attn(cu_seqlens=["a"]), E,
+            r"^cu_seqlens must be a 1-D integer torch tensor, numpy array or sequence of ints"),
+        Row("attn-max-too-small", attn(max_seqlen=4), E,
+            r"^max_seqlen=4 is smaller than the longest sequence in cu_seqlens \(5\)"),
+        Row("attn-max-negative", attn(max_seqlen=-1), E, r"^max_seqlen must be >= 0, got -1"),
+        Row("attn-max-float", attn(max_seqlen=5.0), T, r"^max_seqlen must be an int, got float"),
+        Row("attn-max-bool", attn(max_seqlen=True), T, r"^max_seqlen must be an int, got bool"),
+        Row("attn-max-float-tensor", attn(max_seqlen=torch.tensor(5.0)), T,
+            r"^max_seqlen must be an int \(or a one-element integer tensor\)"),
+        Row("attn-q-not-tensor", attn(q=[[[0.0]]]), T, r"^q must be a torch\.Tensor, got list"),
+        Row("attn-q-2d", attn(q=torch.randn(8, 64)), E,
+            r"^q must have 3 dimensions \(total_tokens, heads, head_dim\), got shape \(8, 64\)"),
+        Row("attn-k-4d", attn(k=torch.randn(1, 8, 2, 16)), E, r"^k must have 3 dimensions"),
+        Row("attn-q-int", attn(q=torch.zeros(8, 4, 16, dtype=torch.int64)), E,
+            r"^q must be a floating-point tensor, got torch\.int64"),
+        Row("attn-heads", attn(k=torch.randn(8, 3, 16), v=torch.randn(8, 3, 16)), E,
+            r"^the number of query heads must be a multiple of the number of key/value heads "
+            r"\(q has 4 heads, k/v have 3\)"),
+        Row("attn-dtype", attn(k=torch.randn(8, 2, 16, dtype=torch.float64)), E,
+            r"^q, k and v must share a dtype"),
+        Row("attn-kv-shape", attn(v=torch.randn(8, 2, 8)), E,
+            r"^k and v must have the same shape, got \(8, 2, 16\) and \(8, 2, 8\)"),
+        Row("attn-tokens", attn(k=torch.randn(7, 2, 16), v=torch.randn(7, 2, 16)), E,
+            r"^q and k/v must have the same number of tokens \(dim 0\), got 8 and 7"),
+        Row("attn-head-dim", attn(k=torch.randn(8, 2, 8), v=torch.randn(8, 2, 8)), E,
+            r"^q and k/v must have the same head_dim \(dim 2\), got 16 and 8"),
+        Row("attn-softmax_scale-zero", attn(softmax_scale=0.0), E,
+            r"^softmax_scale must be a positive finite number, got 0\.0"),
+        Row("attn-softmax_scale-str", attn(softmax_scale="big"), T,
+            r"^softmax_scale must be a number or None, got str"),
+        Row("attn-kernel-unknown", attn(kernel="xformers"), E,
+            r"^kernel must be one of 'auto', 'flash', 'varlen', 'flex', 'sdpa'; got 'xformers'"),
+        Row("attn-kernel-not-str", attn(kernel=None), T, r"^kernel must be a string, got NoneType"),
+        Row("attn-kernel-unavailable", attn(kernel="flash"), E,
+            r"^kernel='flash' is not available: it needs CUDA tensors, got device 'cpu'"),
+        Row("attn-causal-str", attn(causal="yes"), T, r"^causal must be a bool, got str 'yes'"),
+        Row("attn-validate-int", attn(validate=1), T, r"^validate must be a bool, got int 1"),
+        # register_hf_attention and the implementation it registers.
+        Row("hf-batch-of-two", hf_call(batch_rows=2), E,
+            r"^fastpack_varlen: expected one packed row \(batch size 1\), got 2 rows; use "
+            r"PackedCollator\(backend='flash'\)"),
+        Row("hf-dropout", hf_call(dropout=0.1), E,
+            r"^fastpack_varlen: attention dropout 0\.1 is not supported on packed batches"),
+        Row("hf-name-not-str", lambda: fastpack.torch.register_hf_attention(5), T, r"^name: "),
+    ]
+
+
+ROWS = PACK + PLAN + MATERIALIZE + RAGGED + _datasets_rows() + _torch_rows()
+
+
+def _param(row: Row) -> Any:
+    marks = [pytest.mark.xfail(strict=True, reason=row.gap)] if row.gap else []
+    return pytest.param(row, id=row.id, marks=marks)
+
+
+def test_ids_are_unique() -> None:
+    ids = [row.id for row in ROWS]
+    assert len(ids) == len(set(ids))
+
+
+@pytest.mark.parametrize("row", [_param(row) for row in ROWS])
+def test_user_mistake(row: Row) -> None:
+    with pytest.raises(row.error) as info:
+        row.call()
+    got = info.value
+    # The exact class, not just a base: a FastpackTypeError is also a FastpackError.
+    if row.error is E:
+        assert type(got) is E, f"{type(got).__name__}: {got}"
+    text = str(got.code) if isinstance(got, SystemExit) else str(got)
+    assert re.search(row.match, text), f"{text!r} does not match {row.match!r}"
+    if isinstance(got, (E, ValueError, TypeError)) and not isinstance(got, SystemExit):
+        assert isinstance(got, E), f"{type(got).__name__} is not a FastpackError: {got}"
+
+
+def test_errors_are_value_and_type_errors() -> None:
+    assert issubclass(FastpackError, ValueError)
+    assert issubclass(FastpackTypeError, TypeError)
+    assert issubclass(FastpackTypeError, FastpackError)
