@@ -7,13 +7,14 @@ from __future__ import annotations
 import json
 
 import numpy as np
-import pyarrow as pa
 import pytest
-from click.testing import CliRunner
-from corpus import check_output, cli, corpus, documents, shard_bytes
 
+pa = pytest.importorskip("pyarrow")
 ray = pytest.importorskip("ray")
 pytest.importorskip("ray.data")
+
+from click.testing import CliRunner  # noqa: E402
+from corpus import check_output, cli, corpus, documents, shard_bytes  # noqa: E402
 
 from fastpack._offline import PackSettings, pack_corpus  # noqa: E402
 from fastpack.cli import main  # noqa: E402
