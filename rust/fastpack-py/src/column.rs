@@ -10,7 +10,7 @@ use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1, PyUntypedArray};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
-use crate::{fastpack_error, guarded, to_py};
+use crate::{fastpack_error, guarded, plan_ref, to_py};
 
 /// A list column read in place: chunks of `(offsets, values, value_offset, value_len)`
 /// — int32/int64 offsets, and the value buffer as any contiguous 1-D numpy array whose
@@ -218,15 +218,15 @@ pub fn gather<'py>(
     position_ids: bool,
     threads: Option<usize>,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let plan = PlanRef {
-        sample_ids: sample_ids.as_slice()?,
-        starts: starts.as_slice()?,
-        seqlens: seqlens.as_slice()?,
-        pack_offsets: pack_offsets.as_slice()?,
+    let plan = plan_ref(
+        &sample_ids,
+        &starts,
+        &seqlens,
+        pack_offsets.as_slice()?,
         reserve,
-        strategy: Strategy::parse(strategy).map_err(to_py)?,
-        overlong: Overlong::parse(overlong).map_err(to_py)?,
-    };
+        strategy,
+        overlong,
+    )?;
     let packs = packs.as_slice()?;
     let mut fill_bytes = Vec::with_capacity(fills.len());
     for f in &fills {

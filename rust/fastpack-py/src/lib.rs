@@ -34,6 +34,29 @@ pub(crate) fn guarded<T>(work: impl FnOnce() -> Result<T, Error>) -> Result<T, E
     })
 }
 
+/// A plan handed over as its arrays and options (`Plan.sample_ids`, ... `Plan.overlong`),
+/// borrowed for the core: what every binding that reads a plan's segments takes.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn plan_ref<'a>(
+    sample_ids: &'a PyReadonlyArray1<'_, i64>,
+    starts: &'a PyReadonlyArray1<'_, i64>,
+    seqlens: &'a PyReadonlyArray1<'_, i32>,
+    pack_offsets: &'a [i64],
+    reserve: u64,
+    strategy: &str,
+    overlong: &str,
+) -> PyResult<fastpack_core::materialize::PlanRef<'a>> {
+    Ok(fastpack_core::materialize::PlanRef {
+        sample_ids: sample_ids.as_slice()?,
+        starts: starts.as_slice()?,
+        seqlens: seqlens.as_slice()?,
+        pack_offsets,
+        reserve,
+        strategy: Strategy::parse(strategy).map_err(to_py)?,
+        overlong: Overlong::parse(overlong).map_err(to_py)?,
+    })
+}
+
 pub(crate) fn fastpack_error(message: &str) -> PyErr {
     Python::attach(|py| {
         match py.import("fastpack._errors").and_then(|m| m.getattr("FastpackError")) {

@@ -1,8 +1,8 @@
 //! Binding of `fastpack_core::materialize`: reads the token data in place (int32 or int64
 //! values and offsets, uint8 masks), releases the GIL, and moves the rows into numpy.
 
-use fastpack_core::materialize::{self as core, Layout, MaterializeOptions, PlanRef, Sources};
-use fastpack_core::{pool, Overlong, Strategy};
+use fastpack_core::materialize::{self as core, Layout, MaterializeOptions, Sources};
+use fastpack_core::pool;
 use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
@@ -10,7 +10,7 @@ use pyo3::types::{PyDict, PyList};
 use fastpack_core::column::Ints;
 
 use crate::column::ListColumn;
-use crate::{fastpack_error, guarded, to_py};
+use crate::{fastpack_error, guarded, plan_ref, to_py};
 
 /// A borrowed 1-D integer array of a dtype the core reads in place.
 pub(crate) enum IntArray<'py> {
@@ -87,15 +87,15 @@ pub fn materialize<'py>(
     pad_id: i64,
     threads: Option<usize>,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let plan = PlanRef {
-        sample_ids: sample_ids.as_slice()?,
-        starts: starts.as_slice()?,
-        seqlens: seqlens.as_slice()?,
-        pack_offsets: pack_offsets.as_slice()?,
+    let plan = plan_ref(
+        &sample_ids,
+        &starts,
+        &seqlens,
+        pack_offsets.as_slice()?,
         reserve,
-        strategy: Strategy::parse(strategy).map_err(to_py)?,
-        overlong: Overlong::parse(overlong).map_err(to_py)?,
-    };
+        strategy,
+        overlong,
+    )?;
     let layout = match layout {
         "flat" => Layout::Flat,
         "rows" => Layout::Rows,

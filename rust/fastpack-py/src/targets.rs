@@ -1,15 +1,14 @@
 //! Binding of `fastpack_core::targets`: the targets of every segment of a plan, read from
 //! the token data in place, with the GIL released.
 
-use fastpack_core::materialize::PlanRef;
+use fastpack_core::pool;
 use fastpack_core::targets as core;
 use fastpack_core::targets::{Ragged, Sources};
-use fastpack_core::{pool, Overlong, Strategy};
 use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
 use crate::materialize::{optional_ints, IntArray};
-use crate::{fastpack_error, guarded, to_py};
+use crate::{fastpack_error, guarded, plan_ref, to_py};
 
 /// `segment_targets(plan arrays..., tokens, token_offsets, ...)`: labels other than -100
 /// that `materialize` gives each segment (uint32 [S]).
@@ -41,15 +40,7 @@ pub fn segment_targets<'py>(
     if !(sample_ids.is_contiguous() && starts.is_contiguous() && seqlens.is_contiguous()) {
         return Err(fastpack_error("plan: expected contiguous arrays"));
     }
-    let plan = PlanRef {
-        sample_ids: sample_ids.as_slice()?,
-        starts: starts.as_slice()?,
-        seqlens: seqlens.as_slice()?,
-        pack_offsets: &[],
-        reserve,
-        strategy: Strategy::parse(strategy).map_err(to_py)?,
-        overlong: Overlong::parse(overlong).map_err(to_py)?,
-    };
+    let plan = plan_ref(&sample_ids, &starts, &seqlens, &[], reserve, strategy, overlong)?;
     let token_values = IntArray::extract("tokens", tokens)?;
     let token_offsets = IntArray::extract("token_offsets", token_offsets)?;
     let label_values = optional_ints("labels", labels)?;
