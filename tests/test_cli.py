@@ -536,3 +536,23 @@ def test_progress_lines_name_the_stage(tmp_path):
     paths, _ = corpus(tmp_path, [[30] * 50], ["a.jsonl"])
     code, output = invoke("stats", *paths, "--max-len", "64")
     assert code == 0 and "fastpack: lengths: done" in output
+
+
+def test_sharded_plan_metrics_are_the_whole_inputs():
+    # A plan joined from shards in Python reports the bounds of all its tokens: the same
+    # lower bound as one global plan, its efficiency over its own packs, and per-bucket and
+    # group metrics by the core's definitions.
+    lengths = np.random.default_rng(1).integers(1, 3000, 4000)
+    config = PackSettings(max_len=1024, overlong="split", long_max_len=4096,
+                          group_tokens=8192).plan_config
+    keys = np.arange(len(lengths), dtype=np.int64)
+    joined, _ = sharded_plan(lengths, 3, config, keys=keys)
+    whole = config.pack(lengths)
+    assert joined.total_tokens == whole.total_tokens
+    assert joined.lower_bound == whole.lower_bound
+    assert joined.efficiency == joined.total_tokens / int(joined.pack_caps.sum())
+    for mine, theirs in zip(joined.buckets, whole.buckets):
+        assert (mine.total_tokens, mine.lower_bound) == (theirs.total_tokens, theirs.lower_bound)
+        assert mine.efficiency == mine.total_tokens / (mine.num_packs * mine.max_len)
+    assert joined.group_lower_bound == whole.group_lower_bound
+    assert joined.group_efficiency == joined.total_tokens / (joined.num_groups * 8192)
