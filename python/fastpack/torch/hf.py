@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from .._errors import FastpackError, FastpackTypeError
-from .attention import varlen_attention
+from .attention import KERNELS, Kernel, varlen_attention
 from .collator import LOSS_MASK_KEYS, PackedCollator
 from .data import PackedDataset, first_item
 from .loss import WEIGHTINGS, packed_loss
@@ -25,7 +25,7 @@ __all__ = [
 ]
 
 
-def register_hf_attention(name: str = "fastpack_varlen") -> str:
+def register_hf_attention(name: str = "fastpack_varlen", *, kernel: Kernel = "auto") -> str:
     """Registers :func:`varlen_attention` as a Hugging Face attention implementation.
 
     Load or switch the model with ``attn_implementation=name``. It computes exactly what
@@ -47,11 +47,18 @@ def register_hf_attention(name: str = "fastpack_varlen") -> str:
     positions); a flex ``BlockMask``, packed ``position_ids`` beside a padding mask or a
     KV cache, and attention dropout raise a :class:`~fastpack.FastpackError` instead.
     ``cu_seqlens`` (or the positions' boundaries) are validated once per forward, not
-    once per layer."""
+    once per layer.
+
+    ``kernel`` is :func:`varlen_attention`'s (``"auto"``: the fastest that runs; name one
+    to force it, say to compare kernels under one model). Returns ``name``."""
     if not isinstance(name, str) or not name:
         raise FastpackTypeError(
             f"name: expected a non-empty string (the attn_implementation to register), got "
             f"{type(name).__name__} {name!r}"
+        )
+    if not isinstance(kernel, str) or kernel not in KERNELS:
+        raise FastpackError(
+            f"kernel: expected one of {', '.join(map(repr, KERNELS))}, got {kernel!r}"
         )
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
@@ -66,8 +73,8 @@ def register_hf_attention(name: str = "fastpack_varlen") -> str:
         dropout: float = 0.0,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
-        return _attention(name, module, query, key, value, attention_mask, scaling, dropout,
-                          kwargs)
+        return _attention(name, kernel, module, query, key, value, attention_mask, scaling,
+                          dropout, kwargs)
 
     AttentionInterface.register(name, fastpack_varlen)
     ALL_MASK_ATTENTION_FUNCTIONS.register(name, _fastpack_mask)
@@ -194,6 +201,7 @@ _PADDING_CHECKED = _OncePerBatch()
 
 def _attention(
     name: str,
+    kernel: Kernel,
     module: torch.nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -231,8 +239,8 @@ def _attention(
                 f"{type(attention_mask).__name__}); pass use_cache=False"
             )
         max_len = int(kwargs["max_length_q"])
-        return _packed(name, module, query, key, value, cu_seqlens, max_len, causal, scaling,
-                       dropout, window, softcap)
+        return _packed(name, kernel, module, query, key, value, cu_seqlens, max_len, causal,
+                       scaling, dropout, window, softcap)
     if attention_mask is None and q_len == kv_len:
         if position_ids is None:
             raise FastpackError(
@@ -241,8 +249,8 @@ def _attention(
                 f"use PackedCollator(backend='flash')"
             )
         cu, longest = _position_bounds(position_ids, rows, q_len, query.device)
-        return _packed(name, module, query, key, value, cu, longest, causal, scaling, dropout,
-                       window, softcap, validate=False)  # valid by construction
+        return _packed(name, kernel, module, query, key, value, cu, longest, causal, scaling,
+                       dropout, window, softcap, validate=False)  # valid by construction
     if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
         raise FastpackError(
             f"{name}: attention_mask is a {type(attention_mask).__name__} (a flex BlockMask "
@@ -275,6 +283,7 @@ def _attention(
 
 def _packed(
     name: str,
+    kernel: Kernel,
     module: torch.nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -304,7 +313,7 @@ def _packed(
                for t in (query, key, value))
     out = varlen_attention(
         q, k, v, cu_seqlens, max_len, causal=bool(causal), softmax_scale=scaling,
-        validate=validate, sliding_window=window, softcap=softcap,
+        kernel=kernel, validate=validate, sliding_window=window, softcap=softcap,
     )
     if validate:
         _CU_CHECKED.remember(cu_seqlens, None)
