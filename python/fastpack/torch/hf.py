@@ -527,8 +527,11 @@ class PackedTrainerMixin:
       :class:`~fastpack.torch.PackedDataset` — is packed *once* into one global plan
       (identical on every rank), and a :class:`~fastpack.torch.PackedSampler` hands each
       rank its steps: balanced in work, every sample once per epoch, the same number of
-      non-empty steps on every rank. Its ``num_replicas``/``rank`` come from the
-      ``TrainingArguments``, ``accumulation_steps`` is ``gradient_accumulation_steps``,
+      non-empty steps on every rank. Its ``num_replicas``/``rank`` are the data-parallel
+      group's: ``world_size // tp_size`` replicas, the ``tp_size`` tensor-parallel ranks
+      of a replica (consecutive processes, accelerate's mesh order) sharing its steps;
+      context / sequence parallelism (``cp_size``/``sp_size`` > 1) raise.
+      ``accumulation_steps`` is ``gradient_accumulation_steps``,
       the seed ``data_seed`` (else ``seed``), ``hidden_size`` the model's. Accelerate's
       own sharding is bypassed: it would re-split steps that are already per rank.
       ``per_device_train_batch_size`` is ignored — a step *is* the batch.
@@ -538,9 +541,12 @@ class PackedTrainerMixin:
       there is no collective.
     * **Loss** (``compute_loss``): ``weighting="token"`` keeps the trainer's own loss
       (a model that takes ``num_items_in_batch``, TRL's fused loss and its metrics),
-      which divides by that count and multiplies by the world size, as DDP/FSDP average
-      gradients. ``weighting="sequence"`` (or a model that takes no loss kwargs) computes
-      :func:`~fastpack.torch.packed_loss` from the logits, times the world size.
+      which divides by that count and multiplies by the data-parallel size
+      (``num_processes // tp_size``), as DDP/FSDP average gradients.
+      ``weighting="sequence"`` (or a model that takes no loss kwargs) computes
+      :func:`~fastpack.torch.packed_loss` from the logits, times the data-parallel size.
+    * **Format check**: the first batch of each format goes through
+      :func:`check_model_batch` against the model's ``attn_implementation``.
       Either way the loss is already scaled for accumulation (``loss_is_scaled_for_ga``).
 
     Resuming from a checkpoint replays the schedule (the Trainer skips the consumed
@@ -595,6 +601,41 @@ class PackedTrainerMixin:
                 "world size to undo the gradient averaging of DDP / FSDP"
             )
         self.loss_is_scaled_for_ga = True  # each micro-step carries its step's normaliser
+        self._fastpack_checked: set[Any] = set()
+        self.data_parallel_size, self.data_parallel_rank = self._data_parallel()
+
+    def _parallel_size(self, method: str) -> int:
+        get = getattr(self, method, None)
+        return int(get()) if callable(get) else 1
+
+    def _data_parallel(self) -> tuple[int, int]:
+        """``(size, rank)`` of this process's data-parallel group. Tensor-parallel ranks
+        share a batch: accelerate's canonical mesh (dp_replicate, dp_shard, cp, sp, tp)
+        puts tp innermost, so the ``tp_size`` consecutive processes form one replica."""
+        args: Any = self.args  # type: ignore[attr-defined]
+        for method, setting in (("get_cp_size", "cp_size"), ("get_sp_size", "sp_size")):
+            size = self._parallel_size(method)
+            if size > 1:
+                raise FastpackError(
+                    f"{setting}: {size}; PackedTrainerMixin does not support context or "
+                    f"sequence parallelism (it would split packed rows across ranks without "
+                    f"their sequence boundaries); set parallelism_config's {setting} to 1"
+                )
+        if hasattr(self, "get_tp_size"):
+            tp = self._parallel_size("get_tp_size")
+        else:  # a Trainer without get_tp_size: refuse a tensor-parallel model outright
+            tp = int(getattr(getattr(self, "model", None), "_tp_size", None) or 1)
+            if tp > 1:
+                raise FastpackError(
+                    f"tp_size: {tp}; this transformers has no Trainer.get_tp_size, so "
+                    f"PackedTrainerMixin cannot map ranks to data-parallel replicas"
+                )
+        world = int(args.world_size)
+        if tp < 1 or world % tp:
+            raise FastpackError(
+                f"tp_size: {tp} does not divide the world size {world}; expected a divisor"
+            )
+        return world // tp, int(args.process_index) // tp
 
     # ------------------------------------------------------------------- data
     @property
@@ -616,7 +657,8 @@ class PackedTrainerMixin:
                 hidden = getattr(config, "hidden_size", None) or 4096
             seed = args.data_seed if args.data_seed is not None else args.seed
             self._fastpack_sampler = PackedSampler(
-                self.packed_dataset, num_replicas=args.world_size, rank=args.process_index,
+                self.packed_dataset, num_replicas=self.data_parallel_size,
+                rank=self.data_parallel_rank,
                 shuffle=True, seed=seed, drop_last=bool(args.dataloader_drop_last),
                 balance=options["balance"], hidden_size=int(hidden),
                 accumulation_steps=args.gradient_accumulation_steps,
@@ -695,6 +737,7 @@ class PackedTrainerMixin:
     ) -> Any:
         steps = {k: inputs[k] for k in STEP_KEYS if k in inputs}
         inputs = {k: v for k, v in inputs.items() if k not in STEP_KEYS}
+        self._check_format(model, inputs)
         parent: Any = super()
         accepts = bool(getattr(self, "model_accepts_loss_kwargs", False))
         if not steps or (self.fastpack_weighting == "token" and accepts):
@@ -705,8 +748,20 @@ class PackedTrainerMixin:
         outputs = model(**{k: v for k, v in inputs.items() if k != "labels"})
         loss = packed_loss(outputs.logits, {**inputs, **steps},
                            weighting=self.fastpack_weighting)  # type: ignore[arg-type]
-        loss = loss * self.args.world_size  # type: ignore[attr-defined]
+        # DDP / FSDP average gradients over the data-parallel replicas; the normaliser
+        # counts all of them (the Trainer's own loss scales by num_processes // tp_size).
+        loss = loss * self.data_parallel_size
         return (loss, outputs) if return_outputs else loss
+
+    def _check_format(self, model: torch.nn.Module, inputs: dict[str, Any]) -> None:
+        """:func:`check_model_batch` once per batch format (its keys and mask kind), so a
+        wrong format/attention pair raises before the first forward, at no cost after."""
+        mask = inputs.get("attention_mask")
+        key = (tuple(sorted(inputs)), type(mask).__name__, getattr(mask, "ndim", None),
+               getattr(mask, "dtype", None))
+        if key not in self._fastpack_checked:
+            check_model_batch(model, inputs)
+            self._fastpack_checked.add(key)
 
 
 class StepBatches(torch.utils.data.Sampler):  # type: ignore[type-arg]
