@@ -893,3 +893,24 @@ def test_gpu_check_harness_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     packed = [r for r in model["rows"] if r["layout"] == "packed"]
     assert [r["attn"] for r in packed] == ["flash", "varlen", "flex", "sdpa"]
     assert all(r.get("ok") for r in packed), packed
+
+
+def test_hf_attention_revalidates_a_reused_cu_seqlens() -> None:
+    """Validation is skipped only for the same tensor over the same tokens: a cu_seqlens
+    reused for a longer row (or changed in place) is checked again."""
+    import transformers
+
+    from fastpack.torch import register_hf_attention
+
+    forward = transformers.AttentionInterface()[register_hf_attention()]
+    module = torch.nn.Linear(1, 1).eval()
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    q = torch.randn(1, 4, 8, 16)
+    forward(module, q, q, q, None, cu_seq_lens_q=cu, max_length_q=5)
+    longer = torch.randn(1, 4, 9, 16)
+    with pytest.raises(FastpackError, match=r"cu_seqlens\[-1\] must equal total_tokens"):
+        forward(module, longer, longer, longer, None, cu_seq_lens_q=cu, max_length_q=5)
+    forward(module, q, q, q, None, cu_seq_lens_q=cu, max_length_q=5)
+    cu[1] = 9  # in place: a new version, checked again
+    with pytest.raises(FastpackError, match="non-decreasing"):
+        forward(module, q, q, q, None, cu_seq_lens_q=cu, max_length_q=5)

@@ -307,7 +307,11 @@ def _packed(
         dtype = torch.get_autocast_dtype(device)
         query, key, value = (t.to(dtype) for t in (query, key, value))
     rows, heads, width, dim = query.shape
-    validate = validate and not _CU_CHECKED.hit(cu_seqlens)
+    shape = (rows * width, max_len)
+    validate = validate and not (
+        isinstance(cu_seqlens, torch.Tensor) and _CU_CHECKED.hit(cu_seqlens)
+        and _CU_CHECKED.value == shape
+    )
     # Hugging Face hands (B, heads, W, D); varlen_attention takes (B * W, heads, D).
     q, k, v = (t.transpose(1, 2).reshape(rows * width, t.shape[1], dim)
                for t in (query, key, value))
@@ -315,8 +319,8 @@ def _packed(
         q, k, v, cu_seqlens, max_len, causal=bool(causal), softmax_scale=scaling,
         kernel=kernel, validate=validate, sliding_window=window, softcap=softcap,
     )
-    if validate:
-        _CU_CHECKED.remember(cu_seqlens, None)
+    if validate and isinstance(cu_seqlens, torch.Tensor):
+        _CU_CHECKED.remember(cu_seqlens, shape)
     return out.reshape(rows, width, heads, dim), None  # as Hugging Face's sdpa returns
 
 
