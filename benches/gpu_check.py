@@ -6,21 +6,27 @@
 
 Without CUDA (and without --cpu-smoke) it prints "skipped: no CUDA" and exits 0.
 
-1. Correctness, bf16: every backend that can run here (flash-attn if installed,
+1. Correctness, bf16: every kernel that can run here (flash-attn if installed,
    torch.nn.attention.varlen.varlen_attn, flex attention, the per-sequence SDPA loop)
-   against per-sequence SDPA computed in fp32 from the same bf16 inputs: output and
+   against per-sequence attention computed in fp32 from the same bf16 inputs: output and
    dq/dk/dv, causal and not, MHA and GQA, with empty and 1-token sequences and sequences
-   crossing flex's 128-token blocks.  err = max|x - ref| / max|ref|; a case passes when
+   crossing flex's 128-token blocks; then a sliding window, soft-capping and both (a
+   kernel that has no soft-capping must refuse it with a FastpackError).
+   err = max|x - ref| / max|ref|; a case passes when
    err <= max(2 * eps_bf16, 2 * err of torch's own bf16 SDPA run per sequence).
 2. Flex: compile time of the first call, and that later calls with new cu_seqlens (new
    mask_mod closures, other total lengths) do not recompile.
 3. Attention alone, forward+backward: packed varlen_attention per backend vs. padded
    SDPA (key-padding mask) over the same documents.
-4. A random-init bf16 LlamaForCausalLM (transformers), forward+backward: padded batch
-   (attn_implementation="sdpa", attention_mask) vs. one packed row through
-   varlen_attention (registered as an AttentionInterface function that reads HF's
-   cu_seq_lens_q / max_length_q kwargs), per backend; also the packed loss against the
-   padded loss.
+4. A random-init bf16 MistralForCausalLM (transformers; Llama with a sliding window
+   shorter than the longest documents), forward+backward: padded batch
+   (attn_implementation="sdpa", attention_mask) vs. one packed row through the shipped
+   ``fastpack.torch.register_hf_attention(kernel=...)``, per kernel; the packed loss
+   against the padded loss.
+
+The sections are functions of (torch, attention module, config, device, dtype), so
+tests/test_attention.py runs this harness on the CPU with the CUDA kernels replaced by CPU
+stand-ins of the same signatures.
 
 Prints a compact report; writes everything to $OUT/gpu_check.json when OUT is set.
 Exit status 1 when a correctness check fails.
@@ -29,7 +35,6 @@ Exit status 1 when a correctness check fails.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
@@ -50,20 +55,11 @@ def elapsed() -> float:
 
 
 def load_attention_module() -> ModuleType:
-    """fastpack.torch.attention, or the source file loaded standalone when the package (its
-    Rust extension) is not built on this machine; the module needs only torch."""
-    try:
-        from fastpack.torch import attention
+    """fastpack.torch.attention (the package must be importable: PYTHONPATH=python with the
+    built extension, as everywhere else)."""
+    from fastpack.torch import attention
 
-        return attention
-    except Exception:
-        path = Path(__file__).resolve().parents[1] / "python" / "fastpack" / "torch" / "attention.py"
-        spec = importlib.util.spec_from_file_location("fastpack_attention_standalone", path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-        return module
+    return attention
 
 
 def write_json(report: dict[str, Any]) -> None:
@@ -92,8 +88,12 @@ def reference_fp32(
     lengths: Sequence[int],
     causal: bool,
     scale: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> Any:
-    """Per-sequence SDPA in fp32 on upcast copies (autograd flows to q, k, v)."""
+    """Per-sequence attention in fp32 on upcast copies (autograd flows to q, k, v), written
+    out (scores, mask, softmax) so that it shares no code with the kernels: a window keeps
+    keys with 0 <= q - k < sliding_window (Hugging Face's), softcap caps the scores."""
     groups = q.shape[1] // k.shape[1]
     outs = []
     start = 0
@@ -101,13 +101,21 @@ def reference_fp32(
         if n == 0:
             continue
         sl = slice(start, start + n)
-        qi = q[sl].float().transpose(0, 1)[None]
-        ki = k[sl].float().transpose(0, 1).repeat_interleave(groups, 0)[None]
-        vi = v[sl].float().transpose(0, 1).repeat_interleave(groups, 0)[None]
-        o = torch.nn.functional.scaled_dot_product_attention(
-            qi, ki, vi, is_causal=causal, scale=scale
-        )
-        outs.append(o[0].transpose(0, 1))
+        qi = q[sl].float().transpose(0, 1)
+        ki = k[sl].float().transpose(0, 1).repeat_interleave(groups, 0)
+        vi = v[sl].float().transpose(0, 1).repeat_interleave(groups, 0)
+        scores = qi @ ki.transpose(1, 2) * (scale if scale is not None else qi.shape[-1] ** -0.5)
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        idx = torch.arange(n, device=q.device)
+        distance = idx[:, None] - idx[None, :]
+        keep = torch.ones(n, n, dtype=torch.bool, device=q.device)
+        if causal:
+            keep &= distance >= 0
+        if sliding_window is not None:
+            keep &= distance < sliding_window
+        scores = scores.masked_fill(~keep, float("-inf"))
+        outs.append((torch.softmax(scores, dim=-1) @ vi).transpose(0, 1))
         start += n
     return torch.cat(outs)
 
@@ -150,10 +158,11 @@ def reset_peak(torch: Any, device: Any) -> None:
 
 
 def run_case(am: ModuleType, backend: str, case: dict[str, Any]) -> list[float]:
-    """Relative errors of (out, dq, dk, dv) of one backend against the fp32 reference."""
+    """Relative errors of (out, dq, dk, dv) of one kernel against the fp32 reference."""
     xs = [t.detach().clone().requires_grad_(True) for t in case["qkv"]]
     out = am.varlen_attention(
-        *xs, case["cu"], case["max_len"], causal=case["causal"], kernel=backend
+        *xs, case["cu"], case["max_len"], causal=case["causal"], kernel=backend,
+        **case.get("options", {}),
     )
     out.backward(case["grad_out"])
     assert out.shape == xs[0].shape and out.dtype == xs[0].dtype
@@ -170,55 +179,69 @@ def check_correctness(
     eps = torch.finfo(dtype).eps
     backends = am.available_kernels(torch.empty(1, device=device, dtype=dtype))
     results: list[dict[str, Any]] = []
-    for hq, hkv in cfg["check_heads"]:
-        for causal in (True, False):
-            gen = torch.Generator(device=device).manual_seed(hq * 10 + hkv + int(causal))
-            d = cfg["head_dim"]
-            q = torch.randn(total, hq, d, device=device, dtype=dtype, generator=gen)
-            k = torch.randn(total, hkv, d, device=device, dtype=dtype, generator=gen)
-            v = torch.randn(total, hkv, d, device=device, dtype=dtype, generator=gen)
-            grad_out = torch.randn(total, hq, d, device=device, dtype=dtype, generator=gen)
+    variants: list[tuple[int, int, bool, dict[str, Any]]] = [
+        (hq, hkv, causal, {}) for hq, hkv in cfg["check_heads"] for causal in (True, False)
+    ]
+    hq_last, hkv_last = cfg["check_heads"][-1]
+    window, cap = cfg["check_window"], cfg["check_softcap"]
+    for options in ({"sliding_window": window}, {"softcap": cap},
+                    {"sliding_window": window, "softcap": cap}):
+        variants.append((hq_last, hkv_last, True, options))
+    for hq, hkv, causal, options in variants:
+        gen = torch.Generator(device=device).manual_seed(hq * 10 + hkv + int(causal))
+        d = cfg["head_dim"]
+        q = torch.randn(total, hq, d, device=device, dtype=dtype, generator=gen)
+        k = torch.randn(total, hkv, d, device=device, dtype=dtype, generator=gen)
+        v = torch.randn(total, hkv, d, device=device, dtype=dtype, generator=gen)
+        grad_out = torch.randn(total, hq, d, device=device, dtype=dtype, generator=gen)
 
-            lq, lk, lv = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
-            ref = reference_fp32(torch, lq, lk, lv, lengths, causal)
-            ref.backward(grad_out.float())
-            case = {
-                "qkv": (q, k, v),
-                "grad_out": grad_out,
-                "cu": cu,
-                "max_len": max_len,
-                "causal": causal,
-                "ref": ref,
-                "ref_grads": (lq.grad, lk.grad, lv.grad),
-            }
-            # Baseline: torch's own SDPA kernels in bf16, one sequence at a time.
-            baseline = run_case(am, "sdpa", case)
-            for backend in backends:
-                if backend == "flex" and cfg.get("flex_cases") is not None:
-                    if (hq, hkv, causal) not in cfg["flex_cases"]:
-                        continue
-                row: dict[str, Any] = {"backend": backend, "hq": hq, "hkv": hkv, "causal": causal}
-                t0 = time.perf_counter()
-                try:
-                    errs = run_case(am, backend, case)
-                except Exception as exc:  # report and keep going
-                    row.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:500])
+        lq, lk, lv = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+        ref = reference_fp32(torch, lq, lk, lv, lengths, causal, **options)
+        ref.backward(grad_out.float())
+        case = {
+            "qkv": (q, k, v),
+            "grad_out": grad_out,
+            "cu": cu,
+            "max_len": max_len,
+            "causal": causal,
+            "ref": ref,
+            "ref_grads": (lq.grad, lk.grad, lv.grad),
+            "options": options,
+        }
+        # Baseline: torch's own SDPA kernels in bf16, one sequence at a time.
+        baseline = run_case(am, "sdpa", case)
+        for backend in backends:
+            if backend == "flex" and cfg.get("flex_cases") is not None:
+                if (hq, hkv, causal) not in cfg["flex_cases"] and not options:
+                    continue
+            row: dict[str, Any] = {"backend": backend, "hq": hq, "hkv": hkv, "causal": causal,
+                                   **options}
+            refuses = backend == "varlen" and "softcap" in options
+            t0 = time.perf_counter()
+            try:
+                errs = run_case(am, backend, case)
+            except Exception as exc:  # report and keep going
+                if refuses and type(exc).__name__ == "FastpackError":
+                    row.update(ok=True, refused=str(exc)[:200])
                     results.append(row)
                     continue
-                tols = [max(2 * eps, 2 * b) for b in baseline]
-                row.update(
-                    err_out=errs[0],
-                    err_dq=errs[1],
-                    err_dk=errs[2],
-                    err_dv=errs[3],
-                    baseline_out=baseline[0],
-                    baseline_dq=baseline[1],
-                    baseline_dk=baseline[2],
-                    baseline_dv=baseline[3],
-                    ok=all(e <= t for e, t in zip(errs, tols)),
-                    seconds=round(time.perf_counter() - t0, 2),
-                )
+                row.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:500])
                 results.append(row)
+                continue
+            tols = [max(2 * eps, 2 * b, cfg["tol_floor"]) for b in baseline]
+            row.update(
+                err_out=errs[0],
+                err_dq=errs[1],
+                err_dk=errs[2],
+                err_dv=errs[3],
+                baseline_out=baseline[0],
+                baseline_dq=baseline[1],
+                baseline_dk=baseline[2],
+                baseline_dv=baseline[3],
+                ok=not refuses and all(e <= t for e, t in zip(errs, tols)),
+                seconds=round(time.perf_counter() - t0, 2),
+            )
+            results.append(row)
     # softmax_scale, forward only, GQA + causal
     hq, hkv = cfg["check_heads"][-1]
     q = torch.randn(total, hq, cfg["head_dim"], device=device, dtype=dtype)
@@ -244,7 +267,7 @@ def check_correctness(
                     "softmax_scale": 0.05,
                     "err_out": err,
                     "baseline_out": base,
-                    "ok": err <= max(2 * eps, 2 * base),
+                    "ok": err <= max(2 * eps, 2 * base, cfg["tol_floor"]),
                 }
             )
         except Exception as exc:
@@ -380,44 +403,6 @@ def bench_attention(
 
 # ---------------------------------------------------------------- 4. model benchmark
 
-_PACKED_BACKEND = {"name": "auto"}
-
-
-def register_hf_attention(am: ModuleType) -> str:
-    from transformers import AttentionInterface
-
-    def fastpack_varlen_attention(
-        module: Any,
-        query: Any,
-        key: Any,
-        value: Any,
-        attention_mask: Any,
-        scaling: float | None = None,
-        dropout: float = 0.0,
-        **kwargs: Any,
-    ) -> tuple[Any, None]:
-        # HF hands (batch=1, heads, T, D); varlen_attention wants (T, heads, D).
-        if query.shape[0] != 1:
-            raise ValueError("fastpack_varlen expects one packed row (batch size 1)")
-        cu = kwargs["cu_seq_lens_q"]
-        max_len = kwargs["max_length_q"]
-        out = am.varlen_attention(
-            query[0].transpose(0, 1),
-            key[0].transpose(0, 1),
-            value[0].transpose(0, 1),
-            cu,
-            max_len,
-            causal=True,
-            softmax_scale=scaling,
-            backend=_PACKED_BACKEND["name"],
-            validate=False,
-        )
-        return out.unsqueeze(0), None  # (1, T, heads, D), as HF's sdpa returns
-
-    AttentionInterface.register("fastpack_varlen", fastpack_varlen_attention)
-    return "fastpack_varlen"
-
-
 def set_attn(model: Any, name: str) -> None:
     try:
         model.set_attn_implementation(name)
@@ -430,12 +415,14 @@ def bench_model(
     torch: Any, am: ModuleType, cfg: dict[str, Any], device: Any, dtype: Any
 ) -> dict[str, Any]:
     import transformers
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import MistralConfig, MistralForCausalLM
 
-    name = register_hf_attention(am)
+    from fastpack.torch import register_hf_attention
+
     hq, hkv = cfg["check_heads"][-1]
     mc = cfg["model"]
-    config = LlamaConfig(
+    config = MistralConfig(
+        sliding_window=mc["sliding_window"],
         hidden_size=hq * cfg["head_dim"],
         intermediate_size=mc["intermediate"],
         num_hidden_layers=mc["layers"],
@@ -447,7 +434,7 @@ def bench_model(
         use_cache=False,
     )
     torch.manual_seed(0)
-    model: Any = LlamaForCausalLM(config)
+    model: Any = MistralForCausalLM(config)
     model = model.to(device=device, dtype=dtype)
     model.config.use_cache = False
     model.train()
@@ -515,13 +502,12 @@ def bench_model(
         }
     )
 
-    set_attn(model, name)
     eps = torch.finfo(dtype).eps
     for backend in am.available_kernels(torch.empty(1, device=device, dtype=dtype)):
         if elapsed() > TIME_BUDGET_S:
             rows.append({"layout": "packed", "attn": backend, "skipped": "time budget"})
             continue
-        _PACKED_BACKEND["name"] = backend
+        set_attn(model, register_hf_attention(f"fastpack_{backend}", kernel=backend))
         reset_peak(torch, device)
         try:
             loss = step(packed)
@@ -553,6 +539,7 @@ def bench_model(
     return {
         "transformers": transformers.__version__,
         "params_m": round(n_params / 1e6, 1),
+        "sliding_window": mc["sliding_window"],
         "n_docs": b,
         "max_len": max_len,
         "total_tokens": total,
@@ -581,25 +568,35 @@ def make_config(cpu_smoke: bool) -> dict[str, Any]:
             "head_dim": 16,
             "check_heads": [(4, 4), (4, 2)],
             "check_lengths": [1, 0, 37, 130, 0, 5],
+            "check_window": 8,
+            "check_softcap": 2.0,
+            # fp32 on the CPU: torch's SDPA can match the reference to the last bit, so
+            # 2 * its error is no bound; the checks here are of plumbing (a window one
+            # token off, a lost cap: errors of 1e-2 and up)
+            "tol_floor": 1e-5,
             "flex_cases": None,
             "flex_recompile_lengths": [],
             "model_lengths": [9, 40, 3, 17],
             "iters": 2,
             "warmup": 1,
-            "model": {"layers": 2, "intermediate": 128, "vocab": 512},
+            "model": {"layers": 2, "intermediate": 128, "vocab": 512, "sliding_window": 8},
         }
     return {
         "head_dim": 128,
         "check_heads": [(16, 16), (16, 4)],
         # empty and 1-token sequences, and lengths on both sides of flex's 128 blocks
         "check_lengths": [1, 0, 37, 128, 129, 1000, 0, 2048, 513, 255, 1],
+        # a window across flex blocks (and shorter than most sequences); Gemma 2's cap is 50
+        "check_window": 200,
+        "check_softcap": 5.0,
+        "tol_floor": 0.0,
         # flex compiles per mask/GQA variant: keep to two cases (MHA non-causal, GQA causal)
         "flex_cases": [(16, 16, False), (16, 4, True)],
         "flex_recompile_lengths": [[300, 0, 700, 24], [64] * 20 + [5], [4000, 96], [1] * 50],
         "model_lengths": doc_lengths(32, 4096, seed=1),
         "iters": 5,
         "warmup": 2,
-        "model": {"layers": 8, "intermediate": 5632, "vocab": 16384},
+        "model": {"layers": 8, "intermediate": 5632, "vocab": 16384, "sliding_window": 1024},
     }
 
 
@@ -684,6 +681,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             tag = f"{r['backend']:>6} hq={r.get('hq')} hkv={r.get('hkv')} causal={r.get('causal')}"
             if "softmax_scale" in r:
                 tag += " scale=0.05"
+            for option in ("sliding_window", "softcap"):
+                if option in r:
+                    tag += f" {option}={r[option]}"
+            if "refused" in r:
+                print(f"  ok   {tag}: refused ({r['refused']})")
+                continue
             if "error" in r:
                 print(f"  FAIL {tag}: {r['error']}")
                 continue
@@ -710,7 +713,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("  ", rows)
     mb = report.get("model_bench")
     if mb is not None:
-        print("\nmodel_bench (LlamaForCausalLM fwd+bwd)")
+        print("\nmodel_bench (MistralForCausalLM fwd+bwd)")
         if "rows" in mb:
             print("  ", {k: v for k, v in mb.items() if k != "rows"})
             for r in mb["rows"]:

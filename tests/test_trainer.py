@@ -183,3 +183,72 @@ def test_a_ready_packed_dataset_is_used_as_is(tmp_path: Path) -> None:
     trainer.train_dataset = ds
     assert trainer.packed_dataset is ds
     assert len(trainer.get_train_dataloader()) == len(ds)
+
+
+# ------------------------------------------------------- tensor / context parallelism
+
+
+def _as_rank(monkeypatch: pytest.MonkeyPatch, world: int, index: int, tp: int) -> None:
+    args = transformers.TrainingArguments
+    monkeypatch.setattr(args, "world_size", property(lambda self: world))
+    monkeypatch.setattr(args, "process_index", property(lambda self: index))
+    monkeypatch.setattr(RecordingTrainer, "get_tp_size", lambda self: tp)
+
+
+def test_tensor_parallel_ranks_share_a_replica(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """World 4 with tp_size 2: two data-parallel replicas; processes 0, 1 are replica 0
+    and see the same steps, processes 2, 3 replica 1; every sample once per replica set."""
+    steps = {}
+    for index in range(4):
+        _as_rank(monkeypatch, 4, index, 2)
+        trainer = make_trainer(tmp_path / str(index))
+        assert (trainer.data_parallel_size, trainer.data_parallel_rank) == (2, index // 2)
+        sampler = trainer.packed_sampler
+        assert (sampler.num_replicas, sampler.rank) == (2, index // 2)
+        steps[index] = list(sampler)
+    assert steps[0] == steps[1] and steps[2] == steps[3] and steps[0] != steps[2]
+
+
+def test_tensor_parallel_loss_scale(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sequence-weighted loss is scaled by the data-parallel size (world // tp), as
+    the Trainer's own loss is (num_processes // tp_size), not by the world size."""
+    from fastpack.torch import packed_loss
+
+    _as_rank(monkeypatch, 4, 1, 2)
+    trainer = make_trainer(tmp_path, weighting="sequence")
+    batch = next(iter(trainer.get_train_dataloader()))
+    model = trainer.model
+    with torch.no_grad():
+        loss = trainer.compute_loss(model, dict(batch))
+        logits = model(**{k: v for k, v in batch.items()
+                          if k not in ("labels", "num_items_in_batch",
+                                       "num_sequences_in_batch")}).logits
+        plain = packed_loss(logits, batch, weighting="sequence")
+    assert torch.allclose(loss, plain * 2, rtol=1e-6)
+
+
+@pytest.mark.parametrize("method", ["get_cp_size", "get_sp_size"])
+def test_context_parallelism_raises(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, method: str
+) -> None:
+    monkeypatch.setattr(RecordingTrainer, method, lambda self: 2)
+    with pytest.raises(FastpackError, match=f"{method[4:]}: 2; PackedTrainerMixin does not"):
+        make_trainer(tmp_path)
+
+
+def test_tp_size_must_divide_the_world(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _as_rank(monkeypatch, 4, 0, 3)
+    with pytest.raises(FastpackError, match="tp_size: 3 does not divide the world size 4"):
+        make_trainer(tmp_path)
+
+
+def test_trainer_checks_the_batch_format(tmp_path: Path) -> None:
+    """An explicit bool mask for an eager model raises before the forward."""
+    trainer = make_trainer(tmp_path)
+    trainer.model.config._attn_implementation = "eager"
+    batch = PackedCollator(max_len=16, backend="sdpa", mask="explicit")(
+        [{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5]}])
+    with pytest.raises(FastpackError, match="explicit bool 4-D mask"):
+        trainer.compute_loss(trainer.model, batch)

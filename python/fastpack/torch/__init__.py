@@ -19,7 +19,8 @@ Its modules are its layers:
 - :mod:`~fastpack.torch.loss` — :func:`packed_loss`: the loss of a packed batch normalised
   over its whole optimizer step (all micro-steps, all ranks), per token or per sequence.
 - :mod:`~fastpack.torch.hf` — Hugging Face integration (:func:`register_hf_attention`,
-  :class:`PackedTrainerMixin` for the ``Trainer`` / TRL ``SFTTrainer`` on many ranks).
+  :func:`check_model_batch`, :class:`PackedTrainerMixin` for the ``Trainer`` / TRL
+  ``SFTTrainer`` on many ranks).
 
 Every batch's ``labels`` are unshifted (the model shifts), -100 at the first token of
 every sequence, on padding and where the sample's loss mask is 0.
@@ -31,7 +32,7 @@ from .attention import KERNELS, varlen_attention
 from .collator import LOSS_MASK_KEYS, PackedCollator
 from .data import PackedDataset, StepTable, first_item
 from .formats import BACKENDS, BatchFormat
-from .hf import PackedTrainerMixin, register_hf_attention
+from .hf import PackedTrainerMixin, check_model_batch, register_hf_attention
 from .loss import WEIGHTINGS, packed_loss
 from .sampler import PackedSampler, Schedule, Step
 from .stream import SHARDINGS, PackedIterableDataset
@@ -51,6 +52,7 @@ __all__ = [
     "Schedule",
     "Step",
     "StepTable",
+    "check_model_batch",
     "first_item",
     "packed_loss",
     "register_hf_attention",

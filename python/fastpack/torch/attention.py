@@ -25,6 +25,13 @@ Kernels (``kernel="auto"`` picks the first that applies):
     on each slice: memory is O(max_seqlen**2) per call, never O(T**2) for the
     batch.  Works everywhere (this is the CPU path).
 
+Sliding windows (``sliding_window=w``: a query sees itself and the ``w - 1`` tokens before
+it, Hugging Face's convention) and soft-capping of the scores (``softcap=c``:
+``c * tanh(score / c)``, Gemma 2) run on every kernel that has them: flash-attn
+(``window_size`` / ``softcap``), flex (mask and score mods), the SDPA loop (a window mask
+of O(l**2) per sequence, never per batch); ``torch.nn.attention.varlen`` has a window
+(torch >= 2.11) but no soft-capping, so asking it for one raises.
+
 Validating ``cu_seqlens`` reads it on the host once (a device sync when it lives on
 the GPU); pass ``validate=False`` in hot loops or under ``torch.compile`` once the
 batches are known to be well formed.
@@ -311,11 +318,27 @@ def _flash_forward(
     max_seqlen: int,
     causal: bool,
     scale: float | None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     # flash-attn handles GQA natively when Hq is a multiple of Hkv.
+    params = _signature_params(fn)
+    kwargs: dict[str, Any] = {}
+    if sliding_window is not None:
+        if "window_size" not in params:
+            raise _error("kernel='flash': this flash-attn has no window_size; cannot apply "
+                         f"sliding_window={sliding_window}")
+        # flash-attn's bounds are inclusive: w - 1 tokens to the left plus the query itself.
+        kwargs["window_size"] = (sliding_window - 1, 0)
+    if softcap is not None:
+        if "softcap" not in params:
+            raise _error(f"kernel='flash': this flash-attn has no softcap (added in 2.6); "
+                         f"cannot apply softcap={softcap}")
+        kwargs["softcap"] = softcap
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     return fn(
-        q, k, v, cu, cu, max_seqlen, max_seqlen, dropout_p=0.0, softmax_scale=scale, causal=causal
+        q, k, v, cu, cu, max_seqlen, max_seqlen, dropout_p=0.0, softmax_scale=scale,
+        causal=causal, **kwargs,
     )
 
 
@@ -328,12 +351,21 @@ def _torch_varlen_forward(
     max_seqlen: int,
     causal: bool,
     scale: float | None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     params = _signature_params(fn)
     kwargs: dict[str, Any] = {}
+    if softcap is not None:
+        raise _error(f"kernel='varlen': torch's varlen_attn has no soft-capping; cannot apply "
+                     f"softcap={softcap} (use kernel='flash', 'flex' or 'sdpa')")
+    if sliding_window is not None and "window_size" not in params:
+        raise _error(f"kernel='varlen': torch {torch.__version__}'s varlen_attn has no "
+                     f"window_size (torch >= 2.11); cannot apply sliding_window={sliding_window}")
     if "window_size" in params:  # torch >= 2.11: causal is window_size == (-1, 0)
         # Must be a tuple: torch compares `window_size == (-1, 0)`, a list is non-causal.
-        kwargs["window_size"] = (-1, 0) if causal else (-1, -1)
+        left = -1 if sliding_window is None else sliding_window - 1  # inclusive, as flash-attn
+        kwargs["window_size"] = (left, 0) if causal else (-1, -1)
     elif "is_causal" in params:  # torch 2.10
         kwargs["is_causal"] = causal
     elif causal:
@@ -360,7 +392,8 @@ def _torch_varlen_forward(
 
 
 def _document_block_tables(
-    cu: torch.Tensor, total_tokens: int, block_size: int, causal: bool
+    cu: torch.Tensor, total_tokens: int, block_size: int, causal: bool,
+    sliding_window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Block-sparse tables of the document mask given by ``cu`` (no ``T x T`` tensor).
 
@@ -393,6 +426,9 @@ def _document_block_tables(
     if causal:
         touch &= starts[None, :] <= lasts[:, None]
         full &= lasts[None, :] <= starts[:, None]
+    if sliding_window is not None:  # (causal only) a key is seen while q - k < window
+        touch &= starts[:, None] - lasts[None, :] < sliding_window
+        full &= lasts[:, None] - starts[None, :] < sliding_window
     partial = touch & ~full
 
     def ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -405,7 +441,19 @@ def _document_block_tables(
     return doc_id, kv_num, kv_idx, full_num, full_idx
 
 
-def _document_mask_mod(doc_id: torch.Tensor, causal: bool) -> Callable[..., torch.Tensor]:
+def _document_mask_mod(
+    doc_id: torch.Tensor, causal: bool, sliding_window: int | None = None
+) -> Callable[..., torch.Tensor]:
+    if sliding_window is not None:
+        window = sliding_window
+
+        def windowed_document_mask(
+            b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
+        ) -> torch.Tensor:
+            same = (doc_id[q_idx] == doc_id[kv_idx]) & (q_idx >= kv_idx)
+            return same & (q_idx - kv_idx < window)
+
+        return windowed_document_mask
     if causal:
 
         def causal_document_mask(
@@ -423,11 +471,13 @@ def _document_mask_mod(doc_id: torch.Tensor, causal: bool) -> Callable[..., torc
     return document_mask
 
 
-def _document_block_mask(cu: torch.Tensor, total_tokens: int, causal: bool) -> Any:
+def _document_block_mask(
+    cu: torch.Tensor, total_tokens: int, causal: bool, sliding_window: int | None = None
+) -> Any:
     from torch.nn.attention.flex_attention import BlockMask
 
     doc_id, kv_num, kv_idx, full_num, full_idx = _document_block_tables(
-        cu, total_tokens, _FLEX_BLOCK_SIZE, causal
+        cu, total_tokens, _FLEX_BLOCK_SIZE, causal, sliding_window
     )
     kwargs: dict[str, Any] = {}
     if "seq_lengths" in _signature_params(BlockMask.from_kv_blocks):
@@ -438,9 +488,19 @@ def _document_block_mask(cu: torch.Tensor, total_tokens: int, causal: bool) -> A
         full_num,
         full_idx,
         BLOCK_SIZE=_FLEX_BLOCK_SIZE,
-        mask_mod=_document_mask_mod(doc_id, causal),
+        mask_mod=_document_mask_mod(doc_id, causal, sliding_window),
         **kwargs,
     )
+
+
+def _softcap_score_mod(softcap: float) -> Callable[..., torch.Tensor]:
+    def softcapped(
+        score: torch.Tensor, b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor,
+        kv_idx: torch.Tensor,
+    ) -> torch.Tensor:
+        return softcap * torch.tanh(score / softcap)
+
+    return softcapped
 
 
 def _flex_forward(
@@ -450,6 +510,8 @@ def _flex_forward(
     cu: torch.Tensor,
     causal: bool,
     scale: float | None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
     *,
     compile: bool = True,
 ) -> torch.Tensor:
@@ -458,16 +520,52 @@ def _flex_forward(
     else:  # dense reference implementation; only for testing the plumbing on CPU
         from torch.nn.attention.flex_attention import flex_attention as flex
     total = q.shape[0]
-    block_mask = _document_block_mask(cu, total, causal)
+    block_mask = _document_block_mask(cu, total, causal, sliding_window)
     groups = q.shape[1] // k.shape[1]
     kwargs: dict[str, Any] = {}
     if groups > 1:
         kwargs["enable_gqa"] = True
+    if softcap is not None:
+        kwargs["score_mod"] = _softcap_score_mod(softcap)
     # (T, H, D) -> (1, H, T, D) views; flex returns its output in q's stride order, so
     # the transpose back is contiguous.
     q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
     out: torch.Tensor = flex(q4, k4, v4, block_mask=block_mask, scale=scale, **kwargs)
     return out[0].transpose(0, 1)
+
+
+def _window_mask(length: int, sliding_window: int, device: torch.device) -> torch.Tensor:
+    """``[length, length]`` bool: causal, and a key at most ``sliding_window - 1`` tokens
+    before the query (Hugging Face's ``kv_idx > q_idx - sliding_window``)."""
+    idx = torch.arange(length, device=device)
+    distance = idx[:, None] - idx[None, :]
+    return (distance >= 0) & (distance < sliding_window)
+
+
+def _softcapped_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    allowed: torch.Tensor | None,
+    causal: bool,
+    scale: float | None,
+    softcap: float,
+) -> torch.Tensor:
+    """Attention with ``softcap * tanh(score / softcap)`` scores, on ``(1, H, L, D)``
+    inputs with as many k/v heads as q heads; SDPA has no soft-capping."""
+    length = q.shape[2]
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if allowed is None and causal:
+        allowed = torch.ones(length, length, dtype=torch.bool, device=q.device).tril_()
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    # Softmax at least in fp32 (as Hugging Face's eager attention), in fp64 for fp64.
+    work = torch.promote_types(q.dtype, torch.float32)
+    probs = torch.softmax(scores, dim=-1, dtype=work).to(q.dtype)
+    return torch.matmul(probs, v)
 
 
 def _sdpa_forward(
@@ -477,13 +575,15 @@ def _sdpa_forward(
     bounds: Sequence[int],
     causal: bool,
     scale: float | None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     sdpa = torch.nn.functional.scaled_dot_product_attention
     groups = q.shape[1] // k.shape[1]
-    kwargs: dict[str, Any] = {"is_causal": causal, "scale": scale}
+    gqa: dict[str, Any] = {}
     if groups > 1:
-        if _sdpa_has_enable_gqa():
-            kwargs["enable_gqa"] = True
+        if _sdpa_has_enable_gqa() and softcap is None:
+            gqa["enable_gqa"] = True
         else:  # one repeat for the whole batch, not one per sequence
             k, v = _repeat_kv(k, v, groups, dim=1)
     # Split (1, H, T, D) views along the tokens, once: every piece is already in SDPA's
@@ -496,14 +596,56 @@ def _sdpa_forward(
     q_parts, k_parts, v_parts = (
         t.transpose(0, 1).unsqueeze(0).split(sizes, dim=2)[1:-1] for t in (q, k, v)
     )
-    outs = [
-        sdpa(qs, ks, vs, **kwargs).transpose(1, 2)  # (1, L, H, D)
-        for qs, ks, vs in zip(q_parts, k_parts, v_parts)
-        if qs.shape[2]
-    ]
+    outs = []
+    for qs, ks, vs in zip(q_parts, k_parts, v_parts):
+        length = qs.shape[2]
+        if not length:
+            continue
+        # The window mask is O(l**2) for this sequence alone; a sequence no longer than
+        # the window is plain causal attention.
+        allowed = None
+        if sliding_window is not None and length > sliding_window:
+            allowed = _window_mask(length, sliding_window, qs.device)
+        if softcap is not None:
+            out = _softcapped_attention(qs, ks, vs, allowed, causal, scale, softcap)
+        elif allowed is not None:
+            out = sdpa(qs, ks, vs, attn_mask=allowed, scale=scale, **gqa)
+        else:
+            out = sdpa(qs, ks, vs, is_causal=causal, scale=scale, **gqa)
+        outs.append(out.transpose(1, 2))  # (1, L, H, D)
     if not outs:
         return q[:0]
     return torch.cat(outs, dim=1)[0]
+
+
+def _check_window_options(
+    sliding_window: object, softcap: object, causal: bool
+) -> tuple[int | None, float | None]:
+    window: int | None = None
+    if sliding_window is not None:
+        if isinstance(sliding_window, bool) or not hasattr(sliding_window, "__index__"):
+            raise _type_error(
+                f"sliding_window must be an int or None, got {type(sliding_window).__name__} "
+                f"{sliding_window!r}"
+            )
+        window = int(sliding_window.__index__())
+        if window < 1:
+            raise _error(f"sliding_window must be >= 1 (the query itself counts), got {window}")
+        if not causal:
+            raise _error(
+                f"sliding_window={window} needs causal=True; a bidirectional window is not "
+                "supported"
+            )
+    cap: float | None = None
+    if softcap is not None:
+        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+            raise _type_error(
+                f"softcap must be a number or None, got {type(softcap).__name__} {softcap!r}"
+            )
+        cap = float(softcap)
+        if not cap > 0 or math.isinf(cap):
+            raise _error(f"softcap must be a positive finite number, got {softcap}")
+    return window, cap
 
 
 # ------------------------------------------------------------------------ public API
@@ -520,6 +662,8 @@ def varlen_attention(
     softmax_scale: float | None = None,
     kernel: Kernel = "auto",
     validate: bool = True,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention over packed sequences, each attending only to itself.
 
@@ -538,6 +682,12 @@ def varlen_attention(
             a forced kernel that cannot run raises.
         validate: check ``cu_seqlens`` values (costs a host read, i.e. a device sync
             when it lives on the GPU).
+        sliding_window: a query attends to itself and the ``sliding_window - 1`` tokens
+            before it in its sequence (Hugging Face's ``sliding_window``; causal only).
+            Every kernel but torch's varlen before 2.11 has it.
+        softcap: scores become ``softcap * tanh(score / softcap)`` before the softmax
+            (Gemma 2's ``attn_logit_softcapping``); flash-attn (>= 2.6), flex and sdpa
+            have it, ``kernel="varlen"`` raises.
 
     Returns:
         ``(total_tokens, Hq, D)`` in ``q``'s dtype.
@@ -566,7 +716,10 @@ def varlen_attention(
         raise _type_error(f"kernel must be a string, got {type(kernel).__name__}")
     if kernel not in KERNELS:
         raise _error(f"kernel must be one of {', '.join(map(repr, KERNELS))}; got {kernel!r}")
+    window, cap = _check_window_options(sliding_window, softcap, causal)
     chosen = _resolve_kernel(kernel, q)
+    if chosen == "varlen" and cap is not None and kernel == "auto":
+        chosen = "flex" if _unavailable_reason("flex", q) is None else "sdpa"
 
     total = q.shape[0]
     cu_in = _as_cu_tensor(cu_seqlens)
@@ -582,15 +735,17 @@ def varlen_attention(
 
     if chosen == "sdpa":
         assert host is not None
-        return _sdpa_forward(q, k, v, host.tolist(), causal, softmax_scale)
+        return _sdpa_forward(q, k, v, host.tolist(), causal, softmax_scale, window, cap)
 
     cu = cu_in.to(device=q.device, dtype=torch.int32).contiguous()
     if chosen == "flash":
         flash = _flash_varlen_func()
         assert flash is not None
-        return _flash_forward(flash, q, k, v, cu, longest, causal, softmax_scale)
+        return _flash_forward(flash, q, k, v, cu, longest, causal, softmax_scale, window, cap)
     if chosen == "varlen":
         fn = _torch_varlen_attn()
         assert fn is not None
-        return _torch_varlen_forward(fn, q, k, v, cu, longest, causal, softmax_scale)
-    return _flex_forward(q, k, v, cu, causal, softmax_scale)
+        return _torch_varlen_forward(
+            fn, q, k, v, cu, longest, causal, softmax_scale, window, cap
+        )
+    return _flex_forward(q, k, v, cu, causal, softmax_scale, window, cap)

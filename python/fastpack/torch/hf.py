@@ -5,78 +5,506 @@ implementation of transformers models (:func:`register_hf_attention`), and the
 
 from __future__ import annotations
 
+import weakref
+from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from .._errors import FastpackError, FastpackTypeError
-from .attention import varlen_attention
+from .attention import KERNELS, Kernel, varlen_attention
 from .collator import LOSS_MASK_KEYS, PackedCollator
 from .data import PackedDataset, first_item
 from .loss import WEIGHTINGS, packed_loss
 from .sampler import BALANCES, PackedSampler, Step
 
-__all__ = ["PackedTrainerMixin", "StepBatches", "StepLoader", "register_hf_attention"]
+__all__ = [
+    "PackedTrainerMixin", "StepBatches", "StepLoader", "check_model_batch",
+    "register_hf_attention",
+]
 
 
-def register_hf_attention(name: str = "fastpack_varlen") -> str:
+def register_hf_attention(name: str = "fastpack_varlen", *, kernel: Kernel = "auto") -> str:
     """Registers :func:`varlen_attention` as a Hugging Face attention implementation.
 
-    Load or switch the model with ``attn_implementation=name`` and feed it
-    ``PackedCollator(backend="flash")`` batches: attention then runs per sequence from
-    ``cu_seq_lens_q`` — flash-attn, ``torch.nn.attention.varlen`` or flex on CUDA, a
-    per-sequence SDPA loop on the CPU — with no ``attention_mask`` and no O(T²) mask.
-    Calls without ``cu_seq_lens_q`` (say, generation) fall back to Hugging Face's SDPA.
-    Attention dropout is not supported on the packed path (it raises)."""
+    Load or switch the model with ``attn_implementation=name``. It computes exactly what
+    the unpacked model computes for every batch :class:`PackedCollator` makes, reading the
+    sequence boundaries from what the batch carries:
+
+    * ``cu_seq_lens_q`` (``backend="flash"``): per-sequence attention from it —
+      flash-attn, ``torch.nn.attention.varlen`` or flex on CUDA, a per-sequence SDPA loop
+      on the CPU — with no ``attention_mask`` and no O(T²) mask;
+    * else ``position_ids`` restarting at every sequence (``backend="sdpa" | "eager" |
+      "flex"`` with ``mask="position_ids"``): the same per-sequence attention, the
+      boundaries read from where the positions restart;
+    * else an explicit 4-D mask (``mask="explicit"`` for sdpa / eager) or a padding mask
+      (``backend="padded"``, generation, a KV cache): Hugging Face's SDPA over the mask
+      (its eager math where the model soft-caps), as ``attn_implementation="sdpa"``.
+
+    The model's ``sliding_window`` and ``softcap`` are honoured on every path (the
+    per-sequence kernels take them; a window is added to an explicit mask from the
+    positions); a flex ``BlockMask``, packed ``position_ids`` beside a padding mask or a
+    KV cache, and attention dropout raise a :class:`~fastpack.FastpackError` instead.
+    ``cu_seqlens`` (or the positions' boundaries) are validated once per forward, not
+    once per layer.
+
+    ``kernel`` is :func:`varlen_attention`'s (``"auto"``: the fastest that runs; name one
+    to force it, say to compare kernels under one model). Returns ``name``."""
     if not isinstance(name, str) or not name:
         raise FastpackTypeError(
             f"name: expected a non-empty string (the attn_implementation to register), got "
             f"{type(name).__name__} {name!r}"
         )
+    if not isinstance(kernel, str) or kernel not in KERNELS:
+        raise FastpackError(
+            f"kernel: expected one of {', '.join(map(repr, KERNELS))}, got {kernel!r}"
+        )
     from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
     def fastpack_varlen(
         module: torch.nn.Module,
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        attention_mask: torch.Tensor | None,
+        attention_mask: Any,
         scaling: float | None = None,
         dropout: float = 0.0,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
-        cu_seqlens = kwargs.get("cu_seq_lens_q")
-        if cu_seqlens is None:
-            return sdpa_attention_forward(  # type: ignore[no-any-return]
-                module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
-                **kwargs,
-            )
-        if query.shape[0] != 1:
-            raise FastpackError(
-                f"{name}: expected one packed row (batch size 1), got {query.shape[0]} rows; "
-                f"use PackedCollator(backend='flash')"
-            )
-        if dropout and module.training:
-            raise FastpackError(
-                f"{name}: attention dropout {dropout} is not supported on packed batches; "
-                f"set the model's attention dropout to 0"
-            )
-        device = query.device.type
-        if torch.is_autocast_enabled(device):  # as SDPA does under autocast
-            dtype = torch.get_autocast_dtype(device)
-            query, key, value = (t.to(dtype) for t in (query, key, value))
-        # Hugging Face hands (1, heads, T, D); varlen_attention takes (T, heads, D).
-        out = varlen_attention(
-            query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
-            cu_seqlens, int(kwargs["max_length_q"]), causal=getattr(module, "is_causal", True),
-            softmax_scale=scaling,
-        )
-        return out.unsqueeze(0), None  # (1, T, heads, D), as Hugging Face's sdpa returns
+        return _attention(name, kernel, module, query, key, value, attention_mask, scaling,
+                          dropout, kwargs)
 
     AttentionInterface.register(name, fastpack_varlen)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(name, _fastpack_mask)
+    _REGISTERED.add(name)
     return name
+
+
+#: The attn_implementation names :func:`register_hf_attention` registered.
+_REGISTERED: set[str] = set()
+
+
+def _fastpack_mask(
+    *,
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: Any = 0,
+    kv_offset: Any = 0,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> torch.Tensor | None:
+    """The model-level mask for fastpack's attention: none where every query sees its
+    whole sequence's past (the attention reads the boundaries from the batch, O(T) not
+    O(T²)); Hugging Face's SDPA mask otherwise (a padding mask, a KV cache)."""
+    from transformers.masking_utils import sdpa_mask
+
+    plain = (attention_mask is None and q_length == kv_length
+             and isinstance(q_offset, int) and q_offset == 0)
+    if plain:
+        return None
+    mask: torch.Tensor | None = sdpa_mask(
+        batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+        kv_offset=kv_offset, attention_mask=attention_mask, **kwargs,
+    )
+    if mask is not None:
+        _BUILT_MASKS.append((weakref.ref(mask), attention_mask))
+    return mask
+
+
+#: The last masks built by :func:`_fastpack_mask` (a model builds one per layer type),
+#: with the padding mask each came from: they already hold the layer's window.
+_BUILT_MASKS: deque[tuple[weakref.ref[torch.Tensor], torch.Tensor | None]] = deque(maxlen=8)
+
+
+def _built_from(mask: torch.Tensor) -> tuple[bool, torch.Tensor | None]:
+    """Whether :func:`_fastpack_mask` built ``mask``, and from which padding mask."""
+    for ref, padding in _BUILT_MASKS:
+        if ref() is mask:
+            return True, padding
+    return False, None
+
+
+class _OncePerBatch:
+    """Remembers the last batch tensor checked (by identity and in-place version), so a
+    forward checks its ``cu_seqlens`` (a host read) once, not in every layer."""
+
+    def __init__(self) -> None:
+        self._ref: weakref.ref[torch.Tensor] | None = None
+        self._version = -1
+        self.value: Any = None
+
+    def hit(self, tensor: torch.Tensor) -> bool:
+        return (self._ref is not None and self._ref() is tensor
+                and self._version == tensor._version)
+
+    def remember(self, tensor: torch.Tensor, value: Any) -> None:
+        self._ref, self._version, self.value = weakref.ref(tensor), tensor._version, value
+
+
+_CU_CHECKED = _OncePerBatch()
+_POSITION_BOUNDS = _OncePerBatch()
+
+
+def _position_starts(position_ids: torch.Tensor, rows: int, width: int) -> torch.Tensor:
+    """``[rows, width]`` bool on the host: where a sequence starts — every row start and
+    wherever the position does not follow the previous one (Hugging Face's
+    ``find_packed_sequence_indices`` rule)."""
+    host = position_ids.detach().to("cpu", torch.int64)
+    if host.ndim == 1:
+        host = host[None]
+    if host.ndim != 2 or host.shape[-1] != width or host.shape[0] not in (1, rows):
+        raise FastpackError(
+            f"position_ids: expected shape (batch, {width}) for {rows} rows of {width} "
+            f"tokens, got {tuple(position_ids.shape)}"
+        )
+    host = host.expand(rows, width)
+    starts = torch.ones(rows, width, dtype=torch.bool)
+    starts[:, 1:] = host[:, 1:] - host[:, :-1] != 1
+    return starts
+
+
+def _position_bounds(
+    position_ids: torch.Tensor, rows: int, width: int, device: torch.device
+) -> tuple[torch.Tensor, int]:
+    """``cu_seqlens`` (int32 on ``device``) and the longest sequence of ``rows`` rows laid
+    end to end, the boundaries read from the positions; once per forward."""
+    key = (rows, width, device)
+    if _POSITION_BOUNDS.hit(position_ids) and _POSITION_BOUNDS.value[0] == key:
+        return _POSITION_BOUNDS.value[1]  # type: ignore[no-any-return]
+    begin = torch.nonzero(_position_starts(position_ids, rows, width).reshape(-1))[:, 0]
+    cu = torch.cat([begin, torch.tensor([rows * width])])
+    longest = int((cu[1:] - cu[:-1]).max()) if width else 0
+    result = (cu.to(device=device, dtype=torch.int32), longest)
+    _POSITION_BOUNDS.remember(position_ids, (key, result))
+    return result
+
+
+def _packed_under_padding(
+    position_ids: torch.Tensor, padding: torch.Tensor, rows: int, width: int
+) -> bool:
+    """Whether two real (unpadded) neighbours of a row belong to different sequences by
+    their positions: packed rows that a padding mask would let attend to each other."""
+    if _PADDING_CHECKED.hit(position_ids):
+        return bool(_PADDING_CHECKED.value)
+    real = padding.detach().to("cpu", torch.bool)[:, -width:].expand(rows, width)
+    starts = _position_starts(position_ids, rows, width)
+    packed = bool((starts[:, 1:] & real[:, 1:] & real[:, :-1]).any())
+    _PADDING_CHECKED.remember(position_ids, packed)
+    return packed
+
+
+_PADDING_CHECKED = _OncePerBatch()
+
+
+def _attention(
+    name: str,
+    kernel: Kernel,
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any,
+    scaling: float | None,
+    dropout: float,
+    kwargs: dict[str, Any],
+) -> tuple[torch.Tensor, None]:
+    window = kwargs.pop("sliding_window", None)
+    softcap = kwargs.pop("softcap", None)
+    causal = kwargs.pop("is_causal", None)
+    if causal is None:
+        causal = getattr(module, "is_causal", True)
+    rows, _, q_len, _ = query.shape
+    kv_len = key.shape[2]
+    cu_seqlens = kwargs.get("cu_seq_lens_q")
+    position_ids = kwargs.get("position_ids")
+    if cu_seqlens is not None:
+        cu_k = kwargs.get("cu_seq_lens_k")
+        if cu_k is not None and cu_k is not cu_seqlens and not torch.equal(
+            cu_k.detach().cpu(), cu_seqlens.detach().cpu()
+        ):
+            raise FastpackError(f"{name}: cu_seq_lens_k differs from cu_seq_lens_q; packed "
+                                f"queries and keys must share their boundaries")
+        if rows != 1:
+            raise FastpackError(
+                f"{name}: expected one packed row (batch size 1), got {rows} rows; use "
+                f"PackedCollator(backend='flash') (cu_seq_lens_q spans one row)"
+            )
+        if kv_len != q_len or attention_mask is not None:
+            raise FastpackError(
+                f"{name}: a packed row (cu_seq_lens_q) takes no KV cache and no "
+                f"attention_mask (got {kv_len} keys for {q_len} queries, attention_mask "
+                f"{type(attention_mask).__name__}); pass use_cache=False"
+            )
+        max_len = int(kwargs["max_length_q"])
+        return _packed(name, kernel, module, query, key, value, cu_seqlens, max_len, causal,
+                       scaling, dropout, window, softcap)
+    if attention_mask is None and q_len == kv_len:
+        if position_ids is None:
+            raise FastpackError(
+                f"{name}: {type(module).__name__} passed neither cu_seq_lens_q nor "
+                f"position_ids to the attention, so the sequence boundaries cannot be seen; "
+                f"use PackedCollator(backend='flash')"
+            )
+        cu, longest = _position_bounds(position_ids, rows, q_len, query.device)
+        return _packed(name, kernel, module, query, key, value, cu, longest, causal, scaling,
+                       dropout, window, softcap, validate=False)  # valid by construction
+    if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
+        raise FastpackError(
+            f"{name}: attention_mask is a {type(attention_mask).__name__} (a flex BlockMask "
+            f"from PackedCollator(backend='flex', mask='explicit')?); use "
+            f"attn_implementation='flex_attention' for it, or backend='flash' / "
+            f"mask='position_ids' with {name}"
+        )
+    built, padding = (False, None) if attention_mask is None else _built_from(attention_mask)
+    if attention_mask is not None and not built:
+        # A mask the batch brought (mask="explicit"): block-diagonal and causal, but
+        # without the layer's window, which Hugging Face does not add to a 4-D mask.
+        if attention_mask.ndim != 4:
+            raise FastpackError(
+                f"{name}: expected a 4-D attention_mask, got shape "
+                f"{tuple(attention_mask.shape)}"
+            )
+        if window is not None:
+            attention_mask = _with_window(name, attention_mask, position_ids, q_len, kv_len,
+                                          window)
+    elif (padding is not None and position_ids is not None and q_len == kv_len
+          and _packed_under_padding(position_ids, padding, rows, q_len)):
+        raise FastpackError(
+            f"{name}: position_ids restart inside a row while a padding attention_mask is "
+            f"given: the mask would let the row's sequences attend to each other. Pass no "
+            f"attention_mask with packed rows (PackedCollator does not)"
+        )
+    return _dense(name, module, query, key, value, attention_mask, scaling, dropout, causal,
+                  softcap, kwargs)
+
+
+def _packed(
+    name: str,
+    kernel: Kernel,
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_len: int,
+    causal: bool,
+    scaling: float | None,
+    dropout: float,
+    window: int | None,
+    softcap: float | None,
+    validate: bool = True,
+) -> tuple[torch.Tensor, None]:
+    if dropout and module.training:
+        raise FastpackError(
+            f"{name}: attention dropout {dropout} is not supported on packed batches; "
+            f"set the model's attention dropout to 0"
+        )
+    device = query.device.type
+    if torch.is_autocast_enabled(device):  # as SDPA does under autocast
+        dtype = torch.get_autocast_dtype(device)
+        query, key, value = (t.to(dtype) for t in (query, key, value))
+    rows, heads, width, dim = query.shape
+    shape = (rows * width, max_len)
+    validate = validate and not (
+        isinstance(cu_seqlens, torch.Tensor) and _CU_CHECKED.hit(cu_seqlens)
+        and _CU_CHECKED.value == shape
+    )
+    # Hugging Face hands (B, heads, W, D); varlen_attention takes (B * W, heads, D).
+    q, k, v = (t.transpose(1, 2).reshape(rows * width, t.shape[1], dim)
+               for t in (query, key, value))
+    out = varlen_attention(
+        q, k, v, cu_seqlens, max_len, causal=bool(causal), softmax_scale=scaling,
+        kernel=kernel, validate=validate, sliding_window=window, softcap=softcap,
+    )
+    if validate and isinstance(cu_seqlens, torch.Tensor):
+        _CU_CHECKED.remember(cu_seqlens, shape)
+    return out.reshape(rows, width, heads, dim), None  # as Hugging Face's sdpa returns
+
+
+def _with_window(
+    name: str,
+    mask: torch.Tensor,
+    position_ids: torch.Tensor | None,
+    q_len: int,
+    kv_len: int,
+    window: int,
+) -> torch.Tensor:
+    if position_ids is None or q_len != kv_len:
+        raise FastpackError(
+            f"{name}: an explicit 4-D attention_mask on a sliding-window layer "
+            f"(sliding_window={window}) needs position_ids and no KV cache to add the window"
+        )
+    pos = position_ids.to(mask.device)
+    if pos.ndim == 1:
+        pos = pos[None]
+    # Inside a sequence positions count tokens, and the mask already keeps sequences apart.
+    distance = pos[:, None, :, None] - pos[:, None, None, :]
+    inside = distance < window
+    if mask.dtype == torch.bool:
+        return mask & inside
+    return mask.masked_fill(~inside, torch.finfo(mask.dtype).min)
+
+
+def _dense(
+    name: str,
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float | None,
+    dropout: float,
+    causal: bool,
+    softcap: float | None,
+    kwargs: dict[str, Any],
+) -> tuple[torch.Tensor, None]:
+    """Attention over a whole row with a mask (one sequence a row, or an explicit mask):
+    Hugging Face's SDPA, or its eager math where the model soft-caps (SDPA cannot)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    kwargs = {k: v for k, v in kwargs.items() if k not in _PACKED_KWARGS}
+    if softcap is None:
+        out, _ = sdpa_attention_forward(module, query, key, value, mask, dropout=dropout,
+                                        scaling=scaling, is_causal=causal, **kwargs)
+        return out, None
+    if dropout and module.training:
+        raise FastpackError(
+            f"{name}: attention dropout {dropout} with soft-capping is not supported; set "
+            f"the model's attention dropout to 0"
+        )
+    q_len, kv_len = query.shape[2], key.shape[2]
+    groups = query.shape[1] // key.shape[1]
+    key, value = (t.repeat_interleave(groups, dim=1) if groups > 1 else t for t in (key, value))
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is None and causal and q_len > 1:  # the queries are the last q_len keys
+        idx = torch.arange(kv_len, device=query.device)
+        mask = idx[None, :] <= idx[kv_len - q_len:, None]
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        else:
+            scores = scores + mask
+    work = torch.promote_types(query.dtype, torch.float32)
+    probs = torch.softmax(scores, dim=-1, dtype=work).to(query.dtype)
+    return torch.matmul(probs, value).transpose(1, 2).contiguous(), None
+
+
+#: Attention kwargs of the packed formats, which Hugging Face's SDPA does not take.
+_PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",
+                  "position_ids")
+
+
+# ------------------------------------------------------------------- batch check
+
+#: Hugging Face's attention implementations that take a 4-D tensor mask, by mask dtype.
+_TENSOR_MASK_IMPLS = {True: ("sdpa",), False: ("sdpa", "eager")}
+
+
+def _config_of(model: Any) -> Any:
+    inner = model
+    for attr in ("module", "_orig_mod"):  # DDP / FSDP wrappers, torch.compile
+        inner = getattr(inner, attr, inner)
+    config = getattr(inner, "config", None)
+    if config is None:
+        raise FastpackTypeError(
+            f"model: expected a Hugging Face model (with a .config), got {type(model).__name__}"
+        )
+    return config
+
+
+def _window(config: Any) -> int | None:
+    """The model's sliding window where some layer uses one, else ``None``."""
+    window = getattr(config, "sliding_window", None)
+    if window is None:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    return int(window)
+
+
+def check_model_batch(model: Any, batch: dict[str, Any]) -> None:
+    """Raises a :class:`~fastpack.FastpackError` when ``model(**batch)`` would not compute
+    what the unpacked model computes for this batch format and the model's
+    ``attn_implementation``; returns ``None`` when it would.
+
+    Call it on the first batch (it is cheap: shapes and dtypes; the data only for
+    ``position_ids`` beside a 2-D ``attention_mask``) in a plain training loop;
+    :class:`PackedTrainerMixin` calls it on every batch. What it refuses, each silently
+    wrong in Hugging Face (fastpack's own attention refuses or handles these itself):
+
+    * an explicit mask (``mask="explicit"``) for an implementation that reads it
+      otherwise: a bool mask for ``"eager"`` (added as 0/1), a tensor mask for
+      ``"flex_attention"`` or a flex ``BlockMask`` for anything but ``"flex_attention"``;
+    * an explicit mask on a model with sliding-window layers whose window is shorter than
+      the row (Hugging Face uses a 4-D mask as is, so the window is dropped) — except
+      for fastpack's attention, which adds the window from the positions;
+    * packed rows (``position_ids`` restarting inside a row) with an ``attention_mask``,
+      or with ``use_cache`` on, on a Hugging Face implementation: it then skips the
+      per-sequence mask;
+    * rows of packed sequences without ``cu_seq_lens_q`` for ``flash_attention_*``, which
+      reads the boundaries from the positions of a single row only.
+    """
+    if not isinstance(batch, dict):
+        raise FastpackTypeError(f"batch: expected a dict, got {type(batch).__name__}")
+    config = _config_of(model)
+    impl = getattr(config, "_attn_implementation", None) or "eager"
+    ours = impl in _REGISTERED
+    mask = batch.get("attention_mask")
+    positions = batch.get("position_ids")
+    window = _window(config)
+
+    def refuse(what: str, fix: str) -> None:
+        raise FastpackError(f"batch: {what} with attn_implementation={impl!r} "
+                            f"({type(config).__name__}) would not compute the unpacked "
+                            f"model; {fix}")
+
+    if mask is not None and getattr(mask, "ndim", len(getattr(mask, "shape", ()))) == 4:
+        from torch.nn.attention.flex_attention import BlockMask
+
+        if isinstance(mask, BlockMask):
+            if impl != "flex_attention":
+                refuse("a flex BlockMask (mask='explicit', backend='flex')",
+                       "use attn_implementation='flex_attention', or mask='position_ids'")
+        elif ours:
+            return
+        elif impl not in _TENSOR_MASK_IMPLS[mask.dtype == torch.bool]:
+            kind = "bool" if mask.dtype == torch.bool else "additive float"
+            refuse(f"an explicit {kind} 4-D mask",
+                   "use the collator backend that matches the model's attn_implementation")
+        width = int(mask.shape[-1])
+        if window is not None and width > window:
+            refuse(f"an explicit mask over rows of {width} tokens on sliding-window layers "
+                   f"(sliding_window={window})",
+                   "use mask='position_ids' (the default) or backend='flash'")
+        return
+    if ours or "cu_seq_lens_q" in batch or positions is None:
+        return
+    if not isinstance(positions, torch.Tensor):
+        return
+    rows = positions.reshape(-1, positions.shape[-1])
+    starts = rows[:, 1:] - rows[:, :-1] != 1
+    if mask is not None:
+        real = torch.as_tensor(mask).to(torch.bool).reshape(rows.shape)
+        starts &= real[:, 1:] & real[:, :-1]
+        if bool(starts.any()):
+            refuse("packed rows (position_ids restart inside a row) with a 2-D "
+                   "attention_mask", "pass no attention_mask (PackedCollator does not)")
+        return
+    if not bool(starts.any()):
+        return
+    cache = batch.get("use_cache", getattr(config, "use_cache", False))
+    if cache or batch.get("past_key_values") is not None:
+        refuse("packed rows with use_cache on", "pass use_cache=False (PackedCollator does)")
+    if impl.startswith("flash_attention") and rows.shape[0] > 1:
+        refuse(f"{rows.shape[0]} packed rows without cu_seq_lens_q",
+               "use PackedCollator(backend='flash')")
 
 
 # --------------------------------------------------------------------------- Trainer
@@ -103,8 +531,11 @@ class PackedTrainerMixin:
       :class:`~fastpack.torch.PackedDataset` — is packed *once* into one global plan
       (identical on every rank), and a :class:`~fastpack.torch.PackedSampler` hands each
       rank its steps: balanced in work, every sample once per epoch, the same number of
-      non-empty steps on every rank. Its ``num_replicas``/``rank`` come from the
-      ``TrainingArguments``, ``accumulation_steps`` is ``gradient_accumulation_steps``,
+      non-empty steps on every rank. Its ``num_replicas``/``rank`` are the data-parallel
+      group's: ``world_size // tp_size`` replicas, the ``tp_size`` tensor-parallel ranks
+      of a replica (consecutive processes, accelerate's mesh order) sharing its steps;
+      context / sequence parallelism (``cp_size``/``sp_size`` > 1) raise.
+      ``accumulation_steps`` is ``gradient_accumulation_steps``,
       the seed ``data_seed`` (else ``seed``), ``hidden_size`` the model's. Accelerate's
       own sharding is bypassed: it would re-split steps that are already per rank.
       ``per_device_train_batch_size`` is ignored — a step *is* the batch.
@@ -114,9 +545,12 @@ class PackedTrainerMixin:
       there is no collective.
     * **Loss** (``compute_loss``): ``weighting="token"`` keeps the trainer's own loss
       (a model that takes ``num_items_in_batch``, TRL's fused loss and its metrics),
-      which divides by that count and multiplies by the world size, as DDP/FSDP average
-      gradients. ``weighting="sequence"`` (or a model that takes no loss kwargs) computes
-      :func:`~fastpack.torch.packed_loss` from the logits, times the world size.
+      which divides by that count and multiplies by the data-parallel size
+      (``num_processes // tp_size``), as DDP/FSDP average gradients.
+      ``weighting="sequence"`` (or a model that takes no loss kwargs) computes
+      :func:`~fastpack.torch.packed_loss` from the logits, times the data-parallel size.
+    * **Format check**: the first batch of each format goes through
+      :func:`check_model_batch` against the model's ``attn_implementation``.
       Either way the loss is already scaled for accumulation (``loss_is_scaled_for_ga``).
 
     Resuming from a checkpoint replays the schedule (the Trainer skips the consumed
@@ -171,6 +605,41 @@ class PackedTrainerMixin:
                 "world size to undo the gradient averaging of DDP / FSDP"
             )
         self.loss_is_scaled_for_ga = True  # each micro-step carries its step's normaliser
+        self._fastpack_checked: set[Any] = set()
+        self.data_parallel_size, self.data_parallel_rank = self._data_parallel()
+
+    def _parallel_size(self, method: str) -> int:
+        get = getattr(self, method, None)
+        return int(get()) if callable(get) else 1
+
+    def _data_parallel(self) -> tuple[int, int]:
+        """``(size, rank)`` of this process's data-parallel group. Tensor-parallel ranks
+        share a batch: accelerate's canonical mesh (dp_replicate, dp_shard, cp, sp, tp)
+        puts tp innermost, so the ``tp_size`` consecutive processes form one replica."""
+        args: Any = self.args  # type: ignore[attr-defined]
+        for method, setting in (("get_cp_size", "cp_size"), ("get_sp_size", "sp_size")):
+            size = self._parallel_size(method)
+            if size > 1:
+                raise FastpackError(
+                    f"{setting}: {size}; PackedTrainerMixin does not support context or "
+                    f"sequence parallelism (it would split packed rows across ranks without "
+                    f"their sequence boundaries); set parallelism_config's {setting} to 1"
+                )
+        if hasattr(self, "get_tp_size"):
+            tp = self._parallel_size("get_tp_size")
+        else:  # a Trainer without get_tp_size: refuse a tensor-parallel model outright
+            tp = int(getattr(getattr(self, "model", None), "_tp_size", None) or 1)
+            if tp > 1:
+                raise FastpackError(
+                    f"tp_size: {tp}; this transformers has no Trainer.get_tp_size, so "
+                    f"PackedTrainerMixin cannot map ranks to data-parallel replicas"
+                )
+        world = int(args.world_size)
+        if tp < 1 or world % tp:
+            raise FastpackError(
+                f"tp_size: {tp} does not divide the world size {world}; expected a divisor"
+            )
+        return world // tp, int(args.process_index) // tp
 
     # ------------------------------------------------------------------- data
     @property
@@ -192,7 +661,8 @@ class PackedTrainerMixin:
                 hidden = getattr(config, "hidden_size", None) or 4096
             seed = args.data_seed if args.data_seed is not None else args.seed
             self._fastpack_sampler = PackedSampler(
-                self.packed_dataset, num_replicas=args.world_size, rank=args.process_index,
+                self.packed_dataset, num_replicas=self.data_parallel_size,
+                rank=self.data_parallel_rank,
                 shuffle=True, seed=seed, drop_last=bool(args.dataloader_drop_last),
                 balance=options["balance"], hidden_size=int(hidden),
                 accumulation_steps=args.gradient_accumulation_steps,
@@ -271,6 +741,7 @@ class PackedTrainerMixin:
     ) -> Any:
         steps = {k: inputs[k] for k in STEP_KEYS if k in inputs}
         inputs = {k: v for k, v in inputs.items() if k not in STEP_KEYS}
+        self._check_format(model, inputs)
         parent: Any = super()
         accepts = bool(getattr(self, "model_accepts_loss_kwargs", False))
         if not steps or (self.fastpack_weighting == "token" and accepts):
@@ -281,8 +752,20 @@ class PackedTrainerMixin:
         outputs = model(**{k: v for k, v in inputs.items() if k != "labels"})
         loss = packed_loss(outputs.logits, {**inputs, **steps},
                            weighting=self.fastpack_weighting)  # type: ignore[arg-type]
-        loss = loss * self.args.world_size  # type: ignore[attr-defined]
+        # DDP / FSDP average gradients over the data-parallel replicas; the normaliser
+        # counts all of them (the Trainer's own loss scales by num_processes // tp_size).
+        loss = loss * self.data_parallel_size
         return (loss, outputs) if return_outputs else loss
+
+    def _check_format(self, model: torch.nn.Module, inputs: dict[str, Any]) -> None:
+        """:func:`check_model_batch` once per batch format (its keys and mask kind), so a
+        wrong format/attention pair raises before the first forward, at no cost after."""
+        mask = inputs.get("attention_mask")
+        key = (tuple(sorted(inputs)), type(mask).__name__, getattr(mask, "ndim", None),
+               getattr(mask, "dtype", None))
+        if key not in self._fastpack_checked:
+            check_model_batch(model, inputs)
+            self._fastpack_checked.add(key)
 
 
 class StepBatches(torch.utils.data.Sampler):  # type: ignore[type-arg]
