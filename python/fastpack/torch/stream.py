@@ -479,7 +479,7 @@ class _Keys:
     ``labels`` and the loss mask when chosen); ``present`` are the labels and loss-mask
     keys the choice was made from, which every sample must carry, and no others."""
 
-    __slots__ = ("candidates", "columns", "mask", "origin", "present")
+    __slots__ = ("candidates", "columns", "mask", "origin", "present", "seen")
 
     def __init__(self, collator: PackedCollator, present: list[str], origin: str) -> None:
         self.candidates = _candidates(collator)
@@ -487,6 +487,7 @@ class _Keys:
         self.mask = next((k for k in self.present if k != "labels"), None)
         self.columns = [LENGTH_COLUMN] + [k for k in ("labels", self.mask) if k in self.present]
         self.origin = origin
+        self.seen: frozenset[Any] = frozenset()  # the keys of the last sample that passed
 
     @classmethod
     def choose(cls, collator: PackedCollator, names: list[str], origin: str) -> _Keys:
@@ -516,7 +517,11 @@ class _Keys:
 
     def check(self, sample: Mapping[str, Any], index: int) -> None:
         """A sample carries exactly the chosen labels and mask keys (and input_ids)."""
+        names = sample.keys()
+        if names == self.seen:  # the usual case, one set comparison: the same keys again
+            return
         if LENGTH_COLUMN in sample and [k for k in self.candidates if k in sample] == self.present:
+            self.seen = frozenset(names)
             return
         has = "have" if self.origin.endswith("features") else "has"
         it_has = ", ".join(map(str, sample))
