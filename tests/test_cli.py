@@ -24,6 +24,7 @@ pq = pytest.importorskip("pyarrow.parquet")
 
 from click.testing import CliRunner  # noqa: E402
 from corpus import check_output, cli, corpus, documents, shard_bytes, write  # noqa: E402
+from crashing import crash_after  # noqa: E402
 
 from fastpack._offline import PackSettings, pack_corpus  # noqa: E402
 from fastpack._sharded import file_keys, sharded_plan  # noqa: E402
@@ -224,8 +225,7 @@ def test_interrupted_run_is_detected_and_resumed(tmp_path):
     clean = tmp_path / "clean"
     assert cli("pack", *args, "-o", str(clean), "-q").returncode == 0
     out_dir = tmp_path / "out"
-    crashed = cli("pack", *args, "-o", str(out_dir), "-q",
-                  env={"FASTPACK_TEST_CRASH_AFTER_SHARDS": "3"})
+    crashed = crash_after(3, "pack", *args, "-o", str(out_dir), "-q")
     assert crashed.returncode == -9  # killed halfway through the fourth shard
     assert not (out_dir / "manifest.json").exists()
     assert len(list(out_dir.glob("shard-*.parquet"))) == 3
@@ -295,7 +295,7 @@ def test_tokenizer_path(tmp_path):
     assert code == 0, output
     loaded = transformers.AutoTokenizer.from_pretrained(str(tok_dir))
     ids = loaded(texts)["input_ids"]
-    plan = fastpack.pack([len(x) for x in ids], 16, overlong="split", shuffle=False)
+    plan = fastpack.pack([len(x) for x in ids], 16, overlong="split")
     rows = pq.read_table(next((tmp_path / "out").glob("shard-*"))).column("input_ids")
     for p in range(plan.num_packs):
         segs = zip(*plan.segments(p))

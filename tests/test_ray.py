@@ -14,7 +14,8 @@ ray = pytest.importorskip("ray")
 pytest.importorskip("ray.data")
 
 from click.testing import CliRunner  # noqa: E402
-from corpus import check_output, cli, corpus, documents, shard_bytes  # noqa: E402
+from corpus import check_output, corpus, documents, shard_bytes  # noqa: E402
+from crashing import crash_after  # noqa: E402
 
 from fastpack._offline import PackSettings, pack_corpus  # noqa: E402
 from fastpack.cli import main  # noqa: E402
@@ -48,8 +49,7 @@ def test_ray_writes_the_single_machine_shards_and_resumes_them(cluster, tmp_path
     # A local run killed after two shards, finished on the cluster: the shards agree.
     args = [*paths, "--max-len", "256", "--columns", "labels", "--overlong", "split",
             "--shuffle", "--seed", "2", "--shard-rows", "12", "--no-plot", "-q"]
-    crashed = cli("pack", *args, "-o", str(tmp_path / "ray"),
-                  env={"FASTPACK_TEST_CRASH_AFTER_SHARDS": "2"})
+    crashed = crash_after(2, "pack", *args, "-o", str(tmp_path / "ray"))
     assert crashed.returncode == -9
     result = CliRunner().invoke(main, ["pack", *args, "-o", str(tmp_path / "ray"), "--resume",
                                        "--ray"])
