@@ -23,7 +23,7 @@ pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
 from click.testing import CliRunner  # noqa: E402
-from corpus import check_output, cli, corpus, documents, shard_bytes, write  # noqa: E402
+from corpus import check_output, cli, corpus, documents, read_rows, shard_bytes, write  # noqa: E402
 from crashing import crash_after  # noqa: E402
 
 from fastpack._offline import PackSettings, pack_corpus  # noqa: E402
@@ -556,3 +556,201 @@ def test_sharded_plan_metrics_are_the_whole_inputs():
         assert mine.efficiency == mine.total_tokens / (mine.num_packs * mine.max_len)
     assert joined.group_lower_bound == whole.group_lower_bound
     assert joined.group_efficiency == joined.total_tokens / (joined.num_groups * 8192)
+
+
+# ---------------------------------------------------------------------------------------
+# defaults: every per-token column, shuffled packs; optional pictures; raw errors
+
+
+def _mixed_columns(tmp: Path, name: str, n: int = 30) -> tuple[Path, list[np.ndarray]]:
+    """A file whose columns are of every kind: per-token (labels, attention_mask), a list
+    of integers of another length (spans), a string, one number per document, floats."""
+    docs = documents([3 + (7 * d) % 40 for d in range(n)])
+    table = {
+        "input_ids": [d.tolist() for d in docs],
+        "labels": [(d + 7).tolist() for d in docs],
+        "attention_mask": [[1] * len(d) for d in docs],
+        "spans": [[0, len(d)] for d in docs],
+        "text": [f"doc {i}" for i in range(n)],
+        "score": list(range(n)),
+        "weights": [[0.5] * len(d) for d in docs],
+    }
+    path = tmp / name
+    if name.endswith(".parquet"):
+        pq.write_table(pa.table(table), path)
+    else:
+        path.write_text("".join(json.dumps({k: v[i] for k, v in table.items()}) + "\n"
+                                for i in range(n)))
+    return path, docs
+
+
+@pytest.mark.parametrize("name", ["m.parquet", "m.jsonl"])
+def test_pack_keeps_every_per_token_column_and_names_what_it_leaves_out(tmp_path, name):
+    path, docs = _mixed_columns(tmp_path, name)
+    out = cli("pack", str(path), "-o", str(tmp_path / "out"), "--max-len", "64", "-q",
+              "--no-plot")
+    assert out.returncode == 0, out.stderr
+    rows = check_output(tmp_path / "out", docs, max_len=64)
+    assert rows.column_names == ["input_ids", "labels", "attention_mask", "seq_lengths",
+                                 "position_ids"]
+    for tokens, labels, mask in zip(*(rows.column(c).to_pylist()
+                                      for c in ("input_ids", "labels", "attention_mask"))):
+        assert labels == [t + 7 for t in tokens] and mask == [1] * len(tokens)
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["columns"] == rows.column_names
+    left_out = report["left_out"]
+    assert set(left_out) == {"spans", "text", "score", "weights"}
+    assert left_out["spans"] == "not one value per token of 'input_ids'"
+    assert left_out["text"] == "a string column"
+    assert left_out["score"] == "one value per document, not per token"
+    assert "not integer token ids" in left_out["weights"]
+    assert "columns: input_ids, labels, attention_mask, seq_lengths, position_ids" in out.stdout
+    for column, reason in left_out.items():
+        assert f"{column!r} ({reason})" in out.stdout
+    # --columns still chooses (and '' packs the token column alone).
+    code, output = invoke("pack", str(path), "-o", str(tmp_path / "one"), "--max-len", "64",
+                          "-q", "--no-plot", "--columns", "")
+    assert code == 0, output
+    assert read_rows(tmp_path / "one").column_names == ["input_ids", "seq_lengths",
+                                                        "position_ids"]
+
+
+def test_a_column_in_some_files_only_is_left_out_with_the_reason(tmp_path):
+    a = write(tmp_path / "a.parquet", documents([5, 9]), labels=True)
+    b = write(tmp_path / "b.parquet", documents([4, 6], first=2))
+    code, output = invoke("pack", str(a), str(b), "-o", str(tmp_path / "out"),
+                          "--max-len", "16", "-q", "--no-plot")
+    assert code == 0, output
+    assert f"'labels' (not in every input (not in {b}))" in output
+    assert read_rows(tmp_path / "out").column_names == ["input_ids", "seq_lengths",
+                                                        "position_ids"]
+
+
+def test_the_command_shuffles_by_default_with_seed_0(tmp_path):
+    paths, docs = corpus(tmp_path, lengths_for(8, 1, 120, top=200), ["a.parquet"])
+    lengths = np.array([len(d) for d in docs])
+    for extra, plan in (([], fastpack.pack(lengths, 256)),
+                        (["--no-shuffle"], fastpack.pack(lengths, 256, shuffle=False))):
+        out_dir = tmp_path / f"out{len(extra)}"
+        code, output = invoke("pack", *paths, "-o", str(out_dir), "--max-len", "256", "-q",
+                              "--no-plot", *extra)
+        assert code == 0, output
+        rows = read_rows(out_dir)
+        assert rows.num_rows == plan.num_packs
+        for p in range(plan.num_packs):
+            assert rows.column("seq_lengths")[p].as_py() == plan.segments(p)[2].tolist()
+    assert fastpack.pack(lengths, 256).pack_fills.tolist() != \
+        fastpack.pack(lengths, 256, shuffle=False).pack_fills.tolist()
+
+
+_NO_MATPLOTLIB = ("import sys; sys.modules['matplotlib'] = None; "
+                  "from fastpack.cli import main; main(sys.argv[1:])")
+
+
+def _without_matplotlib(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "FASTPACK_PROGRESS_INTERVAL": "0"}
+    return subprocess.run([sys.executable, "-c", _NO_MATPLOTLIB, *args], capture_output=True,
+                          text=True, timeout=300, env=env)
+
+
+def test_without_matplotlib_the_picture_is_skipped_or_refused_before_work(tmp_path):
+    paths, docs = corpus(tmp_path, [[5, 9, 30, 12]], ["a.parquet"])
+    out = _without_matplotlib("pack", *paths, "-o", str(tmp_path / "out"), "--max-len", "32",
+                              "-q")
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "out" / "manifest.json").exists()
+    assert not (tmp_path / "out" / "report.png").exists()
+    check_output(tmp_path / "out", docs, max_len=32)
+    assert "picture: report.png skipped: matplotlib is not installed (pip install " \
+        "'fastpack-seq[cli]')" in out.stdout
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["picture"].startswith("report.png skipped")
+    asked = [("pack", *paths, "-o", str(tmp_path / "asked"), "--max-len", "32", "--plot"),
+             ("stats", *paths, "--plot", str(tmp_path / "s.png")),
+             ("demo", "--plot", str(tmp_path / "d.png"))]
+    for args in asked:
+        out = _without_matplotlib(*args)
+        assert out.returncode == 2, (args, out.stderr)
+        assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr
+        assert out.stderr.startswith("fastpack: error: --plot: the picture needs matplotlib")
+        assert out.stdout == ""  # before any work
+    assert not (tmp_path / "asked").exists()
+
+
+def test_a_picture_that_fails_never_costs_the_manifest(tmp_path, monkeypatch):
+    import fastpack._stats
+
+    def broken(*_args, **_kwargs):
+        raise RuntimeError("no fonts")
+
+    monkeypatch.setattr(fastpack._stats, "plot_report", broken)
+    paths, docs = corpus(tmp_path, [[5, 9, 30]], ["a.parquet"])
+    report = pack_corpus(paths, tmp_path / "out", PackSettings(max_len=32), quiet=True)
+    assert report["picture"] == "report.png not written: RuntimeError: no fonts"
+    assert (tmp_path / "out" / "manifest.json").exists()
+    check_output(tmp_path / "out", docs, max_len=32)
+
+
+def test_caps_and_seeds_out_of_range_exit_2_in_one_line_before_work(tmp_path):
+    paths, _ = corpus(tmp_path, [[5, 9, 3]], ["a.parquet"])
+    runs = [
+        (("stats", *paths, "--max-len", "20000000"),
+         "fastpack: error: --max-len: max_len: got 20000000; expected an integer in "
+         "1..=16777216"),
+        (("pack", *paths, "-o", str(tmp_path / "o1"), "--max-len", "20000000"),
+         "max_len: got 20000000"),
+        (("pack", *paths, "-o", str(tmp_path / "o2"), "--max-len", "8", "--seed",
+          str(2**64)), "--seed"),
+    ]
+    for args, message in runs:
+        out = cli(*args)
+        assert out.returncode == 2, (args, out.stderr)
+        assert "Traceback" not in out.stderr and message in out.stderr, out.stderr
+        if args[0] == "stats" or "max_len" in message:
+            assert out.stderr.count("\n") == 1 and out.stdout == ""
+    assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
+
+
+@pytest.mark.parametrize("seed", [20_000_000_000_000, 2**64 - 1])
+def test_plan_shards_take_any_seed(tmp_path, seed):
+    lengths = lengths_for(9, 1, 200, top=120)
+    paths, docs = corpus(tmp_path, lengths, ["a.parquet"])
+    code, output = invoke("pack", *paths, "-o", str(tmp_path / "out"), "--max-len", "128",
+                          "--plan-shards", "2", "--seed", str(seed), "-q", "--no-plot")
+    assert code == 0, output
+    rows = check_output(tmp_path / "out", docs, max_len=128)
+    config = PackSettings(max_len=128, seed=seed).plan_config
+    plan, _ = sharded_plan(np.array(lengths[0]), 2, config, keys=file_keys([len(docs)]))
+    assert [r.as_py() for r in rows.column("seq_lengths")] == [
+        plan.segments(p)[2].tolist() for p in range(plan.num_packs)]
+
+
+def test_shard_seeds_are_unchanged_where_the_old_mixing_did_not_overflow():
+    from fastpack._sharded import mix64, shard_seed
+
+    for seed, shard in [(0, 0), (9, 3), (2**40, 7)]:
+        old = int(mix64(np.array([seed * 1_000_003 + shard], dtype=np.uint64))[0]
+                  >> np.uint64(1))
+        assert shard_seed(seed, shard) == old
+    assert shard_seed(2**64 - 1, 1) != shard_seed(2**64 - 1, 0)
+
+
+def test_a_truncated_gzip_is_reported_where_its_data_ends(tmp_path):
+    import gzip
+    import zlib
+
+    lines = "".join(json.dumps({"input_ids": list(range(i % 40 + 1))}) + "\n"
+                    for i in range(30_000)).encode()
+    packed = gzip.compress(lines)
+    path = tmp_path / "cut.jsonl.gz"
+    path.write_bytes(packed[:len(packed) // 2])
+    readable = zlib.decompressobj(16 + zlib.MAX_WBITS).decompress(packed[:len(packed) // 2])
+    last_line = readable.count(b"\n") + 1  # the line the data stops in
+    out = cli("stats", str(path), "-q")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "cannot be decompressed from this line on" in out.stderr
+    line = int(out.stderr.split(", line ")[1].split(":")[0].replace(",", ""))
+    # Decoded in 64 KiB pieces: the line reported is at most a piece before the end.
+    shortest = min(len(x) for x in lines.split(b"\n") if x) + 1
+    assert last_line - (1 << 16) // shortest - 1 <= line <= last_line
+    assert line > 1000

@@ -518,11 +518,16 @@ class _Pipeline:
             f"({self.timings['lengths']:.1f} s lengths, {self.timings['plan']:.1f} s plan)",
             quiet=self.quiet)
 
-    def gather(self, outdir: str | None, skip: frozenset[int] = frozenset()) -> Any:
-        routed = self.ds.map_batches(
+    def routed(self, skip: frozenset[int] = frozenset()) -> Any:
+        """The documents tagged with the output shard that needs them: a row per (copy of
+        a) document and shard it goes to."""
+        return self.ds.map_batches(
             _route_stage, batch_format="pyarrow",
             fn_kwargs={"columns": self.columns, "order": self.order, "planners": self.planners,
                        "shard_base": self.shard_base, "skip": skip})
+
+    def gather(self, outdir: str | None, skip: frozenset[int] = frozenset()) -> Any:
+        routed = self.routed(skip)
         todo = self.num_out - len(skip)
         cpus = int(self.ray.cluster_resources().get("CPU", 1))
         return routed.groupby(_SHARD, num_partitions=max(1, min(todo, 2 * cpus))).map_groups(
