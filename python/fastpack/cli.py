@@ -253,7 +253,7 @@ def pack(inputs: Sequence[str], outdir: str, max_len: int, column: str, quiet: b
 
     \b
     Example:
-      fastpack pack data/*.jsonl.zst -o packed/ --max-len 4096 --overlong split --shuffle
+      fastpack pack data/*.jsonl.zst -o packed/ --max-len 4096 --overlong split
     """
     from ._offline import PackSettings, pack_corpus, parse_size, summary_lines
 

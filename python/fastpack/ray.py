@@ -88,7 +88,8 @@ def _ray() -> Any:
         import ray
         import ray.data  # noqa: F401
     except ImportError:
-        raise FastpackError("fastpack.ray needs Ray Data: pip install 'ray[data]'") from None
+        raise FastpackError(
+            "fastpack.ray needs Ray Data: pip install 'fastpack-seq[ray]'") from None
     return ray
 
 
