@@ -50,13 +50,17 @@ __all__ = [
     "OutputDir",
     "PackSettings",
     "PlanStats",
+    "check_plot",
     "default_shard_rows",
     "load_tokenizer",
+    "plan_window",
     "resolve_columns",
     "pack_corpus",
     "parse_size",
     "scan_lengths",
     "shard_bounds",
+    "text_left_out",
+    "uneven_reason",
     "write_shard",
 ]
 
@@ -239,6 +243,14 @@ def resolve_columns(
         else:
             candidates.append(name)
     return [column], candidates, left_out
+
+
+def text_left_out(sources: Sequence[Source], text_column: str) -> dict[str, str]:
+    """With ``--text-column`` only the tokenized text is packed: every other column of the
+    inputs is left out, and named."""
+    names = dict.fromkeys(n for s in sources for n in peek_columns(s))
+    return {n: f"not packed with --text-column (only {text_column!r}, tokenized)"
+            for n in names if n != text_column}
 
 
 def uneven_reason(column: str) -> str:
@@ -916,11 +928,12 @@ def _lengths_pass(out: OutputDir, resumed: bool) -> tuple[Scan, list[Source]]:
         lengths = np.load(state_dir / "lengths.npy")
         log(f"resume: lengths of {len(lengths):,} documents from the interrupted run",
             quiet=out.quiet)
-        return (Scan(lengths, saved["file_rows"], saved["dtypes"], saved["left_out"]),
+        return (Scan(lengths, saved["file_rows"], saved["dtypes"], saved.get("left_out", {})),
                 [Source(**s) for s in saved["sources"]])
     if settings.text_column:
         sources, scan = tokenize_inputs(out.sources, settings, state_dir / "tokens",
                                         quiet=out.quiet)
+        scan.left_out = text_left_out(out.sources, settings.text_column)
     else:
         sources = list(out.sources)
         named, candidates, left_out = resolve_columns(sources, settings.column,

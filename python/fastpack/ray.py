@@ -45,6 +45,7 @@ from ._offline import (
     resolve_columns,
     shard_batches,
     shard_name,
+    text_left_out,
     uneven_reason,
     write_shard,
 )
@@ -669,7 +670,8 @@ def pack_files(
     candidates: list[str]
     left_out: dict[str, str]
     if settings.text_column:
-        named, candidates, left_out = [settings.column], [], {}
+        named, candidates = [settings.column], []
+        left_out = text_left_out(sources, settings.text_column)
     else:
         named, candidates, left_out = resolve_columns(sources, settings.column,
                                                       settings.columns)
