@@ -763,3 +763,12 @@ def test_a_truncated_gzip_is_reported_where_its_data_ends(tmp_path):
     shortest = min(len(x) for x in lines.split(b"\n") if x) + 1
     assert last_line - (1 << 16) // shortest - 1 <= line <= last_line
     assert line > 1000
+
+
+def test_shipped_code_holds_no_test_hook():
+    """Failures are injected by the tests (tests/crashing.py), never by fastpack itself:
+    no module reads a test's environment variable or kills its own process."""
+    package = Path(fastpack.__file__).parent
+    for path in package.rglob("*.py"):
+        text = path.read_text()
+        assert "FASTPACK_TEST" not in text and "os.kill(" not in text, path
