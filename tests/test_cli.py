@@ -4,6 +4,7 @@ packing a corpus larger than the process may address."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -12,24 +13,27 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa  # a dependency: the command reads every input with it
+import pyarrow.parquet as pq
 import pytest
+from click.testing import CliRunner
+from corpus import check_output, cli, corpus, documents, read_rows, shard_bytes, write
+from crashing import crash_after
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import fastpack
+from fastpack._offline import PackSettings, pack_corpus
+from fastpack._sharded import file_keys, sharded_plan
+from fastpack.cli import main
 
-# The command reads files through pyarrow (the `cli` extra); without it there is nothing to test.
-pa = pytest.importorskip("pyarrow")
-pq = pytest.importorskip("pyarrow.parquet")
-
-from click.testing import CliRunner  # noqa: E402
-from corpus import check_output, cli, corpus, documents, shard_bytes, write  # noqa: E402
-
-from fastpack._offline import PackSettings, pack_corpus  # noqa: E402
-from fastpack._sharded import file_keys, sharded_plan  # noqa: E402
-from fastpack.cli import main  # noqa: E402
-
-FORMATS = ["a.parquet", "b.jsonl", "c.jsonl.gz", "d.jsonl.zst", "e.ds"]
+# The base install (CI runs these tests in a venv of the wheel alone) has neither datasets
+# (directories written by save_to_disk) nor matplotlib (pictures).
+HAS_DATASETS = importlib.util.find_spec("datasets") is not None
+HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+needs_matplotlib = pytest.mark.skipif(not HAS_MATPLOTLIB, reason="matplotlib not installed")
+SAVED = "e.ds" if HAS_DATASETS else "e.jsonl"  # a saved dataset where datasets is there
+FORMATS = ["a.parquet", "b.jsonl", "c.jsonl.gz", "d.jsonl.zst", SAVED]
 
 
 def lengths_for(seed: int, files: int, n: int, top: int = 300) -> list[list[int]]:
@@ -68,6 +72,7 @@ def test_import_fastpack_stays_light():
     assert out.stdout.strip() == "[]"
 
 
+@needs_matplotlib
 def test_demo_runs_and_plots(tmp_path):
     out = cli("demo", "--max-len", "2048", "--plot", str(tmp_path / "demo.png"))
     assert out.returncode == 0, out.stderr
@@ -81,10 +86,10 @@ def test_demo_runs_and_plots(tmp_path):
 
 def test_stats_compares_every_method(tmp_path):
     lengths = lengths_for(1, 3, 200, top=700)
-    paths, docs = corpus(tmp_path, lengths, ["a.parquet", "b.jsonl.zst", "c.ds"])
+    paths, docs = corpus(tmp_path, lengths, ["a.parquet", "b.jsonl.zst", SAVED])
     all_lengths = np.array([len(d) for d in docs])
-    out = cli("stats", *paths, "--max-len", "256,512", "--json", "--plot",
-              str(tmp_path / "s.png"))
+    plot = ["--plot", str(tmp_path / "s.png")] if HAS_MATPLOTLIB else []
+    out = cli("stats", *paths, "--max-len", "256,512", "--json", *plot)
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     assert report["lengths"]["documents"] == len(docs)
@@ -106,7 +111,8 @@ def test_stats_compares_every_method(tmp_path):
         eff = {k: row[k]["efficiency"] for k in ("pad_to_cap", "pad_per_batch", "bucketing")}
         assert eff["pad_to_cap"] <= eff["pad_per_batch"] <= eff["bucketing"] <= 1
         assert row["lower_bound"]["rows"] <= row["bfd"]["rows"] <= row["next_fit"]["rows"]
-    assert (tmp_path / "s.png").read_bytes()[:4] == b"\x89PNG"
+    if HAS_MATPLOTLIB:
+        assert (tmp_path / "s.png").read_bytes()[:4] == b"\x89PNG"
     code, table = invoke("stats", *paths, "--max-len", "256", "--quiet")
     assert code == 0
     assert "pack best-fit decreasing" in table and "length bucketing" in table
@@ -140,7 +146,8 @@ def test_pack_every_format_end_to_end(tmp_path):
     assert report["packs"] == plan.num_packs and report["lower_bound"] == plan.lower_bound
     assert report["split"]["documents"] == int((lengths_all > 256).sum()) > 0
     assert report["input_tokens"] == report["packed_tokens"] == lengths_all.sum()
-    assert (out_dir / "report.png").exists() and not (out_dir / ".fastpack").exists()
+    assert (out_dir / "report.png").exists() == HAS_MATPLOTLIB
+    assert not (out_dir / ".fastpack").exists()
     assert sorted(p.name for p in out_dir.glob("shard-*")) == [
         f"shard-{i:05d}-of-{report['shards']:05d}.parquet" for i in range(report["shards"])]
     # Progress went to stderr, the honest summary to stdout.
@@ -148,6 +155,8 @@ def test_pack_every_format_end_to_end(tmp_path):
     assert f"packs over the lower bound: {plan.num_packs - plan.lower_bound}" in out.stdout
     assert f"split: {report['split']['tokens']:,}" in out.stdout
     # The shards load as a Hugging Face dataset with TRL's columns.
+    if not HAS_DATASETS:
+        return
     import datasets
 
     ds = datasets.load_dataset("parquet", data_files=str(out_dir / "shard-*.parquet"),
@@ -199,7 +208,7 @@ def test_pack_policies_account_for_every_token(tmp_path, options):
 
 
 def test_same_input_same_bytes_whatever_the_memory_budget(tmp_path):
-    paths, docs = corpus(tmp_path, lengths_for(4, 3, 150), ["a.parquet", "b.jsonl.gz", "c.ds"],
+    paths, docs = corpus(tmp_path, lengths_for(4, 3, 150), ["a.parquet", "b.jsonl.gz", SAVED],
                          labels=True)
     s = PackSettings(max_len=512, shard_rows=10, columns=("labels",), shuffle=True, seed=9)
     one = pack_corpus(paths, tmp_path / "one", s, quiet=True, plot=False)
@@ -224,8 +233,7 @@ def test_interrupted_run_is_detected_and_resumed(tmp_path):
     clean = tmp_path / "clean"
     assert cli("pack", *args, "-o", str(clean), "-q").returncode == 0
     out_dir = tmp_path / "out"
-    crashed = cli("pack", *args, "-o", str(out_dir), "-q",
-                  env={"FASTPACK_TEST_CRASH_AFTER_SHARDS": "3"})
+    crashed = crash_after(3, "pack", *args, "-o", str(out_dir), "-q")
     assert crashed.returncode == -9  # killed halfway through the fourth shard
     assert not (out_dir / "manifest.json").exists()
     assert len(list(out_dir.glob("shard-*.parquet"))) == 3
@@ -295,7 +303,7 @@ def test_tokenizer_path(tmp_path):
     assert code == 0, output
     loaded = transformers.AutoTokenizer.from_pretrained(str(tok_dir))
     ids = loaded(texts)["input_ids"]
-    plan = fastpack.pack([len(x) for x in ids], 16, overlong="split", shuffle=False)
+    plan = fastpack.pack([len(x) for x in ids], 16, overlong="split")
     rows = pq.read_table(next((tmp_path / "out").glob("shard-*"))).column("input_ids")
     for p in range(plan.num_packs):
         segs = zip(*plan.segments(p))
@@ -556,3 +564,211 @@ def test_sharded_plan_metrics_are_the_whole_inputs():
         assert mine.efficiency == mine.total_tokens / (mine.num_packs * mine.max_len)
     assert joined.group_lower_bound == whole.group_lower_bound
     assert joined.group_efficiency == joined.total_tokens / (joined.num_groups * 8192)
+
+
+# ---------------------------------------------------------------------------------------
+# defaults: every per-token column, shuffled packs; optional pictures; raw errors
+
+
+def _mixed_columns(tmp: Path, name: str, n: int = 30) -> tuple[Path, list[np.ndarray]]:
+    """A file whose columns are of every kind: per-token (labels, attention_mask), a list
+    of integers of another length (spans), a string, one number per document, floats."""
+    docs = documents([3 + (7 * d) % 40 for d in range(n)])
+    table = {
+        "input_ids": [d.tolist() for d in docs],
+        "labels": [(d + 7).tolist() for d in docs],
+        "attention_mask": [[1] * len(d) for d in docs],
+        "spans": [[0, len(d)] for d in docs],
+        "text": [f"doc {i}" for i in range(n)],
+        "score": list(range(n)),
+        "weights": [[0.5] * len(d) for d in docs],
+    }
+    path = tmp / name
+    if name.endswith(".parquet"):
+        pq.write_table(pa.table(table), path)
+    else:
+        path.write_text("".join(json.dumps({k: v[i] for k, v in table.items()}) + "\n"
+                                for i in range(n)))
+    return path, docs
+
+
+@pytest.mark.parametrize("name", ["m.parquet", "m.jsonl"])
+def test_pack_keeps_every_per_token_column_and_names_what_it_leaves_out(tmp_path, name):
+    path, docs = _mixed_columns(tmp_path, name)
+    out = cli("pack", str(path), "-o", str(tmp_path / "out"), "--max-len", "64", "-q",
+              "--no-plot")
+    assert out.returncode == 0, out.stderr
+    rows = check_output(tmp_path / "out", docs, max_len=64)
+    assert rows.column_names == ["input_ids", "labels", "attention_mask", "seq_lengths",
+                                 "position_ids"]
+    for tokens, labels, mask in zip(*(rows.column(c).to_pylist()
+                                      for c in ("input_ids", "labels", "attention_mask"))):
+        assert labels == [t + 7 for t in tokens] and mask == [1] * len(tokens)
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["columns"] == rows.column_names
+    left_out = report["left_out"]
+    assert set(left_out) == {"spans", "text", "score", "weights"}
+    assert left_out["spans"] == "not one value per token of 'input_ids'"
+    assert left_out["text"] == "a string column"
+    assert left_out["score"] == "one value per document, not per token"
+    assert "not integer token ids" in left_out["weights"]
+    assert "columns: input_ids, labels, attention_mask, seq_lengths, position_ids" in out.stdout
+    for column, reason in left_out.items():
+        assert f"{column!r} ({reason})" in out.stdout
+    # --columns still chooses (and '' packs the token column alone).
+    code, output = invoke("pack", str(path), "-o", str(tmp_path / "one"), "--max-len", "64",
+                          "-q", "--no-plot", "--columns", "")
+    assert code == 0, output
+    assert read_rows(tmp_path / "one").column_names == ["input_ids", "seq_lengths",
+                                                        "position_ids"]
+
+
+def test_a_column_in_some_files_only_is_left_out_with_the_reason(tmp_path):
+    a = write(tmp_path / "a.parquet", documents([5, 9]), labels=True)
+    b = write(tmp_path / "b.parquet", documents([4, 6], first=2))
+    code, output = invoke("pack", str(a), str(b), "-o", str(tmp_path / "out"),
+                          "--max-len", "16", "-q", "--no-plot")
+    assert code == 0, output
+    assert f"'labels' (not in every input (not in {b}))" in output
+    assert read_rows(tmp_path / "out").column_names == ["input_ids", "seq_lengths",
+                                                        "position_ids"]
+
+
+def test_the_command_shuffles_by_default_with_seed_0(tmp_path):
+    paths, docs = corpus(tmp_path, lengths_for(8, 1, 120, top=200), ["a.parquet"])
+    lengths = np.array([len(d) for d in docs])
+    for extra, plan in (([], fastpack.pack(lengths, 256)),
+                        (["--no-shuffle"], fastpack.pack(lengths, 256, shuffle=False))):
+        out_dir = tmp_path / f"out{len(extra)}"
+        code, output = invoke("pack", *paths, "-o", str(out_dir), "--max-len", "256", "-q",
+                              "--no-plot", *extra)
+        assert code == 0, output
+        rows = read_rows(out_dir)
+        assert rows.num_rows == plan.num_packs
+        for p in range(plan.num_packs):
+            assert rows.column("seq_lengths")[p].as_py() == plan.segments(p)[2].tolist()
+    assert fastpack.pack(lengths, 256).pack_fills.tolist() != \
+        fastpack.pack(lengths, 256, shuffle=False).pack_fills.tolist()
+
+
+_NO_MATPLOTLIB = ("import sys; sys.modules['matplotlib'] = None; "
+                  "from fastpack.cli import main; main(sys.argv[1:])")
+
+
+def _without_matplotlib(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "FASTPACK_PROGRESS_INTERVAL": "0"}
+    return subprocess.run([sys.executable, "-c", _NO_MATPLOTLIB, *args], capture_output=True,
+                          text=True, timeout=300, env=env)
+
+
+def test_without_matplotlib_the_picture_is_skipped_or_refused_before_work(tmp_path):
+    paths, docs = corpus(tmp_path, [[5, 9, 30, 12]], ["a.parquet"])
+    out = _without_matplotlib("pack", *paths, "-o", str(tmp_path / "out"), "--max-len", "32",
+                              "-q")
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "out" / "manifest.json").exists()
+    assert not (tmp_path / "out" / "report.png").exists()
+    check_output(tmp_path / "out", docs, max_len=32)
+    assert "picture: report.png skipped: matplotlib is not installed (pip install " \
+        "'fastpack-seq[cli]')" in out.stdout
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["picture"].startswith("report.png skipped")
+    asked = [("pack", *paths, "-o", str(tmp_path / "asked"), "--max-len", "32", "--plot"),
+             ("stats", *paths, "--plot", str(tmp_path / "s.png")),
+             ("demo", "--plot", str(tmp_path / "d.png"))]
+    for args in asked:
+        out = _without_matplotlib(*args)
+        assert out.returncode == 2, (args, out.stderr)
+        assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr
+        assert out.stderr.startswith("fastpack: error: --plot: the picture needs matplotlib")
+        assert out.stdout == ""  # before any work
+    assert not (tmp_path / "asked").exists()
+
+
+@needs_matplotlib
+def test_a_picture_that_fails_never_costs_the_manifest(tmp_path, monkeypatch):
+    import fastpack._stats
+
+    def broken(*_args, **_kwargs):
+        raise RuntimeError("no fonts")
+
+    monkeypatch.setattr(fastpack._stats, "plot_report", broken)
+    paths, docs = corpus(tmp_path, [[5, 9, 30]], ["a.parquet"])
+    report = pack_corpus(paths, tmp_path / "out", PackSettings(max_len=32), quiet=True)
+    assert report["picture"] == "report.png not written: RuntimeError: no fonts"
+    assert (tmp_path / "out" / "manifest.json").exists()
+    check_output(tmp_path / "out", docs, max_len=32)
+
+
+def test_caps_and_seeds_out_of_range_exit_2_in_one_line_before_work(tmp_path):
+    paths, _ = corpus(tmp_path, [[5, 9, 3]], ["a.parquet"])
+    runs = [
+        (("stats", *paths, "--max-len", "20000000"),
+         "fastpack: error: --max-len: max_len: got 20000000; expected an integer in "
+         "1..=16777216"),
+        (("pack", *paths, "-o", str(tmp_path / "o1"), "--max-len", "20000000"),
+         "max_len: got 20000000"),
+        (("pack", *paths, "-o", str(tmp_path / "o2"), "--max-len", "8", "--seed",
+          str(2**64)), "--seed"),
+    ]
+    for args, message in runs:
+        out = cli(*args)
+        assert out.returncode == 2, (args, out.stderr)
+        assert "Traceback" not in out.stderr and message in out.stderr, out.stderr
+        if args[0] == "stats" or "max_len" in message:
+            assert out.stderr.count("\n") == 1 and out.stdout == ""
+    assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
+
+
+@pytest.mark.parametrize("seed", [20_000_000_000_000, 2**64 - 1])
+def test_plan_shards_take_any_seed(tmp_path, seed):
+    lengths = lengths_for(9, 1, 200, top=120)
+    paths, docs = corpus(tmp_path, lengths, ["a.parquet"])
+    code, output = invoke("pack", *paths, "-o", str(tmp_path / "out"), "--max-len", "128",
+                          "--plan-shards", "2", "--seed", str(seed), "-q", "--no-plot")
+    assert code == 0, output
+    rows = check_output(tmp_path / "out", docs, max_len=128)
+    config = PackSettings(max_len=128, seed=seed).plan_config
+    plan, _ = sharded_plan(np.array(lengths[0]), 2, config, keys=file_keys([len(docs)]))
+    assert [r.as_py() for r in rows.column("seq_lengths")] == [
+        plan.segments(p)[2].tolist() for p in range(plan.num_packs)]
+
+
+def test_shard_seeds_are_unchanged_where_the_old_mixing_did_not_overflow():
+    from fastpack._sharded import mix64, shard_seed
+
+    for seed, shard in [(0, 0), (9, 3), (2**40, 7)]:
+        old = int(mix64(np.array([seed * 1_000_003 + shard], dtype=np.uint64))[0]
+                  >> np.uint64(1))
+        assert shard_seed(seed, shard) == old
+    assert shard_seed(2**64 - 1, 1) != shard_seed(2**64 - 1, 0)
+
+
+def test_a_truncated_gzip_is_reported_where_its_data_ends(tmp_path):
+    import gzip
+    import zlib
+
+    lines = "".join(json.dumps({"input_ids": list(range(i % 40 + 1))}) + "\n"
+                    for i in range(30_000)).encode()
+    packed = gzip.compress(lines)
+    path = tmp_path / "cut.jsonl.gz"
+    path.write_bytes(packed[:len(packed) // 2])
+    readable = zlib.decompressobj(16 + zlib.MAX_WBITS).decompress(packed[:len(packed) // 2])
+    last_line = readable.count(b"\n") + 1  # the line the data stops in
+    out = cli("stats", str(path), "-q")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "cannot be decompressed from this line on" in out.stderr
+    line = int(out.stderr.split(", line ")[1].split(":")[0].replace(",", ""))
+    # Decoded in 64 KiB pieces: the line reported is at most a piece before the end.
+    shortest = min(len(x) for x in lines.split(b"\n") if x) + 1
+    assert last_line - (1 << 16) // shortest - 1 <= line <= last_line
+    assert line > 1000
+
+
+def test_shipped_code_holds_no_test_hook():
+    """Failures are injected by the tests (tests/crashing.py), never by fastpack itself:
+    no module reads a test's environment variable or kills its own process."""
+    package = Path(fastpack.__file__).parent
+    for path in package.rglob("*.py"):
+        text = path.read_text()
+        assert "FASTPACK_TEST" not in text and "os.kill(" not in text, path

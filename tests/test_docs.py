@@ -1,20 +1,20 @@
-"""Every Python example in README.md and docs/*.md runs."""
+"""Every Python example in README.md and docs/*.md runs, and every install line there names
+the distribution and extras that pyproject.toml defines."""
 
 from __future__ import annotations
 
+import glob
 import re
+import shlex
 from pathlib import Path
 
 import pytest
 
-pytest.importorskip("torch")
-pytest.importorskip("transformers")
-pytest.importorskip("datasets")
-
 ROOT = Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCKS = [
     (doc.name, block)
-    for doc in (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")))
+    for doc in DOCS
     # docs/cli.md needs a Ray cluster and files on disk: tests/test_ray.py runs its examples.
     if doc.name != "cli.md"
     for block in re.findall(r"```python\n(.*?)```", doc.read_text(), flags=re.S)
@@ -24,7 +24,114 @@ BLOCKS = [
 @pytest.mark.skipif(not BLOCKS, reason="no documentation files found")
 @pytest.mark.parametrize("index", range(len(BLOCKS)))
 def test_example_runs(index: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for module in ("torch", "transformers", "datasets"):
+        pytest.importorskip(module)
     monkeypatch.chdir(tmp_path)
     name, code = BLOCKS[index]
     code = code.replace("/tmp/fastpack-trainer", str(tmp_path / "out"))
     exec(compile(code, f"{name}[{index}]", "exec"), {"__name__": "__doc_example__"})
+
+
+# ---------------------------------------------------------------------------------------
+# install lines
+
+
+def _normal(name: str) -> str:
+    """A distribution name as the index compares names (PEP 503)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _project() -> tuple[str, set[str]]:
+    """(distribution name, extras) from pyproject.toml, read without a TOML library (the
+    3.9 runs have none): the ``name`` of ``[project]`` and the keys of
+    ``[project.optional-dependencies]``."""
+    text = (ROOT / "pyproject.toml").read_text()
+    sections = dict(re.findall(r"^\[([^\]]+)\]\n(.*?)(?=^\[|\Z)", text, flags=re.M | re.S))
+    (name,) = re.findall(r'^name = "([^"]+)"', sections["project"], flags=re.M)
+    extras = set(re.findall(r"^([A-Za-z0-9_-]+) = \[", sections["project.optional-dependencies"],
+                            flags=re.M))
+    return name, extras
+
+
+def install_lines() -> list[tuple[str, int, str]]:
+    """Every ``pip install ...`` of README.md and docs/*.md: (file, line number, text),
+    in code blocks and inline code alike."""
+    found = []
+    for doc in DOCS:
+        for number, line in enumerate(doc.read_text().splitlines(), start=1):
+            for match in re.finditer(r"pip install [^`\n]*", line):
+                found.append((doc.name, number, match.group(0)))
+    return found
+
+
+def check_install_line(text: str, name: str, extras: set[str], root: Path = ROOT) -> list[str]:
+    """What is wrong with one install line (empty when nothing): a fastpack requirement
+    under another name than the distribution's, an extra that does not exist, a path that
+    does not exist, a wheel or sdist of another name; extras named in the comment
+    (``extras: a, b``) must exist too."""
+    command, _, comment = text.partition("#")
+    command = re.split(r"&&|\|\||[|;]", command)[0]
+    problems = []
+    ours = _normal(name)
+    wheel_stem = ours.replace("-", "_")
+    words = shlex.split(command)[2:]
+    for word in words:
+        if word.startswith("-"):
+            continue
+        if "/" in word or word == "." or word.endswith((".whl", ".tar.gz")):
+            file = Path(word).name
+            if file.endswith((".whl", ".tar.gz")):
+                if not file.startswith(f"{wheel_stem}-"):
+                    problems.append(f"{word}: not the {name} wheel/sdist ({wheel_stem}-*)")
+                continue  # built by the step before; its folder is the build's output
+            if not glob.glob(str(root / word)):
+                problems.append(f"{word}: no such path")
+            continue
+        requirement = re.match(r"^([A-Za-z0-9_.-]+)(?:\[([^\]]*)\])?", word)
+        if requirement is None:
+            problems.append(f"{word}: not a requirement")
+            continue
+        dist, wanted = requirement.group(1), requirement.group(2)
+        if _normal(dist).startswith("fastpack"):
+            if _normal(dist) != ours:
+                problems.append(f"{word}: the distribution is {name!r}, not {dist!r}")
+            for extra in (wanted or "").split(","):
+                if extra.strip() and extra.strip() not in extras:
+                    problems.append(f"{word}: no extra {extra.strip()!r}")
+    named = re.search(r"extras?: ([A-Za-z0-9_, -]+)", comment)
+    for extra in (named.group(1).split(",") if named else []):
+        if extra.strip() and extra.strip() not in extras:
+            problems.append(f"comment: no extra {extra.strip()!r}")
+    return problems
+
+
+def test_every_install_line_names_the_distribution_and_its_extras():
+    name, extras = _project()
+    lines = install_lines()
+    assert len(lines) >= 5  # README, docs/cli.md and docs/core.md all have some
+    assert any(_normal(name) in _normal(text) for _, _, text in lines)
+    problems = [f"{doc}:{number}: {problem}" for doc, number, text in lines
+                for problem in check_install_line(text, name, extras)]
+    assert problems == []
+
+
+def test_the_install_line_check_catches_each_mistake():
+    name, extras = _project()
+    assert check_install_line("pip install 'fastpack-seq[cli,ray]'", name, extras) == []
+    bad = {
+        "pip install fastpack": "not 'fastpack'",
+        "pip install 'fastpack[cli]'": "not 'fastpack'",
+        "pip install 'fastpack-seq[nope]'": "no extra 'nope'",
+        "pip install dist/fastpack-*-abi3-*.whl": "not the fastpack-seq wheel",
+        "pip install no/such/dir": "no such path",
+        "pip install dist/fastpack_seq-*.whl   # extras: torch, hf2": "no extra 'hf2'",
+    }
+    for line, problem in bad.items():
+        found = check_install_line(line, name, extras)
+        assert len(found) == 1 and problem in found[0], (line, found)
+
+
+def test_the_extras_the_docs_promise_exist():
+    name, extras = _project()
+    assert _normal(name) != "fastpack"  # the index's "fastpack" is another project
+    assert {"torch", "hf", "cli", "ray"} <= extras

@@ -14,7 +14,8 @@ ray = pytest.importorskip("ray")
 pytest.importorskip("ray.data")
 
 from click.testing import CliRunner  # noqa: E402
-from corpus import check_output, cli, corpus, documents, shard_bytes  # noqa: E402
+from corpus import check_output, corpus, documents, shard_bytes  # noqa: E402
+from crashing import crash_after  # noqa: E402
 
 from fastpack._offline import PackSettings, pack_corpus  # noqa: E402
 from fastpack.cli import main  # noqa: E402
@@ -48,8 +49,7 @@ def test_ray_writes_the_single_machine_shards_and_resumes_them(cluster, tmp_path
     # A local run killed after two shards, finished on the cluster: the shards agree.
     args = [*paths, "--max-len", "256", "--columns", "labels", "--overlong", "split",
             "--shuffle", "--seed", "2", "--shard-rows", "12", "--no-plot", "-q"]
-    crashed = cli("pack", *args, "-o", str(tmp_path / "ray"),
-                  env={"FASTPACK_TEST_CRASH_AFTER_SHARDS": "2"})
+    crashed = crash_after(2, "pack", *args, "-o", str(tmp_path / "ray"))
     assert crashed.returncode == -9
     result = CliRunner().invoke(main, ["pack", *args, "-o", str(tmp_path / "ray"), "--resume",
                                        "--ray"])
@@ -130,3 +130,76 @@ def test_the_docs_python_examples_run(cluster, tmp_path, monkeypatch, capsys):
     assert len(scopes[0]["packed"]) == 2
     printed = capsys.readouterr().out.split()
     assert int(printed[0]) <= 256
+
+
+def test_each_copy_of_a_duplicated_document_is_routed_once():
+    """1000 identical documents among 2000 others: every copy goes to one output shard
+    (its own rank's), however the copies arrive and however often the data is read."""
+    from fastpack.ray import _Planner
+
+    settings = PackSettings(max_len=64, shard_rows=10)
+    planner = _Planner(0, 1, settings.to_json(), unique=False)
+    rng = np.random.default_rng(3)
+    keys = np.concatenate([np.full(1000, 42), np.arange(1000, 3000)]).astype(np.int64)
+    planner.add(keys, np.full(len(keys), 20, dtype=np.int32))
+    result = planner.plan()
+    assert result["outputs"] > 10
+    copies = np.flatnonzero(planner.keys == 42)
+    for _ in range(2):  # consumed twice: every copy routed again, once
+        arriving = rng.permutation(keys)
+        routed = []
+        for part in np.array_split(arriving, 7):
+            rows, outs = planner.route(part)
+            routed.append((part[rows], outs))
+        got_keys = np.concatenate([k for k, _ in routed])
+        got_outs = np.concatenate([o for _, o in routed])
+        assert len(got_keys) == len(keys)  # rows routed = documents
+        # The copies' shards are exactly the shards of the key's ranks, each rank once.
+        expected = np.sort(planner.out_of[copies])
+        assert np.array_equal(np.sort(got_outs[got_keys == 42]), expected)
+
+
+def test_pack_dataset_routes_documents_not_copies(cluster):
+    import fastpack
+    from fastpack.ray import content_keys, pack_dataset
+
+    rng = np.random.default_rng(4)
+    docs = documents(rng.integers(1, 60, 200).tolist())
+    docs += [docs[3]] * 300 + [docs[8]] * 100
+    table = pa.table({"input_ids": pa.array([d.tolist() for d in docs], pa.list_(pa.int64()))})
+    ds = ray.data.from_arrow(table).random_shuffle(seed=2).repartition(5)
+    packed = pack_dataset(ds, 128, overlong="split", shard_rows=5)
+    assert packed._fastpack_plan.routed().count() == len(docs)
+    rows = sorted(packed.take_all(), key=lambda r: r["pack_index"])
+    order = np.argsort(content_keys(table.column("input_ids")), kind="stable")
+    plan = fastpack.pack(np.array([len(docs[i]) for i in order]), 128, overlong="split")
+    assert len(rows) == plan.num_packs
+    for p, row in enumerate(rows):
+        ids, starts, seqlens = plan.segments(p)
+        assert list(row["input_ids"]) == [int(t) for i, s, n in zip(ids, starts, seqlens)
+                                          for t in docs[order[i]][s:s + n]]
+
+
+def test_pack_dataset_of_read_parquet_gives_the_commands_packs(cluster, tmp_path):
+    """``pack_dataset(ray.data.read_parquet(files))``, no other argument: the packs of
+    ``fastpack pack files`` (same order, same columns, same values and types)."""
+    from fastpack.ray import pack_dataset
+
+    rng = np.random.default_rng(5)
+    lengths = [rng.integers(1, 300, 150).tolist() for _ in range(2)]
+    paths, docs = corpus(tmp_path, lengths, ["a.parquet", "b.parquet"], labels=True,
+                         row_group_size=40)
+    out = CliRunner().invoke(main, ["pack", *paths, "-o", str(tmp_path / "cmd"), "--max-len",
+                                    "256", "--overlong", "split", "--shard-rows", "9", "-q",
+                                    "--no-plot"])
+    assert out.exit_code == 0, out.output
+    from corpus import read_rows
+
+    expected = read_rows(tmp_path / "cmd")
+    assert expected.column_names == ["input_ids", "labels", "seq_lengths", "position_ids"]
+    packed = pack_dataset(ray.data.read_parquet(paths), 256, overlong="split", shard_rows=9)
+    got = pa.Table.from_pylist(sorted(packed.take_all(), key=lambda r: r["pack_index"]))
+    assert got.num_rows == expected.num_rows
+    for name in expected.column_names:
+        assert got.column(name).to_pylist() == expected.column(name).to_pylist(), name
+    check_output(tmp_path / "cmd", docs, max_len=256, overlong="split", labels=True)

@@ -27,8 +27,12 @@ def __getattr__(name: str) -> object:
     raise AttributeError(f"module 'fastpack' has no attribute {name!r}")
 
 
+#: The distribution's name on the index (``pip install fastpack-seq``): the name
+#: "fastpack" there belongs to an unrelated package.
+DISTRIBUTION = "fastpack-seq"
+
 try:
-    __version__ = version("fastpack")
+    __version__ = version(DISTRIBUTION)
 except PackageNotFoundError:  # pragma: no cover - running from a source tree
     __version__ = "0.0.0"
 

@@ -39,7 +39,8 @@ def _fill_bytes(name: str, value: Any, pa_type: Any) -> bytes:
 
     if pa.types.is_boolean(value_type):
         return bytes([1 if value else 0])
-    dtype = np.dtype(value_type.to_pandas_dtype())
+    # (not to_pandas_dtype(): that needs pandas, which a base install lacks)
+    dtype = pa.array([], type=value_type).to_numpy(zero_copy_only=False).dtype
     try:
         array = np.array([value], dtype=dtype)
         if dtype.kind in "iu" and array[0] != value:

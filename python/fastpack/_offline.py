@@ -29,11 +29,9 @@ import itertools
 import json
 import os
 import shutil
-import signal
-import sys
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -45,18 +43,24 @@ from ._gather import gather
 from ._plan import Plan
 from ._progress import Progress, human_bytes, log
 from ._sharded import PlanConfig, file_keys, sharded_plan, sorted_unique
-from ._sources import InputError, Source, expand_inputs, iter_batches, list_lengths
+from ._sources import InputError, Source, expand_inputs, iter_batches, list_lengths, peek_columns
 from ._stats import LengthHistogram
 
 __all__ = [
     "OutputDir",
     "PackSettings",
     "PlanStats",
+    "check_plot",
     "default_shard_rows",
+    "load_tokenizer",
+    "plan_window",
+    "resolve_columns",
     "pack_corpus",
     "parse_size",
     "scan_lengths",
     "shard_bounds",
+    "text_left_out",
+    "uneven_reason",
     "write_shard",
 ]
 
@@ -68,8 +72,8 @@ ROW_GROUP_TOKENS = 1 << 20
 SHARD_TOKENS = 1 << 25
 # Bytes per document a pass keeps besides its tokens (its id and offset).
 _PER_DOC = 16
-# Tests kill the process after this many shards, halfway through the next one.
-_CRASH_ENV = "FASTPACK_TEST_CRASH_AFTER_SHARDS"
+# Columns the packing writes itself: an input's are never packed as token columns.
+WRITTEN = ("seq_lengths", "position_ids")
 
 
 def parse_size(text: str) -> int:
@@ -113,14 +117,16 @@ class PackSettings:
 
     max_len: int
     column: str = "input_ids"
-    columns: tuple[str, ...] = ()
+    #: The other per-token columns to pack; None: every column of the inputs that holds
+    #: one integer per token (:func:`resolve_columns`), as ``fastpack.hf.pack_dataset``.
+    columns: tuple[str, ...] | None = None
     text_column: str | None = None
     tokenizer: str | None = None
     strategy: str = "bfd"
     overlong: str = "error"
     long_max_len: int | None = None
     group_tokens: int | None = None
-    shuffle: bool = False
+    shuffle: bool = True
     seed: int = 0
     shard_rows: int | None = None
     plan_shards: int = 1
@@ -129,10 +135,20 @@ class PackSettings:
         if self.shard_rows is None:
             object.__setattr__(self, "shard_rows", default_shard_rows(self.max_len))
 
+    def validate(self) -> None:
+        """The argument checks of ``fastpack.pack`` (caps, policies, the seed), before any
+        input is read."""
+        from ._plan import pack
+
+        pack(np.zeros(0, np.int32), self.max_len, strategy=self.strategy,
+             overlong=self.overlong, long_max_len=self.long_max_len,
+             group_tokens=self.group_tokens, seed=self.seed)
+
     @property
     def token_columns(self) -> list[str]:
-        """Packed per-token columns, the length column first."""
-        return [self.column] + [c for c in self.columns if c != self.column]
+        """Packed per-token columns, the length column first (only those named: see
+        :func:`resolve_columns` for ``columns=None``)."""
+        return [self.column] + [c for c in self.columns or () if c != self.column]
 
     @property
     def plan_config(self) -> PlanConfig:
@@ -144,17 +160,29 @@ class PackSettings:
         return self.long_max_len or self.max_len
 
     def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "columns": list(self.columns)}
+        return {**asdict(self),
+                "columns": None if self.columns is None else list(self.columns)}
+
+    @classmethod
+    def from_json(cls, value: dict[str, Any]) -> PackSettings:
+        columns = value["columns"]
+        return cls(**{**value, "columns": None if columns is None else tuple(columns)})
 
 
 @dataclass
 class Scan:
-    """What the lengths pass learns: every document's length, each file's rows, and the
-    dtype each packed column takes."""
+    """What the lengths pass learns: every document's length, each file's rows, the dtype
+    each packed column takes (the packed columns, in output order) and the columns left
+    out with the reason."""
 
     lengths: np.ndarray
     file_rows: list[int]
     dtypes: dict[str, str]
+    left_out: dict[str, str]
+
+    @property
+    def columns(self) -> list[str]:
+        return list(self.dtypes)
 
     @property
     def row_starts(self) -> np.ndarray:
@@ -189,51 +217,110 @@ def column_dtype(column: pa.ChunkedArray) -> str:
     return "int32" if -(2**31) <= lo and hi < 2**31 else "int64"
 
 
+def resolve_columns(
+    sources: Sequence[Source], column: str, columns: Sequence[str] | None
+) -> tuple[list[str], list[str], dict[str, str]]:
+    """``(named, candidates, left_out)``: the columns to pack for sure (``column`` first,
+    then ``columns``), and with ``columns=None`` every other column that holds lists of
+    integers in every input (packed when the lengths pass finds one value per token) and
+    why each of the rest is left out."""
+    if columns is not None:
+        return [column, *[c for c in columns if c != column]], [], {}
+    kinds = [peek_columns(s) for s in sources]
+    names = list(dict.fromkeys(n for k in kinds for n in k))
+    candidates, left_out = [], {}
+    for name in names:
+        if name == column:
+            continue
+        missing = [s.path for s, k in zip(sources, kinds) if name not in k]
+        reasons = [k[name] for k in kinds if k.get(name, "tokens") != "tokens"]
+        if name in WRITTEN:
+            left_out[name] = "written by the packing itself"
+        elif missing:
+            left_out[name] = f"not in every input (not in {missing[0]})"
+        elif reasons:
+            left_out[name] = reasons[0]
+        else:
+            candidates.append(name)
+    return [column], candidates, left_out
+
+
+def text_left_out(sources: Sequence[Source], text_column: str) -> dict[str, str]:
+    """With ``--text-column`` only the tokenized text is packed: every other column of the
+    inputs is left out, and named."""
+    names = dict.fromkeys(n for s in sources for n in peek_columns(s))
+    return {n: f"not packed with --text-column (only {text_column!r}, tokenized)"
+            for n in names if n != text_column}
+
+
+def uneven_reason(column: str) -> str:
+    return f"not one value per token of {column!r}"
+
+
 def scan_lengths(
-    sources: Sequence[Source], columns: Sequence[str], *, quiet: bool = False
+    sources: Sequence[Source], columns: Sequence[str], *, candidates: Sequence[str] = (),
+    left_out: dict[str, str] | None = None, quiet: bool = False
 ) -> Scan:
     """Pass 1: every document's length from the first of ``columns``; the others must have
-    the same length on every row."""
+    the same length on every row. Each of ``candidates`` is packed too if it has, and
+    otherwise left out (added to ``left_out``)."""
     parts: list[np.ndarray] = []
     file_rows: list[int] = []
-    dtypes: dict[str, str] = {c: "int32" for c in columns}
-    wanted = {c: "tokens" for c in columns}
+    alive = list(candidates)
+    dtypes: dict[str, str] = {c: "int32" for c in [*columns, *alive]}
+    left = dict(left_out or {})
     with Progress("lengths", sum(s.size for s in sources), unit="B", quiet=quiet) as bar:
         docs = 0
         for source in sources:
             rows, consumed = 0, 0
-            for batch in iter_batches(source, wanted):
-                lengths = list_lengths(batch.table.column(columns[0]))
-                for c in columns[1:]:
-                    other = list_lengths(batch.table.column(c))
-                    bad = np.flatnonzero(other != lengths)
-                    if bad.size:
+            wanted = {c: "tokens" for c in [*columns, *alive]}
+            try:
+                for batch in iter_batches(source, wanted):
+                    table = batch.table
+                    lengths = list_lengths(table.column(columns[0]))
+                    for c in [*columns[1:], *alive]:
+                        other = list_lengths(table.column(c))
+                        bad = np.flatnonzero(other != lengths)
+                        if not bad.size:
+                            continue
+                        if c in alive:  # a list column of another length: not per token
+                            alive.remove(c)
+                            del dtypes[c]
+                            left[c] = uneven_reason(columns[0])
+                            continue
                         i = int(bad[0])
                         raise InputError(
                             f"has {other[i]:,} values where {columns[0]!r} has "
                             f"{lengths[i]:,} tokens; packed columns need one value per token",
                             path=source.path, row=batch.row + i, column=c,
                             line=batch.line(i))
-                for c in columns:
-                    value_type = batch.table.column(c).type.value_type
-                    if column_dtype(batch.table.column(c)) == "int64":
-                        dtypes[c] = "int64"
-                    if value_type == pa.uint64():
-                        _check_uint64(batch.table.column(c), source, batch.row, c)
-                if lengths.size and lengths.max() >= 2**31:
-                    i = int(np.argmax(lengths >= 2**31))
-                    raise InputError(f"{lengths[i]:,} tokens in one document (at most 2^31-1)",
-                                     path=source.path, row=batch.row + i, column=columns[0])
-                parts.append(lengths.astype(np.int32))
-                rows += len(lengths)
-                bar.update(batch.done_bytes - consumed)
-                consumed = batch.done_bytes
+                    for c in [*columns, *alive]:
+                        value_type = table.column(c).type.value_type
+                        if column_dtype(table.column(c)) == "int64":
+                            dtypes[c] = "int64"
+                        if value_type == pa.uint64():
+                            _check_uint64(table.column(c), source, batch.row, c)
+                    if lengths.size and lengths.max() >= 2**31:
+                        i = int(np.argmax(lengths >= 2**31))
+                        raise InputError(f"{lengths[i]:,} tokens in one document (at most "
+                                         "2^31-1)", path=source.path, row=batch.row + i,
+                                         column=columns[0])
+                    parts.append(lengths.astype(np.int32))
+                    rows += len(lengths)
+                    bar.update(batch.done_bytes - consumed)
+                    consumed = batch.done_bytes
+            except InputError as e:
+                if e.column in alive:
+                    raise InputError(
+                        f"{e} (packed by default: it holds lists of integers; pass --columns "
+                        "to name the per-token columns)") from None
+                raise
             bar.update(source.size - consumed)
             file_rows.append(rows)
             docs += rows
             bar.set_postfix(f"{docs:,} documents")
     lengths = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
-    return Scan(lengths, file_rows, dtypes)
+    return Scan(lengths, file_rows, dtypes, left)
 
 
 def _check_uint64(column: pa.ChunkedArray, source: Source, row: int, name: str) -> None:
@@ -245,7 +332,9 @@ def _check_uint64(column: pa.ChunkedArray, source: Source, row: int, name: str) 
                          path=source.path, row=row, column=name)
 
 
-def _load_tokenizer(directory: str) -> Any:
+def load_tokenizer(directory: str) -> Any:
+    """A function from a list of texts to their token ids, from a tokenizer saved with
+    ``save_pretrained`` in ``directory`` (transformers if installed, else tokenizers)."""
     path = Path(directory)
     if not path.is_dir():
         raise InputError("no such tokenizer directory; expected a directory written by "
@@ -277,7 +366,7 @@ def tokenize_inputs(
     import pyarrow.parquet as pq
 
     assert settings.text_column and settings.tokenizer
-    encode = _load_tokenizer(settings.tokenizer)
+    encode = load_tokenizer(settings.tokenizer)
     spill.mkdir(parents=True, exist_ok=True)
     schema = pa.schema([(settings.column, pa.list_(pa.int32()))])
     parts: list[np.ndarray] = []
@@ -301,7 +390,7 @@ def tokenize_inputs(
             st = path.stat()
             spilled.append(Source(str(path), "parquet", None, st.st_size, st.st_mtime_ns))
     lengths = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
-    return spilled, Scan(lengths, file_rows, {settings.column: "int32"})
+    return spilled, Scan(lengths, file_rows, {settings.column: "int32"}, {})
 
 
 # ---------------------------------------------------------------------------------------
@@ -480,19 +569,36 @@ class Columns:
                 for c, v in self.values.items()}
 
 
-def gather_rows(data: Any, rows: np.ndarray, starts: np.ndarray, seqlens: np.ndarray,
-                pack_offsets: np.ndarray, settings: PackSettings,
+def plan_window(plan: Plan, p: int, q: int, sample_ids: np.ndarray | None = None) -> Plan:
+    """Packs ``p:q`` of ``plan`` as a plan of their own: the plan's options (caps, reserve,
+    policies), these packs' segments -- their samples renamed ``sample_ids`` when given
+    (the rows of the data they are gathered from) -- and the counts and metrics of what
+    the window holds (what a plan lost is the whole plan's: a window holds none of it)."""
+    s0, s1 = int(plan.pack_offsets[p]), int(plan.pack_offsets[q])
+    ids = plan.sample_ids[s0:s1] if sample_ids is None else sample_ids
+    seqlens = plan.seqlens[s0:s1]
+    fields: dict[str, Any] = {
+        "sample_ids": np.ascontiguousarray(ids, dtype=np.int64),
+        "starts": plan.starts[s0:s1], "seqlens": seqlens,
+        "pack_offsets": np.asarray(plan.pack_offsets[p:q + 1], dtype=np.int64) - s0,
+        "max_len": plan.max_len, "reserve": plan.reserve, "strategy": plan.strategy,
+        "overlong": plan.overlong, "long_max_len": plan.long_max_len,
+        "num_sequences": len(sorted_unique(plan.sample_ids[s0:s1])),
+        "empty_sequences": 0, "dropped_sequences": 0, "dropped_tokens": 0,
+        "truncated_sequences": 0, "truncated_tokens": 0, "split_sequences": 0,
+        "total_tokens": int(seqlens.sum(dtype=np.int64)) - plan.reserve * (s1 - s0),
+    }
+    if plan.long_max_len is not None:
+        fields["pack_caps"] = plan.pack_caps[p:q]
+    return Plan(fields)
+
+
+def gather_rows(data: Any, plan: Plan, packs: range, columns: Sequence[str],
                 schema: pa.Schema) -> pa.RecordBatch:
-    """Packed rows, one per pack, gathered in Rust by ``fastpack.gather`` from ``data``
-    (Arrow list columns; ``rows`` index them) and given the output schema's types."""
-    fields: dict[str, Any] = dict.fromkeys(Plan._FIELDS, 0)
-    fields.update(sample_ids=np.ascontiguousarray(rows, dtype=np.int64),
-                  starts=np.ascontiguousarray(starts, dtype=np.int64),
-                  seqlens=np.ascontiguousarray(seqlens, dtype=np.int32),
-                  pack_offsets=np.ascontiguousarray(pack_offsets, dtype=np.int64),
-                  max_len=settings.max_cap, strategy=settings.strategy,
-                  overlong=settings.overlong)
-    batches = list(gather(Plan(fields), data, columns=settings.token_columns,
+    """Packs ``packs`` of ``plan`` as rows, gathered in Rust by ``fastpack.gather`` from
+    ``data`` (Arrow list columns the plan's sample ids index) and given the output
+    schema's types."""
+    batches = list(gather(plan, data, packs=packs, columns=list(columns),
                           batch_tokens=1 << 30))
     if not batches:
         return pa.RecordBatch.from_pylist([], schema=schema)
@@ -501,20 +607,14 @@ def gather_rows(data: Any, rows: np.ndarray, starts: np.ndarray, seqlens: np.nda
         [batch.column(i).cast(field.type) for i, field in enumerate(schema)], schema=schema)
 
 
-def shard_batches(
-    data: Any, rows: np.ndarray, starts: np.ndarray, seqlens: np.ndarray,
-    pack_offsets: np.ndarray, settings: PackSettings, schema: pa.Schema,
-) -> Iterator[pa.RecordBatch]:
-    """One shard's packed rows, ``row_group_packs`` packs per record batch (one parquet
-    row group). ``rows`` index ``data``'s documents; ``pack_offsets`` index the segment
-    arrays."""
+def shard_batches(data: Any, plan: Plan, settings: PackSettings,
+                  schema: pa.Schema) -> Iterator[pa.RecordBatch]:
+    """Every pack of ``plan`` (one shard's window, its sample ids ``data``'s rows),
+    ``row_group_packs`` packs per record batch (one parquet row group)."""
     group = row_group_packs(settings)
-    packs = len(pack_offsets) - 1
-    for p in range(0, packs, group):
-        q = min(p + group, packs)
-        s0, s1 = int(pack_offsets[p]), int(pack_offsets[q])
-        yield gather_rows(data, rows[s0:s1], starts[s0:s1], seqlens[s0:s1],
-                          pack_offsets[p:q + 1] - s0, settings, schema)
+    for p in range(0, plan.num_packs, group):
+        yield gather_rows(data, plan, range(p, min(p + group, plan.num_packs)),
+                          settings.token_columns, schema)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -534,7 +634,7 @@ def sha256_file(path: Path) -> str:
 
 
 def write_shard(outdir: Path, name: str, schema: pa.Schema,
-                batches: Iterator[pa.RecordBatch], *, crash: bool = False) -> dict[str, Any]:
+                batches: Iterator[pa.RecordBatch]) -> dict[str, Any]:
     """Writes one parquet shard atomically: a hidden temporary name, flushed to disk, then
     renamed. Returns its journal entry (rows, tokens, bytes, sha256)."""
     import pyarrow.parquet as pq
@@ -551,9 +651,6 @@ def write_shard(outdir: Path, name: str, schema: pa.Schema,
                 writer.write_batch(batch)
                 rows += batch.num_rows
                 tokens += len(batch.column(0).values)
-                if crash:  # a test's stand-in for a machine dying mid-shard
-                    sys.stderr.flush()
-                    os.kill(os.getpid(), signal.SIGKILL)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         digest = sha256_file(tmp)
@@ -573,13 +670,21 @@ class OutputDir:
     def __init__(self, path: Path, settings: PackSettings, sources: Sequence[Source],
                  quiet: bool) -> None:
         self.path, self.settings, self.sources, self.quiet = path, settings, sources, quiet
+        #: The settings as asked (what a resumed run must match); ``settings`` names the
+        #: packed columns once the lengths pass has found them.
+        self.requested = settings
         self.state_dir = path / STATE_DIR
         self.journal = self.state_dir / "journal.jsonl"
         self.created = False
 
     def state(self) -> dict[str, Any]:
-        return {"format": FORMAT, "settings": self.settings.to_json(),
+        return {"format": FORMAT, "settings": self.requested.to_json(),
                 "inputs": [s.fingerprint() for s in self.sources]}
+
+    def packing(self, columns: Sequence[str]) -> None:
+        """From now on ``settings`` names the packed columns (``columns``, the token
+        column first)."""
+        self.settings = replace(self.requested, columns=tuple(columns[1:]))
 
     @staticmethod
     def write_json(path: Path, value: Any) -> None:
@@ -693,6 +798,25 @@ class OutputDir:
                 f"{num_shards - len(done)}", quiet=self.quiet)
         return done
 
+    def _picture(self, stats: PlanStats, plot: bool | None) -> str:
+        """Draws report.png; returns what became of it (for the report and summary)."""
+        from ._stats import plot_report, plot_unavailable
+
+        if plot is False:
+            return "not asked (--no-plot)"
+        missing = plot_unavailable()
+        if missing:
+            return f"report.png skipped: {missing}"
+        settings = self.settings
+        caps = [settings.max_len] + ([settings.long_max_len] if settings.long_max_len else [])
+        try:
+            plot_report(stats.lengths, stats.fill, caps,
+                        f"{stats.packs:,} packs, efficiency {stats.efficiency:.3%} "
+                        f"(lower bound {stats.lower_bound:,})", self.path / "report.png")
+        except Exception as e:  # the shards are written: a picture never undoes that
+            return f"report.png not written: {type(e).__name__}: {e}"
+        return "report.png"
+
     def record(self, shard: int, entry: dict[str, Any]) -> None:
         with open(self.journal, "a") as f:
             f.write(json.dumps({"shard": shard, **entry}) + "\n")
@@ -700,11 +824,15 @@ class OutputDir:
             os.fsync(f.fileno())
 
     def finish(self, stats: PlanStats, entries: Sequence[dict[str, Any]],
-               dtypes: dict[str, str], extra: dict[str, Any], *, plot: bool,
-               group_offsets: np.ndarray | None) -> dict[str, Any]:
-        """report.json, report.png, group_offsets.npy, and last the manifest; then the
-        state directory goes."""
+               dtypes: dict[str, str], extra: dict[str, Any], *, plot: bool | None,
+               group_offsets: np.ndarray | None,
+               left_out: dict[str, str] | None = None) -> dict[str, Any]:
+        """report.png, report.json, group_offsets.npy, and last the manifest; then the
+        state directory goes. ``plot``: None draws the picture where matplotlib is
+        installed and notes why not elsewhere; a picture that fails is noted too, never
+        the end of a run whose shards are written."""
         settings = self.settings
+        picture = self._picture(stats, plot)
         report = {
             "format": FORMAT,
             "inputs": [s.path for s in self.sources],
@@ -713,17 +841,12 @@ class OutputDir:
             "shards": len(entries),
             "rows": sum(e["rows"] for e in entries),
             "bytes": sum(e["bytes"] for e in entries),
+            "columns": output_schema(settings, dtypes).names,
+            "left_out": dict(left_out or {}),
+            "picture": picture,
             **extra,
         }
         self.write_json(self.path / "report.json", report)
-        if plot:
-            from ._stats import plot_report
-
-            caps = [settings.max_len] + ([settings.long_max_len] if settings.long_max_len
-                                         else [])
-            plot_report(stats.lengths, stats.fill, caps,
-                        f"{stats.packs:,} packs, efficiency {stats.efficiency:.3%} "
-                        f"(lower bound {stats.lower_bound:,})", self.path / "report.png")
         if group_offsets is not None:
             np.save(self.path / "group_offsets.npy", group_offsets)
         manifest = {
@@ -754,7 +877,7 @@ def pack_corpus(
     resume: bool = False,
     overwrite: bool = False,
     quiet: bool = False,
-    plot: bool = True,
+    plot: bool | None = None,
 ) -> dict[str, Any]:
     """Packs the documents of ``inputs`` into parquet shards in ``outdir``; returns the
     report (also written to ``outdir/report.json``).
@@ -762,7 +885,10 @@ def pack_corpus(
     ``memory``: bytes of token data one gather pass may hold (default: half the available
     memory). More passes than one read the inputs once more and ``spill`` each pass's
     documents to a temporary file (as many bytes as the tokens), or, without ``spill``,
-    read the inputs again for every pass."""
+    read the inputs again for every pass. ``plot``: draw report.png (None: where
+    matplotlib is installed; True: required, checked before any work)."""
+    settings.validate()
+    check_plot(plot)
     timings: dict[str, float] = {}
     clock = time.monotonic()
     sources = expand_inputs(inputs)
@@ -770,6 +896,8 @@ def pack_corpus(
     resumed = out.prepare(resume=resume, overwrite=overwrite)
     try:
         scan, read_sources = _lengths_pass(out, resumed)
+        out.packing(scan.columns)
+        settings = out.settings
         timings["lengths"] = time.monotonic() - clock
         clock = time.monotonic()
         plan, pack_counts = make_plan(scan, settings, read_sources)
@@ -788,7 +916,7 @@ def pack_corpus(
     extra = {"passes": passes, "memory_budget": budget, "spilled": spill and passes > 1,
              "seconds": {k: round(v, 3) for k, v in timings.items()}}
     return out.finish(stats, entries, scan.dtypes, extra, plot=plot,
-                      group_offsets=plan.group_offsets)
+                      group_offsets=plan.group_offsets, left_out=scan.left_out)
 
 
 def _lengths_pass(out: OutputDir, resumed: bool) -> tuple[Scan, list[Source]]:
@@ -800,16 +928,21 @@ def _lengths_pass(out: OutputDir, resumed: bool) -> tuple[Scan, list[Source]]:
         lengths = np.load(state_dir / "lengths.npy")
         log(f"resume: lengths of {len(lengths):,} documents from the interrupted run",
             quiet=out.quiet)
-        return (Scan(lengths, saved["file_rows"], saved["dtypes"]),
+        return (Scan(lengths, saved["file_rows"], saved["dtypes"], saved.get("left_out", {})),
                 [Source(**s) for s in saved["sources"]])
     if settings.text_column:
         sources, scan = tokenize_inputs(out.sources, settings, state_dir / "tokens",
                                         quiet=out.quiet)
+        scan.left_out = text_left_out(out.sources, settings.text_column)
     else:
         sources = list(out.sources)
-        scan = scan_lengths(sources, settings.token_columns, quiet=out.quiet)
+        named, candidates, left_out = resolve_columns(sources, settings.column,
+                                                      settings.columns)
+        scan = scan_lengths(sources, named, candidates=candidates, left_out=left_out,
+                            quiet=out.quiet)
     np.save(state_dir / "lengths.npy", scan.lengths)
     out.write_json(scan_file, {"file_rows": scan.file_rows, "dtypes": scan.dtypes,
+                               "left_out": scan.left_out,
                                "sources": [asdict(s) for s in sources]})
     return scan, sources
 
@@ -998,26 +1131,34 @@ def _gather_passes(out: OutputDir, sources: Sequence[Source], scan: Scan, plan: 
                 _read_pass(out, sources, scan, needed, columns, label)
             del needed
             data = columns.arrow()
+            first, last = units_[0][1], units_[-1][2]  # a pass's packs are consecutive
+            window = plan_window(plan, first, last,
+                                 np.searchsorted(kept, plan.sample_ids[s_lo:s_hi]))
             for _, p, q in units_:
-                seg0, seg1 = int(plan.pack_offsets[p]), int(plan.pack_offsets[q])
-                yield gather_rows(data, np.searchsorted(kept, plan.sample_ids[seg0:seg1]),
-                                  plan.starts[seg0:seg1], plan.seqlens[seg0:seg1],
-                                  plan.pack_offsets[p:q + 1] - seg0, settings, schema)
-            del columns, data
+                yield gather_rows(data, window, range(p - first, q - first),
+                                  settings.token_columns, schema)
+            del columns, data, window
 
-    crash_after = os.environ.get(_CRASH_ENV)
     stream = batches()
     entries = dict(done)
     for i in todo:
         count = sum(1 for unit in units if unit[0] == i)
-        crash = crash_after is not None and len(entries) == int(crash_after)
         entry = write_shard(out.path, shard_name(i, n), schema,
-                            itertools.islice(stream, count), crash=crash)
+                            itertools.islice(stream, count))
         out.record(i, entry)
         entries[i] = entry
         log(f"wrote {entry['file']} ({entry['rows']:,} packs, {human_bytes(entry['bytes'])})",
             quiet=out.quiet or len(todo) > 50)
     return [entries[i] for i in range(n)], len(passes), budget
+
+
+def check_plot(plot: bool | None, name: str = "plot") -> None:
+    """A picture asked for explicitly where none can be drawn: an error before any work."""
+    from ._stats import plot_unavailable
+
+    missing = plot_unavailable() if plot else None
+    if missing:
+        raise FastpackError(f"{name}: the picture needs matplotlib: {missing}")
 
 
 def summary_lines(report: dict[str, Any], outdir: str) -> Iterator[str]:
@@ -1035,6 +1176,11 @@ def summary_lines(report: dict[str, Any], outdir: str) -> Iterator[str]:
            f"({r['truncated']['documents']:,} documents); split: {r['split']['tokens']:,} "
            f"({r['split']['documents']:,} documents, no token lost); "
            f"empty documents: {r['empty_documents']:,}; tokens not packed: {lost:,}")
+    yield "columns: " + ", ".join(r["columns"]) + (
+        "; left out: " + "; ".join(f"{k!r} ({v})" for k, v in r["left_out"].items())
+        if r["left_out"] else "; none left out")
+    if r["picture"] != "report.png":
+        yield f"picture: {r['picture']}"
     if r["groups"]:
         g = r["groups"]
         yield (f"groups of <= {g['group_tokens']:,} tokens: {g['groups']:,} (lower bound "

@@ -19,6 +19,8 @@ from ._plan import Plan, pack
 
 __all__ = [
     "ROW_BITS",
+    "mix64",
+    "shard_seed",
     "sorted_unique",
     "PlanConfig",
     "combine_plans",
@@ -36,7 +38,7 @@ _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
 
 
-def _mix(z: np.ndarray) -> np.ndarray:
+def mix64(z: np.ndarray) -> np.ndarray:
     """splitmix64's finalizer: a fixed, well-spread hash of 64-bit keys."""
     z = z.astype(np.uint64, copy=True)
     z ^= z >> np.uint64(30)
@@ -45,6 +47,14 @@ def _mix(z: np.ndarray) -> np.ndarray:
     z *= _M2
     z ^= z >> np.uint64(31)
     return z
+
+
+def shard_seed(seed: int, shard: int) -> int:
+    """The shuffle seed of plan shard ``shard`` (each shard its own pack order, the same on
+    every machine), for any seed ``fastpack.pack`` takes (0 to 2^64-1): the mixing is
+    modulo 2^64, so no seed overflows it."""
+    value = np.array([(seed * 1_000_003 + shard) % 2**64], dtype=np.uint64)
+    return int(mix64(value)[0] >> np.uint64(1))
 
 
 def sorted_unique(values: np.ndarray) -> np.ndarray:
@@ -72,7 +82,7 @@ def shard_of(keys: np.ndarray, num_shards: int) -> np.ndarray:
     keys = np.ascontiguousarray(keys, dtype=np.int64)
     if num_shards == 1:
         return np.zeros(len(keys), dtype=np.int64)
-    return (_mix(keys.view(np.uint64)) % np.uint64(num_shards)).astype(np.int64)
+    return (mix64(keys.view(np.uint64)) % np.uint64(num_shards)).astype(np.int64)
 
 
 @dataclass(frozen=True)
@@ -89,10 +99,7 @@ class PlanConfig:
 
     def pack(self, lengths: np.ndarray, *, shard: int | None = None,
              threads: int | None = None) -> Plan:
-        seed = self.seed
-        if shard is not None:  # each shard its own pack order, the same on every machine
-            seed = int(_mix(np.array([self.seed * 1_000_003 + shard], dtype=np.uint64))[0]
-                       >> np.uint64(1))
+        seed = self.seed if shard is None else shard_seed(self.seed, shard)
         return pack(lengths, self.max_len, strategy=self.strategy, overlong=self.overlong,
                     shuffle=self.shuffle, seed=seed, long_max_len=self.long_max_len,
                     group_tokens=self.group_tokens, threads=threads)

@@ -29,8 +29,8 @@ __all__ = [
     "expand_inputs",
     "iter_batches",
     "list_lengths",
-    "output_type",
-    "text_values",
+    "field_kind",
+    "peek_columns",
 ]
 
 PARQUET_SUFFIXES = (".parquet", ".pq")
@@ -42,6 +42,10 @@ ACCEPTED = "parquet (.parquet), JSON lines (.jsonl/.ndjson/.json, optionally .gz
 
 # Input bytes a reader decodes at a time: the unit of the memory bound for reading.
 BATCH_BYTES = 32 << 20
+# A compressed stream is read in pieces of this many decoded bytes, so that a corrupt or
+# truncated file is reported at the line where its readable data ends (a failed read
+# returns nothing of what it decoded).
+READ_PIECE = 1 << 16
 
 
 class InputError(FastpackError):
@@ -301,13 +305,26 @@ def _jsonl_batches(
     raw = pa.OSFile(source.path)
     stream = pa.CompressedInputStream(raw, source.compression) if source.compression else raw
     row, line, tail = 0, 1, b""
+    piece = min(READ_PIECE, batch_bytes) if source.compression else batch_bytes
     try:
         while True:
+            pieces: list[bytes] = []
+            got = 0
             try:
-                chunk = stream.read(batch_bytes)
+                while got < batch_bytes:
+                    part = stream.read(piece)
+                    if not part:
+                        break
+                    pieces.append(part)
+                    got += len(part)
             except (pa.ArrowException, OSError) as e:
-                raise InputError(f"cannot be decompressed ({source.compression}: {e})",
-                                 path=source.path, line=line) from None
+                # The line holding the first byte that could not be decoded.
+                at = line + tail.count(b"\n") + sum(p.count(b"\n") for p in pieces)
+                raise InputError(f"cannot be decompressed from this line on "
+                                 f"({source.compression}: {e})", path=source.path,
+                                 line=at) from None
+            chunk = b"".join(pieces)
+            del pieces
             data = tail + chunk
             if not chunk:
                 if not data.strip():
@@ -433,12 +450,82 @@ def list_lengths(column: pa.ChunkedArray) -> np.ndarray:
     return np.asarray(pc.list_value_length(column).to_numpy(), dtype=np.int64)
 
 
-def text_values(column: pa.ChunkedArray) -> list[str]:
-    return column.to_pylist()  # a tokenizer takes a list of str
+def field_kind(t: pa.DataType) -> str:
+    """``"tokens"`` for a column the command can pack (lists of integers), else why not."""
+    if _is_list(t):
+        if pa.types.is_integer(t.value_type):
+            return "tokens"
+        return f"holds lists of {t.value_type}, not integer token ids"
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        return "a string column"
+    if pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t):
+        return "one value per document, not per token"
+    return f"holds {t}, not lists of integer token ids"
 
 
-def output_type(types: Sequence[pa.DataType]) -> np.dtype:
-    """The numpy dtype a packed column takes over all input files: int32 when every file's
-    values fit, else int64 (one type for every shard, so shards concatenate)."""
-    small = (pa.int8(), pa.int16(), pa.int32(), pa.uint8(), pa.uint16())
-    return np.dtype(np.int32) if all(t in small for t in types) else np.dtype(np.int64)
+def _json_kind(value: Any) -> str:
+    if isinstance(value, list):
+        if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            return "tokens"
+        return "holds lists that are not all integers, not integer token ids"
+    if isinstance(value, str):
+        return "a string column"
+    if isinstance(value, (int, float, bool)):
+        return "one value per document, not per token"
+    return f"holds {_show(value)}, not lists of integer token ids"
+
+
+def peek_columns(source: Source) -> dict[str, str]:
+    """The columns of a file, each ``"tokens"`` (lists of integers: packable) or why it
+    is not, from the schema (parquet, Arrow) or the first row (JSON lines, which have no
+    schema) -- without reading the data."""
+    if source.kind == "parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            schema = pq.read_schema(source.path)
+        except (pa.ArrowException, OSError) as e:
+            raise InputError(f"not a readable parquet file ({e})", path=source.path) from None
+        return {f.name: field_kind(f.type) for f in schema}
+    if source.kind == "arrow":
+        with pa.OSFile(source.path) as handle:
+            try:
+                schema = pa.ipc.open_stream(handle).schema
+            except pa.ArrowException:
+                try:
+                    handle.seek(0)
+                    schema = pa.ipc.open_file(handle).schema
+                except pa.ArrowException as e:
+                    raise InputError(f"not a readable Arrow file ({e})",
+                                     path=source.path) from None
+        return {f.name: field_kind(f.type) for f in schema}
+    raw = pa.OSFile(source.path)
+    stream = pa.CompressedInputStream(raw, source.compression) if source.compression else raw
+    data, line = b"", 1
+    try:
+        while True:
+            try:
+                part = stream.read(READ_PIECE)
+            except (pa.ArrowException, OSError) as e:
+                raise InputError(f"cannot be decompressed from this line on "
+                                 f"({source.compression}: {e})", path=source.path,
+                                 line=line + data.count(b"\n")) from None
+            data += part
+            if part and b"\n" not in part:  # the first row is not complete yet
+                continue
+            for offset, text in enumerate(data.split(b"\n")[:-1] if part else
+                                          data.split(b"\n")):
+                if text.strip():
+                    try:
+                        obj = json.loads(text)
+                    except ValueError as e:
+                        raise InputError(f"not valid JSON ({e})", path=source.path, row=0,
+                                         line=line + offset) from None
+                    if not isinstance(obj, dict):
+                        raise InputError(f"expected a JSON object, got {type(obj).__name__}",
+                                         path=source.path, row=0, line=line + offset)
+                    return {k: _json_kind(v) for k, v in obj.items()}
+            if not part:
+                return {}
+    finally:
+        raw.close()

@@ -17,6 +17,7 @@ __all__ = [
     "compare",
     "length_summary",
     "plot_report",
+    "plot_unavailable",
     "plot_stats",
     "table_lines",
 ]
@@ -189,6 +190,18 @@ def table_lines(summary: dict[str, Any], results: list[dict[str, Any]],
     yield ""
     yield ("documents longer than a cap count as several rows (cut at the cap); packing "
            "splits them too. " + ", ".join(f"cap {c:,}: {p:,} pieces" for c, p in over))
+
+
+def plot_unavailable() -> str | None:
+    """Why no picture can be drawn here (matplotlib, the ``cli`` extra, is not installed),
+    or None when it can."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        from . import DISTRIBUTION
+
+        return f"matplotlib is not installed (pip install '{DISTRIBUTION}[cli]')"
+    return None
 
 
 def _figure(ncols: int) -> Any:

@@ -12,6 +12,7 @@ from typing import Any, NoReturn
 import click
 import numpy as np
 
+from . import DISTRIBUTION
 from ._errors import FastpackError
 from ._plan import OVERLONG_POLICIES, STRATEGIES
 
@@ -36,12 +37,40 @@ def _caps(_ctx: click.Context, _param: click.Parameter, value: str) -> list[int]
     return caps
 
 
-def _columns(_ctx: click.Context, _param: click.Parameter, value: str | None) -> tuple[str, ...]:
-    return tuple(c.strip() for c in value.split(",") if c.strip()) if value else ()
+def _columns(_ctx: click.Context, _param: click.Parameter,
+             value: str | None) -> tuple[str, ...] | None:
+    if value is None:
+        return None  # every per-token column
+    return tuple(c.strip() for c in value.split(",") if c.strip())
+
+
+#: The largest --seed: fastpack.pack takes any unsigned 64-bit seed.
+MAX_SEED = 2**64 - 1
+
+
+def _need_plot(plot: bool | None) -> None:
+    """--plot where no picture can be drawn: one line and status 2, before any work."""
+    from ._stats import plot_unavailable
+
+    missing = plot_unavailable() if plot else None
+    if missing:
+        _fail(FastpackError(f"--plot: the picture needs matplotlib: {missing}; or leave "
+                            "--plot out"))
+
+
+def _check_caps(caps: Sequence[int]) -> None:
+    """Each cap as fastpack.pack accepts it, before any input is read."""
+    from ._plan import pack
+
+    for cap in caps:
+        try:
+            pack(np.zeros(0, np.int32), cap)
+        except FastpackError as e:
+            _fail(FastpackError(f"--max-len: {e}"))
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.version_option(package_name="fastpack", prog_name="fastpack")
+@click.version_option(package_name=DISTRIBUTION, prog_name="fastpack")
 def main() -> None:
     """fastpack: pack token sequences into rows of at most max-len tokens for LLM training
     (best fit over the whole corpus, in bounded memory), or see what packing would gain.
@@ -74,6 +103,8 @@ def demo(example: str, max_len: int, batch: int, plot: str | None) -> None:
     """Pack a real corpus shipped with fastpack (CPython's standard library, one document
     per function or module) and compare with padding. Needs no data."""
     from . import demo as demo_module
+
+    _need_plot(plot is not None)
 
     code = demo_module.main(["--example", example, "--max-len", str(max_len),
                              "--batch", str(batch)])
@@ -122,13 +153,16 @@ def stats(inputs: Sequence[str], caps: list[int], column: str, quiet: bool, batc
     from ._sources import expand_inputs
     from ._stats import compare, length_summary, plot_stats, table_lines
 
+    _need_plot(plot is not None)
+    _check_caps(caps)
     try:
         sources = expand_inputs(inputs)
         scan = scan_lengths(sources, [column], quiet=quiet)
+        summary = length_summary(scan.lengths)
+        results = compare(scan.lengths, caps, batch_size=batch_size) if scan.lengths.size \
+            else []
     except FastpackError as e:
         _fail(e)
-    summary = length_summary(scan.lengths)
-    results = compare(scan.lengths, caps, batch_size=batch_size) if scan.lengths.size else []
     if as_json:
         click.echo(json.dumps({"inputs": [s.path for s in sources], "lengths": summary,
                                "batch_size": batch_size, "caps": results}, indent=1))
@@ -151,8 +185,10 @@ def stats(inputs: Sequence[str], caps: list[int], column: str, quiet: bool, batc
               help="Tokens per packed row.")
 @_input_options
 @click.option("--columns", "columns", callback=_columns, default=None,
-              help="Other per-token columns to pack alongside, comma-separated (e.g. "
-              "labels,attention_mask); each must have one value per token.")
+              help="The other per-token columns to pack, comma-separated (e.g. "
+              "labels,attention_mask; '' for none); each must have one value per token "
+              "[default: every column holding one integer per token; the summary names "
+              "the columns left out and why].")
 @click.option("--text-column", default=None,
               help="Tokenize this text column (with --tokenizer) instead of reading "
               "--column; the ids are written as --column.")
@@ -172,10 +208,10 @@ def stats(inputs: Sequence[str], caps: list[int], column: str, quiet: bool, batc
 @click.option("--group-tokens", type=click.IntRange(min=1), default=None,
               help="Two-level packing: order packs in groups of at most this many tokens "
               "(a step or micro-batch); group_offsets.npy gives the groups.")
-@click.option("--shuffle/--no-shuffle", default=False, show_default=True,
-              help="Shuffle the pack order (packs otherwise come sorted by size).")
-@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Seed of --shuffle.")
+@click.option("--shuffle/--no-shuffle", default=True, show_default=True,
+              help="Shuffle the pack order (--no-shuffle: packs come sorted by size).")
+@click.option("--seed", type=click.IntRange(min=0, max=MAX_SEED), default=0,
+              show_default=True, help="Seed of the shuffle (0 to 2^64-1).")
 @click.option("--shard-rows", type=click.IntRange(min=1), default=None,
               help="Packed rows per parquet shard [default: 2^25 tokens' worth, e.g. 8192 "
               "at --max-len 4096].")
@@ -197,13 +233,15 @@ def stats(inputs: Sequence[str], caps: list[int], column: str, quiet: bool, batc
               help="Run on a Ray cluster (Ray Data): the plan made once by planner actors, "
               "the shards gathered on the workers. ADDRESS as for ray.init (default: a "
               "running cluster, else a local one); write --ray=ADDRESS, or --ray last.")
-@click.option("--no-plot", is_flag=True, help="Skip report.png.")
+@click.option("--plot/--no-plot", default=None,
+              help="Draw report.png (needs matplotlib, the cli extra) [default: where "
+              "matplotlib is installed; elsewhere the summary says it was skipped].")
 def pack(inputs: Sequence[str], outdir: str, max_len: int, column: str, quiet: bool,
-         columns: tuple[str, ...], text_column: str | None, tokenizer: str | None,
+         columns: tuple[str, ...] | None, text_column: str | None, tokenizer: str | None,
          strategy: str, overlong: str, long_max_len: int | None, group_tokens: int | None,
          shuffle: bool, seed: int, shard_rows: int | None, plan_shards: int, memory: str,
          spill: bool, resume: bool, overwrite: bool, ray_address: str | None,
-         no_plot: bool) -> None:
+         plot: bool | None) -> None:
     """Pack the documents of INPUT... (files or directories) into parquet shards of packed
     rows with the columns of fastpack.hf.pack_dataset: every packed token column,
     seq_lengths and position_ids (what TRL's SFTTrainer reads).
@@ -215,10 +253,11 @@ def pack(inputs: Sequence[str], outdir: str, max_len: int, column: str, quiet: b
 
     \b
     Example:
-      fastpack pack data/*.jsonl.zst -o packed/ --max-len 4096 --overlong split --shuffle
+      fastpack pack data/*.jsonl.zst -o packed/ --max-len 4096 --overlong split
     """
     from ._offline import PackSettings, pack_corpus, parse_size, summary_lines
 
+    _need_plot(plot)
     if (text_column is None) != (tokenizer is None):
         _fail(FastpackError("--text-column and --tokenizer go together: the text is "
                             "tokenized with the tokenizer"))
@@ -235,15 +274,16 @@ def pack(inputs: Sequence[str], outdir: str, max_len: int, column: str, quiet: b
             strategy=strategy, overlong=overlong, long_max_len=long_max_len,
             group_tokens=group_tokens, shuffle=shuffle, seed=seed, shard_rows=shard_rows,
             plan_shards=plan_shards)
+        settings.validate()
         if ray_address is not None:
             from .ray import pack_files
 
             report = pack_files(inputs, outdir, settings, address=ray_address, resume=resume,
-                                overwrite=overwrite, quiet=quiet, plot=not no_plot)
+                                overwrite=overwrite, quiet=quiet, plot=plot)
         else:
             report = pack_corpus(inputs, outdir, settings, memory=budget, spill=spill,
                                  resume=resume,
-                                 overwrite=overwrite, quiet=quiet, plot=not no_plot)
+                                 overwrite=overwrite, quiet=quiet, plot=plot)
     except KeyboardInterrupt:
         click.echo(f"fastpack: interrupted; complete shards are kept: rerun with --resume "
                    f"to finish {outdir}", err=True)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,18 +33,32 @@ import pyarrow as pa
 
 from ._errors import FastpackError
 from ._offline import (
+    WRITTEN,
     OutputDir,
     PackSettings,
     PlanStats,
+    check_plot,
     column_dtype,
+    load_tokenizer,
     output_schema,
+    plan_window,
+    resolve_columns,
     shard_batches,
     shard_name,
+    text_left_out,
+    uneven_reason,
     write_shard,
 )
 from ._progress import log
-from ._sharded import ROW_BITS, _mix, plan_shard, shard_of, sorted_unique
-from ._sources import InputError, Source, expand_inputs, iter_batches, list_lengths
+from ._sharded import ROW_BITS, mix64, plan_shard, shard_of, sorted_unique
+from ._sources import (
+    InputError,
+    Source,
+    expand_inputs,
+    field_kind,
+    iter_batches,
+    list_lengths,
+)
 
 __all__ = ["DOC", "content_keys", "pack_dataset", "pack_files", "read_files"]
 
@@ -75,7 +89,8 @@ def _ray() -> Any:
         import ray
         import ray.data  # noqa: F401
     except ImportError:
-        raise FastpackError("fastpack.ray needs Ray Data: pip install 'ray[data]'") from None
+        raise FastpackError(
+            "fastpack.ray needs Ray Data: pip install 'fastpack-seq[ray]'") from None
     return ray
 
 
@@ -97,12 +112,12 @@ def content_keys(column: pa.Array | pa.ChunkedArray) -> np.ndarray:
     starts = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=starts[1:])
     position = np.arange(len(values), dtype=np.int64) - np.repeat(starts[:-1], lengths)
-    mixed = _mix(values.view(np.uint64) * _C1 + position.view(np.uint64) * _C2)
+    mixed = mix64(values.view(np.uint64) * _C1 + position.view(np.uint64) * _C2)
     sums = np.zeros(len(lengths), dtype=np.uint64)
     full = lengths > 0
     if values.size:
         sums[full] = np.add.reduceat(mixed, starts[:-1][full])
-    return _mix(sums ^ _mix(lengths.view(np.uint64))).view(np.int64)
+    return mix64(sums ^ mix64(lengths.view(np.uint64))).view(np.int64)
 
 
 def _keys(table: pa.Table, column: str, order: str | None) -> np.ndarray:
@@ -115,11 +130,15 @@ def _keys(table: pa.Table, column: str, order: str | None) -> np.ndarray:
     return np.asarray(keys.to_numpy(), dtype=np.int64)
 
 
-def _checked_lengths(table: pa.Table, columns: Sequence[str], order: str | None) -> np.ndarray:
-    """Lengths of the first column; every column a list of integers, without nulls, of the
-    same length on every row."""
+def _checked_lengths(table: pa.Table, columns: Sequence[str], order: str | None,
+                     optional: Sequence[str] = ()) -> tuple[np.ndarray, int]:
+    """Lengths of the first column, and a bit per ``optional`` column (bit i: the i-th)
+    set when that column has another length on some row (it is not per token, and is
+    left out); every column a list of integers, without nulls, and each of ``columns``
+    of the same length on every row."""
     lengths = None
-    for name in columns:
+    uneven = 0
+    for name in [*columns, *optional]:
         if name not in table.column_names:
             raise FastpackError(f"columns: no column {name!r}; the dataset has "
                                 f"{', '.join(map(repr, table.column_names))}")
@@ -135,12 +154,15 @@ def _checked_lengths(table: pa.Table, columns: Sequence[str], order: str | None)
         if lengths is None:
             lengths = got
         elif not np.array_equal(got, lengths):
+            if name in optional:
+                uneven |= 1 << list(optional).index(name)
+                continue
             i = int(np.flatnonzero(got != lengths)[0])
             where = f" (key {int(_keys(table, columns[0], order)[i])})"
             raise FastpackError(f"column {name!r}: {got[i]} values where {columns[0]!r} has "
                                 f"{lengths[i]} tokens{where}")
     assert lengths is not None
-    return lengths
+    return lengths, uneven
 
 
 # ---------------------------------------------------------------------------------------
@@ -149,9 +171,7 @@ def _checked_lengths(table: pa.Table, columns: Sequence[str], order: str | None)
 
 def _read_file(batch: dict[str, np.ndarray], *, columns: dict[str, str],
                tokenizer: str | None, token_column: str) -> Iterator[pa.Table]:
-    from ._offline import _load_tokenizer
-
-    encode = _load_tokenizer(tokenizer) if tokenizer else None
+    encode = load_tokenizer(tokenizer) if tokenizer else None
     for index, fields in zip(batch["index"], batch["source"]):
         source = Source(**fields)
         for part in iter_batches(source, columns):
@@ -200,7 +220,7 @@ class _Planner:
     def __init__(self, shard: int, num_shards: int, settings: dict[str, Any],
                  unique: bool) -> None:
         self.shard, self.num_shards, self.unique = shard, num_shards, unique
-        self.settings = PackSettings(**{**settings, "columns": tuple(settings["columns"])})
+        self.settings = PackSettings.from_json(settings)
         self.parts: list[tuple[np.ndarray, np.ndarray]] = []
 
     def add(self, keys: np.ndarray, lengths: np.ndarray) -> None:
@@ -247,13 +267,19 @@ class _Planner:
         many = np.bincount(plan.sample_ids, minlength=len(lengths))[plan.sample_ids] > 1
         pairs = sorted_unique(plan.sample_ids[many] * width + seg_out[many])
         self.many_ranks, self.many_outs = np.divmod(pairs, width)
+        # Copies of one document (a key shared by identical documents) seen so far, per
+        # first rank of their key: the k-th copy to arrive takes the k-th rank.
+        self.arrived = np.zeros(len(lengths), dtype=np.int64)
         result.update(stats=PlanStats.of(plan, lengths, settings), packs=plan.num_packs,
                       outputs=self.num_out, group_offsets=plan.group_offsets)
         return result
 
     def route(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(row, output shard) pairs: every output shard of this plan shard that needs the
-        document of each key (a key shared by identical documents: all their shards)."""
+        document of each key. Identical documents share a key and are interchangeable:
+        each copy takes one rank of its key (the k-th to arrive, the k-th rank, counting
+        round: a dataset consumed again routes every copy again), so it goes where that
+        rank's segments are and nowhere else."""
         lo = np.searchsorted(self.keys, keys, side="left")
         if not len(self.keys):
             hi = lo
@@ -265,7 +291,21 @@ class _Planner:
             missing = int(keys[np.flatnonzero(hi == lo)[0]])
             raise FastpackError(f"the document with key {missing} was not seen by the lengths "
                                 "pass: the dataset changed between passes")
-        rows, ranks = _expand(lo, hi - lo)
+        count = hi - lo
+        rows = np.arange(len(keys), dtype=np.int64)
+        ranks = lo.astype(np.int64, copy=True)
+        many = np.flatnonzero(count > 1)
+        if many.size:
+            first = lo[many]
+            by_key = np.argsort(first, kind="stable")
+            ordered = first[by_key]
+            run_start = np.flatnonzero(np.concatenate([[True], ordered[1:] != ordered[:-1]]))
+            runs = np.diff(np.concatenate([run_start, [len(ordered)]]))
+            within = np.arange(len(ordered)) - np.repeat(run_start, runs)
+            taken = np.empty(len(ordered), dtype=np.int64)
+            taken[by_key] = (self.arrived[ordered] + within) % count[many][by_key]
+            ranks[many] = first + taken
+            np.add.at(self.arrived, ordered[run_start], runs)
         width = max(self.num_out, 1)
         first = np.searchsorted(self.many_ranks, ranks, side="left")
         count = np.searchsorted(self.many_ranks, ranks, side="right") - first
@@ -275,17 +315,15 @@ class _Planner:
                                 rows[rows2] * width + self.many_outs[at]])
         return np.divmod(sorted_unique(pairs), width)
 
-    def subplan(self, out: int) -> dict[str, np.ndarray]:
-        """The segments of one output shard, documents named by key."""
+    def subplan(self, out: int) -> dict[str, Any]:
+        """The packs of one output shard as a plan of their own, documents named by key."""
         plan = self.plan_
         assert self.settings.shard_rows is not None
         p0 = out * self.settings.shard_rows
         p1 = min(p0 + self.settings.shard_rows, plan.num_packs)
         s0, s1 = int(plan.pack_offsets[p0]), int(plan.pack_offsets[p1])
-        return {"keys": self.keys[plan.sample_ids[s0:s1]], "starts": plan.starts[s0:s1],
-                "seqlens": plan.seqlens[s0:s1],
-                "pack_offsets": plan.pack_offsets[p0:p1 + 1] - s0,
-                "first_pack": np.int64(p0)}
+        return {"plan": plan_window(plan, p0, p1, self.keys[plan.sample_ids[s0:s1]]),
+                "first_pack": p0}
 
 
 def _expand(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -299,16 +337,18 @@ def _expand(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndar
 # the Ray Data stages (plain functions: tasks, not actors)
 
 
-def _lengths_stage(table: pa.Table, *, columns: list[str], order: str | None,
-                   num_shards: int) -> pa.Table:
-    lengths = _checked_lengths(table, columns, order)
+def _lengths_stage(table: pa.Table, *, columns: list[str], optional: list[str],
+                   order: str | None, num_shards: int) -> pa.Table:
+    lengths, uneven = _checked_lengths(table, columns, order, optional)
     keys = _keys(table, columns[0], order)
-    # Bit i: column i needs int64 in the output (as column_dtype decides on one machine).
-    wide = sum(1 << i for i, c in enumerate(columns)
+    # Bit i: column i (of columns, then optional) needs int64 in the output (as
+    # column_dtype decides on one machine).
+    wide = sum(1 << i for i, c in enumerate([*columns, *optional])
                if column_dtype(table.column(c)) == "int64")
     return pa.table({_KEY: keys, "length": lengths.astype(np.int32),
                      _PLAN: shard_of(keys, num_shards).astype(np.int32),
-                     "wide": np.full(len(keys), wide, dtype=np.int64)})
+                     "wide": np.full(len(keys), wide, dtype=np.int64),
+                     "uneven": np.full(len(keys), uneven, dtype=np.int64)})
 
 
 def _route_stage(table: pa.Table, *, columns: list[str], order: str | None, planners: list[Any],
@@ -335,21 +375,22 @@ def _gather_stage(table: pa.Table, *, columns: list[str], planners: list[Any],
                   shard_base: np.ndarray, pack_base: np.ndarray, settings: dict[str, Any],
                   dtypes: dict[str, str], outdir: str | None, num_out: int) -> pa.Table:
     ray = _ray()
-    settings_ = PackSettings(**{**settings, "columns": tuple(settings["columns"])})
+    settings_ = PackSettings.from_json(settings)
     out = int(table.column(_SHARD)[0].as_py())
     plan_shard_ = int(np.searchsorted(shard_base, out, side="right")) - 1
     sub = ray.get(planners[plan_shard_].subplan.remote(out - int(shard_base[plan_shard_])))
+    window = sub["plan"]
+    wanted = window.sample_ids  # keys
     keys = np.asarray(table.column(_KEY).to_numpy(), dtype=np.int64)
     order = np.argsort(keys, kind="stable")
     sorted_keys = keys[order]
-    at = np.searchsorted(sorted_keys, sub["keys"])
-    if at.size and (at.max() >= len(keys) or (sorted_keys[at] != sub["keys"]).any()):
+    at = np.searchsorted(sorted_keys, wanted)
+    if at.size and (at.max() >= len(keys) or (sorted_keys[at] != wanted).any()):
         raise FastpackError(f"output shard {out}: a document did not arrive")
-    rows = order[at]
     _check_collisions(sorted_keys, order, table.column(columns[0]))
+    window = plan_window(window, 0, window.num_packs, order[at])  # keys -> rows
     schema = output_schema(settings_, dtypes)
-    batches = shard_batches(table.select(columns), rows, sub["starts"], sub["seqlens"],
-                            sub["pack_offsets"], settings_, schema)
+    batches = shard_batches(table.select(columns), window, settings_, schema)
     if outdir is None:
         first = int(pack_base[plan_shard_]) + int(sub["first_pack"])
         packed = pa.Table.from_batches(list(batches), schema=schema)
@@ -388,11 +429,19 @@ def _reraising(batches: Any) -> Iterator[Any]:
 
 
 class _Pipeline:
+    """``columns``: the columns packed for sure (the token column first); ``candidates``:
+    packed too where the lengths pass finds one value per token, else added to
+    ``left_out`` (with ``settings.columns=None``, every per-token column is packed)."""
+
     def __init__(self, ds: Any, settings: PackSettings, order: str | None, quiet: bool,
-                 locate: Any = None) -> None:
+                 locate: Any = None, columns: Sequence[str] | None = None,
+                 candidates: Sequence[str] = (),
+                 left_out: dict[str, str] | None = None) -> None:
         self.ray = _ray()
         self.ds, self.settings, self.order, self.quiet = ds, settings, order, quiet
-        self.columns = settings.token_columns
+        self.columns = list(columns or settings.token_columns)
+        self.candidates = list(candidates)
+        self.left_out = dict(left_out or {})
         self.locate = locate
         self.timings: dict[str, float] = {}
 
@@ -415,14 +464,16 @@ class _Pipeline:
                          for s in range(k)]
         lengths = self.ds.map_batches(
             _lengths_stage, batch_format="pyarrow",
-            fn_kwargs={"columns": self.columns, "order": self.order, "num_shards": k})
+            fn_kwargs={"columns": self.columns, "optional": self.candidates,
+                       "order": self.order, "num_shards": k})
         pending: list[Any] = []
-        wide = 0
+        wide = uneven = 0
         documents = 0
         for batch in _reraising(lengths.iter_batches(batch_format="numpy",
                                                      batch_size=1 << 20)):
             keys, lens, shard = batch[_KEY], batch["length"], batch[_PLAN]
             wide |= int(np.bitwise_or.reduce(batch["wide"])) if len(keys) else 0
+            uneven |= int(np.bitwise_or.reduce(batch["uneven"])) if len(keys) else 0
             documents += len(keys)
             for s in np.unique(shard):
                 mine = shard == s
@@ -446,8 +497,15 @@ class _Pipeline:
                     f"({count:,} such documents in its plan shard); pass --overlong split, "
                     "truncate or drop (or a larger --long-max-len)", column=settings.column,
                     **where)
-        self.dtypes = {c: "int64" if wide >> i & 1 else "int32"
-                       for i, c in enumerate(self.columns)}
+        everything = [*self.columns, *self.candidates]
+        for i, c in enumerate(self.candidates):
+            if uneven >> i & 1:
+                self.left_out[c] = uneven_reason(self.columns[0])
+            else:
+                self.columns.append(c)
+        self.dtypes = {c: "int64" if wide >> everything.index(c) & 1 else "int32"
+                       for c in self.columns}
+        self.settings = replace(settings, columns=tuple(self.columns[1:]))
         self.stats = PlanStats.merge([r["stats"] for r in results])
         outputs = [r["outputs"] for r in results]
         self.shard_base = np.concatenate([[0], np.cumsum(outputs)]).astype(np.int64)
@@ -462,11 +520,16 @@ class _Pipeline:
             f"({self.timings['lengths']:.1f} s lengths, {self.timings['plan']:.1f} s plan)",
             quiet=self.quiet)
 
-    def gather(self, outdir: str | None, skip: frozenset[int] = frozenset()) -> Any:
-        routed = self.ds.map_batches(
+    def routed(self, skip: frozenset[int] = frozenset()) -> Any:
+        """The documents tagged with the output shard that needs them: a row per (copy of
+        a) document and shard it goes to."""
+        return self.ds.map_batches(
             _route_stage, batch_format="pyarrow",
             fn_kwargs={"columns": self.columns, "order": self.order, "planners": self.planners,
                        "shard_base": self.shard_base, "skip": skip})
+
+    def gather(self, outdir: str | None, skip: frozenset[int] = frozenset()) -> Any:
+        routed = self.routed(skip)
         todo = self.num_out - len(skip)
         cpus = int(self.ray.cluster_resources().get("CPU", 1))
         return routed.groupby(_SHARD, num_partitions=max(1, min(todo, 2 * cpus))).map_groups(
@@ -477,9 +540,47 @@ class _Pipeline:
                        "outdir": outdir, "num_out": self.num_out})
 
 
-def _settings(max_len: int, column: str, columns: Sequence[str] | None, **kwargs: Any
-              ) -> PackSettings:
-    return PackSettings(max_len=max_len, column=column, columns=tuple(columns or ()), **kwargs)
+def _read_of_files(ds: Any) -> list[str] | None:
+    """The paths of a dataset that is a plain ``ray.data.read_parquet(paths)`` (nothing
+    after it: no projection, filter or limit), else None. Ray Data keeps no row order and
+    gives no row index, so such a dataset is read again by :func:`read_files`, which
+    keys each document by its file and row: the order of ``fastpack pack PATHS``. (Ray
+    has no public way to ask a dataset what it reads; this looks at its logical plan.)"""
+    try:
+        dag = ds._logical_plan.dag
+        if type(dag).__name__ != "ReadFiles" or "parquet" not in dag.name.lower():
+            return None
+        (listing,) = dag.input_dependencies
+        if type(listing).__name__ != "ListFiles" or listing.input_dependencies:
+            return None
+        if dag.get_projection_map() or dag.get_current_predicate() is not None or any(
+                getattr(listing, a, None) is not None
+                for a in ("projected_columns", "predicate", "limit", "partition_filter")):
+            return None
+        return [str(p) for p in listing.paths]
+    except Exception:  # another Ray's plan: order by content instead
+        return None
+
+
+def _schema_columns(ds: Any, column: str, order: str | None,
+                    columns: Sequence[str] | None) -> tuple[list[str], list[str], dict[str, str]]:
+    """(named, candidates, left_out) of a dataset, as :func:`resolve_columns` for files:
+    with ``columns=None`` every other column of lists of integers is a candidate."""
+    if columns is not None:
+        return [column, *[c for c in columns if c != column]], [], {}
+    schema = ds.schema()
+    candidates, left_out = [], {}
+    for name, t in zip(schema.names, schema.types) if schema is not None else ():
+        if name in (column, order):
+            continue
+        kind = field_kind(t) if isinstance(t, pa.DataType) else f"holds {t}"
+        if name in WRITTEN:
+            left_out[name] = "written by the packing itself"
+        elif kind == "tokens":
+            candidates.append(name)
+        else:
+            left_out[name] = kind
+    return [column], candidates, left_out
 
 
 def pack_dataset(
@@ -493,44 +594,50 @@ def pack_dataset(
     overlong: str = "error",
     long_max_len: int | None = None,
     group_tokens: int | None = None,
-    shuffle: bool = False,
+    shuffle: bool = True,
     seed: int = 0,
     shard_rows: int | None = None,
     plan_shards: int = 1,
 ) -> Any:
     """Packs a ``ray.data.Dataset`` of token lists into a ``ray.data.Dataset`` of packed
-    rows: ``column`` and every one of ``columns`` packed, ``seq_lengths``,
+    rows: ``column`` and the other per-token columns packed, ``seq_lengths``,
     ``position_ids`` (the columns of ``fastpack.hf.pack_dataset``) and ``pack_index``, the
     row's place in the plan (Ray Data does not keep order: sort by it, or drop it).
 
-    ``order``: an integer column of unique document keys that fixes fastpack's document
-    order (:func:`read_files` adds ``doc``); without it the order is by a hash of each
-    document's tokens. The plan is made before this returns (the lengths pass runs now);
-    the gather runs when the result is consumed. ``plan_shards=K`` plans in ``K``
-    independent shards (for more lengths than one process holds; about half a pack more
-    per shard). The other arguments are those of :func:`fastpack.pack`; ``shard_rows`` packs
-    are gathered per task.
+    ``columns``: the other per-token columns to pack (default: every column holding a
+    list of integers with one value per token, as ``fastpack pack``). ``order``: an
+    integer column of unique document keys that fixes fastpack's document order
+    (:func:`read_files` adds ``doc``). Without it, a dataset that is a plain
+    ``ray.data.read_parquet(paths)`` is read in the order of its files and rows -- the
+    packs of ``fastpack pack PATHS`` -- and any other is ordered by a hash of each
+    document's tokens (identical documents share it; each copy is packed once).
+
+    The plan is made before this returns (the lengths pass runs now); the gather runs
+    when the result is consumed. ``plan_shards=K`` plans in ``K`` independent shards (for
+    more lengths than one process holds; about half a pack more per shard). The other
+    arguments are those of :func:`fastpack.pack`, with its defaults (shuffled packs, seed
+    0); ``shard_rows`` packs are gathered per task.
     """
-    settings = _settings(max_len, column, columns, strategy=strategy, overlong=overlong,
-                         long_max_len=long_max_len, group_tokens=group_tokens,
-                         shuffle=shuffle, seed=seed, shard_rows=shard_rows,
-                         plan_shards=plan_shards)
-    _validate(settings)
-    pipeline = _Pipeline(ds, settings, order, quiet=True)
-    pipeline.check_columns()
+    settings = PackSettings(max_len=max_len, column=column,
+                            columns=None if columns is None else tuple(columns),
+                            strategy=strategy, overlong=overlong, long_max_len=long_max_len,
+                            group_tokens=group_tokens, shuffle=shuffle, seed=seed,
+                            shard_rows=shard_rows, plan_shards=plan_shards)
+    settings.validate()
+    files = _read_of_files(ds) if order is None else None
+    if files is not None:
+        named, candidates, left_out = resolve_columns(expand_inputs(files), column, columns)
+        ds = read_files(files, column=column, columns=[*named[1:], *candidates])
+        order = DOC
+    else:
+        named, candidates, left_out = _schema_columns(ds, column, order, columns)
+    pipeline = _Pipeline(ds, settings, order, True, None, named, candidates, left_out)
+    if files is None:
+        pipeline.check_columns()
     pipeline.plan()
     result = pipeline.gather(None)
     result._fastpack_plan = pipeline  # the planners live as long as the dataset
     return result
-
-
-def _validate(settings: PackSettings) -> None:
-    """The argument checks of fastpack.pack, before a cluster does any work."""
-    from ._plan import pack
-
-    pack(np.zeros(0, np.int32), settings.max_len, strategy=settings.strategy,
-         overlong=settings.overlong, long_max_len=settings.long_max_len,
-         group_tokens=settings.group_tokens, seed=settings.seed)
 
 
 def pack_files(
@@ -542,12 +649,13 @@ def pack_files(
     resume: bool = False,
     overwrite: bool = False,
     quiet: bool = False,
-    plot: bool = True,
+    plot: bool | None = None,
 ) -> dict[str, Any]:
     """``fastpack pack --ray``: files to parquet shards, byte for byte those of the
     single-machine path, with the same manifest, report and resume."""
     ray = _ray()
-    _validate(settings)
+    settings.validate()
+    check_plot(plot)
     if not ray.is_initialized():
         try:
             ray.init(address=None if address in (None, "local") else address,
@@ -559,7 +667,15 @@ def pack_files(
     sources = expand_inputs(inputs)
     out = OutputDir(Path(outdir), settings, sources, quiet)
     resumed = out.prepare(resume=resume, overwrite=overwrite)
-    ds = read_files(inputs, column=settings.column, columns=settings.columns,
+    candidates: list[str]
+    left_out: dict[str, str]
+    if settings.text_column:
+        named, candidates = [settings.column], []
+        left_out = text_left_out(sources, settings.text_column)
+    else:
+        named, candidates, left_out = resolve_columns(sources, settings.column,
+                                                      settings.columns)
+    ds = read_files(inputs, column=settings.column, columns=[*named[1:], *candidates],
                     text_column=settings.text_column, tokenizer=settings.tokenizer)
     if settings.text_column:
         ds = ds.materialize()  # tokenize once, not in both passes
@@ -567,13 +683,14 @@ def pack_files(
     def locate(key: int) -> dict[str, Any]:
         return {"path": sources[key >> ROW_BITS].path, "row": key & ((1 << ROW_BITS) - 1)}
 
-    pipeline = _Pipeline(ds, settings, DOC, quiet, locate)
+    pipeline = _Pipeline(ds, settings, DOC, quiet, locate, named, candidates, left_out)
     try:
         pipeline.plan()
     except BaseException:
         if not resumed:
             out.abandon()
         raise
+    out.packing(pipeline.columns)
     done = out.verified_done(pipeline.num_out)
     clock = time.monotonic()
     entries = dict(done)
@@ -587,4 +704,5 @@ def pack_files(
                      "nodes": len(ray.nodes()), "plan_shards": settings.plan_shards},
              "seconds": {k: round(v, 3) for k, v in pipeline.timings.items()}}
     return out.finish(pipeline.stats, [entries[i] for i in range(pipeline.num_out)],
-                      pipeline.dtypes, extra, plot=plot, group_offsets=pipeline.group_offsets)
+                      pipeline.dtypes, extra, plot=plot, group_offsets=pipeline.group_offsets,
+                      left_out=pipeline.left_out)
