@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Literal
 
+import numpy as np
 import torch
 
 from .._errors import FastpackError, FastpackTypeError
@@ -43,8 +44,8 @@ def packed_loss(
     batch: Mapping[str, Any],
     *,
     weighting: Weighting = "token",
-    num_items_in_batch: int | torch.Tensor | None = None,
-    num_sequences_in_batch: int | torch.Tensor | None = None,
+    num_items_in_batch: int | np.integer | np.ndarray | torch.Tensor | None = None,
+    num_sequences_in_batch: int | np.integer | np.ndarray | torch.Tensor | None = None,
     ignore_index: int = -100,
 ) -> torch.Tensor:
     """Causal-LM cross-entropy of a packed batch, normalised over its optimizer step.
@@ -71,7 +72,9 @@ def packed_loss(
         weighting: ``"token"`` (default) or ``"sequence"``.
         num_items_in_batch, num_sequences_in_batch: the normalisers; default: the
             batch's keys of those names (set by :class:`~fastpack.torch.PackedSampler`
-            steps), else the counts of this batch alone (a plain mean).
+            steps), else the counts of this batch alone (a plain mean). An int, a numpy
+            integer or one-element integer array (as in ``return_tensors="np"`` batches),
+            or a one-element tensor.
         ignore_index: the label that is not a target.
 
     Returns:
@@ -173,13 +176,27 @@ def _check_shape(name: str, t: torch.Tensor, rows: int, width: int) -> None:
 
 
 def _normaliser(
-    name: str, given: int | torch.Tensor | None, batch: Mapping[str, Any], local: torch.Tensor
+    name: str, given: Any, batch: Mapping[str, Any], local: torch.Tensor
 ) -> torch.Tensor:
     value = given if given is not None else batch.get(name)
     if value is None:
         return local
-    if isinstance(value, bool) or not isinstance(value, (int, torch.Tensor)):
-        raise FastpackTypeError(f"{name}: expected an int or a tensor, got {type(value).__name__}")
+    if isinstance(value, (np.integer, np.ndarray)):
+        # numpy counts are exact when they are integers: a numpy scalar, or a one-element
+        # array (``PackedDataset(..., return_tensors="np")`` batches carry a 0-d one).
+        array = np.asarray(value)
+        if array.dtype.kind not in "iu" or array.size != 1:
+            raise FastpackTypeError(
+                f"{name}: expected an integer count (an int, a numpy integer, a one-element "
+                f"integer array or tensor), got a numpy array of dtype {array.dtype} and "
+                f"shape {array.shape}"
+            )
+        value = int(array.reshape(()))
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, torch.Tensor)):
+        raise FastpackTypeError(
+            f"{name}: expected an integer count (an int, a numpy integer, a one-element "
+            f"integer array or tensor), got {type(value).__name__} {value}"
+        )
     t = torch.as_tensor(value)
     if t.numel() != 1:
         raise FastpackError(f"{name}: expected one number, got shape {tuple(t.shape)}")
