@@ -156,6 +156,12 @@ PLAN = [
         r"^pack_offsets: expected integers, got dtype float64"),
     Row("plan-starts-length", _plan_of(starts=np.zeros(2, np.int64)), E,
         r"^starts: has 2 entries; seqlens has 4 \(one per segment\)"),
+    Row("plan-fields-none", lambda: fastpack.Plan(None), T,  # type: ignore[arg-type]
+        r"^fields: expected a dict of the plan's arrays and counts, got NoneType"),
+    Row("plan-fields-missing", lambda: fastpack.Plan({"seqlens": np.array([3], np.int32)}), E,
+        r"^fields: missing 'sample_ids', 'starts', 'pack_offsets', 'max_len', .*; a plan needs"),
+    Row("plan-max_len-negative", _plan_of(max_len=-1), E,
+        r"^max_len: got -1; expected an integer >= 1"),
     Row("plan-pack_offsets-unchecked-layout", _unchecked_plan_layout, E,
         r"^pack_offsets: entries 1 and 2 are 3 and 1: not a range of the 4 segments"),
     Row("packs-out-of-range", lambda: _plan().cu_seqlens(5), E,
@@ -360,6 +366,15 @@ def _torch_rows() -> list[Row]:
             r"^num_items_in_batch: expected an integer count .* got a numpy array of dtype float64"),
         Row("loss-num_items-float", loss(num_items_in_batch=5.0), T,
             r"^num_items_in_batch: expected an integer count .* got float 5\.0"),
+        Row("loss-batch-none", lambda: packed_loss(loss_logits, None), T,  # type: ignore[arg-type]
+            r"^batch: expected the batch as a dict \(a Mapping with 'labels'\), got NoneType"),
+        Row("loss-labels-float", lambda: packed_loss(loss_logits, {"labels": torch.zeros(1, 3)}),
+            T, r"^labels: expected integer token ids, got dtype torch\.float32"),
+        Row("loss-labels-past-vocab",
+            lambda: packed_loss(loss_logits, {"labels": torch.tensor([[-100, 2, 9]])}), E,
+            r"^labels: token id 9 is outside the vocabulary 0\.\.4 \(logits\.shape\[-1\] = 5\)"),
+        Row("loss-ignore_index-str", loss(ignore_index="pad"), T,
+            r"^ignore_index: expected an int, got str 'pad'"),
         # PackedCollator: every option is checked where the collator is built.
         Row("collator-max_len", collator(max_len=0), E, r"^max_len: got 0; expected an integer"),
         Row("collator-max_len-str", collator(max_len="8"), T, r"^max_len: expected an integer"),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Union
 
@@ -224,6 +224,10 @@ def _plan_array(name: str, value: Any) -> np.ndarray:
     return np.ascontiguousarray(array)
 
 
+# What `_with_metrics` computes (with the buckets' and the groups').
+_METRICS = ("total_tokens", "lower_bound", "efficiency")
+
+
 def _with_metrics(fields: dict[str, Any]) -> dict[str, Any]:
     """The fields of a plan assembled in Python (a step's sub-plan, shards joined, a
     stream's window restored), with every metric (``total_tokens``, ``lower_bound``,
@@ -233,7 +237,22 @@ def _with_metrics(fields: dict[str, Any]) -> dict[str, Any]:
     segments; ``pack_caps``; ``group_offsets``): a bad one raises a FastpackError naming
     it. Each bucket's ``num_sequences`` (an input count the arrays cannot give) comes
     from ``fields["buckets"]``, else, with one bucket, from the plan's counts."""
+    if not isinstance(fields, Mapping):
+        raise FastpackTypeError(
+            f"fields: expected a dict of the plan's arrays and counts, got {type(fields).__name__}"
+        )
+    needed = [name for name in Plan._FIELDS if name not in _METRICS]
+    missing = [name for name in needed if name not in fields]
+    if missing:
+        raise FastpackError(
+            f"fields: missing {', '.join(map(repr, missing))}; a plan needs "
+            f"{', '.join(map(repr, needed))} (its metrics are computed)"
+        )
     fields = dict(fields)
+    fields["max_len"] = _int_arg("max_len", fields["max_len"], minimum=1)
+    for name in ("long_max_len", "group_tokens"):
+        if fields.get(name) is not None:
+            fields[name] = _int_arg(name, fields[name], minimum=1)
     for name in _ARRAYS:
         if fields.get(name) is not None:
             fields[name] = _plan_array(name, fields[name])
@@ -255,7 +274,7 @@ def _with_metrics(fields: dict[str, Any]) -> dict[str, Any]:
             "buckets: a plan with long_max_len needs each bucket's num_sequences"
         )
     metrics = _core.plan_metrics(
-        fields["seqlens"], fields["pack_offsets"], int(fields["max_len"]), sequences,
+        fields["seqlens"], fields["pack_offsets"], fields["max_len"], sequences,
         fields.get("pack_caps"), long_max_len, fields.get("group_offsets"),
         fields.get("group_tokens"),
     )

@@ -85,7 +85,8 @@ def packed_loss(
     Raises:
         FastpackError: unknown ``weighting``, a missing ``labels`` key, shapes that do
             not match, or a negative normaliser.
-        FastpackTypeError: ``logits`` is not a floating-point tensor.
+        FastpackTypeError: ``logits`` is not a floating-point tensor, ``batch`` not a dict,
+            ``labels`` not integers, or a normaliser not an integer count.
     """
     if weighting not in WEIGHTINGS:
         raise FastpackError(
@@ -96,9 +97,20 @@ def packed_loss(
             f"logits: expected a floating-point torch.Tensor, got "
             f"{type(logits).__name__ if not isinstance(logits, torch.Tensor) else logits.dtype}"
         )
+    if not isinstance(batch, Mapping):
+        raise FastpackTypeError(
+            f"batch: expected the batch as a dict (a Mapping with 'labels'), got "
+            f"{type(batch).__name__}"
+        )
     if "labels" not in batch:
         raise FastpackError(f"batch: no 'labels' key (keys: {sorted(batch)})")
-    labels = torch.as_tensor(batch["labels"])
+    if isinstance(ignore_index, (bool, np.bool_)) or not isinstance(
+        ignore_index, (int, np.integer)
+    ):
+        raise FastpackTypeError(
+            f"ignore_index: expected an int, got {type(ignore_index).__name__} {ignore_index!r}"
+        )
+    labels = _labels(batch["labels"])
     if logits.ndim == 2:
         logits = logits.unsqueeze(0)
     if labels.ndim == 1:
@@ -108,6 +120,15 @@ def packed_loss(
             f"logits: shape {tuple(logits.shape)} does not match labels {tuple(labels.shape)}; "
             "expected [rows, T, vocab] with labels [rows, T]"
         )
+    if labels.device.type == "cpu":  # on an accelerator the check would sync
+        ids = labels[labels != ignore_index]
+        if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < logits.shape[-1]:
+            bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+            raise FastpackError(
+                f"labels: token id {bad} is outside the vocabulary 0..{logits.shape[-1] - 1} "
+                f"(logits.shape[-1] = {logits.shape[-1]}); the only other label allowed is "
+                f"ignore_index ({ignore_index})"
+            )
     labels = labels.to(logits.device)
     targets = labels[:, 1:]
     flat = logits[:, :-1].reshape(-1, logits.shape[-1])
@@ -168,6 +189,21 @@ def segment_ids(
     return starts.reshape(-1).cumsum(0).sub_(1).reshape(rows, width)
 
 
+def _labels(value: Any) -> torch.Tensor:
+    try:
+        labels = torch.as_tensor(value)
+    except (TypeError, RuntimeError, ValueError):
+        raise FastpackTypeError(
+            f"labels: expected integer token ids (a tensor, array or nested list), "
+            f"got {type(value).__name__}"
+        ) from None
+    if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+        raise FastpackTypeError(
+            f"labels: expected integer token ids, got dtype {labels.dtype}"
+        )
+    return labels
+
+
 def _check_shape(name: str, t: torch.Tensor, rows: int, width: int) -> None:
     if tuple(t.shape) != (rows, width):
         raise FastpackError(
@@ -195,7 +231,8 @@ def _normaliser(
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, torch.Tensor)):
         raise FastpackTypeError(
             f"{name}: expected an integer count (an int, a numpy integer, a one-element "
-            f"integer array or tensor), got {type(value).__name__} {value}"
+            f"integer array or tensor), got {type(value).__name__} "
+            f"{value if isinstance(value, np.generic) else repr(value)}"
         )
     t = torch.as_tensor(value)
     if t.numel() != 1:
