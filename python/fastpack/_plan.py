@@ -563,7 +563,10 @@ def pack(
 
     Args:
         lengths: 1-D integers: a numpy array (any integer dtype; int32/int64/uint16/uint32
-            and the other native widths are read in place), a list, or a torch tensor.
+            and the other native widths are read in place), a list, an iterator, or a torch
+            tensor (one on an accelerator is copied to the CPU once; meta tensors and
+            float16/bfloat16 ones, which cannot hold every length, are refused). Whole-number
+            floats are accepted. Token rows instead of lengths are refused, saying so.
         max_len: tokens per pack.
         strategy: ``"bfd"`` best-fit decreasing (fewest packs), ``"ffd"`` first-fit
             decreasing, ``"next_fit"`` (keeps input order), ``"wrapped"`` (concatenate and
