@@ -461,12 +461,13 @@ impl<T: Word, P> Claims<'_, T, P> {
         for (pos, k, payload) in &self.runs {
             let (pos, k) = (*pos as usize, *k as usize);
             let mut written = 0;
-            for value in values(payload, pos, k).take(k) {
-                // SAFETY: `take(k)` keeps `written < k`, and `pos + k <= total`
-                // (`Cursors::claim`): aligned and in the allocation; every store to the
-                // buffer before `finish` is atomic.
-                unsafe { T::store_at(self.base.add(pos + written), value) };
-                written += 1;
+            // Zipped with the run's slots: stops at `k` items, and for slice-based
+            // iterators compiles to one counted loop, as fast as trusting `len()`.
+            for (j, value) in (0..k).zip(values(payload, pos, k)) {
+                // SAFETY: `j < k` and `pos + k <= total` (`Cursors::claim`): aligned and in
+                // the allocation; every store to the buffer before `finish` is atomic.
+                unsafe { T::store_at(self.base.add(pos + j), value) };
+                written = j + 1;
             }
             // Unwinding drops `self` unfilled, which zero-fills every run.
             assert_eq!(written, k, "a run is filled whole");
