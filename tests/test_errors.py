@@ -62,6 +62,20 @@ PACK = [
     Row("lengths-generator-of-str", _pack(iter("ab")), T, r"^lengths: expected integers"),
     Row("lengths-none-element", _pack([1, None]), T, r"^lengths: element 1 is NoneType None"),
     Row("lengths-huge", _pack([2**70]), E, r"^lengths: .*int64"),
+    Row("lengths-token-lists", _pack([[1, 2], [3]]), E,
+        r"^lengths: rows of different lengths; this looks like token lists; pass the lengths "
+        r"\(e\.g\. \[len\(x\) for x in rows\]\)"),
+    Row("lengths-token-arrays", _pack([np.array([1, 2]), np.array([3])]), E,
+        r"^lengths: rows of different lengths; this looks like token lists"),
+    Row("lengths-token-lists-one-width", _pack([[1, 2], [3, 4]]), E,
+        r"^lengths: expected a 1-D array, got shape \(2, 2\); this looks like token lists"),
+    Row("lengths-token-lists-object-array", _pack(np.array([[1], [2, 3]], dtype=object)), E,
+        r"^lengths: element 0 is a list of values; this looks like token lists"),
+    Row("lengths-none", _pack(None), T, r"^lengths: expected a 1-D array-like .* got NoneType"),
+    Row("lengths-masked-array", _pack(np.ma.array([3, 5], mask=[0, 1])), T,
+        r"^lengths: got a masked array, whose masked entries would be read as lengths"),
+    Row("lengths-float16", _pack(np.array([3, 5], np.float16)), T,
+        r"^lengths: expected integers, got dtype float16, which cannot hold every length"),
     Row("lengths-overlong", _pack([3, 9, 4, 12]), E,
         r"^lengths: 2 sequence\(s\) longer than 8 tokens \(first at index 1, length 9\); pass "
         r"overlong=\"truncate\", \"split\" or \"drop\""),
@@ -112,7 +126,44 @@ PACK = [
         r"^group_tokens: expected an integer, got str"),
 ]
 
+def _plan_of(**change: Any) -> Callable[[], Any]:
+    """A Plan built from the arrays of a 3-pack, 4-segment plan with ``change``: as Python
+    code or a user assembles one."""
+    def build() -> Any:
+        plan = fastpack.pack([3, 2, 5], 4, overlong="split", shuffle=False)
+        fields = {name: getattr(plan, name) for name in fastpack.Plan._FIELDS}
+        return fastpack.Plan({**fields, **change})
+    return build
+
+
+def _unchecked_plan_layout() -> Any:
+    """The layout of a plan whose ``pack_offsets`` nobody checked (changed after it was
+    built): the layout checks what it reads."""
+    plan = fastpack.pack([3, 2, 5], 4, overlong="split", shuffle=False)
+    fields = {name: getattr(plan, name) for name in fastpack.Plan._FIELDS}
+    fields["pack_offsets"] = np.array([0, 3, 1, 4])
+    return fastpack.Plan._from_core(fields).cu_seqlens([1])
+
+
 PLAN = [
+    Row("plan-pack_offsets-decreasing", _plan_of(pack_offsets=np.array([0, 3, 1, 4])), E,
+        r"^pack_offsets: decreases at index 2: 3 then 1; expected non-decreasing offsets"),
+    Row("plan-pack_offsets-start", _plan_of(pack_offsets=np.array([1, 3, 4])), E,
+        r"^pack_offsets: starts at 1; expected 0"),
+    Row("plan-pack_offsets-end", _plan_of(pack_offsets=np.array([0, 1, 3])), E,
+        r"^pack_offsets: ends at 3 \(index 2\); expected the number of segments, 4"),
+    Row("plan-pack_offsets-float", _plan_of(pack_offsets=np.array([0.0, 1, 3, 4])), T,
+        r"^pack_offsets: expected integers, got dtype float64"),
+    Row("plan-starts-length", _plan_of(starts=np.zeros(2, np.int64)), E,
+        r"^starts: has 2 entries; seqlens has 4 \(one per segment\)"),
+    Row("plan-fields-none", lambda: fastpack.Plan(None), T,  # type: ignore[arg-type]
+        r"^fields: expected a dict of the plan's arrays and counts, got NoneType"),
+    Row("plan-fields-missing", lambda: fastpack.Plan({"seqlens": np.array([3], np.int32)}), E,
+        r"^fields: missing 'sample_ids', 'starts', 'pack_offsets', 'max_len', .*; a plan needs"),
+    Row("plan-max_len-negative", _plan_of(max_len=-1), E,
+        r"^max_len: got -1; expected an integer >= 1"),
+    Row("plan-pack_offsets-unchecked-layout", _unchecked_plan_layout, E,
+        r"^pack_offsets: entries 1 and 2 are 3 and 1: not a range of the 4 segments"),
     Row("packs-out-of-range", lambda: _plan().cu_seqlens(5), E,
         r"^packs: pack 5 out of range; the plan has 1 packs"),
     Row("packs-negative-index", lambda: _plan().cu_seqlens(np.array([-1])), E,
@@ -293,7 +344,37 @@ def _torch_rows() -> list[Row]:
                            max_length_q=5)
         return run
 
+    from fastpack.torch import packed_loss
+
+    loss_batch = PackedCollator(max_len=8)([sample])
+    loss_logits = torch.zeros(1, 3, 5)
+
+    def loss(**kwargs: Any) -> Callable[[], Any]:
+        return lambda: packed_loss(loss_logits, loss_batch, **kwargs)
+
     return [
+        # fastpack.pack with tensors of lengths.
+        Row("lengths-bfloat16-tensor", _pack(torch.tensor([3.0, 5.0], dtype=torch.bfloat16)), T,
+            r"^lengths: expected integers, got a torch\.bfloat16 tensor, which cannot hold every "
+            r"length exactly; keep the lengths in an integer tensor"),
+        Row("lengths-meta-tensor", _pack(torch.tensor([3, 5], device="meta")), E,
+            r"^lengths: got a tensor on the 'meta' device, which holds no values"),
+        # packed_loss's normalisers: integer counts, whatever their container.
+        Row("loss-num_items-numpy-float", loss(num_items_in_batch=np.float64(5.0)), T,
+            r"^num_items_in_batch: expected an integer count .* got float64 5\.0"),
+        Row("loss-num_items-numpy-float-array", loss(num_items_in_batch=np.array(5.0)), T,
+            r"^num_items_in_batch: expected an integer count .* got a numpy array of dtype float64"),
+        Row("loss-num_items-float", loss(num_items_in_batch=5.0), T,
+            r"^num_items_in_batch: expected an integer count .* got float 5\.0"),
+        Row("loss-batch-none", lambda: packed_loss(loss_logits, None), T,  # type: ignore[arg-type]
+            r"^batch: expected the batch as a dict \(a Mapping with 'labels'\), got NoneType"),
+        Row("loss-labels-float", lambda: packed_loss(loss_logits, {"labels": torch.zeros(1, 3)}),
+            T, r"^labels: expected integer token ids, got dtype torch\.float32"),
+        Row("loss-labels-past-vocab",
+            lambda: packed_loss(loss_logits, {"labels": torch.tensor([[-100, 2, 9]])}), E,
+            r"^labels: token id 9 is outside the vocabulary 0\.\.4 \(logits\.shape\[-1\] = 5\)"),
+        Row("loss-ignore_index-str", loss(ignore_index="pad"), T,
+            r"^ignore_index: expected an int, got str 'pad'"),
         # PackedCollator: every option is checked where the collator is built.
         Row("collator-max_len", collator(max_len=0), E, r"^max_len: got 0; expected an integer"),
         Row("collator-max_len-str", collator(max_len="8"), T, r"^max_len: expected an integer"),

@@ -179,3 +179,42 @@ def test_bad_input() -> None:
     two_rows = dict(wide, labels=torch.zeros(2, 3, dtype=torch.int64))
     with pytest.raises(FastpackError, match="cu_seq_lens_q: describes one flat row"):
         packed_loss(torch.zeros(2, 3, VOCAB), two_rows, weighting="sequence")
+
+
+def test_numpy_normalisers_are_exact_counts() -> None:
+    samples = make_samples([5, 7, 4], seed=3, masked=False)
+    batch = PackedCollator(max_len=32, backend="flash")(samples)
+    logits = table(3)[batch["input_ids"]]
+    expected = packed_loss(logits, batch, num_items_in_batch=9)
+    for value in (np.int64(9), np.uint32(9), np.array(9), np.array([9], dtype=np.int32)):
+        got = packed_loss(logits, batch, num_items_in_batch=value)
+        assert torch.equal(got, expected), type(value)
+        assert torch.equal(packed_loss(logits, {**batch, "num_items_in_batch": value}), expected)
+    seq = packed_loss(logits, batch, weighting="sequence", num_sequences_in_batch=2)
+    got = packed_loss(logits, batch, weighting="sequence", num_sequences_in_batch=np.int16(2))
+    assert torch.equal(got, seq)
+    for bad, shown in ((np.float64(9.0), "float64 9.0"), (np.array(9.0), "dtype float64"),
+                       (np.array([9, 9]), r"shape \(2,\)"), (np.bool_(True), "bool")):
+        with pytest.raises(FastpackTypeError, match=rf"^num_items_in_batch: expected an integer "
+                           rf"count .*{shown}"):
+            packed_loss(logits, batch, num_items_in_batch=bad)
+
+
+def test_loss_of_a_numpy_dataset_step_is_the_torch_one() -> None:
+    from fastpack.torch import PackedDataset, PackedSampler
+
+    samples = make_samples([5, 7, 4, 9, 3, 6], seed=4, masked=False)
+    tokens = [s["input_ids"] for s in samples]
+    weights = table(4)
+    steps = {}
+    for kind in ("np", "pt"):
+        ds = PackedDataset(tokens, collator=PackedCollator(max_len=16, return_tensors=kind))
+        steps[kind] = []
+        for step in PackedSampler(ds, num_replicas=1, rank=0, shuffle=False):
+            batch = ds[step]
+            logits = weights[torch.as_tensor(batch["input_ids"])]
+            steps[kind].append((packed_loss(logits, batch), batch["num_items_in_batch"]))
+    assert len(steps["np"]) == len(steps["pt"]) > 1
+    for (loss_np, n_np), (loss_pt, n_pt) in zip(steps["np"], steps["pt"]):
+        assert isinstance(n_np, np.ndarray) and isinstance(n_pt, torch.Tensor)
+        assert int(n_np) == int(n_pt) and torch.equal(loss_np, loss_pt)

@@ -146,19 +146,27 @@ def test_outputs_are_moved_from_rust_not_copied():
         assert not array.flags.writeable, name
 
 
-def test_lists_tuples_torch_and_integral_floats_are_accepted():
+def test_lists_tuples_and_integral_floats_are_accepted():
     expected = fastpack.pack(np.array([3, 5, 2, 6]), 8)
-    inputs = [[3, 5, 2, 6], (3, 5, 2, 6), np.array([3.0, 5.0, 2.0, 6.0]), range(3, 4)]
-    torch = pytest.importorskip("torch")
-    inputs.append(torch.tensor([3, 5, 2, 6]))
-    inputs.append(torch.tensor([3, 5, 2, 6], dtype=torch.int32)[::1])
-    for value in inputs[:3] + inputs[4:]:
+    inputs = [[3, 5, 2, 6], (3, 5, 2, 6), np.array([3.0, 5.0, 2.0, 6.0]), iter([3, 5, 2, 6]),
+              [np.int64(3), np.int32(5), np.array(2), 6.0]]
+    for value in inputs:
         plan = fastpack.pack(value, 8)
         np.testing.assert_array_equal(plan.sample_ids, expected.sample_ids)
     noncontiguous = np.array([3, 99, 5, 99, 2, 99, 6, 99])[::2]
     np.testing.assert_array_equal(fastpack.pack(noncontiguous, 8).seqlens, expected.seqlens)
     big_endian = np.array([3, 5, 2, 6], dtype=">i8")
     np.testing.assert_array_equal(fastpack.pack(big_endian, 8).seqlens, expected.seqlens)
+
+
+def test_torch_tensors_are_accepted():
+    torch = pytest.importorskip("torch")
+    expected = fastpack.pack(np.array([3, 5, 2, 6]), 8)
+    inputs = [torch.tensor([3, 5, 2, 6]), torch.tensor([3, 5, 2, 6], dtype=torch.int32),
+              torch.tensor([3, 99, 5, 99, 2, 99, 6, 99])[::2], torch.tensor([3.0, 5.0, 2.0, 6.0])]
+    for value in inputs:
+        plan = fastpack.pack(value, 8)
+        np.testing.assert_array_equal(plan.sample_ids, expected.sample_ids)
 
 
 def test_empty_input_and_empty_sequences():
@@ -235,3 +243,136 @@ def test_plan_is_picklable_for_dataloader_workers():
     clone = pickle.loads(pickle.dumps(plan))
     np.testing.assert_array_equal(clone.sample_ids, plan.sample_ids)
     assert clone.num_packs == plan.num_packs
+
+
+def _fields(plan, **change):
+    """The fields a Plan is built from, without its metrics (Python assembles plans so)."""
+    fields = {name: getattr(plan, name) for name in fastpack.Plan._FIELDS}
+    for name in ("lower_bound", "efficiency", "total_tokens"):
+        fields[name] = -1  # must not be read
+    return {**fields, **change}
+
+
+@pytest.mark.parametrize(
+    ("offsets", "match"),
+    [
+        ([0, 2, 1, 5], r"^pack_offsets: decreases at index 2: 2 then 1; expected non-decreasing"),
+        ([1, 2, 4, 5], r"^pack_offsets: starts at 1; expected 0"),
+        ([0, 2, 4, 4], r"^pack_offsets: ends at 4 \(index 3\); expected the number of segments, 5"),
+        ([], r"^pack_offsets: is empty"),
+    ],
+)
+def test_a_plan_of_bad_pack_offsets_is_refused(offsets, match):
+    plan = fastpack.pack([3, 2, 5, 7, 1], 8, shuffle=False)
+    assert plan.pack_offsets.tolist() == [0, 2, 4, 5]
+    with pytest.raises(fastpack.FastpackError, match=match):
+        fastpack.Plan(_fields(plan, pack_offsets=np.array(offsets, dtype=np.int64)))
+
+
+def test_layout_of_bad_pack_offsets_names_them_without_a_panic(capfd):
+    # A plan whose arrays nobody checked (the core's path into Plan, or arrays changed
+    # after the plan was built): the layout checks the packs it reads.
+    plan = fastpack.pack([3, 2, 5, 7, 1], 8, shuffle=False)
+    fields = {**_fields(plan), "pack_offsets": np.array([0, 2, 1, 5], dtype=np.int64)}
+    for name in ("lower_bound", "efficiency", "total_tokens"):
+        fields[name] = getattr(plan, name)
+    bad = fastpack.Plan._from_core(fields)
+    match = r"^pack_offsets: entries 1 and 2 are 2 and 1: not a range of the 5 segments"
+    with pytest.raises(fastpack.FastpackError, match=match):
+        bad.cu_seqlens([1])
+    with pytest.raises(fastpack.FastpackError, match=match):
+        bad.varlen([0, 1])
+    offsets = np.array([0, 2, 9, 5], dtype=np.int64)
+    with pytest.raises(fastpack.FastpackError, match=r"^pack_offsets: entries 1 and 2 are 2 and 9"):
+        fastpack._core.cu_seqlens(plan.seqlens, offsets, np.array([1], dtype=np.int64))
+    assert "panicked" not in capfd.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "match"),
+    [
+        ({"sample_ids": np.zeros(4, np.int64)}, fastpack.FastpackError,
+         r"^sample_ids: has 4 entries; seqlens has 5"),
+        ({"seqlens": np.array([3.0, 2, 5, 7, 1])}, fastpack.FastpackTypeError,
+         r"^seqlens: expected integers, got dtype float64"),
+        ({"seqlens": np.array([3, 2, -5, 7, 1])}, fastpack.FastpackError,
+         r"^seqlens: negative length -5 at index 2"),
+        ({"seqlens": np.array([3, 2, 2**40, 7, 1])}, fastpack.FastpackError,
+         r"^seqlens: a value does not fit in int32"),
+        ({"pack_offsets": np.array([[0, 2, 4, 5]])}, fastpack.FastpackError,
+         r"^pack_offsets: expected a 1-D array, got shape \(1, 4\)"),
+        ({"pack_caps": np.array([8, 9, 8], np.int32)}, fastpack.FastpackError,
+         r"^pack_caps: pack 1 has cap 9; expected max_len \(8\)"),
+        ({"pack_caps": np.array([8, 8], np.int32)}, fastpack.FastpackError,
+         r"^pack_caps: has 2 entries for 3 packs"),
+        ({"group_offsets": np.array([0, 3]), "group_tokens": None}, fastpack.FastpackError,
+         r"^group_tokens: missing: the plan has group_offsets"),
+        ({"group_offsets": np.array([0, 2]), "group_tokens": 16}, fastpack.FastpackError,
+         r"^group_offsets: ends at 2 \(index 1\); expected the number of packs, 3"),
+    ],
+)
+def test_a_plan_of_bad_arrays_is_refused(change, error, match):
+    plan = fastpack.pack([3, 2, 5, 7, 1], 8, shuffle=False)
+    with pytest.raises(error, match=match):
+        fastpack.Plan(_fields(plan, **change))
+
+
+METRICS = ("total_tokens", "lower_bound", "efficiency", "group_lower_bound", "group_efficiency")
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths=st.lists(st.integers(0, 90), max_size=120),
+    max_len=st.integers(8, 40),
+    long=st.one_of(st.none(), st.integers(1, 60)),
+    budget=st.one_of(st.none(), st.integers(0, 200)),
+    overlong=st.sampled_from(["truncate", "split", "drop"]),
+    reserve=st.integers(0, 2),
+    seed=st.integers(0, 3),
+)
+def test_metrics_of_an_assembled_plan_are_the_cores(lengths, max_len, long, budget, overlong,
+                                                   reserve, seed):
+    long_max_len = None if long is None else max_len + long
+    group_tokens = None if budget is None else (long_max_len or max_len) + budget
+    plan = fastpack.pack(lengths, max_len, overlong=overlong, reserve=reserve, seed=seed,
+                         long_max_len=long_max_len, group_tokens=group_tokens)
+    # The same arrays assembled in Python, as a joined or restored plan is: no metric given.
+    fields = _fields(plan, long_max_len=plan.long_max_len, group_tokens=plan.group_tokens,
+                     group_offsets=plan.group_offsets, group_fills=None)
+    if plan.long_max_len is not None:
+        fields["pack_caps"] = plan.pack_caps
+    fields["buckets"] = [{"max_len": b.max_len, "num_sequences": b.num_sequences}
+                         for b in plan.buckets]
+    assembled = fastpack.Plan(fields)
+    for name in METRICS:
+        assert getattr(assembled, name) == getattr(plan, name), name
+    assert assembled.buckets == plan.buckets
+    if plan.group_fills is None:
+        assert assembled.group_fills is None
+    else:
+        np.testing.assert_array_equal(assembled.group_fills, plan.group_fills)
+
+
+def test_a_slice_of_a_plan_has_its_own_metrics():
+    plan = fastpack.pack(np.arange(1, 40) % 13 + 1, 16, shuffle=False)
+    lo, hi = int(plan.pack_offsets[2]), int(plan.pack_offsets[5])
+    fields = _fields(plan, sample_ids=plan.sample_ids[lo:hi], starts=plan.starts[lo:hi],
+                     seqlens=plan.seqlens[lo:hi], pack_offsets=plan.pack_offsets[2:6] - lo)
+    fields["lower_bound"], fields["efficiency"] = plan.lower_bound, plan.efficiency
+    part = fastpack.Plan(fields)
+    tokens = int(plan.seqlens[lo:hi].sum())
+    assert part.num_packs == 3 and part.total_tokens == tokens
+    assert part.lower_bound == -(-tokens // 16) and part.efficiency == tokens / (3 * 16)
+    assert part.buckets[0].num_packs == 3 and part.buckets[0].total_tokens == tokens
+
+
+def test_a_step_sub_plan_has_its_own_metrics():
+    pytest.importorskip("torch")
+    from fastpack.torch.data import _sub_plan
+
+    plan = fastpack.pack(np.arange(1, 60) % 17 + 1, 32, seed=3)
+    lo, hi = int(plan.pack_offsets[1]), int(plan.pack_offsets[3]) - 1  # a cut step
+    sub = _sub_plan(plan, 1, 3, lo, hi)
+    tokens = int(plan.seqlens[lo:hi].sum())
+    assert sub.num_packs == 2 and sub.total_tokens == tokens != plan.total_tokens
+    assert sub.lower_bound == -(-tokens // 32) and sub.efficiency == tokens / (2 * 32)

@@ -35,6 +35,16 @@ def cu_seqlens(seqlens: np.ndarray, pack_offsets: np.ndarray, packs: np.ndarray)
 def varlen(
     seqlens: np.ndarray, pack_offsets: np.ndarray, packs: np.ndarray, threads: int | None
 ) -> tuple[np.ndarray, np.ndarray]: ...
+def plan_metrics(
+    seqlens: np.ndarray,
+    pack_offsets: np.ndarray,
+    max_len: int,
+    bucket_sequences: list[int],
+    pack_caps: np.ndarray | None = None,
+    long_max_len: int | None = None,
+    group_offsets: np.ndarray | None = None,
+    group_tokens: int | None = None,
+) -> dict[str, Any]: ...
 def default_threads() -> int: ...
 def materialize(
     sample_ids: np.ndarray,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Union
 
@@ -71,31 +71,86 @@ def _choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
     return value
 
 
+# What a user who passed token rows instead of their lengths is told.
+_TOKEN_LISTS = "this looks like token lists; pass the lengths (e.g. [len(x) for x in rows])"
+
+
+def _is_row(value: Any) -> bool:
+    """A sequence of tokens rather than one length: a list, tuple, array or tensor of any
+    size other than a 0-d one."""
+    if isinstance(value, (list, tuple)):
+        return True
+    shape = getattr(value, "shape", None)
+    return shape is not None and len(shape) > 0
+
+
+def _from_torch(tensor: Any, name: str) -> np.ndarray:
+    import torch
+
+    if tensor.device.type == "meta":
+        raise FastpackError(
+            f"{name}: got a tensor on the 'meta' device, which holds no values; pass the "
+            f"lengths on the CPU (or on an accelerator, which is copied to the CPU)"
+        )
+    if tensor.is_floating_point() and tensor.dtype not in (torch.float32, torch.float64):
+        # bfloat16 holds whole numbers exactly only up to 256, float16 up to 2048: the
+        # lengths were rounded before they got here.
+        raise FastpackTypeError(
+            f"{name}: expected integers, got a {tensor.dtype} tensor, which cannot hold every "
+            f"length exactly; keep the lengths in an integer tensor (e.g. lengths.long())"
+        )
+    tensor = tensor.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    return tensor.contiguous().numpy()
+
+
 def as_lengths(lengths: Any, name: str = "lengths") -> np.ndarray:
     """`lengths` as a 1-D contiguous integer numpy array, without a copy when it already
-    is one (any integer dtype, numpy or CPU torch)."""
+    is one (any integer dtype, numpy or torch). A tensor on an accelerator is copied to
+    the CPU (one device-to-host copy); a meta tensor, or a float tensor narrower than
+    float32, is refused."""
     if type(lengths).__module__.startswith("torch"):
-        tensor = lengths.detach()
-        if tensor.device.type != "cpu":
-            tensor = tensor.cpu()
         # Floating tensors go through the same whole-number check as numpy floats below.
-        lengths = tensor.contiguous().numpy()
+        lengths = _from_torch(lengths, name)
     if isinstance(lengths, Iterator):  # a generator or map(...): read it once, in order
         lengths = list(lengths)
-    if isinstance(lengths, (str, bytes, dict, set, frozenset)) or np.isscalar(lengths):
+    if lengths is None or isinstance(lengths, (str, bytes, dict, set, frozenset)) or \
+            np.isscalar(lengths):
         raise FastpackTypeError(
             f"{name}: expected a 1-D array-like of integers (numpy array, list, tuple, range, "
             f"iterator or tensor), got {type(lengths).__name__}"
         )
-    array = lengths if isinstance(lengths, np.ndarray) else np.asarray(lengths)
+    if isinstance(lengths, np.ma.MaskedArray):
+        raise FastpackTypeError(
+            f"{name}: got a masked array, whose masked entries would be read as lengths; pass "
+            f"lengths.compressed() or lengths.filled(0)"
+        )
+    if isinstance(lengths, np.ndarray):
+        array = lengths
+    else:
+        try:
+            array = np.asarray(lengths)
+        except ValueError:  # numpy refuses rows of different lengths
+            if any(_is_row(v) for v in lengths):
+                raise FastpackError(f"{name}: rows of different lengths; {_TOKEN_LISTS}") from None
+            raise
     if array.ndim != 1:
-        raise FastpackError(f"{name}: expected a 1-D array, got shape {array.shape}")
+        hint = ""
+        if array.ndim == 2 and not isinstance(lengths, np.ndarray):
+            hint = f"; {_TOKEN_LISTS}"
+        raise FastpackError(f"{name}: expected a 1-D array, got shape {array.shape}{hint}")
     kind = array.dtype.kind
     if kind == "b":
         raise FastpackTypeError(f"{name}: expected integers, got booleans (dtype bool)")
     if kind in "iu":
         if array.dtype not in _NATIVE_DTYPES or not array.dtype.isnative:
             array = array.astype(np.int64)
+    elif kind == "f" and array.dtype.itemsize < 4:
+        raise FastpackTypeError(
+            f"{name}: expected integers, got dtype {array.dtype}, which cannot hold every "
+            f"length exactly; keep the lengths in an integer array"
+        )
     elif kind == "f" or (kind == "O" and array.size == 0):
         array = _integral_floats(array.astype(np.float64), name)
     elif kind == "O":
@@ -127,6 +182,10 @@ def _integral_objects(array: np.ndarray, name: str) -> np.ndarray:
         if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
             if isinstance(value, (float, np.floating)) and float(value).is_integer():
                 continue
+            if _is_row(value):
+                raise FastpackError(
+                    f"{name}: element {i} is a {type(value).__name__} of values; {_TOKEN_LISTS}"
+                )
             raise FastpackTypeError(
                 f"{name}: element {i} is {type(value).__name__} {value!r}; expected integers"
             )
@@ -141,29 +200,85 @@ def _readonly(array: np.ndarray) -> np.ndarray:
     return array
 
 
+# Each array of a plan and its dtype (see `Plan`).
+_ARRAYS: dict[str, type[np.signedinteger[Any]]] = {
+    "sample_ids": np.int64, "starts": np.int64, "seqlens": np.int32, "pack_offsets": np.int64,
+    "pack_caps": np.int32, "group_offsets": np.int64, "group_fills": np.int64,
+}
+
+
+def _plan_array(name: str, value: Any) -> np.ndarray:
+    """A plan array given by Python code or a user, as the 1-D contiguous array of its dtype
+    (no copy when it already is one)."""
+    dtype = np.dtype(_ARRAYS[name])
+    array = value if isinstance(value, np.ndarray) else np.asarray(value)
+    if array.ndim != 1:
+        raise FastpackError(f"{name}: expected a 1-D array, got shape {array.shape}")
+    if array.dtype != dtype:
+        if array.size and array.dtype.kind not in "iu":
+            raise FastpackTypeError(f"{name}: expected integers, got dtype {array.dtype}")
+        bounds = np.iinfo(_ARRAYS[name])
+        if array.size and (array.min() < bounds.min or array.max() > bounds.max):
+            raise FastpackError(f"{name}: a value does not fit in {dtype}")
+        array = array.astype(dtype)
+    return np.ascontiguousarray(array)
+
+
+# What `_with_metrics` computes (with the buckets' and the groups').
+_METRICS = ("total_tokens", "lower_bound", "efficiency")
+
+
 def _with_metrics(fields: dict[str, Any]) -> dict[str, Any]:
-    """The metrics of a plan assembled in Python (a step's sub-plan, shards joined, a
-    stream's window restored), which the core did not make: the same definitions as the
-    core's (``Plan.lower_bound``, ``Plan.efficiency``, ``Bucket``)."""
+    """The fields of a plan assembled in Python (a step's sub-plan, shards joined, a
+    stream's window restored), with every metric (``total_tokens``, ``lower_bound``,
+    ``efficiency``, the buckets' and the groups') computed by the core from its arrays,
+    as for the plans the core makes; metrics given in ``fields`` are replaced. The arrays
+    are checked first (``pack_offsets`` from 0, non-decreasing, ending at the number of
+    segments; ``pack_caps``; ``group_offsets``): a bad one raises a FastpackError naming
+    it. Each bucket's ``num_sequences`` (an input count the arrays cannot give) comes
+    from ``fields["buckets"]``, else, with one bucket, from the plan's counts."""
+    if not isinstance(fields, Mapping):
+        raise FastpackTypeError(
+            f"fields: expected a dict of the plan's arrays and counts, got {type(fields).__name__}"
+        )
+    needed = [name for name in Plan._FIELDS if name not in _METRICS]
+    missing = [name for name in needed if name not in fields]
+    if missing:
+        raise FastpackError(
+            f"fields: missing {', '.join(map(repr, missing))}; a plan needs "
+            f"{', '.join(map(repr, needed))} (its metrics are computed)"
+        )
     fields = dict(fields)
-    num_packs = len(fields["pack_offsets"]) - 1
-    max_len = int(fields["max_len"])
-    total = int(fields["total_tokens"])
-    buckets = []
-    for b in fields.get("buckets", ()):
-        b = dict(b)
-        b.setdefault("lower_bound", -(-int(b["total_tokens"]) // int(b["max_len"])))
-        capacity = int(b["num_packs"]) * int(b["max_len"])
-        b.setdefault("efficiency", b["total_tokens"] / capacity if capacity else 1.0)
-        buckets.append(b)
+    fields["max_len"] = _int_arg("max_len", fields["max_len"], minimum=1)
+    for name in ("long_max_len", "group_tokens"):
+        if fields.get(name) is not None:
+            fields[name] = _int_arg(name, fields[name], minimum=1)
+    for name in _ARRAYS:
+        if fields.get(name) is not None:
+            fields[name] = _plan_array(name, fields[name])
+    segments = len(fields["seqlens"])
+    for name in ("sample_ids", "starts"):
+        if len(fields[name]) != segments:
+            raise FastpackError(
+                f"{name}: has {len(fields[name])} entries; seqlens has {segments} (one per "
+                f"segment)"
+            )
+    long_max_len = fields.get("long_max_len")
+    buckets = fields.get("buckets") or ()
     if buckets:
-        fields["buckets"] = buckets
-        fields.setdefault("lower_bound", sum(b["lower_bound"] for b in buckets))
+        sequences = [int(b["num_sequences"]) for b in buckets]
+    elif long_max_len is None:
+        sequences = [int(fields["num_sequences"]) - int(fields["empty_sequences"])]
     else:
-        fields.setdefault("lower_bound", -(-total // max_len))
-    caps = fields.get("pack_caps")
-    capacity = int(np.asarray(caps).sum()) if caps is not None else num_packs * max_len
-    fields.setdefault("efficiency", total / capacity if capacity else 1.0)
+        raise FastpackError(
+            "buckets: a plan with long_max_len needs each bucket's num_sequences"
+        )
+    metrics = _core.plan_metrics(
+        fields["seqlens"], fields["pack_offsets"], fields["max_len"], sequences,
+        fields.get("pack_caps"), long_max_len, fields.get("group_offsets"),
+        fields.get("group_tokens"),
+    )
+    fields.update(metrics)
     return fields
 
 
@@ -260,10 +375,19 @@ class Plan:
     _pack_caps: np.ndarray | None
 
     def __init__(self, fields: dict[str, Any]) -> None:
-        if "lower_bound" not in fields or any(
-            "lower_bound" not in b for b in fields.get("buckets", ())
-        ):
-            fields = _with_metrics(fields)
+        """A plan from its fields (the arrays and counts above). Every metric is computed
+        by the core from the arrays, after checking them (see ``_with_metrics``); metrics
+        in ``fields`` are not read."""
+        self._set(_with_metrics(fields))
+
+    @classmethod
+    def _from_core(cls, fields: dict[str, Any]) -> Plan:
+        """The plan the core made: its arrays and metrics are taken as they are."""
+        plan = cls.__new__(cls)
+        plan._set(fields)
+        return plan
+
+    def _set(self, fields: dict[str, Any]) -> None:
         for name in self._FIELDS:
             value = fields[name]
             setattr(self, name, _readonly(value) if isinstance(value, np.ndarray) else value)
@@ -439,7 +563,10 @@ def pack(
 
     Args:
         lengths: 1-D integers: a numpy array (any integer dtype; int32/int64/uint16/uint32
-            and the other native widths are read in place), a list, or a torch tensor.
+            and the other native widths are read in place), a list, an iterator, or a torch
+            tensor (one on an accelerator is copied to the CPU once; meta tensors and
+            float16/bfloat16 ones, which cannot hold every length, are refused). Whole-number
+            floats are accepted. Token rows instead of lengths are refused, saying so.
         max_len: tokens per pack.
         strategy: ``"bfd"`` best-fit decreasing (fewest packs), ``"ffd"`` first-fit
             decreasing, ``"next_fit"`` (keeps input order), ``"wrapped"`` (concatenate and
@@ -497,4 +624,4 @@ def pack(
         array, max_len, strategy, overlong, reserve, seed if shuffle else None, threads,
         None, long_max_len, group_tokens,
     )
-    return Plan(fields)
+    return Plan._from_core(fields)

@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Literal
 
+import numpy as np
 import torch
 
 from .._errors import FastpackError, FastpackTypeError
@@ -43,8 +44,8 @@ def packed_loss(
     batch: Mapping[str, Any],
     *,
     weighting: Weighting = "token",
-    num_items_in_batch: int | torch.Tensor | None = None,
-    num_sequences_in_batch: int | torch.Tensor | None = None,
+    num_items_in_batch: int | np.integer | np.ndarray | torch.Tensor | None = None,
+    num_sequences_in_batch: int | np.integer | np.ndarray | torch.Tensor | None = None,
     ignore_index: int = -100,
 ) -> torch.Tensor:
     """Causal-LM cross-entropy of a packed batch, normalised over its optimizer step.
@@ -71,7 +72,9 @@ def packed_loss(
         weighting: ``"token"`` (default) or ``"sequence"``.
         num_items_in_batch, num_sequences_in_batch: the normalisers; default: the
             batch's keys of those names (set by :class:`~fastpack.torch.PackedSampler`
-            steps), else the counts of this batch alone (a plain mean).
+            steps), else the counts of this batch alone (a plain mean). An int, a numpy
+            integer or one-element integer array (as in ``return_tensors="np"`` batches),
+            or a one-element tensor.
         ignore_index: the label that is not a target.
 
     Returns:
@@ -82,7 +85,8 @@ def packed_loss(
     Raises:
         FastpackError: unknown ``weighting``, a missing ``labels`` key, shapes that do
             not match, or a negative normaliser.
-        FastpackTypeError: ``logits`` is not a floating-point tensor.
+        FastpackTypeError: ``logits`` is not a floating-point tensor, ``batch`` not a dict,
+            ``labels`` not integers, or a normaliser not an integer count.
     """
     if weighting not in WEIGHTINGS:
         raise FastpackError(
@@ -93,9 +97,20 @@ def packed_loss(
             f"logits: expected a floating-point torch.Tensor, got "
             f"{type(logits).__name__ if not isinstance(logits, torch.Tensor) else logits.dtype}"
         )
+    if not isinstance(batch, Mapping):
+        raise FastpackTypeError(
+            f"batch: expected the batch as a dict (a Mapping with 'labels'), got "
+            f"{type(batch).__name__}"
+        )
     if "labels" not in batch:
         raise FastpackError(f"batch: no 'labels' key (keys: {sorted(batch)})")
-    labels = torch.as_tensor(batch["labels"])
+    if isinstance(ignore_index, (bool, np.bool_)) or not isinstance(
+        ignore_index, (int, np.integer)
+    ):
+        raise FastpackTypeError(
+            f"ignore_index: expected an int, got {type(ignore_index).__name__} {ignore_index!r}"
+        )
+    labels = _labels(batch["labels"])
     if logits.ndim == 2:
         logits = logits.unsqueeze(0)
     if labels.ndim == 1:
@@ -105,6 +120,15 @@ def packed_loss(
             f"logits: shape {tuple(logits.shape)} does not match labels {tuple(labels.shape)}; "
             "expected [rows, T, vocab] with labels [rows, T]"
         )
+    if labels.device.type == "cpu":  # on an accelerator the check would sync
+        ids = labels[labels != ignore_index]
+        if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < logits.shape[-1]:
+            bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+            raise FastpackError(
+                f"labels: token id {bad} is outside the vocabulary 0..{logits.shape[-1] - 1} "
+                f"(logits.shape[-1] = {logits.shape[-1]}); the only other label allowed is "
+                f"ignore_index ({ignore_index})"
+            )
     labels = labels.to(logits.device)
     targets = labels[:, 1:]
     flat = logits[:, :-1].reshape(-1, logits.shape[-1])
@@ -165,6 +189,21 @@ def segment_ids(
     return starts.reshape(-1).cumsum(0).sub_(1).reshape(rows, width)
 
 
+def _labels(value: Any) -> torch.Tensor:
+    try:
+        labels = torch.as_tensor(value)
+    except (TypeError, RuntimeError, ValueError):
+        raise FastpackTypeError(
+            f"labels: expected integer token ids (a tensor, array or nested list), "
+            f"got {type(value).__name__}"
+        ) from None
+    if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+        raise FastpackTypeError(
+            f"labels: expected integer token ids, got dtype {labels.dtype}"
+        )
+    return labels
+
+
 def _check_shape(name: str, t: torch.Tensor, rows: int, width: int) -> None:
     if tuple(t.shape) != (rows, width):
         raise FastpackError(
@@ -173,13 +212,28 @@ def _check_shape(name: str, t: torch.Tensor, rows: int, width: int) -> None:
 
 
 def _normaliser(
-    name: str, given: int | torch.Tensor | None, batch: Mapping[str, Any], local: torch.Tensor
+    name: str, given: Any, batch: Mapping[str, Any], local: torch.Tensor
 ) -> torch.Tensor:
     value = given if given is not None else batch.get(name)
     if value is None:
         return local
-    if isinstance(value, bool) or not isinstance(value, (int, torch.Tensor)):
-        raise FastpackTypeError(f"{name}: expected an int or a tensor, got {type(value).__name__}")
+    if isinstance(value, (np.integer, np.ndarray)):
+        # numpy counts are exact when they are integers: a numpy scalar, or a one-element
+        # array (``PackedDataset(..., return_tensors="np")`` batches carry a 0-d one).
+        array = np.asarray(value)
+        if array.dtype.kind not in "iu" or array.size != 1:
+            raise FastpackTypeError(
+                f"{name}: expected an integer count (an int, a numpy integer, a one-element "
+                f"integer array or tensor), got a numpy array of dtype {array.dtype} and "
+                f"shape {array.shape}"
+            )
+        value = int(array.reshape(()))
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, torch.Tensor)):
+        raise FastpackTypeError(
+            f"{name}: expected an integer count (an int, a numpy integer, a one-element "
+            f"integer array or tensor), got {type(value).__name__} "
+            f"{value if isinstance(value, np.generic) else repr(value)}"
+        )
     t = torch.as_tensor(value)
     if t.numel() != 1:
         raise FastpackError(f"{name}: expected one number, got shape {tuple(t.shape)}")

@@ -5,16 +5,34 @@ use rayon::prelude::*;
 
 use crate::error::{Error, Result};
 
+/// The chosen packs exist and their segment ranges lie inside `seqlens`: a plan whose
+/// offsets are broken gets an error naming `pack_offsets`, never a panic. Only the chosen
+/// packs are checked (a step reads a few packs of a big plan); `Plan` checks all of them
+/// when it is built from arrays.
 fn check_packs(pack_offsets: &[i64], seqlens: &[i32], packs: &[i64]) -> Result<()> {
     let num_packs = pack_offsets.len().saturating_sub(1) as i64;
     if pack_offsets.last().copied().unwrap_or(0) as usize != seqlens.len() {
         return Err(Error::invalid("pack_offsets", "does not end at the number of segments"));
     }
-    if let Some(&bad) = packs.iter().find(|&&p| p < 0 || p >= num_packs) {
-        return Err(Error::invalid(
-            "packs",
-            format!("pack index {bad} out of range; the plan has {num_packs} packs"),
-        ));
+    for &p in packs {
+        if p < 0 || p >= num_packs {
+            return Err(Error::invalid(
+                "packs",
+                format!("pack index {p} out of range; the plan has {num_packs} packs"),
+            ));
+        }
+        let (lo, hi) = (pack_offsets[p as usize], pack_offsets[p as usize + 1]);
+        if lo < 0 || lo > hi || hi as usize > seqlens.len() {
+            return Err(Error::invalid(
+                "pack_offsets",
+                format!(
+                    "entries {p} and {} are {lo} and {hi}: not a range of the {} segments; \
+                     expected non-decreasing offsets from 0 to the number of segments",
+                    p + 1,
+                    seqlens.len()
+                ),
+            ));
+        }
     }
     Ok(())
 }
@@ -82,4 +100,23 @@ pub fn positions_from_cu(cu: &[i32]) -> Vec<i64> {
         }
     });
     positions
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn broken_offsets_are_an_error_not_a_panic() {
+        let seqlens = [3, 2, 5, 1];
+        assert_eq!(cu_seqlens(&seqlens, &[0, 2, 3, 4], &[1, 0]).unwrap(), vec![0, 5, 8, 10]);
+        for (offsets, pack) in [([0i64, 3, 1, 4], 1), ([0, 2, 9, 4], 1), ([0, -1, 3, 4], 0)] {
+            let err = cu_seqlens(&seqlens, &offsets, &[pack]).unwrap_err();
+            assert!(
+                err.to_string()
+                    .starts_with(&format!("pack_offsets: entries {pack} and {}", pack + 1)),
+                "{err}"
+            );
+        }
+    }
 }

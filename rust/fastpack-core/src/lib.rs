@@ -67,4 +67,6 @@ pub(crate) fn proptest_cases(default: u32) -> u32 {
 pub use length::Length;
 pub use pack::{pack, pack_two_level};
 pub use plan::{Overlong, PackOptions, Plan, Stats, Strategy, MAX_ITEMS, MAX_LEN_LIMIT};
-pub use two_level::{Bucket, Groups, Levels, TwoLevelPlan, GROUP_TOKENS_LIMIT};
+pub use two_level::{
+    metrics, Bucket, Groups, Levels, Metrics, PlanArrays, TwoLevelPlan, GROUP_TOKENS_LIMIT,
+};

@@ -449,21 +449,28 @@ impl<T: Word, P> Claims<'_, T, P> {
     }
 
     /// Fills every run: `values(payload, first position, count)` gives its values, exactly
-    /// `count` of them.
+    /// `count` of them. Whatever the iterator's `len()` says, at most `count` items are
+    /// stored per run (the store stays inside the claim), and a run given fewer panics
+    /// before `filled` is set, so the drop zero-fills every claimed position: an iterator
+    /// that lies gives a panic, never a write outside the claim or a position unwritten.
     #[inline(always)]
-    pub(crate) fn fill<I: ExactSizeIterator<Item = T>>(
+    pub(crate) fn fill<I: Iterator<Item = T>>(
         mut self,
         mut values: impl FnMut(&P, usize, usize) -> I,
     ) {
         for (pos, k, payload) in &self.runs {
             let (pos, k) = (*pos as usize, *k as usize);
-            let it = values(payload, pos, k);
-            assert_eq!(it.len(), k, "a run is filled whole");
-            for (j, value) in it.enumerate() {
-                // SAFETY: `pos + j < pos + k <= total` (`Cursors::claim`): aligned and in the
-                // allocation; every store to the buffer before `finish` is atomic.
+            let mut written = 0;
+            // Zipped with the run's slots: stops at `k` items, and for slice-based
+            // iterators compiles to one counted loop, as fast as trusting `len()`.
+            for (j, value) in (0..k).zip(values(payload, pos, k)) {
+                // SAFETY: `j < k` and `pos + k <= total` (`Cursors::claim`): aligned and in
+                // the allocation; every store to the buffer before `finish` is atomic.
                 unsafe { T::store_at(self.base.add(pos + j), value) };
+                written = j + 1;
             }
+            // Unwinding drops `self` unfilled, which zero-fills every run.
+            assert_eq!(written, k, "a run is filled whole");
         }
         self.filled = true;
     }
@@ -703,6 +710,52 @@ mod tests {
             let want = if r % 7 == 0 { 0 } else { r as u64 + 1 };
             let place = offsets[q] as usize..offsets[q + 1] as usize;
             assert!(v[place].iter().all(|&x| x == want), "range {r}");
+        }
+    }
+
+    /// An `ExactSizeIterator` whose `len()` is `claimed` while it yields `items` values: a
+    /// safe trait, so `len()` may say anything.
+    struct Lying {
+        claimed: usize,
+        items: std::ops::Range<u64>,
+    }
+
+    impl Iterator for Lying {
+        type Item = u64;
+        fn next(&mut self) -> Option<u64> {
+            self.items.next()
+        }
+    }
+
+    impl ExactSizeIterator for Lying {
+        fn len(&self) -> usize {
+            self.claimed
+        }
+    }
+
+    #[test]
+    fn claims_stay_sound_whatever_the_iterator_says() {
+        // Two ranges of 3 positions; a claim of the first range's 3, filled by an iterator
+        // that yields `items` values while `len()` says 3. Its neighbour range (and the
+        // buffer's end, right after it) must be untouched, and a short run never leaves a
+        // claimed position unwritten.
+        for items in [0u64, 2, 3, 5, 1000] {
+            let tiling = Tiling::new(vec![3, 3], None, "t").unwrap();
+            let mut v: Vec<u64> = Vec::new();
+            let mut tiles = tiling.over(&mut v, "t").unwrap();
+            let mut cursors = tiles.cursors();
+            let mut claims = cursors.claims(1);
+            assert!(cursors.claim(0, 3, (), &mut claims));
+            for value in [7, 8, 9] {
+                cursors.push(1, value).unwrap();
+            }
+            let filled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                claims.fill(|_, _, k| Lying { claimed: k, items: 1..items + 1 })
+            }));
+            assert_eq!(filled.is_ok(), items >= 3, "{items} items");
+            assert_eq!(tiles.finish(), Some(vec![0, 3, 6]));
+            let head = if items >= 3 { vec![1, 2, 3] } else { vec![0, 0, 0] };
+            assert_eq!(v, [head, vec![7, 8, 9]].concat(), "{items} items");
         }
     }
 }

@@ -183,15 +183,22 @@ impl Plan {
 
     /// `ceil(total_tokens / max_len)`: no plan can use fewer packs.
     pub fn lower_bound(&self) -> u64 {
-        self.stats.total_tokens.div_ceil(self.max_len)
+        self.bucket().lower_bound()
     }
 
-    /// Fraction of the packs' capacity holding tokens.
+    /// Fraction of the packs' capacity holding tokens; 1.0 for no pack.
     pub fn efficiency(&self) -> f64 {
-        if self.num_packs() == 0 {
-            return 1.0;
+        self.bucket().efficiency()
+    }
+
+    /// The plan as one bucket of `max_len`, whose metrics define the plan's.
+    fn bucket(&self) -> crate::Bucket {
+        crate::Bucket {
+            max_len: self.max_len,
+            num_sequences: self.stats.num_sequences - self.stats.empty_sequences,
+            num_packs: self.num_packs() as u64,
+            total_tokens: self.stats.total_tokens,
         }
-        self.stats.total_tokens as f64 / (self.num_packs() as f64 * self.max_len as f64)
     }
 
     /// Tokens in each pack (its fill).

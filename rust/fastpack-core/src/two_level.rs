@@ -9,7 +9,10 @@
 //! `group_tokens` tokens; the packs are laid out so each group's packs are contiguous, and
 //! `group_offsets` is the CSR one level up. Groups never mix buckets.
 //!
-//! Every metric (bounds, efficiencies) is computed here, once; the Python layer reads them.
+//! Every metric (bounds, efficiencies, fills) is defined here, once: [`TwoLevelPlan`]
+//! reports them for the plans the core makes, and [`metrics`] computes the same ones from
+//! the arrays of a plan assembled elsewhere (a step's sub-plan, shards joined, a stream's
+//! window restored), which the Python layer calls instead of computing its own.
 
 use crate::error::{Error, Result};
 use crate::plan::{PackOptions, Plan, Strategy, MAX_LEN_LIMIT};
@@ -123,34 +126,243 @@ pub struct TwoLevelPlan {
 impl TwoLevelPlan {
     /// Sum of the buckets' lower bounds: packs never mix buckets.
     pub fn lower_bound(&self) -> u64 {
-        self.buckets.iter().map(Bucket::lower_bound).sum()
+        lower_bound(&self.buckets)
     }
 
     /// Tokens over the summed capacity of all packs, each at its own cap.
     pub fn efficiency(&self) -> f64 {
-        let capacity: u64 = self.buckets.iter().map(|b| b.num_packs * b.max_len).sum();
-        if capacity == 0 {
-            return 1.0;
-        }
-        self.plan.stats.total_tokens as f64 / capacity as f64
+        efficiency(self.plan.stats.total_tokens, &self.buckets)
     }
 
     /// Tokens over `num_groups * group_tokens`, if grouped; 1.0 for no group.
     pub fn group_efficiency(&self) -> Option<f64> {
         let groups = self.groups.as_ref()?;
-        if groups.num_groups() == 0 {
-            return Some(1.0);
-        }
-        let capacity = groups.num_groups() as f64 * groups.group_tokens as f64;
-        Some(self.plan.stats.total_tokens as f64 / capacity)
+        Some(group_efficiency(
+            self.plan.stats.total_tokens,
+            groups.num_groups(),
+            groups.group_tokens,
+        ))
     }
 
     /// Fewest groups possible, if grouped: per bucket `ceil(total_tokens / group_tokens)`,
     /// summed (groups never mix buckets).
     pub fn group_lower_bound(&self) -> Option<u64> {
-        let budget = self.groups.as_ref()?.group_tokens;
-        Some(self.buckets.iter().map(|b| b.total_tokens.div_ceil(budget)).sum())
+        Some(group_lower_bound(&self.buckets, self.groups.as_ref()?.group_tokens))
     }
+
+    /// Every metric of the plan.
+    pub fn metrics(&self) -> Metrics {
+        Metrics {
+            total_tokens: self.plan.stats.total_tokens,
+            lower_bound: self.lower_bound(),
+            efficiency: self.efficiency(),
+            buckets: self.buckets.clone(),
+            group_fills: self.groups.as_ref().map(|g| g.group_fills.clone()),
+            group_lower_bound: self.group_lower_bound(),
+            group_efficiency: self.group_efficiency(),
+        }
+    }
+}
+
+fn lower_bound(buckets: &[Bucket]) -> u64 {
+    buckets.iter().map(Bucket::lower_bound).sum()
+}
+
+fn efficiency(total_tokens: u64, buckets: &[Bucket]) -> f64 {
+    let capacity: u64 = buckets.iter().map(|b| b.num_packs * b.max_len).sum();
+    if capacity == 0 {
+        return 1.0;
+    }
+    total_tokens as f64 / capacity as f64
+}
+
+fn group_efficiency(total_tokens: u64, num_groups: usize, group_tokens: u64) -> f64 {
+    if num_groups == 0 {
+        return 1.0;
+    }
+    total_tokens as f64 / (num_groups as f64 * group_tokens as f64)
+}
+
+fn group_lower_bound(buckets: &[Bucket], group_tokens: u64) -> u64 {
+    buckets.iter().map(|b| b.total_tokens.div_ceil(group_tokens)).sum()
+}
+
+/// Every metric of a plan (see [`TwoLevelPlan`]'s methods for their definitions).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Metrics {
+    /// `sum(seqlens)`.
+    pub total_tokens: u64,
+    pub lower_bound: u64,
+    pub efficiency: f64,
+    /// The short bucket, then the long one if the plan has `long_max_len`.
+    pub buckets: Vec<Bucket>,
+    /// Tokens in each group, if grouped.
+    pub group_fills: Option<Vec<i64>>,
+    pub group_lower_bound: Option<u64>,
+    pub group_efficiency: Option<f64>,
+}
+
+/// The arrays and caps of a plan, whoever assembled it: what [`metrics`] reads.
+#[derive(Debug, Clone, Copy)]
+pub struct PlanArrays<'a> {
+    pub seqlens: &'a [i32],
+    pub pack_offsets: &'a [i64],
+    pub max_len: u64,
+    /// Each pack's cap; `None`: every pack's is `max_len`.
+    pub pack_caps: Option<&'a [i32]>,
+    pub long_max_len: Option<u64>,
+    pub group_offsets: Option<&'a [i64]>,
+    pub group_tokens: Option<u64>,
+    /// Each bucket's non-empty input sequences (short, then long): a count of the input,
+    /// which the arrays cannot give (a dropped sequence has no segment).
+    pub bucket_sequences: &'a [u64],
+}
+
+/// `offsets` as a CSR over `items`: starts at 0, never decreases, ends at `items`.
+/// The error names `arg` and the first bad index.
+pub(crate) fn check_offsets(
+    arg: &'static str,
+    offsets: &[i64],
+    items: usize,
+    what: &str,
+) -> Result<()> {
+    let Some(&first) = offsets.first() else {
+        return Err(Error::invalid(arg, "is empty; expected at least one entry (0)"));
+    };
+    if first != 0 {
+        return Err(Error::invalid(arg, format!("starts at {first}; expected 0")));
+    }
+    if let Some(i) = offsets.windows(2).position(|w| w[1] < w[0]) {
+        return Err(Error::invalid(
+            arg,
+            format!(
+                "decreases at index {}: {} then {}; expected non-decreasing offsets",
+                i + 1,
+                offsets[i],
+                offsets[i + 1]
+            ),
+        ));
+    }
+    let last = offsets[offsets.len() - 1];
+    if last != items as i64 {
+        return Err(Error::invalid(
+            arg,
+            format!(
+                "ends at {last} (index {}); expected the number of {what}, {items}",
+                offsets.len() - 1
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Every metric of the plan `arrays` describe, after checking that they describe one: the
+/// same definitions as the plans the core makes report.
+pub fn metrics(arrays: &PlanArrays<'_>) -> Result<Metrics> {
+    let &PlanArrays { seqlens, pack_offsets, max_len, pack_caps, long_max_len, .. } = arrays;
+    if max_len == 0 {
+        return Err(Error::invalid("max_len", "got 0; expected at least 1"));
+    }
+    if let Some(long) = long_max_len.filter(|&long| long <= max_len) {
+        return Err(Error::invalid(
+            "long_max_len",
+            format!("got {long}; expected more than max_len ({max_len})"),
+        ));
+    }
+    if let Some(i) = seqlens.iter().position(|&n| n < 0) {
+        return Err(Error::invalid(
+            "seqlens",
+            format!("negative length {} at index {i}", seqlens[i]),
+        ));
+    }
+    check_offsets("pack_offsets", pack_offsets, seqlens.len(), "segments")?;
+    let num_packs = pack_offsets.len() - 1;
+    let mut caps = vec![max_len];
+    caps.extend(long_max_len);
+    let mut bucket_of = vec![0u8; num_packs];
+    if let Some(pack_caps) = pack_caps {
+        if pack_caps.len() != num_packs {
+            return Err(Error::invalid(
+                "pack_caps",
+                format!("has {} entries for {num_packs} packs", pack_caps.len()),
+            ));
+        }
+        for (p, &cap) in pack_caps.iter().enumerate() {
+            match caps.iter().position(|&c| c == cap as u64) {
+                Some(b) => bucket_of[p] = b as u8,
+                None => {
+                    return Err(Error::invalid(
+                        "pack_caps",
+                        format!(
+                            "pack {p} has cap {cap}; expected max_len ({max_len}){}",
+                            long_max_len
+                                .map_or(String::new(), |l| format!(" or long_max_len ({l})"))
+                        ),
+                    ))
+                }
+            }
+        }
+    }
+    if arrays.bucket_sequences.len() != caps.len() {
+        return Err(Error::invalid(
+            "buckets",
+            format!(
+                "got the sequence counts of {} bucket(s); the plan has {}",
+                arrays.bucket_sequences.len(),
+                caps.len()
+            ),
+        ));
+    }
+    let mut fills = Vec::with_capacity(num_packs);
+    let mut buckets: Vec<Bucket> = caps
+        .iter()
+        .zip(arrays.bucket_sequences)
+        .map(|(&max_len, &num_sequences)| Bucket {
+            max_len,
+            num_sequences,
+            num_packs: 0,
+            total_tokens: 0,
+        })
+        .collect();
+    for (p, w) in pack_offsets.windows(2).enumerate() {
+        let fill: u64 = seqlens[w[0] as usize..w[1] as usize].iter().map(|&n| n as u64).sum();
+        let bucket = &mut buckets[bucket_of[p] as usize];
+        bucket.num_packs += 1;
+        bucket.total_tokens += fill;
+        fills.push(fill as i64);
+    }
+    let total_tokens = buckets.iter().map(|b| b.total_tokens).sum();
+    let (group_fills, group_lower_bound, group_efficiency) =
+        match (arrays.group_offsets, arrays.group_tokens) {
+            (None, None) => (None, None, None),
+            (_, Some(0)) => {
+                return Err(Error::invalid("group_tokens", "got 0; expected at least 1"))
+            }
+            (Some(offsets), Some(budget)) => {
+                check_offsets("group_offsets", offsets, num_packs, "packs")?;
+                let group_fills: Vec<i64> = offsets
+                    .windows(2)
+                    .map(|w| fills[w[0] as usize..w[1] as usize].iter().sum())
+                    .collect();
+                let efficiency = group_efficiency(total_tokens, group_fills.len(), budget);
+                (Some(group_fills), Some(group_lower_bound(&buckets, budget)), Some(efficiency))
+            }
+            (Some(_), None) => {
+                return Err(Error::invalid("group_tokens", "missing: the plan has group_offsets"))
+            }
+            (None, Some(_)) => {
+                return Err(Error::invalid("group_offsets", "missing: the plan has group_tokens"))
+            }
+        };
+    Ok(Metrics {
+        total_tokens,
+        lower_bound: lower_bound(&buckets),
+        efficiency: efficiency(total_tokens, &buckets),
+        buckets,
+        group_fills,
+        group_lower_bound,
+        group_efficiency,
+    })
 }
 
 #[cfg(test)]
@@ -269,7 +481,54 @@ mod tests {
                 assert!((out.group_efficiency().unwrap() - expected).abs() < 1e-12);
             }
         }
+        // The metrics computed from the arrays alone (as for a plan assembled in Python)
+        // are the plan's own.
+        let sequences: Vec<u64> = out.buckets.iter().map(|b| b.num_sequences).collect();
+        let arrays = PlanArrays {
+            seqlens: &plan.seqlens,
+            pack_offsets: &plan.pack_offsets,
+            max_len: opts.max_len,
+            pack_caps: out.pack_caps.as_deref(),
+            long_max_len: levels.long_max_len,
+            group_offsets: out.groups.as_ref().map(|g| &g.group_offsets[..]),
+            group_tokens: out.groups.as_ref().map(|g| g.group_tokens),
+            bucket_sequences: &sequences,
+        };
+        assert_eq!(metrics(&arrays).unwrap(), out.metrics());
         out
+    }
+
+    #[test]
+    fn metrics_refuse_arrays_that_are_no_plan() {
+        let (seqlens, offsets) = ([3, 2, 5, 1], [0i64, 2, 3, 4]);
+        let arrays = PlanArrays {
+            seqlens: &seqlens,
+            pack_offsets: &offsets,
+            max_len: 8,
+            pack_caps: None,
+            long_max_len: None,
+            group_offsets: None,
+            group_tokens: None,
+            bucket_sequences: &[4],
+        };
+        let m = metrics(&arrays).unwrap();
+        assert_eq!((m.total_tokens, m.lower_bound, m.buckets[0].num_packs), (11, 2, 3));
+        let message = |a: &PlanArrays<'_>| metrics(a).unwrap_err().to_string();
+        let bad = [0i64, 3, 2, 4];
+        assert_eq!(
+            message(&PlanArrays { pack_offsets: &bad, ..arrays }),
+            "pack_offsets: decreases at index 2: 3 then 2; expected non-decreasing offsets"
+        );
+        let short = [0i64, 2, 3];
+        assert!(message(&PlanArrays { pack_offsets: &short, ..arrays })
+            .starts_with("pack_offsets: ends at 3"));
+        let caps = [8, 16, 8];
+        assert!(message(&PlanArrays { pack_caps: Some(&caps), ..arrays })
+            .starts_with("pack_caps: pack 1 has cap 16"));
+        let groups = [0i64, 2];
+        let grouped = PlanArrays { group_offsets: Some(&groups), group_tokens: Some(16), ..arrays };
+        assert!(message(&grouped).starts_with("group_offsets: ends at 2"));
+        assert!(message(&PlanArrays { bucket_sequences: &[], ..arrays }).starts_with("buckets:"));
     }
 
     /// The packs as a multiset of sorted segment lists.

@@ -2,7 +2,8 @@
 //! core's errors to `fastpack.FastpackError`. No algorithm lives here.
 
 use fastpack_core::{
-    layout, pack_two_level, pool, Error, Levels, Overlong, PackOptions, Strategy, TwoLevelPlan,
+    layout, pack_two_level, pool, Error, Levels, Metrics, Overlong, PackOptions, PlanArrays,
+    Strategy, TwoLevelPlan,
 };
 use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyMemoryError, PyRuntimeError};
@@ -88,15 +89,15 @@ fn options(
     Ok(opts)
 }
 
-fn plan_to_dict<'py>(py: Python<'py>, out: TwoLevelPlan) -> PyResult<Bound<'py, PyDict>> {
-    let d = PyDict::new(py);
-    // Every metric comes from the core; Python reads them and never recomputes them.
-    d.set_item("lower_bound", out.lower_bound())?;
-    d.set_item("efficiency", out.efficiency())?;
-    d.set_item("group_lower_bound", out.group_lower_bound())?;
-    d.set_item("group_efficiency", out.group_efficiency())?;
+/// Every metric into `d`: the same keys whether the core made the plan or measured one.
+fn set_metrics(py: Python<'_>, d: &Bound<'_, PyDict>, m: Metrics) -> PyResult<()> {
+    d.set_item("total_tokens", m.total_tokens)?;
+    d.set_item("lower_bound", m.lower_bound)?;
+    d.set_item("efficiency", m.efficiency)?;
+    d.set_item("group_lower_bound", m.group_lower_bound)?;
+    d.set_item("group_efficiency", m.group_efficiency)?;
     let buckets = PyList::empty(py);
-    for b in &out.buckets {
+    for b in &m.buckets {
         let bd = PyDict::new(py);
         bd.set_item("max_len", b.max_len)?;
         bd.set_item("num_sequences", b.num_sequences)?;
@@ -107,6 +108,19 @@ fn plan_to_dict<'py>(py: Python<'py>, out: TwoLevelPlan) -> PyResult<Bound<'py, 
         buckets.append(bd)?;
     }
     d.set_item("buckets", buckets)?;
+    match m.group_fills {
+        Some(fills) => d.set_item("group_fills", fills.into_pyarray(py))?,
+        None => d.set_item("group_fills", py.None())?,
+    }
+    Ok(())
+}
+
+fn plan_to_dict<'py>(py: Python<'py>, out: TwoLevelPlan) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    // Every metric comes from the core; Python reads them and never recomputes them.
+    let mut metrics = out.metrics();
+    metrics.group_fills = None; // moved below, with the groups
+    set_metrics(py, &d, metrics)?;
     if let Some(long) = out.buckets.get(1) {
         d.set_item("long_max_len", long.max_len)?;
     }
@@ -119,7 +133,6 @@ fn plan_to_dict<'py>(py: Python<'py>, out: TwoLevelPlan) -> PyResult<Bound<'py, 
     d.set_item("truncated_sequences", s.truncated_sequences)?;
     d.set_item("truncated_tokens", s.truncated_tokens)?;
     d.set_item("split_sequences", s.split_sequences)?;
-    d.set_item("total_tokens", s.total_tokens)?;
     d.set_item("max_len", plan.max_len)?;
     d.set_item("reserve", plan.reserve)?;
     d.set_item("strategy", plan.strategy.name())?;
@@ -236,6 +249,50 @@ fn varlen<'py>(
     Ok((cu.into_pyarray(py), positions.into_pyarray(py)))
 }
 
+/// Every metric of a plan assembled outside the core (a step's sub-plan, shards joined, a
+/// stream's window), from its arrays, after checking that they describe a plan: the
+/// definitions of the plans the core makes (`fastpack_core::metrics`).
+#[pyfunction]
+#[pyo3(signature = (seqlens, pack_offsets, max_len, bucket_sequences, pack_caps=None, long_max_len=None, group_offsets=None, group_tokens=None))]
+#[allow(clippy::too_many_arguments)]
+fn plan_metrics<'py>(
+    py: Python<'py>,
+    seqlens: PyReadonlyArray1<'py, i32>,
+    pack_offsets: PyReadonlyArray1<'py, i64>,
+    max_len: u64,
+    bucket_sequences: Vec<u64>,
+    pack_caps: Option<PyReadonlyArray1<'py, i32>>,
+    long_max_len: Option<u64>,
+    group_offsets: Option<PyReadonlyArray1<'py, i64>>,
+    group_tokens: Option<u64>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let contiguous = |name: &str, ok: bool| {
+        if ok {
+            Ok(())
+        } else {
+            Err(fastpack_error(&format!("{name}: expected a contiguous array")))
+        }
+    };
+    contiguous("seqlens", seqlens.is_contiguous())?;
+    contiguous("pack_offsets", pack_offsets.is_contiguous())?;
+    contiguous("pack_caps", pack_caps.as_ref().is_none_or(|a| a.is_contiguous()))?;
+    contiguous("group_offsets", group_offsets.as_ref().is_none_or(|a| a.is_contiguous()))?;
+    let arrays = PlanArrays {
+        seqlens: seqlens.as_slice()?,
+        pack_offsets: pack_offsets.as_slice()?,
+        max_len,
+        pack_caps: pack_caps.as_ref().map(|a| a.as_slice()).transpose()?,
+        long_max_len,
+        group_offsets: group_offsets.as_ref().map(|a| a.as_slice()).transpose()?,
+        group_tokens,
+        bucket_sequences: &bucket_sequences,
+    };
+    let metrics = py.detach(|| guarded(|| fastpack_core::metrics(&arrays))).map_err(to_py)?;
+    let d = PyDict::new(py);
+    set_metrics(py, &d, metrics)?;
+    Ok(d)
+}
+
 /// The thread count used when `threads=None`.
 #[pyfunction]
 fn default_threads() -> usize {
@@ -253,5 +310,5 @@ mod _core {
     #[pymodule_export]
     use super::targets::segment_targets;
     #[pymodule_export]
-    use super::{cu_seqlens, default_threads, pack, varlen};
+    use super::{cu_seqlens, default_threads, pack, plan_metrics, varlen};
 }
