@@ -589,7 +589,15 @@ def plan_window(plan: Plan, p: int, q: int, sample_ids: np.ndarray | None = None
         "total_tokens": int(seqlens.sum(dtype=np.int64)) - plan.reserve * (s1 - s0),
     }
     if plan.long_max_len is not None:
-        fields["pack_caps"] = plan.pack_caps[p:q]
+        caps = np.asarray(plan.pack_caps[p:q])
+        fields["pack_caps"] = caps
+        # Each bucket's sequences: those with a segment in one of its packs here.
+        cap_of_segment = np.repeat(caps, np.diff(fields["pack_offsets"]))
+        window_ids = plan.sample_ids[s0:s1]
+        fields["buckets"] = [
+            {"num_sequences": len(sorted_unique(window_ids[cap_of_segment == cap]))}
+            for cap in (plan.max_len, plan.long_max_len)
+        ]
     return Plan(fields)
 
 
