@@ -316,10 +316,11 @@ def test_a_state_from_another_plan_raises() -> None:
 
 
 # ------------------------------------------------------------------ the Trainer
-def trainer_run(tmp: Path, ranks: int, rank: int, workers: int, stop: int,
+def trainer_run(tmp: Path, ranks: int, rank: int, workers: int, saves: set[int],
                 resume: str | None = None) -> list[tuple[int, ...]]:
-    """Trains on the packed dataset with the Trainer; stops after ``stop`` optimizer
-    steps (saving a checkpoint) or runs to the end, from ``resume`` if given."""
+    """Trains on the packed dataset with the Trainer (from the checkpoint ``resume`` if
+    given), saving a checkpoint after each optimizer step in ``saves``; returns the
+    samples of every micro-step it trained on."""
     transformers = pytest.importorskip("transformers")
     from fastpack.torch import PackedTrainerMixin, register_hf_attention
 
@@ -344,11 +345,9 @@ def trainer_run(tmp: Path, ranks: int, rank: int, workers: int, stop: int,
             self.seen.append(decode(inputs))
             return super().compute_loss(model, inputs, *args, **kwargs)
 
-    class Stop(transformers.TrainerCallback):  # type: ignore[misc]
+    class Save(transformers.TrainerCallback):  # type: ignore[misc]
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-            if state.global_step == stop:
-                control.should_save = True
-                control.should_training_stop = True
+            control.should_save = state.global_step in saves
             return control
 
     torch.manual_seed(0)
@@ -366,7 +365,7 @@ def trainer_run(tmp: Path, ranks: int, rank: int, workers: int, stop: int,
     trainer = Recording(model=model, args=args, train_dataset=make_dataset(),
                         data_collator=PackedCollator(max_len=MAX_LEN, backend="flash",
                                                      overlong="split"),
-                        callbacks=[Stop()] if stop else [])
+                        callbacks=[Save()])
     trainer.seen = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -374,20 +373,49 @@ def trainer_run(tmp: Path, ranks: int, rank: int, workers: int, stop: int,
     return trainer.seen
 
 
+def optimizer_stops(ranks: int) -> dict[str, int]:
+    """Each resume point as the optimizer steps done before it."""
+    per_epoch = -(-len(make_sampler(make_dataset(), ranks, 0)) // ACCUMULATION)
+    return {point: stop_at(point, per_epoch) for point in POINTS}
+
+
+_TRAINED: dict[tuple[int, int, int], tuple[Path, list[tuple[int, ...]]]] = {}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The uninterrupted Trainer run of each (ranks, rank, workers), with a checkpoint at
+    every resume point: trained once, resumed by each cell."""
+
+    def get(ranks: int, rank: int, workers: int) -> tuple[Path, list[tuple[int, ...]]]:
+        key = (ranks, rank, workers)
+        if key not in _TRAINED:
+            out = tmp_path_factory.mktemp(f"trainer-{ranks}-{rank}-{workers}")
+            saves = {k for k in optimizer_stops(ranks).values() if k}
+            _TRAINED[key] = out, trainer_run(out, ranks, rank, workers, saves)
+        return _TRAINED[key]
+
+    return get
+
+
 @pytest.mark.parametrize("ranks", [1, 2])
 @pytest.mark.parametrize("point", POINTS)
 @pytest.mark.parametrize("workers", [0, 2])
-def test_trainer(tmp_path: Path, workers: int, point: str, ranks: int) -> None:
+def test_trainer(trained: Any, tmp_path: Path, workers: int, point: str, ranks: int) -> None:
+    """Resumed from the checkpoint directory (``resume_from_checkpoint=``) after 0 (a
+    fresh run), half, all but one, and all optimizer steps of epoch 0."""
     pytest.importorskip("transformers")
+    stop = optimizer_stops(ranks)[point]
     for rank in range(ranks):
         want = [ids for _, ids in reference(ranks, rank)]
-        optimizer_steps = -(-len(want) // EPOCHS // ACCUMULATION)
-        stop = stop_at(point, optimizer_steps)
-        out = tmp_path / f"rank{rank}"
-        head = trainer_run(out, ranks, rank, workers, stop) if stop else []
-        resume = str(out / f"checkpoint-{stop}") if stop else None
-        tail = trainer_run(out, ranks, rank, workers, 0, resume)
-        assert head + tail == want
+        out, full = trained(ranks, rank, workers)
+        assert full == want
+        if stop == 0:
+            continue  # the uninterrupted run is the run resumed at the start
+        tail = trainer_run(tmp_path / f"rank{rank}", ranks, rank, workers, set(),
+                           str(out / f"checkpoint-{stop}"))
+        done = min(stop * ACCUMULATION, len(want) // EPOCHS)  # the last step may be short
+        assert want[:done] + tail == want
 
 
 # ------------------------------------------------------------------ streams
