@@ -14,6 +14,7 @@ step with fewer micro-steps.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import socket
 import warnings
@@ -110,8 +111,37 @@ def _worker(rank: int, port: int, out: str) -> None:
                 optimizer.zero_grad()
             if rank == 0:
                 torch.save(model.module.state_dict(), Path(out) / f"{mode}.pt")
+        _resume(ds, rank, out)
     finally:
         dist.destroy_process_group()
+
+
+def _resume(ds: PackedDataset, rank: int, out: str) -> None:
+    """Stopped after 2 micro-steps of a worker loader (saving ``consumed=2``) and resumed,
+    each rank (the world from torch.distributed) goes on where it stopped; the ranks'
+    samples, gathered, are every piece once."""
+    def loader(sampler: PackedSampler) -> Any:
+        # fork: the rank itself was spawned, and so would its workers be (slow imports).
+        fork = "fork" if "fork" in multiprocessing.get_all_start_methods() else None
+        return torch.utils.data.DataLoader(ds, batch_size=None, sampler=sampler,
+                                           num_workers=1, multiprocessing_context=fork)
+
+    full = [b["input_ids"].tolist() for b in loader(make_sampler(ds))]
+    first = make_sampler(ds)
+    head = []
+    for k, batch in enumerate(loader(first), 1):
+        head.append(batch["input_ids"].tolist())
+        if k == 2:
+            break
+    state = first.state_dict(consumed=2)
+    second = make_sampler(ds)
+    second.load_state_dict(state)
+    tail = [b["input_ids"].tolist() for b in loader(second)]
+    pieces = [ds.samples(step).tolist() for step in make_sampler(ds)]
+    gathered: list[Any] = [None] * WORLD
+    torch.distributed.all_gather_object(gathered, pieces)
+    torch.save({"full": full, "resumed": head + tail, "pieces": gathered},
+               Path(out) / f"resume-{rank}.pt")
 
 
 class _nothing:
@@ -218,3 +248,13 @@ def test_the_two_weightings_differ(trained: Path) -> None:
     sequence = torch.load(trained / "sequence.pt")
     key = "model.embed_tokens.weight"
     assert not torch.allclose(token[key], sequence[key], rtol=1e-3, atol=0)
+
+
+def test_a_worker_loader_resumes_on_each_rank(trained: Path) -> None:
+    ds = make_dataset()
+    for rank in range(WORLD):
+        got = torch.load(trained / f"resume-{rank}.pt")
+        assert got["resumed"] == got["full"]
+        assert len(got["full"]) == len(make_sampler(ds, rank=rank))
+    every = sorted(i for rank in got["pieces"] for step in rank for i in step)
+    assert every == sorted(ds.plan.sample_ids.tolist())
