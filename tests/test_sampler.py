@@ -507,6 +507,7 @@ def test_a_step_plan_has_its_own_metrics(ds: PackedDataset, data: Any) -> None:
     assert sub.lower_bound == sum(b.lower_bound for b in sub.buckets)
     assert sum(b.total_tokens for b in sub.buckets) == total
     assert sum(b.num_packs for b in sub.buckets) == sub.num_packs
+    assert sum(b.num_sequences for b in sub.buckets) == hi - lo  # a piece is a sequence
     for b in sub.buckets:
         assert b.lower_bound == -(-b.total_tokens // b.max_len)
     assert sub.num_groups == 0

@@ -296,36 +296,36 @@ def _sub_plan(plan: Plan, p0: int, p1: int, lo: int, hi: int) -> Plan:
     bounds inside): materializing it reads and checks only these segments.
 
     Its metrics are its own (``total_tokens``, ``lower_bound``, ``efficiency``, each
-    bucket's, each pack's cap); it has no groups. The counts of what planning did to the
-    input (``num_sequences``, empty, dropped, truncated and split sequences) stay the
+    bucket's, each pack's cap; a bucket's sequences are its segments: a piece of a split
+    sample trains as a sequence); it has no groups. The counts of what planning did to
+    the input (``num_sequences``, empty, dropped, truncated and split sequences) stay the
     whole plan's: ``sample_ids`` still index the whole input."""
     bounds = np.asarray(plan.pack_offsets[p0 : p1 + 1], dtype=np.int64)
     inner = bounds[(bounds > lo) & (bounds < hi)]
     offsets = np.concatenate(([lo], inner, [hi])).astype(np.int64)
-    sample_ids, seqlens = plan.sample_ids[lo:hi], plan.seqlens[lo:hi]
-    # The pack of the whole plan each of the sub-plan's packs is (a part of).
-    parents = p0 + np.searchsorted(bounds, offsets[:-1], side="right") - 1
-    caps = plan.pack_caps[parents]
-    fills = np.add.reduceat(seqlens.astype(np.int64), offsets[:-1] - lo) if hi > lo else (
-        np.zeros(len(parents), dtype=np.int64))
-    pack_of_segment = np.repeat(np.arange(len(parents)), np.diff(offsets))
-    buckets = []
-    for b in plan.buckets:
-        mine = caps == b.max_len
-        buckets.append({
-            "max_len": b.max_len, "num_packs": int(mine.sum()),
-            "total_tokens": int(fills[mine].sum()),
-            "num_sequences": len(np.unique(sample_ids[mine[pack_of_segment]])),
-        })
+    seqlens = plan.seqlens[lo:hi]
+    total = int(seqlens.sum(dtype=np.int64))
+    if plan.long_max_len is None:  # one bucket, every cap max_len
+        buckets = [{"max_len": plan.max_len, "num_packs": len(offsets) - 1,
+                    "total_tokens": total, "num_sequences": hi - lo}]
+        caps = None
+    else:
+        # The pack of the whole plan each of the sub-plan's packs is (a part of).
+        parents = p0 + np.searchsorted(bounds, offsets[:-1], side="right") - 1
+        caps = np.ascontiguousarray(plan.pack_caps[parents], dtype=np.int32)
+        fills = np.add.reduceat(seqlens.astype(np.int64), offsets[:-1] - lo)
+        counts = np.diff(offsets)
+        mine = [caps == b.max_len for b in plan.buckets]
+        buckets = [{"max_len": b.max_len, "num_packs": int(np.count_nonzero(m)),
+                    "total_tokens": int(fills[m].sum()), "num_sequences": int(counts[m].sum())}
+                   for b, m in zip(plan.buckets, mine)]
     fields: dict[str, Any] = {name: getattr(plan, name) for name in Plan._FIELDS
                               if name not in ("lower_bound", "efficiency")}
     fields.update(
-        sample_ids=sample_ids, starts=plan.starts[lo:hi], seqlens=seqlens,
-        pack_offsets=offsets - lo, total_tokens=int(fills.sum()), buckets=buckets,
-        long_max_len=plan.long_max_len,
+        sample_ids=plan.sample_ids[lo:hi], starts=plan.starts[lo:hi], seqlens=seqlens,
+        pack_offsets=offsets - lo, total_tokens=total, buckets=buckets,
+        long_max_len=plan.long_max_len, pack_caps=caps,
     )
-    if plan.long_max_len is not None:
-        fields["pack_caps"] = np.ascontiguousarray(caps, dtype=np.int32)
     return Plan(_with_metrics(fields))
 
 def _is_dataset(obj: Any) -> bool:
