@@ -453,6 +453,88 @@ def test_a_step_reads_only_its_own_segments() -> None:
     assert int(part["num_items_in_batch"]) == 5 and int(part["num_sequences_in_batch"]) == 2
 
 
+@SETTINGS
+@given(ds=packed_datasets(small=True), ranks=st.integers(1, 4))
+def test_samples_are_the_sequences_of_each_step(ds: PackedDataset, ranks: int) -> None:
+    plan = ds.plan
+    got = [ds.samples(i) for i in range(len(ds))]
+    assert all(ids.dtype == np.int64 and not ids.flags.writeable for ids in got)
+    assert np.array_equal(np.concatenate([np.zeros(0, np.int64), *got]), plan.sample_ids)
+    for i in range(min(len(ds), 3)):  # one id per sequence of the batch, in its order
+        batch = ds[i]
+        if "cu_seq_lens_q" in batch:
+            assert len(batch["cu_seq_lens_q"]) - 1 == len(got[i])
+    assume(feasible(ds, ranks, False))
+    # A sampler's Step (whole, or a piece of a cut step): exactly the segments it reads.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for sampler in samplers(ds, ranks):
+            for step in sampler:
+                lo, hi = ranges(step, ds)
+                assert np.array_equal(ds.samples(step), plan.sample_ids[lo:hi])
+
+
+def test_samples_of_a_bad_index_raise() -> None:
+    ds = synthetic(np.full(10, 100), max_len=256, packs_per_batch=1)
+    assert ds.samples(-1).tolist() == ds.samples(len(ds) - 1).tolist()
+    with pytest.raises(IndexError, match="step 5 out of range; the dataset has 5 steps"):
+        ds.samples(5)
+    with pytest.raises(FastpackTypeError, match="index: expected an int or a fastpack.torch.Step"):
+        ds.samples(1.0)  # type: ignore[arg-type]
+
+
+@SETTINGS
+@given(ds=packed_datasets(small=True), data=st.data())
+def test_a_step_plan_has_its_own_metrics(ds: PackedDataset, data: Any) -> None:
+    """The review's s3: a one-pack sub-plan reported the whole plan's tokens, lower bound
+    and efficiency."""
+    from fastpack.torch.data import _sub_plan
+
+    assume(len(ds) > 0)
+    i = data.draw(st.integers(0, len(ds) - 1))
+    p0, p1, lo, hi = ds._segments(i)
+    if hi - lo > 1 and data.draw(st.booleans()):  # a cut piece of the step
+        lo = data.draw(st.integers(lo, hi - 1))
+        hi = data.draw(st.integers(lo + 1, hi))
+    sub = _sub_plan(ds.plan, p0, p1, lo, hi)
+    seqlens = ds.plan.seqlens[lo:hi].astype(np.int64)
+    total = int(seqlens.sum())
+    assert sub.total_tokens == total and sub.num_segments == hi - lo
+    caps = sub.pack_caps.astype(np.int64)
+    fills = np.add.reduceat(seqlens, sub.pack_offsets[:-1])
+    assert (fills <= caps).all()
+    assert sub.efficiency == pytest.approx(total / caps.sum())
+    assert sub.lower_bound == sum(b.lower_bound for b in sub.buckets)
+    assert sum(b.total_tokens for b in sub.buckets) == total
+    assert sum(b.num_packs for b in sub.buckets) == sub.num_packs
+    assert sum(b.num_sequences for b in sub.buckets) == hi - lo  # a piece is a sequence
+    for b in sub.buckets:
+        assert b.lower_bound == -(-b.total_tokens // b.max_len)
+    assert sub.num_groups == 0
+
+
+def test_a_dataset_of_no_steps_warns(caplog: pytest.LogCaptureFixture) -> None:
+    collator = PackedCollator(max_len=8, backend="flash", overlong="drop")
+    with caplog.at_level("WARNING", logger="fastpack"):
+        ds = PackedDataset([np.arange(1, 20), np.arange(1, 12)], collator)
+    assert len(ds) == 0
+    assert "PackedDataset: 0 steps: none of the 2 samples is in the plan" in caplog.text
+    assert "2 dropped by overlong='drop'" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="fastpack"):
+        PackedDataset([np.arange(1, 5)], collator)
+    assert caplog.text == ""
+
+
+def test_step_has_one_home() -> None:
+    import fastpack.torch
+    import fastpack.torch.sampler
+    import fastpack.torch.step
+
+    assert fastpack.torch.Step is fastpack.torch.sampler.Step is fastpack.torch.step.Step
+    assert fastpack.torch.step.Step.__module__ == "fastpack.torch.step"
+
+
 # --------------------------------------------------------------------------- errors
 def test_errors_name_the_argument() -> None:
     ds = synthetic(np.full(10, 100), max_len=256, packs_per_batch=1)

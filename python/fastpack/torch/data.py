@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
+import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -13,14 +15,14 @@ import torch
 from .. import _core
 from .._errors import FastpackError, FastpackTypeError
 from .._materialize import Ragged, TokenData, as_ragged
-from .._plan import Plan, _int_arg
+from .._plan import Plan, _int_arg, _with_metrics
 from .._targets import segment_targets
 from .collator import PackedCollator
-
-if TYPE_CHECKING:
-    from .sampler import Step
+from .step import Step
 
 __all__ = ["PackedDataset", "StepTable", "first_item"]
+
+logger = logging.getLogger("fastpack")
 
 
 def first_item(items: Sequence[Any]) -> Any:
@@ -94,11 +96,13 @@ class PackedDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
             the steps unless ``packs_per_batch`` is given.
         shuffle, seed: shuffle the packs (groups) of the plan, once.
 
-    An item is an ``int`` (step ``i``) or a :class:`fastpack.torch.sampler.Step` from a
+    An item is an ``int`` (step ``i``) or a :class:`fastpack.torch.Step` from a
     :class:`~fastpack.torch.PackedSampler`, which may name a smaller piece of a step and
     adds the 0-d int64 ``num_items_in_batch`` (target tokens of the whole optimizer step:
     every rank, every accumulation micro-step) and ``num_sequences_in_batch``. Building a
-    step reads only that step's data.
+    step reads only that step's data; :meth:`samples` says which samples it holds without
+    building it. A plan in which every sample was dropped gives 0 steps and a warning
+    (logger ``"fastpack"``).
     """
 
     def __init__(
@@ -166,6 +170,13 @@ class PackedDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
         offsets.flags.writeable = False
         #: Step ``i`` holds packs ``step_pack_offsets[i]:step_pack_offsets[i+1]`` (int64).
         self.step_pack_offsets = offsets
+        if len(self) == 0:
+            logger.warning(
+                "PackedDataset: 0 steps: none of the %d samples is in the plan (%d empty, "
+                "%d dropped by overlong=%r); a sampler or loader over it yields nothing",
+                plan.num_sequences, plan.empty_sequences, plan.dropped_sequences,
+                plan.overlong,
+            )
 
     def __len__(self) -> int:
         return len(self.step_pack_offsets) - 1
@@ -181,16 +192,42 @@ class PackedDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
         )
         return step_table(self.plan, self.step_pack_offsets, per_segment)
 
-    def __getitem__(self, index: int | Step) -> dict[str, Any]:
-        from .sampler import Step
+    @cached_property
+    def fingerprint(self) -> dict[str, Any]:
+        """What identifies this dataset's steps, as :class:`PackedSampler` states record
+        it: the counts, and a digest of each plan array the steps are read from (``steps``:
+        the steps' pack bounds and the packs' segment bounds; ``sample_ids``; ``segments``:
+        each segment's ``starts`` and ``seqlens``). Two datasets with equal fingerprints
+        hold the same sample pieces in the same steps. Computed once, hashing the arrays'
+        buffers (no per-sample Python objects: about 0.3 s at 10^7 segments)."""
+        plan = self.plan
 
+        def digest(*arrays: np.ndarray) -> str:
+            h = hashlib.sha1(usedforsecurity=False)
+            for array in arrays:
+                array = np.ascontiguousarray(array)
+                # The dtype is part of the digest: equal values in another width differ.
+                h.update(array.dtype.str.encode())
+                h.update(array.view(np.uint8).data)
+            return h.hexdigest()[:16]
+
+        return {
+            "num_steps": len(self), "num_packs": plan.num_packs,
+            "num_segments": plan.num_segments, "num_sequences": plan.num_sequences,
+            "steps": digest(self.step_pack_offsets, plan.pack_offsets),
+            "sample_ids": digest(plan.sample_ids),
+            "segments": digest(plan.starts, plan.seqlens),
+        }
+
+    def _segments(self, index: int | Step) -> tuple[int, int, int, int]:
+        """The packs ``p0:p1`` and segments ``lo:hi`` of step (or sampler ``Step``)
+        ``index``."""
         n = len(self)
         step = index if isinstance(index, Step) else None
         i = step.index if step is not None else index
         if isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer)):
             raise FastpackTypeError(
-                f"index: expected an int or a fastpack.torch.sampler.Step, got "
-                f"{type(index).__name__}"
+                f"index: expected an int or a fastpack.torch.Step, got {type(index).__name__}"
             )
         if not -n <= i < n:
             raise IndexError(f"step {i} out of range; the dataset has {n} steps")
@@ -206,6 +243,21 @@ class PackedDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
                     f"{i} (segments {lo}..{hi})"
                 )
             lo, hi = cut_lo, cut_hi
+        return p0, p1, lo, hi
+
+    def samples(self, index: int | Step) -> np.ndarray:
+        """The sample ids (indices into ``tokens``, int64, read-only) that step ``index``
+        holds, one per segment in the order of the batch's sequences: a sample split into
+        pieces appears once per piece it has in the step. ``index`` is an ``int`` or a
+        :class:`~fastpack.torch.Step` from a :class:`PackedSampler` (then only the piece
+        of the step it names). Reads the plan only, builds no batch: log it, or check that
+        a resumed run sees every sample once."""
+        _, _, lo, hi = self._segments(index)
+        return self.plan.sample_ids[lo:hi]
+
+    def __getitem__(self, index: int | Step) -> dict[str, Any]:
+        step = index if isinstance(index, Step) else None
+        p0, p1, lo, hi = self._segments(index)
         batch = self.collator.batch(
             _sub_plan(self.plan, p0, p1, lo, hi), self.tokens, None,
             labels=self.labels, loss_mask=self.loss_mask,
@@ -241,16 +293,40 @@ def step_table(plan: Plan, step_pack_offsets: np.ndarray, per_segment: np.ndarra
 
 def _sub_plan(plan: Plan, p0: int, p1: int, lo: int, hi: int) -> Plan:
     """Segments ``lo:hi`` of packs ``p0:p1`` as a plan of their own (views, plus the pack
-    bounds inside): materializing it reads and checks only these segments."""
-    bounds = plan.pack_offsets[p0 : p1 + 1]
+    bounds inside): materializing it reads and checks only these segments.
+
+    Its metrics are its own (``total_tokens``, ``lower_bound``, ``efficiency``, each
+    bucket's, each pack's cap; a bucket's sequences are its segments: a piece of a split
+    sample trains as a sequence); it has no groups. The counts of what planning did to
+    the input (``num_sequences``, empty, dropped, truncated and split sequences) stay the
+    whole plan's: ``sample_ids`` still index the whole input."""
+    bounds = np.asarray(plan.pack_offsets[p0 : p1 + 1], dtype=np.int64)
     inner = bounds[(bounds > lo) & (bounds < hi)]
-    fields = {name: getattr(plan, name) for name in Plan._FIELDS}
+    offsets = np.concatenate(([lo], inner, [hi])).astype(np.int64)
+    seqlens = plan.seqlens[lo:hi]
+    total = int(seqlens.sum(dtype=np.int64))
+    if plan.long_max_len is None:  # one bucket, every cap max_len
+        buckets = [{"max_len": plan.max_len, "num_packs": len(offsets) - 1,
+                    "total_tokens": total, "num_sequences": hi - lo}]
+        caps = None
+    else:
+        # The pack of the whole plan each of the sub-plan's packs is (a part of).
+        parents = p0 + np.searchsorted(bounds, offsets[:-1], side="right") - 1
+        caps = np.ascontiguousarray(plan.pack_caps[parents], dtype=np.int32)
+        fills = np.add.reduceat(seqlens.astype(np.int64), offsets[:-1] - lo)
+        counts = np.diff(offsets)
+        mine = [caps == b.max_len for b in plan.buckets]
+        buckets = [{"max_len": b.max_len, "num_packs": int(np.count_nonzero(m)),
+                    "total_tokens": int(fills[m].sum()), "num_sequences": int(counts[m].sum())}
+                   for b, m in zip(plan.buckets, mine)]
+    fields: dict[str, Any] = {name: getattr(plan, name) for name in Plan._FIELDS
+                              if name not in ("lower_bound", "efficiency")}
     fields.update(
-        sample_ids=plan.sample_ids[lo:hi], starts=plan.starts[lo:hi],
-        seqlens=plan.seqlens[lo:hi],
-        pack_offsets=np.concatenate(([lo], inner, [hi])).astype(np.int64) - lo,
+        sample_ids=plan.sample_ids[lo:hi], starts=plan.starts[lo:hi], seqlens=seqlens,
+        pack_offsets=offsets - lo, total_tokens=total, buckets=buckets,
+        long_max_len=plan.long_max_len, pack_caps=caps,
     )
-    return Plan(fields)
+    return Plan(_with_metrics(fields))
 
 def _is_dataset(obj: Any) -> bool:
     return type(obj).__module__.startswith("datasets") and hasattr(obj, "column_names")

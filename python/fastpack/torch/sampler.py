@@ -24,7 +24,7 @@ import struct
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
@@ -33,29 +33,12 @@ from .. import _core
 from .._errors import FastpackError, FastpackTypeError
 from .._plan import _int_arg
 from .data import PackedDataset, StepTable
+from .step import Step
 
 __all__ = ["BALANCES", "PackedSampler", "Schedule", "Step"]
 
 #: Accepted values of ``balance``: the cost a global step's ranks are balanced by.
 BALANCES = ("flops", "tokens", None)
-
-
-class Step(NamedTuple):
-    """One micro-step of one rank, as :class:`PackedSampler` yields it and
-    :class:`~fastpack.torch.PackedDataset` reads it.
-
-    ``index`` is the dataset's step; ``segments`` is ``None`` for the whole step, or the
-    range ``(lo, hi)`` of the plan's segments inside it when the step was cut into
-    smaller ones (the remainder of an epoch). ``num_items_in_batch`` counts the target
-    tokens (labels other than -100) of the whole optimizer step, over every rank and
-    every accumulation micro-step; ``num_sequences_in_batch`` the sequences (segments)
-    with at least one target in the same scope.
-    """
-
-    index: int  # type: ignore[assignment]  # shadows tuple.index, by contract
-    segments: tuple[int, int] | None
-    num_items_in_batch: int
-    num_sequences_in_batch: int
 
 
 @dataclass(frozen=True)
@@ -146,10 +129,10 @@ class PackedSampler(torch.utils.data.Sampler):  # type: ignore[type-arg]
             ``num_items_in_batch``.
 
     ``set_epoch(e)`` chooses the epoch; ``state_dict()`` / ``load_state_dict()`` save and
-    restore the position, so a resumed run yields exactly the steps it would have (with a
-    plain ``DataLoader`` and ``num_workers > 0`` the loader prefetches: pass the number of
-    steps consumed, ``state_dict(consumed=k)``; torchdata's ``StatefulDataLoader`` does
-    this itself).
+    restore the position, so a resumed run yields exactly the steps it would have, through
+    any loader (see :meth:`state_dict` for a plain ``DataLoader`` with workers, which
+    prefetches; torchdata's ``StatefulDataLoader`` saves the position itself). A state
+    records a fingerprint of the dataset's plan: loading it over another plan raises.
     """
 
     def __init__(
@@ -211,7 +194,8 @@ class PackedSampler(torch.utils.data.Sampler):  # type: ignore[type-arg]
             )
         self.epoch = 0
         self._position = 0  # micro-steps of this epoch yielded so far
-        self._resume: int | None = None
+        self._start = 0  # where this epoch's pass began (or will begin)
+        self._resume: int | None = None  # a loaded position the next pass starts at
         self._schedule: Schedule | None = None
         self._warned = False
 
@@ -222,11 +206,12 @@ class PackedSampler(torch.utils.data.Sampler):  # type: ignore[type-arg]
 
     def set_epoch(self, epoch: int) -> None:
         """Use the order of ``epoch`` from the next iteration on. A position restored by
-        :meth:`load_state_dict` survives a ``set_epoch`` of the same epoch."""
+        :meth:`load_state_dict` survives a ``set_epoch`` of the same epoch; another epoch
+        starts at its first step."""
         epoch = _int_arg("epoch", epoch, minimum=0)
         if epoch != self.epoch:
             self._resume = None
-            self._position = 0  # a checkpoint taken now starts the new epoch
+            self._position = self._start = 0  # a checkpoint taken now starts the new epoch
         self.epoch = epoch
 
     @property
@@ -236,13 +221,17 @@ class PackedSampler(torch.utils.data.Sampler):  # type: ignore[type-arg]
         return -(-len(self) // self.accumulation_steps)
 
     def __iter__(self) -> Iterator[Step]:
+        return self._pass()
+
+    def _pass(self) -> Iterator[Step]:
+        # A generator: nothing below runs until the first step is asked for. A loader may
+        # call iter() more than once before it reads a step (torch's DataLoader with
+        # workers does, in its iterator's __init__ and again in _reset; torchdata's on
+        # restore), so only the iterator that runs spends a loaded position.
         schedule = self.schedule(self.epoch)
         start = self._resume if self._resume is not None else 0
         self._resume = None
-        self._position = start
-        return self._steps(schedule, start)
-
-    def _steps(self, schedule: Schedule, start: int) -> Iterator[Step]:
+        self._position = self._start = start
         column = schedule.layout[:, self.rank]
         steps, lo, hi, whole = (schedule.micro_steps[column], schedule.micro_lo[column],
                                 schedule.micro_hi[column], schedule.micro_whole[column])
@@ -254,47 +243,68 @@ class PackedSampler(torch.utils.data.Sampler):  # type: ignore[type-arg]
             yield step
 
     # ------------------------------------------------------------------ state
+    _SETTINGS = ("seed", "num_replicas", "accumulation_steps", "balance", "hidden_size",
+                 "shuffle", "drop_last")
+
     def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
-        """The position to resume from: the epoch and the micro-steps of it this rank has
-        consumed (default: those the last iterator yielded), plus the settings the
-        schedule depends on, checked on load."""
-        position = self._position if consumed is None else _int_arg(
-            "consumed", consumed, minimum=0, maximum=len(self)
-        )
+        """The position to resume from: the epoch, the micro-steps of it this rank has
+        consumed, the settings the schedule depends on and a fingerprint of the dataset's
+        plan (both checked on load). Plain ``int``/``str``/``bool`` values: it pickles and
+        loads through ``torch.load(weights_only=True)``.
+
+        By default the position is what the sampler has yielded, which is what the
+        training loop consumed with ``num_workers=0`` and what torchdata's
+        ``StatefulDataLoader`` records with any ``num_workers``. A plain ``DataLoader``
+        with workers prefetches: the sampler runs up to ``prefetch_factor · num_workers``
+        steps ahead of the loop, so pass ``consumed=k``, the batches the loop has taken
+        from the loader in this epoch's pass (what ``enumerate(loader)`` counts; in a
+        resumed run, those since the resume: the sampler adds the position it resumed
+        from). ``k`` is at most what the sampler yielded in this pass."""
+        position = self._position
+        if consumed is not None:
+            yielded = self._position - self._start
+            position = self._start + _int_arg(
+                "consumed", consumed, minimum=0, maximum=yielded,
+                why=(f" (this epoch's pass began at step {self._start} and the sampler has "
+                     f"yielded {yielded} step(s) of it: a loader cannot have consumed more)"),
+            )
         return {
             "epoch": self.epoch,
             "position": position,
-            "seed": self.seed,
-            "num_replicas": self.num_replicas,
-            "accumulation_steps": self.accumulation_steps,
-            "balance": self.balance,
-            "hidden_size": self.hidden_size,
-            "shuffle": self.shuffle,
-            "drop_last": self.drop_last,
+            **{key: getattr(self, key) for key in self._SETTINGS},
             "num_steps": len(self.dataset),
+            "plan": dict(self.dataset.fingerprint),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume at ``state`` (from :meth:`state_dict`): the next iteration starts at its
-        position in its epoch."""
+        position in its epoch. A state saved at the end of epoch ``e`` (every step
+        consumed) loaded into a sampler already set to a later epoch (``set_epoch`` before
+        the load, as with ``StatefulDataLoader``, which loads when iterated) starts that
+        epoch from its first step. Raises when the state was saved with other settings or
+        over another plan."""
         if not isinstance(state, dict):
             raise FastpackTypeError(f"state: expected a dict, got {type(state).__name__}")
-        missing = [k for k in ("epoch", "position") if k not in state]
+        missing = [k for k in ("epoch", "position", "plan") if k not in state]
         if missing:
-            raise FastpackError(f"state: missing {', '.join(missing)}")
-        mine = self.state_dict()
-        for key in ("seed", "num_replicas", "accumulation_steps", "balance", "hidden_size",
-                    "shuffle", "drop_last", "num_steps"):
-            if key in state and state[key] != mine[key]:
+            raise FastpackError(f"state: missing {', '.join(missing)}; expected a state from "
+                                "PackedSampler.state_dict()")
+        for key in (*self._SETTINGS, "num_steps"):
+            mine = len(self.dataset) if key == "num_steps" else getattr(self, key)
+            if key in state and state[key] != mine:
                 raise FastpackError(
                     f"state: saved with {key}={state[key]!r}, but this sampler has "
-                    f"{key}={mine[key]!r}; the schedule would differ, so the position "
+                    f"{key}={mine!r}; the schedule would differ, so the position "
                     "does not carry over"
                 )
-        self.epoch = _int_arg("state['epoch']", state["epoch"], minimum=0)
-        self._resume = _int_arg("state['position']", state["position"], minimum=0,
-                                maximum=len(self))
-        self._position = self._resume
+        _check_plan(state["plan"], self.dataset.fingerprint)
+        epoch = _int_arg("state['epoch']", state["epoch"], minimum=0)
+        position = _int_arg("state['position']", state["position"], minimum=0,
+                            maximum=len(self))
+        if position == len(self) and self.epoch > epoch:
+            return  # epoch `epoch` is done and this sampler is already past it
+        self.epoch = epoch
+        self._resume = self._position = self._start = position
 
     # ------------------------------------------------------------------ schedule
     def schedule(self, epoch: int | None = None) -> Schedule:
@@ -312,6 +322,39 @@ class PackedSampler(torch.utils.data.Sampler):  # type: ignore[type-arg]
                     stacklevel=3,
                 )
         return self._schedule
+
+
+# What each digest of PackedDataset.fingerprint covers, for the error that names it.
+_PLAN_PARTS = {
+    "num_steps": "steps", "num_packs": "packs", "num_segments": "segments",
+    "num_sequences": "input sequences",
+    "steps": "which packs each step holds (group_tokens, packs_per_batch, or the pack "
+             "order: seed, shuffle)",
+    "sample_ids": "which samples the packs hold (the seed, shuffle, strategy or data "
+                  "lengths)",
+    "segments": "the segments' offsets and lengths (max_len, overlong, reserve or data "
+                "lengths)",
+}
+
+
+def _check_plan(saved: Any, mine: dict[str, Any]) -> None:
+    if not isinstance(saved, dict):
+        raise FastpackTypeError(
+            f"state['plan']: expected a dict (PackedDataset.fingerprint), got "
+            f"{type(saved).__name__}"
+        )
+    differ = [k for k in mine if saved.get(k) != mine[k]]
+    if differ:
+        what = "; ".join(
+            f"{_PLAN_PARTS[k]}: {saved.get(k)!r} saved, {mine[k]!r} here" if k.startswith("num_")
+            else _PLAN_PARTS[k] for k in differ
+        )
+        raise FastpackError(
+            f"state['plan']: saved over another plan than this dataset's; differs in {what}. "
+            "Its position would replay some samples and skip others: resume over the "
+            "dataset the state was saved with (same data, collator options, seed, "
+            "group_tokens or packs_per_batch)"
+        )
 
 
 def _seed(seed: int, epoch: int, stream: int) -> int:

@@ -1,0 +1,29 @@
+"""What one micro-step reads: :class:`Step`, made by the sampler and read by the dataset.
+
+Its own module so that :mod:`~fastpack.torch.sampler` (which makes steps) and
+:mod:`~fastpack.torch.data` (which reads them) both import it, and neither the other.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+__all__ = ["Step"]
+
+
+class Step(NamedTuple):
+    """One micro-step of one rank, as :class:`~fastpack.torch.PackedSampler` yields it and
+    :class:`~fastpack.torch.PackedDataset` reads it.
+
+    ``index`` is the dataset's step; ``segments`` is ``None`` for the whole step, or the
+    range ``(lo, hi)`` of the plan's segments inside it when the step was cut into
+    smaller ones (the remainder of an epoch). ``num_items_in_batch`` counts the target
+    tokens (labels other than -100) of the whole optimizer step, over every rank and
+    every accumulation micro-step; ``num_sequences_in_batch`` the sequences (segments)
+    with at least one target in the same scope.
+    """
+
+    index: int  # type: ignore[assignment]  # shadows tuple.index, by contract
+    segments: tuple[int, int] | None
+    num_items_in_batch: int
+    num_sequences_in_batch: int
