@@ -462,18 +462,9 @@ def stream_epoch_length(ranks: int, rank: int, workers: int) -> int:
     return sum(1 for e, _ in run if e == 0)
 
 
-STREAM_BETWEEN_EPOCHS = pytest.mark.xfail(
-    strict=True,
-    reason="torch/stream.py: with num_workers=0, StatefulDataLoader loads the dataset's "
-    "state inside iter(), after set_epoch(1); PackedIterableDataset.load_state_dict sets "
-    "epoch back to the state's 0, so the resumed epoch 1 is packed in epoch 0's order",
-)
-
-
 @pytest.mark.parametrize("ranks", [1, 2])
 @pytest.mark.parametrize("point", [
-    *POINTS[:-1],
-    pytest.param("between", marks=STREAM_BETWEEN_EPOCHS, id="between-xfail-0-workers"),
+    *POINTS,
 ])
 @pytest.mark.parametrize("workers", [0])
 def test_stream_in_process(workers: int, point: str, ranks: int) -> None:

@@ -245,8 +245,14 @@ class PackedIterableDataset(torch.utils.data.IterableDataset):  # type: ignore[t
         if state.get("version") != _STATE_VERSION:
             raise FastpackError(f"state: version {state.get('version')!r}; this fastpack "
                                 f"reads version {_STATE_VERSION}")
-        self.epoch = int(state["epoch"])
         self._live = None
+        if _pass_finished(state) and self.epoch > int(state["epoch"]):
+            # StatefulDataLoader loads the state inside iter(), after the loop's
+            # set_epoch: a state saved at the end of epoch e, loaded into a later epoch,
+            # starts that epoch from its first sample (as PackedSampler does).
+            self._pending = None
+            return
+        self.epoch = int(state["epoch"])
         self._pending = _state_to_numpy(dict(state)) if state.get("started") else None
 
     def _to_torch(self, state: Any) -> Any:
@@ -472,6 +478,14 @@ class _Pass:
             "position": self.position,
             "source": self.source_state, "packer": self.packer.state_dict(),
         }
+
+
+def _pass_finished(state: Mapping[str, Any]) -> bool:
+    """Whether ``state`` is of a pass whose final round was emitted to its last pack."""
+    if not state.get("started"):
+        return False
+    rnd = state["packer"]["round"]
+    return bool(rnd is not None and rnd["final"] and int(rnd["cursor"]) >= len(rnd["emit"]))
 
 
 class _Keys:
