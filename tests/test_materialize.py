@@ -159,6 +159,11 @@ def _owner(array: np.ndarray) -> object:
         ([[1, 2, 3], [4, 5]], {"pad_to": 3}, "more than the row width"),
         ([[1, 2, 3], [4, 5]], {"layout": "cols"}, "layout"),
         ([[1, 2, 3], [4, 5]], {"packs": [5]}, "out of range"),
+        # More label or mask rows than sequences: refused, as gather refuses them.
+        ([[1, 2, 3], [4, 5]], {"labels": [[1, 2, 3], [4, 5], [6]]},
+         "column 'labels' has 3 rows, but the tokens have 2"),
+        ([[1, 2, 3], [4, 5]], {"loss_mask": [[1, 1, 1], [1, 1], [1]]},
+         "column 'loss_mask' has 3 rows, but the tokens have 2"),
     ],
 )
 def test_errors(tokens: object, kwargs: dict[str, object], message: str) -> None:
@@ -260,3 +265,18 @@ def test_any_integer_width_and_float_masks() -> None:
     assert got["labels"].tolist() == [[-100, 2, 3, -100, 1002]]
     with pytest.raises(fastpack.FastpackTypeError, match="expected integers"):
         fastpack.materialize(plan, (np.zeros(5, dtype=np.float32), np.array([0, 3, 5])))
+
+
+def test_ragged_indexing_is_python_s_on_every_source() -> None:
+    pa = pytest.importorskip("pyarrow")
+    sources = [fastpack.Ragged(np.arange(5), [0, 2, 5]),
+               fastpack.as_ragged(pa.chunked_array([pa.array([[0, 1]]), pa.array([[2, 3, 4]])]))]
+    for ragged in sources:
+        assert ragged[-1].tolist() == ragged[1].tolist() == [2, 3, 4]
+        assert ragged[-2].tolist() == ragged[np.int64(0)].tolist() == [0, 1]
+        for i in (2, -3):
+            with pytest.raises(FastpackError, match=f"index: row {i} out of range; the data "
+                                                    f"has 2 rows"):
+                ragged[i]
+        with pytest.raises(fastpack.FastpackTypeError, match="index: expected an int"):
+            ragged[0.5]  # type: ignore[index]
