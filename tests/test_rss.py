@@ -39,11 +39,14 @@ CHILD = textwrap.dedent(
                 return int(line.split()[1]) * 1024
         raise KeyError(key)
 
-    ds = datasets.load_from_disk(sys.argv[1]).shuffle(seed=1)
-    assert ds._indices is not None
     collator = PackedCollator(max_len=4096, backend="flash")
-    results = {}
+    results, kept = {}, []
     for mask in (None, "assistant_masks"):
+        # A dataset object of its own per case, and the first kept alive, so that what
+        # one case reads (or copies) is neither reused nor freed for the other.
+        ds = datasets.load_from_disk(sys.argv[1]).shuffle(seed=1)
+        assert ds._indices is not None
+        kept.append(ds)
         before = {k: status(k) for k in ("VmRSS", "RssAnon")}
         packed = PackedDataset(ds, collator, loss_mask=mask)
         sampler = PackedSampler(packed, accumulation_steps=2)
