@@ -280,3 +280,23 @@ def test_ragged_indexing_is_python_s_on_every_source() -> None:
                 ragged[i]
         with pytest.raises(fastpack.FastpackTypeError, match="index: expected an int"):
             ragged[0.5]  # type: ignore[index]
+
+
+def test_target_count_refuses_the_segments_materialize_refuses() -> None:
+    """One definition of what a segment holds: a segment that is not a truncation of its
+    sequence, or a partial segment under the error policy, used to be counted by the
+    target count's own copy of the rule while materialize refused it."""
+    from fastpack._targets import segment_targets
+
+    tokens = fastpack.Ragged(np.arange(10, dtype=np.int32), [0, 10])
+    base = fastpack.pack([10], 16)
+    for overlong, start, why in (("truncate", 3, "is not a truncation"),
+                                 ("error", 0, "does not cover its whole sequence")):
+        fields = {name: getattr(base, name) for name in fastpack.Plan._FIELDS}
+        fields.update(starts=np.array([start]), seqlens=np.array([4], dtype=np.int32),
+                      overlong=overlong)
+        plan = fastpack.Plan(fields)
+        with pytest.raises(FastpackError, match=why):
+            fastpack.materialize(plan, tokens)
+        with pytest.raises(FastpackError, match=why):
+            segment_targets(plan, tokens)
