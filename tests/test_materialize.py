@@ -300,3 +300,15 @@ def test_target_count_refuses_the_segments_materialize_refuses() -> None:
             fastpack.materialize(plan, tokens)
         with pytest.raises(FastpackError, match=why):
             segment_targets(plan, tokens)
+
+
+def test_a_resized_array_under_a_ragged_is_refused() -> None:
+    """Ragged reads the user's numpy arrays in place; ``resize(refcheck=False)`` frees the
+    buffer under it, which every later read must refuse instead of reading freed memory."""
+    values = np.arange(10, dtype=np.int64)
+    tokens = fastpack.Ragged(values, [0, 4, 10])
+    plan = fastpack.pack(tokens.lengths, 16)
+    assert fastpack.materialize(plan, tokens)["total_tokens"] == 10
+    values.resize(1 << 20, refcheck=False)
+    with pytest.raises(FastpackError, match="tokens: an array this column reads was resized"):
+        fastpack.materialize(plan, tokens)

@@ -61,9 +61,9 @@ pub fn materialize<'py>(
         }
     };
     let sources = Sources {
-        tokens: tokens.column(),
-        labels: labels.as_ref().map(|c| c.column()),
-        loss_mask: loss_mask.as_ref().map(|c| c.column()),
+        tokens: tokens.column(py)?,
+        labels: labels.as_ref().map(|c| c.column(py)).transpose()?,
+        loss_mask: loss_mask.as_ref().map(|c| c.column(py)).transpose()?,
     };
     let opts = MaterializeOptions {
         separator_id,

@@ -40,9 +40,9 @@ pub fn segment_targets<'py>(
     }
     let plan = plan_ref(&sample_ids, &starts, &seqlens, &[], reserve, strategy, overlong)?;
     let sources = Sources {
-        tokens: tokens.column(),
-        labels: labels.as_ref().map(|c| c.column()),
-        loss_mask: loss_mask.as_ref().map(|c| c.column()),
+        tokens: tokens.column(py)?,
+        labels: labels.as_ref().map(|c| c.column(py)).transpose()?,
+        loss_mask: loss_mask.as_ref().map(|c| c.column(py)).transpose()?,
     };
     let counts = py
         .detach(|| {
