@@ -127,7 +127,103 @@ fn segment<'a>(plan: &PlanRef<'_>, sources: &Sources<'a>, separator: u64, s: usi
 
 /// Targets among `n` data tokens whose labels (default: the token ids, never -100) and
 /// mask start at the given values, and whether the first of them is one.
-fn count_data(
+fn count_data<'a>(
+    labels: Option<(Values<'a>, usize)>,
+    mask: Option<(Values<'a>, usize)>,
+    n: usize,
+) -> (u64, bool) {
+    if n == 0 {
+        return (0, false);
+    }
+    // The common types, read as typed slices in one pass; any other through blocks.
+    let label = |v: &Values<'a>, lo: usize| -> Option<Labels<'a>> {
+        v.slice::<i32>(lo, n).map(Labels::I32).or_else(|| v.slice::<i64>(lo, n).map(Labels::I64))
+    };
+    let flags = |v: &Values<'a>, lo: usize| -> Option<Mask<'a>> {
+        v.slice::<u8>(lo, n)
+            .map(Mask::U8)
+            .or_else(|| v.slice::<i8>(lo, n).map(|m| Mask::U8(bytes(m))))
+            .or_else(|| v.slice::<i64>(lo, n).map(Mask::I64))
+            .or_else(|| v.slice::<i32>(lo, n).map(Mask::I32))
+    };
+    let fast = match (&labels, &mask) {
+        (None, None) => Some((n as u64, true)),
+        (Some((l, lo)), None) => label(l, *lo).map(|l| l.count(None)),
+        (None, Some((m, lo))) => flags(m, *lo).map(|m| m.count()),
+        (Some((l, llo)), Some((m, mlo))) => match (label(l, *llo), flags(m, *mlo)) {
+            (Some(l), Some(m)) => Some(l.count(Some(m))),
+            _ => None,
+        },
+    };
+    fast.unwrap_or_else(|| count_blocks(labels, mask, n))
+}
+
+/// An int8 mask read as bytes (only compared with 0).
+fn bytes(m: &[i8]) -> &[u8] {
+    // SAFETY: i8 and u8 have the same size and alignment, and any bit pattern is valid.
+    unsafe { std::slice::from_raw_parts(m.as_ptr() as *const u8, m.len()) }
+}
+
+enum Labels<'a> {
+    I32(&'a [i32]),
+    I64(&'a [i64]),
+}
+
+enum Mask<'a> {
+    U8(&'a [u8]),
+    I32(&'a [i32]),
+    I64(&'a [i64]),
+}
+
+/// Branch-free sums of 0/1, so the loops vectorise.
+fn kept<L: Copy + Into<i64>, M: Copy + Default + PartialEq>(l: &[L], m: &[M]) -> u64 {
+    l.iter()
+        .zip(m)
+        .map(|(&x, &k)| u64::from((x.into() != IGNORE_INDEX) & (k != M::default())))
+        .sum()
+}
+
+fn unmasked<L: Copy + Into<i64>>(l: &[L]) -> u64 {
+    l.iter().map(|&x| u64::from(x.into() != IGNORE_INDEX)).sum()
+}
+
+fn ones<M: Copy + Default + PartialEq>(m: &[M]) -> u64 {
+    m.iter().map(|&k| u64::from(k != M::default())).sum()
+}
+
+impl Mask<'_> {
+    fn count(&self) -> (u64, bool) {
+        match self {
+            Mask::U8(m) => (ones(m), m[0] != 0),
+            Mask::I32(m) => (ones(m), m[0] != 0),
+            Mask::I64(m) => (ones(m), m[0] != 0),
+        }
+    }
+}
+
+impl Labels<'_> {
+    fn count(&self, mask: Option<Mask<'_>>) -> (u64, bool) {
+        macro_rules! with {
+            ($l:expr) => {{
+                let l = $l;
+                let first = l[0] as i64 != IGNORE_INDEX;
+                match mask {
+                    None => (unmasked(l), first),
+                    Some(Mask::U8(m)) => (kept(l, m), first && m[0] != 0),
+                    Some(Mask::I32(m)) => (kept(l, m), first && m[0] != 0),
+                    Some(Mask::I64(m)) => (kept(l, m), first && m[0] != 0),
+                }
+            }};
+        }
+        match self {
+            Labels::I32(l) => with!(*l),
+            Labels::I64(l) => with!(*l),
+        }
+    }
+}
+
+/// [`count_data`] for the other types: blocks of labels widened to i64 and mask flags.
+fn count_blocks(
     labels: Option<(Values<'_>, usize)>,
     mask: Option<(Values<'_>, usize)>,
     n: usize,
@@ -255,6 +351,7 @@ mod tests {
             separator in prop::option::of(-100i64..3),
             train_separators in any::<bool>(),
             chunks in 1usize..4,
+            dtypes in 0usize..3,
             seed in any::<u64>(),
         ) {
             let mut opts = PackOptions::new(max_len);
@@ -278,11 +375,20 @@ mod tests {
             let mut starts = vec![0usize];
             for &n in &lengths { starts.push(starts.last().unwrap() + n as usize); }
             let layout = Layout::new(&lengths, chunks, seed);
-            let (id_values, label_values, mask_values) =
-                (layout.values(&ids, &starts), layout.values(&labels, &starts), layout.values(&mask, &starts));
+            let id_values = layout.values(&ids, &starts);
             let token_column = layout.column("input_ids", &id_values);
-            let label_column = layout.column("labels", &label_values);
-            let mask_column = layout.column("loss_mask", &mask_values);
+            // Label and mask types read as typed slices, and others read through blocks.
+            let labels16: Vec<i16> = labels.iter().map(|&x| x as i16).collect();
+            let labels32: Vec<i32> = labels.iter().map(|&x| x as i32).collect();
+            let mask64: Vec<i64> = mask.iter().map(|&k| k as i64).collect();
+            let mask_f32: Vec<f32> = mask.iter().map(|&k| if k == 0 { -0.0 } else { 0.5 }).collect();
+            let (l64, l32, l16) = (layout.values(&labels, &starts), layout.values(&labels32, &starts), layout.values(&labels16, &starts));
+            let (m8, m64, mf) = (layout.values(&mask, &starts), layout.values(&mask64, &starts), layout.values(&mask_f32, &starts));
+            let (label_column, mask_column) = match dtypes {
+                0 => (layout.column("labels", &l64), layout.column("loss_mask", &m8)),
+                1 => (layout.column("labels", &l32), layout.column("loss_mask", &m64)),
+                _ => (layout.column("labels", &l16), layout.column("loss_mask", &mf)),
+            };
             let plan_ref = PlanRef::from(&plan);
             for (with_labels, with_mask) in [(false, false), (true, false), (false, true), (true, true)] {
                 let sources = Sources {
@@ -299,6 +405,38 @@ mod tests {
                     prop_assert_eq!(ours, rows.num_targets);
                 }
             }
+        }
+    }
+
+    /// Rows longer than a block, in the types read through blocks (and the typed ones).
+    #[test]
+    fn long_rows_cross_blocks() {
+        let lengths = [700u32, 300, 257];
+        let plan = pack(&lengths, &PackOptions::new(1024)).unwrap();
+        let offsets = [0i64, 700, 1000, 1257];
+        let ids: Vec<i32> = (0..1257).map(|i| i % 7).collect();
+        let labels: Vec<i16> = (0..1257).map(|i| if i % 5 == 0 { -100 } else { 1 }).collect();
+        let mask: Vec<f32> = (0..1257).map(|i| if i % 3 == 0 { 0.0 } else { 1.0 }).collect();
+        let wide: Vec<i64> = labels.iter().map(|&x| x as i64).collect();
+        let bytes: Vec<u8> = mask.iter().map(|&k| k as u8).collect();
+        let tokens = column("input_ids", &offsets, Values::of(&ids));
+        let plan_ref = PlanRef::from(&plan);
+        let all: Vec<i64> = (0..plan.num_packs() as i64).collect();
+        for (l, m) in [
+            (
+                column("labels", &offsets, Values::of(&labels)),
+                column("m", &offsets, Values::of(&mask)),
+            ),
+            (
+                column("labels", &offsets, Values::of(&wide)),
+                column("m", &offsets, Values::of(&bytes)),
+            ),
+        ] {
+            let sources = Sources { tokens: &tokens, labels: Some(&l), loss_mask: Some(&m) };
+            let counts = segment_targets(&plan_ref, &sources, None, false).unwrap();
+            let rows =
+                materialize(&plan_ref, &sources, &all, &MaterializeOptions::default()).unwrap();
+            assert_eq!(counts.iter().map(|&c| c as u64).sum::<u64>(), rows.num_targets);
         }
     }
 
