@@ -117,3 +117,26 @@ def test_sampler_reads_the_mask_in_place(
     assert isinstance(growth, dict)
     # The mask is read where it is mapped: no anonymous copy of it (nor of the tokens).
     assert growth["RssAnon"] < BOUND, growth
+
+
+def test_no_sampler_path_concatenates_the_columns(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sampler, its step table and the batches read Arrow data in place: the one
+    method that makes a contiguous copy is never called."""
+    import datasets
+
+    from fastpack import Ragged
+    from fastpack.torch import PackedCollator, PackedDataset, PackedSampler
+
+    def copy(self: Ragged) -> None:
+        raise AssertionError("Ragged._materialize_arrays called on a sampler path")
+
+    monkeypatch.setattr(Ragged, "_materialize_arrays", copy)
+    rows = [[int(i % 7) + 1] * int(n) for i, n in enumerate(range(1, 60))]
+    ds = datasets.Dataset.from_dict({
+        "input_ids": rows, "labels": [[-100] + r[1:] for r in rows],
+        "assistant_masks": [[k % 2 for k in range(len(r))] for r in rows],
+    }).shuffle(seed=0)
+    packed = PackedDataset(ds, PackedCollator(max_len=64, backend="flash"), labels="labels",
+                           loss_mask="assistant_masks")
+    steps = list(PackedSampler(packed, accumulation_steps=2))
+    assert sum(int(packed[s]["num_items_in_batch"]) > 0 for s in steps) == len(steps)
