@@ -159,6 +159,11 @@ def _owner(array: np.ndarray) -> object:
         ([[1, 2, 3], [4, 5]], {"pad_to": 3}, "more than the row width"),
         ([[1, 2, 3], [4, 5]], {"layout": "cols"}, "layout"),
         ([[1, 2, 3], [4, 5]], {"packs": [5]}, "out of range"),
+        # More label or mask rows than sequences: refused, as gather refuses them.
+        ([[1, 2, 3], [4, 5]], {"labels": [[1, 2, 3], [4, 5], [6]]},
+         "column 'labels' has 3 rows, but the tokens have 2"),
+        ([[1, 2, 3], [4, 5]], {"loss_mask": [[1, 1, 1], [1, 1], [1]]},
+         "column 'loss_mask' has 3 rows, but the tokens have 2"),
     ],
 )
 def test_errors(tokens: object, kwargs: dict[str, object], message: str) -> None:
@@ -262,3 +267,50 @@ def test_any_integer_width_and_float_masks() -> None:
     assert got["labels"].tolist() == [[-100, 2, 3, -100, 1002]]
     with pytest.raises(fastpack.FastpackTypeError, match="expected integers"):
         fastpack.materialize(plan, (np.zeros(5, dtype=np.float32), np.array([0, 3, 5])))
+
+
+def test_ragged_indexing_is_python_s_on_every_source() -> None:
+    pa = pytest.importorskip("pyarrow")
+    sources = [fastpack.Ragged(np.arange(5), [0, 2, 5]),
+               fastpack.as_ragged(pa.chunked_array([pa.array([[0, 1]]), pa.array([[2, 3, 4]])]))]
+    for ragged in sources:
+        assert ragged[-1].tolist() == ragged[1].tolist() == [2, 3, 4]
+        assert ragged[-2].tolist() == ragged[np.int64(0)].tolist() == [0, 1]
+        for i in (2, -3):
+            with pytest.raises(FastpackError, match=f"index: row {i} out of range; the data "
+                                                    f"has 2 rows"):
+                ragged[i]
+        with pytest.raises(fastpack.FastpackTypeError, match="index: expected an int"):
+            ragged[0.5]  # type: ignore[index]
+
+
+def test_target_count_refuses_the_segments_materialize_refuses() -> None:
+    """One definition of what a segment holds: a segment that is not a truncation of its
+    sequence, or a partial segment under the error policy, used to be counted by the
+    target count's own copy of the rule while materialize refused it."""
+    from fastpack._targets import segment_targets
+
+    tokens = fastpack.Ragged(np.arange(10, dtype=np.int32), [0, 10])
+    base = fastpack.pack([10], 16)
+    for overlong, start, why in (("truncate", 3, "is not a truncation"),
+                                 ("error", 0, "does not cover its whole sequence")):
+        fields = {name: getattr(base, name) for name in fastpack.Plan._FIELDS}
+        fields.update(starts=np.array([start]), seqlens=np.array([4], dtype=np.int32),
+                      overlong=overlong)
+        plan = fastpack.Plan(fields)
+        with pytest.raises(FastpackError, match=why):
+            fastpack.materialize(plan, tokens)
+        with pytest.raises(FastpackError, match=why):
+            segment_targets(plan, tokens)
+
+
+def test_a_resized_array_under_a_ragged_is_refused() -> None:
+    """Ragged reads the user's numpy arrays in place; ``resize(refcheck=False)`` frees the
+    buffer under it, which every later read must refuse instead of reading freed memory."""
+    values = np.arange(10, dtype=np.int64)
+    tokens = fastpack.Ragged(values, [0, 4, 10])
+    plan = fastpack.pack(tokens.lengths, 16)
+    assert fastpack.materialize(plan, tokens)["total_tokens"] == 10
+    values.resize(1 << 20, refcheck=False)
+    with pytest.raises(FastpackError, match="tokens: an array this column reads was resized"):
+        fastpack.materialize(plan, tokens)

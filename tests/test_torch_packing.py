@@ -380,3 +380,68 @@ def test_fixed_cu_seqlens_too_small_for_the_batch() -> None:
     with pytest.raises(FastpackError, match="fixed_cu_seqlens: the batch has 8 segments"):
         PackedCollator(max_len=40, backend="flash", fixed_cu_seqlens=2)(samples())
     assert fastpack.IGNORE_INDEX == -100
+
+
+def test_shuffle_never_changes_the_strategy() -> None:
+    # SFT-like lengths: next_fit (what shuffle=False used to switch flat layouts to) needs
+    # many more packs than bfd.
+    rng = np.random.default_rng(0)
+    lengths = np.clip(rng.lognormal(5.4, 0.8, 2000).astype(np.int64), 1, 1024)
+    offsets = np.concatenate(([0], np.cumsum(lengths)))
+    tokens = fastpack.Ragged(np.ones(int(offsets[-1]), dtype=np.int32), offsets)
+    for backend in ("flash", "sdpa"):
+        collator = PackedCollator(max_len=1024, backend=backend)
+        plans = [PackedDataset(tokens, collator, shuffle=s).plan for s in (True, False)]
+        assert [p.strategy for p in plans] == ["bfd", "bfd"]
+        assert plans[0].num_packs == plans[1].num_packs
+        assert plans[0].num_packs < fastpack.pack(lengths, 1024, strategy="next_fit").num_packs
+    # One batch on the flat layout keeps its samples in order.
+    feats = samples()
+    b = PackedCollator(max_len=64, backend="flash")(feats)
+    assert b["input_ids"][0, : len(feats[0]["input_ids"])].tolist() == feats[0]["input_ids"]
+
+
+def test_padded_backend_honours_shuffle_and_seed() -> None:
+    tokens = fastpack.Ragged(np.arange(40, dtype=np.int32), np.arange(0, 41, 4))
+    collator = PackedCollator(max_len=8, backend="padded")
+    kept = PackedDataset(tokens, collator, shuffle=False).plan.sample_ids.tolist()
+    assert kept == list(range(10))
+    orders = [PackedDataset(tokens, collator, seed=s).plan.sample_ids.tolist() for s in (0, 0, 1)]
+    assert orders[0] == orders[1] != orders[2]
+    assert sorted(orders[0]) == kept and orders[0] != kept
+
+
+@pytest.mark.parametrize(("sample", "key"), [
+    ({"input_ids": [1, 2, 3], "assistant_mask": [0, 1, 1]}, "assistant_mask"),
+    ({"input_ids": [1, 2, 3], "label": [1, 2, 3]}, "label"),
+    ({"input_ids": np.array([1, 2]), "loss_masks": np.array([0, 1])}, "loss_masks"),
+    ({"input_ids": [1, 2], "foo": torch.tensor([1, 1])}, "foo"),
+])
+def test_unknown_per_token_keys_raise(sample: dict[str, Any], key: str) -> None:
+    with pytest.raises(FastpackError, match=f"sample 0 has the per-token key '{key}'.*"
+                                            f"assistant_masks.*ignore_keys"):
+        PackedCollator(max_len=8, backend="flash")([sample])
+    dropped = PackedCollator(max_len=8, backend="flash", ignore_keys=(key,))([sample])
+    assert dropped["input_ids"].tolist() == [list(map(int, sample["input_ids"]))]
+
+
+def test_metadata_keys_are_ignored_and_bad_samples_raise() -> None:
+    # TRL's text columns, ids and tokenizer outputs that fastpack rebuilds itself.
+    sample = {"input_ids": [1, 2, 3], "messages": [{"role": "user", "content": "hi"}] * 3,
+              "prompt": "hi", "completion": "ho", "id": 7, "attention_mask": [1, 1, 1],
+              "position_ids": [0, 1, 2], "assistant_masks": [0, 1, 1]}
+    b = PackedCollator(max_len=8, backend="flash")([sample])
+    assert b["labels"].tolist() == [[-100, 2, 3]]
+    collator = PackedCollator(max_len=8, backend="flash")
+    with pytest.raises(FastpackError, match="sample 1 has 'attention_mask' with zeros"):
+        collator([sample, {"input_ids": [1, 2], "attention_mask": [1, 0]}])
+    with pytest.raises(FastpackError, match="sample 0 has 'position_ids' with values"):
+        collator([{"input_ids": [1, 2, 3], "position_ids": [0, 1, 0]}])
+    with pytest.raises(FastpackError, match="sample 0 has 'seq_lengths': it is already packed"):
+        collator([{"input_ids": [1, 2, 3], "seq_lengths": [2, 1]}])
+    for backend in ("flash", "sdpa", "padded"):
+        with pytest.raises(FastpackError, match="no tokens: sample.s. 0 have empty"):
+            PackedCollator(max_len=8, backend=backend)([{"input_ids": []}])
+    # An empty sample beside real ones holds nothing to lose.
+    b = collator([{"input_ids": []}, {"input_ids": [4, 5]}])
+    assert b["input_ids"].tolist() == [[4, 5]]

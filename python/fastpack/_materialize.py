@@ -16,7 +16,7 @@ from typing import Any, Union
 import numpy as np
 
 from . import _core
-from ._arrow import dataset_parts, list_column
+from ._arrow import _aligned, dataset_parts, list_column
 from ._errors import FastpackError, FastpackTypeError
 from ._plan import PackIndex, Plan, _bool_arg, _choice, _int_arg, _threads, as_lengths
 
@@ -35,10 +35,16 @@ class Ragged:
     dtypes (no copy). :func:`as_ragged` also builds one over Arrow data — every chunk of a
     pyarrow ``ChunkedArray``, a ``datasets`` column through its indices mapping, a parquet
     column — read in place: then :attr:`values` / :attr:`offsets` are a concatenated copy
-    made on first access, which :func:`materialize` never needs.
+    made on first access, which :func:`materialize` and the sampler never need.
+
+    Indexing follows Python (``ragged[-1]`` is the last row); an index out of range
+    raises :class:`~fastpack.FastpackError`. A Ragged pickles (for spawned DataLoader
+    workers): over a ``datasets.Dataset`` as the dataset itself pickles — a memory-mapped
+    one by its file paths, never its data — and is read in place again where it lands.
     """
 
-    __slots__ = ("_arrow", "_column", "_indices", "_mask", "_name", "_offsets", "_values")
+    __slots__ = ("_arrow", "_column", "_indices", "_mask", "_name", "_offsets", "_source",
+                 "_values")
 
     def __init__(self, values: Any, offsets: Any, *, mask: bool = False) -> None:
         self._values: np.ndarray | None = (
@@ -54,6 +60,7 @@ class Ragged:
         self._indices: list[np.ndarray] | None = None
         self._name = "loss_mask" if mask else "tokens"
         self._column: Any = None
+        self._source: tuple[Any, Any, str] | None = None
 
     @classmethod
     def _from_arrow(
@@ -64,6 +71,7 @@ class Ragged:
         self._mask = mask
         self._name = name
         self._indices = indices
+        self._source = None
         column = list_column(array, name, indices=indices)
         if not mask and column.dtype.startswith(("float", "bool")):
             raise FastpackTypeError(
@@ -76,6 +84,14 @@ class Ragged:
         chunks = array.chunks if isinstance(array, pa.ChunkedArray) else [array]
         self._arrow = pa.chunked_array(chunks, type=array.type)
         return self
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # The ListColumn (views of buffers in this process) is rebuilt where it lands.
+        if self._source is not None:
+            return (_ragged_of_dataset, (*self._source, self._mask, self._name))
+        if self._arrow is not None:
+            return (_ragged_of_arrow, (self._arrow, self._indices, self._mask, self._name))
+        return (_ragged_of_arrays, (self._values, self._offsets, self._mask, self._name))
 
     @property
     def column(self) -> Any:
@@ -139,12 +155,14 @@ class Ragged:
         return int(self.column.rows)
 
     def __getitem__(self, i: int) -> np.ndarray:
-        if self._values is not None and self._offsets is not None:
-            return self._values[int(self._offsets[i]) : int(self._offsets[i + 1])]
+        if isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer)):
+            raise FastpackTypeError(f"index: expected an int, got {type(i).__name__}")
         n = len(self)
         if not -n <= i < n:
-            raise IndexError(f"row {i} out of range; the data has {n} rows")
-        i %= n
+            raise FastpackError(f"index: row {int(i)} out of range; the data has {n} rows")
+        i = int(i) % n
+        if self._values is not None and self._offsets is not None:
+            return self._values[int(self._offsets[i]) : int(self._offsets[i + 1])]
         if self._indices is not None:
             starts = np.cumsum([0] + [len(p) for p in self._indices])
             k = int(np.searchsorted(starts, i, side="right")) - 1
@@ -159,6 +177,43 @@ class Ragged:
                     f"{self._arrow.type.value_type}"
                     + (", through a row mapping" if self._indices is not None else "") + ")")
         return f"Ragged({len(self)} rows, {self.values.size} values of {self.values.dtype})"
+
+
+def _ragged_of_arrays(values: np.ndarray, offsets: np.ndarray, mask: bool, name: str
+                      ) -> Ragged:
+    ragged = Ragged(values, offsets, mask=mask)
+    ragged._name = name
+    return ragged
+
+
+def _ragged_of_arrow(array: Any, indices: list[np.ndarray] | None, mask: bool, name: str
+                     ) -> Ragged:
+    return Ragged._from_arrow(array, name, indices, mask)
+
+
+def _ragged_of_dataset(data: Any, mapping: Any, column: str, mask: bool, name: str
+                       ) -> Ragged:
+    table = getattr(data, "table", data)  # datasets' Table wraps a pyarrow.Table
+    indices = None if mapping is None else indices_of(mapping)
+    ragged = Ragged._from_arrow(table.column(column), column, indices, mask)
+    ragged._name = name
+    ragged._source = (data, mapping, column)
+    return ragged
+
+
+def indices_of(mapping: Any) -> list[np.ndarray]:
+    """A ``datasets`` indices table as int64 views of its chunks (as ``dataset_parts``)."""
+    return [_aligned(c.to_numpy(zero_copy_only=True).view(np.int64))
+            for c in mapping.column(0).chunks]
+
+
+def _shallow(table: Any) -> Any:
+    """Another datasets ``Table`` object over the same Arrow table (no data copied): what a
+    Ragged keeps to pickle by, without keeping alive the object its cache entry is keyed on."""
+    cls: Any = type(table)
+    copy = cls.__new__(cls)
+    copy.__dict__.update(table.__dict__)
+    return copy
 
 
 def _as_offsets(offsets: Any) -> np.ndarray:
@@ -252,7 +307,9 @@ def _from_dataset(dataset: Any, column: str, mask: bool, name: str = "column") -
 
     def build() -> Ragged:
         table, indices = dataset_parts(dataset)
-        return Ragged._from_arrow(table.column(column), column, indices, mask)
+        ragged = Ragged._from_arrow(table.column(column), column, indices, mask)
+        ragged._source = (_shallow(dataset.data), getattr(dataset, "_indices", None), column)
+        return ragged
 
     return _reuse(dataset.data, getattr(dataset, "_indices", None), (column, mask), build)
 

@@ -32,8 +32,10 @@ def segment_targets(
     threads: int | None = None,
 ) -> np.ndarray:
     """Targets of every segment of ``plan`` (uint32 [S]), as materialize would label them:
-    one parallel pass over the labels (or token ids) and the loss mask of the plan's
-    sequences."""
+    one parallel pass over the labels and the loss mask of the plan's sequences, read where
+    they lie (Arrow chunks through a dataset's indices mapping, never copied). The token
+    ids themselves are never read (a token id is never -100): without labels and mask the
+    counts follow from the segments' lengths."""
     if plan.num_sequences != len(tokens):
         raise FastpackError(
             f"plan: made from {plan.num_sequences} lengths, but the token data has "
@@ -41,25 +43,9 @@ def segment_targets(
         )
     result: np.ndarray = _core.segment_targets(
         plan.sample_ids, plan.starts, plan.seqlens, plan.reserve, plan.strategy, plan.overlong,
-        _ints(tokens.values), _ints(tokens.offsets),
-        None if labels is None else _ints(labels.values),
-        None if labels is None else _ints(labels.offsets),
-        None if loss_mask is None else _mask(loss_mask.values),
-        None if loss_mask is None else _ints(loss_mask.offsets),
+        tokens.column,
+        None if labels is None else labels.column,
+        None if loss_mask is None else loss_mask.column,
         separator_id, bool(train_separators), threads,
     )
     return result
-
-
-def _ints(array: np.ndarray) -> np.ndarray:
-    """int32/int64 as they are; other integer widths (Ragged keeps them) widened once."""
-    if array.dtype in (np.dtype(np.int32), np.dtype(np.int64)) and array.dtype.isnative:
-        return np.ascontiguousarray(array)
-    return np.ascontiguousarray(array, dtype=np.int64)
-
-
-def _mask(array: np.ndarray) -> np.ndarray:
-    """A 0/1 mask as uint8 (bool viewed in place; other dtypes compared to 0 once)."""
-    if array.dtype == np.uint8 or array.dtype == np.bool_:
-        return np.ascontiguousarray(array).view(np.uint8)
-    return (array != 0).view(np.uint8)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
+from .. import _core
 from .._errors import FastpackError, FastpackTypeError
 from .._materialize import TokenData, _from_rows, materialize
 from .._plan import (
@@ -28,6 +30,10 @@ __all__ = ["LOSS_MASK_KEYS", "PackedCollator"]
 #: Per-sample keys read as a 0/1 loss mask, first match wins (Hugging Face chat templates
 #: give ``assistant_masks``; TRL gives ``completion_mask``).
 LOSS_MASK_KEYS = ("assistant_masks", "completion_mask", "loss_mask")
+#: Per-token keys a sample may carry that fastpack reads or rebuilds itself: the tokens,
+#: labels and loss masks are packed; ``attention_mask`` (all ones: an unpadded sample) and
+#: ``position_ids`` (``0..n-1``) are checked and rebuilt per pack.
+KNOWN_KEYS = ("input_ids", "labels", *LOSS_MASK_KEYS, "attention_mask", "position_ids")
 
 
 class PackedCollator:
@@ -56,6 +62,21 @@ class PackedCollator:
         return_seq_idx: add ``seq_idx`` (int32, segment index per token; Mamba / FLA).
         return_num_items: add ``num_items_in_batch`` (targets in the batch; the Trainer
             computes the same number itself, so this is for plain training loops).
+        ignore_keys: per-token keys to drop without packing them. A sample's key that
+            holds one number per token (a list, array or tensor as long as its
+            ``input_ids``) and is none of :data:`KNOWN_KEYS` raises, naming it: a
+            misspelled mask (``assistant_mask``) or labels (``label``) would otherwise
+            silently train every token. Other keys — text (``messages``, ``prompt``,
+            ``completion``), scalars and other metadata — are ignored.
+
+    A sample with ``seq_lengths`` is already packed and raises, as does an
+    ``attention_mask`` with zeros (a padded sample) or ``position_ids`` other than
+    ``0..n-1``: packing them again would attend across their sequences or train on padding.
+    A batch with no tokens at all raises, naming its empty samples.
+
+    :meth:`plan` (whole datasets) uses ``strategy`` whatever ``shuffle`` is; one batch
+    (``collator(samples)``) keeps its samples in order on the flat layout, where bin
+    packing could only reorder them.
     """
 
     def __init__(
@@ -78,6 +99,7 @@ class PackedCollator:
         return_seq_idx: bool = False,
         return_num_items: bool = False,
         threads: int | None = None,
+        ignore_keys: Sequence[str] = (),
     ) -> None:
         # Every option is checked here, so a mistake fails where the collator is built,
         # not at the first batch.
@@ -109,6 +131,16 @@ class PackedCollator:
                 f"{loss_mask_key!r}"
             )
         self.loss_mask_key = loss_mask_key
+        if isinstance(ignore_keys, str) or not (
+            isinstance(ignore_keys, Sequence) and all(isinstance(k, str) for k in ignore_keys)
+        ):
+            raise FastpackTypeError(
+                f"ignore_keys: expected a sequence of key names, e.g. ('pixel_values',), "
+                f"got {ignore_keys!r}"
+            )
+        self.ignore_keys = frozenset(ignore_keys)
+        self._known = frozenset((*KNOWN_KEYS, *([loss_mask_key] if isinstance(
+            loss_mask_key, str) else []))) | self.ignore_keys
         self.threads = _threads(threads)
         self.format = BatchFormat(
             backend=self.backend, mask=self.mask,
@@ -145,6 +177,18 @@ class PackedCollator:
                     f"'input_ids'"
                 )
         tokens = _from_rows(self._column(features, "input_ids"), mask=False, name="input_ids")
+        lengths = tokens.lengths
+        for i, f in enumerate(features):
+            if f.keys() - self._known:
+                self.check_keys(f, i, int(lengths[i]))
+            if "attention_mask" in f or "position_ids" in f:
+                _check_unpacked(f, i, int(lengths[i]), self.ignore_keys)
+        if not lengths.any():
+            raise FastpackError(
+                f"features: the batch holds no tokens: sample(s) "
+                f"{', '.join(map(str, range(min(len(features), 5))))}"
+                f"{', ...' if len(features) > 5 else ''} have empty 'input_ids'"
+            )
         labels = None
         if any("labels" in f for f in features):
             labels = _from_rows(self._column(features, "labels"), mask=False, name="labels")
@@ -152,8 +196,34 @@ class PackedCollator:
         loss_mask = None if key is None else _from_rows(
             self._column(features, key), mask=True, name=key
         )
-        plan = self.plan(tokens.lengths, shuffle=False)
+        if self.backend == "padded":
+            plan = self.plan(lengths)
+        else:
+            # One flat row holds every pack end to end: bin packing would only reorder the
+            # samples, so keep their order.
+            strategy = "next_fit" if self.layout == "flat" else self.strategy
+            plan = pack(lengths, self.max_len, strategy=strategy, overlong=self.overlong,
+                        reserve=self.reserve, shuffle=False, threads=self.threads)
         return self.batch(plan, tokens, None, labels=labels, loss_mask=loss_mask)
+
+    def check_keys(self, sample: Mapping[str, Any], index: int, length: int) -> None:
+        """Raises if ``sample`` (number ``index``, of ``length`` tokens) carries a per-token
+        key this collator would drop unasked (see ``ignore_keys``)."""
+        if "seq_lengths" in sample:
+            raise FastpackError(
+                f"features: sample {index} has 'seq_lengths': it is already packed; pass "
+                f"unpacked samples (one sequence each), or its rows with the boundaries "
+                f"straight to the model"
+            )
+        for key in sample.keys() - self._known:
+            if length and _per_token(sample[key], length):
+                close = difflib.get_close_matches(str(key), KNOWN_KEYS, n=1)
+                hint = f"did you mean {close[0]!r}? " if close else ""
+                raise FastpackError(
+                    f"features: sample {index} has the per-token key {key!r} ({length} "
+                    f"values, one per token), which is not packed: {hint}the keys read are "
+                    f"{', '.join(KNOWN_KEYS)}; pass ignore_keys=({key!r},) to drop it"
+                )
 
     @staticmethod
     def _column(features: Sequence[Mapping[str, Any]], key: str) -> list[Any]:
@@ -187,8 +257,12 @@ class PackedCollator:
         long_max_len: int | None = None,
         group_tokens: int | None = None,
     ) -> Plan:
-        """The plan this collator uses for samples of these lengths (``long_max_len`` and
-        ``group_tokens``: see :func:`fastpack.pack`)."""
+        """The plan this collator uses for samples of these lengths (a whole dataset):
+        ``strategy`` whatever ``shuffle`` is; ``shuffle``/``seed`` shuffle the packs
+        (``long_max_len`` and ``group_tokens``: see :func:`fastpack.pack`). With the padded
+        backend every sample is its own pack, in input order or shuffled by ``seed``."""
+        shuffle = _bool_arg("shuffle", shuffle)
+        seed = _int_arg("seed", seed, minimum=0, maximum=2**64 - 1)
         if self.backend == "padded":
             if long_max_len is not None or group_tokens is not None:
                 raise FastpackError(
@@ -196,11 +270,8 @@ class PackedCollator:
                     "per row)"
                 )
             return _one_per_pack(np.asarray(lengths, dtype=np.int64), self.max_len,
-                                 self.reserve, self.overlong)
-        # One flat row holds every pack end to end: bin packing would only reorder the
-        # samples, so keep their order (unless this plans a whole dataset).
-        strategy = "next_fit" if self.layout == "flat" and not shuffle else self.strategy
-        return pack(lengths, self.max_len, strategy=strategy, overlong=self.overlong,
+                                 self.reserve, self.overlong, seed if shuffle else None)
+        return pack(lengths, self.max_len, strategy=self.strategy, overlong=self.overlong,
                     reserve=self.reserve, shuffle=shuffle, seed=seed, threads=self.threads,
                     long_max_len=long_max_len, group_tokens=group_tokens)
 
@@ -223,8 +294,42 @@ class PackedCollator:
         return self.format(rows)
 
 
-def _one_per_pack(lengths: np.ndarray, max_len: int, reserve: int, overlong: str) -> Plan:
-    """A plan with every sample in its own pack, in order (the padded baseline)."""
+def _per_token(value: Any, length: int) -> bool:
+    """Whether ``value`` holds one number per token: a flat list, tuple, array or tensor
+    of numbers as long as the sample's ``input_ids``."""
+    if isinstance(value, (list, tuple)):
+        return len(value) == length and isinstance(value[0], (int, float, np.number))
+    if isinstance(value, np.ndarray) or type(value).__module__.startswith("torch"):
+        shape = tuple(value.shape)
+        return len(shape) == 1 and shape[0] == length
+    return False
+
+
+def _check_unpacked(sample: Mapping[str, Any], index: int, length: int,
+                    ignore: frozenset[str]) -> None:
+    """An ``attention_mask`` of ones and ``position_ids`` of ``0..n-1``: what an unpadded,
+    unpacked sample carries (and fastpack rebuilds per pack)."""
+    for key in ("attention_mask", "position_ids"):
+        if key not in sample or key in ignore:
+            continue
+        value = sample[key]
+        if type(value).__module__.startswith("torch"):
+            value = value.detach().cpu().numpy()
+        array = np.asarray(value).reshape(-1)
+        expected = np.ones(length) if key == "attention_mask" else np.arange(length)
+        if array.shape != (length,) or not np.array_equal(array, expected):
+            what = ("zeros (a padded sample: fastpack packs unpadded ones)"
+                    if key == "attention_mask" else "values other than 0..n-1 (a packed row?)")
+            raise FastpackError(
+                f"features: sample {index} has {key!r} with {what}; pass the sample's "
+                f"real tokens only, or ignore_keys=({key!r},) if it is meant to be dropped"
+            )
+
+
+def _one_per_pack(lengths: np.ndarray, max_len: int, reserve: int, overlong: str,
+                  seed: int | None = None) -> Plan:
+    """A plan with every sample in its own pack (the padded baseline), in order or, with a
+    ``seed``, shuffled."""
     extended = lengths + reserve
     over = extended > max_len
     if over.any() and overlong == "error":
@@ -235,7 +340,11 @@ def _one_per_pack(lengths: np.ndarray, max_len: int, reserve: int, overlong: str
         )
     keep = lengths > 0
     seqlens = np.minimum(extended, max_len)[keep]
+    sample_ids = np.flatnonzero(keep).astype(np.int64)
     n = int(keep.sum())
+    if seed is not None and n:
+        order = _core.permutation(n, seed)
+        sample_ids, seqlens = sample_ids[order], seqlens[order]
     total = int(seqlens.sum())
     # This planner is Python (one sample per pack), so its metrics are computed here.
     metrics = {
@@ -245,7 +354,7 @@ def _one_per_pack(lengths: np.ndarray, max_len: int, reserve: int, overlong: str
         **metrics,
         "buckets": [{"max_len": max_len, "num_sequences": n, "num_packs": n,
                      "total_tokens": total, **metrics}],
-        "sample_ids": np.flatnonzero(keep).astype(np.int64),
+        "sample_ids": sample_ids,
         "starts": np.zeros(n, dtype=np.int64),
         "seqlens": seqlens.astype(np.int32),
         "pack_offsets": np.arange(n + 1, dtype=np.int64),

@@ -227,6 +227,12 @@ impl<'a> Values<'a> {
         unsafe { std::slice::from_raw_parts(raw.as_ptr() as *const T, hi - lo) }
     }
 
+    /// Values `lo..lo + n` as a typed slice, if they are of type `T`.
+    #[inline]
+    pub(crate) fn slice<T: Native>(&self, lo: usize, n: usize) -> Option<&'a [T]> {
+        (self.dtype == T::DTYPE).then(|| self.typed::<T>(lo, lo + n))
+    }
+
     #[inline]
     fn bit(&self, i: usize) -> bool {
         let b = self.offset + i;

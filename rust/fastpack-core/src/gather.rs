@@ -112,10 +112,14 @@ impl PlanRef<'_> {
         self.pack_offsets[p as usize] as usize..self.pack_offsets[p as usize + 1] as usize
     }
 
-    /// The part of its sequence (of `len` values) that segment `s` holds, checked against
-    /// the plan's policy: `(first value, values)`; the rest of the segment, up to
-    /// `seqlens[s]`, is reserved slots (separators).
-    pub(crate) fn segment_source(&self, s: usize, len: u64) -> Result<(usize, usize)> {
+    /// What segment `s` holds — the one definition that [`gather`],
+    /// [`materialize`](crate::materialize::materialize) and
+    /// [`segment_targets`](crate::targets::segment_targets) all read: the part of its
+    /// sequence (of `len` values) as `(first value, values)`, checked against the plan's
+    /// policy (a truncation keeps the sequence's start and leaves its reserved slots; the
+    /// error and drop policies never cut a sequence). The rest of the segment, up to
+    /// `seqlens[s]`, is reserved slots (separators). `s` must be a segment of the plan.
+    pub fn segment_source(&self, s: usize, len: u64) -> Result<(usize, usize)> {
         let (start, seqlen) = (self.starts[s], self.seqlens[s]);
         let extended = len + self.reserve;
         let i = self.sample_ids[s];

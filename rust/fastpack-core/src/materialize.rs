@@ -277,11 +277,12 @@ fn segment_piece(
     let mut rows = [row, NO_ROW, NO_ROW];
     for (k, side) in [sources.labels, sources.loss_mask].into_iter().enumerate() {
         if let Some(column) = side {
-            if column.rows() < tokens.rows() {
+            if column.rows() != tokens.rows() {
                 return Err(Error::invalid(
                     "columns",
                     format!(
-                        "column '{}' has {} rows, fewer than the {} of the tokens",
+                        "column '{}' has {} rows, but the tokens have {}; every column needs \
+                         one row per sequence",
                         column.name(),
                         column.rows(),
                         tokens.rows()

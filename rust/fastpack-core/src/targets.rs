@@ -3,21 +3,28 @@
 //! micro-batch the normaliser of its whole optimizer step (all ranks, all accumulation
 //! micro-steps) before any batch exists.
 //!
-//! The rules are materialize's: a segment writes `n` data tokens (its piece of the sequence,
-//! after truncation) and then `seqlen - n` separators; a data token is a target when its
-//! label (the token itself without labels) is not `-100` and its loss mask is not 0; a
+//! The data is read as materialize reads it: list [`Column`]s in place (every chunk,
+//! through an indices mapping), so a memory-mapped dataset is never copied. What each
+//! segment holds is [`PlanRef::segment_source`], the one definition gather and materialize
+//! use too (with its truncation and policy checks). The rules are materialize's: a segment
+//! writes `n` data tokens and then `seqlen - n` separators; a data token is a target when
+//! its label (the token itself without labels) is not `-100` and its loss mask is not 0; a
 //! separator is a target with `train_separators`; the first position of a segment never is.
-//! A proptest below checks the counts against materialize's own, pack by pack.
+//!
+//! Token ids are vocabulary indices, never `-100`, so the token values themselves are never
+//! read: without labels and mask the counts follow from the segments' lengths alone, and
+//! a mask alone is read without the tokens. A proptest below checks the counts against
+//! materialize's own, pack by pack, over chunked columns read through a mapping.
 //!
 //! ```
-//! use fastpack_core::column::Ints;
-//! use fastpack_core::materialize::PlanRef;
-//! use fastpack_core::targets::{Ragged, Sources};
+//! use fastpack_core::column::{Column, Ints, ListChunk, Values};
+//! use fastpack_core::materialize::{PlanRef, Sources};
 //! use fastpack_core::targets::segment_targets;
 //! use fastpack_core::{pack, PackOptions};
 //! let plan = pack(&[3u32, 2], &PackOptions::new(8)).unwrap();
-//! let tokens = Ragged { values: Ints::I32(&[10, 11, 12, 20, 21]), offsets: Ints::I64(&[0, 3, 5]) };
-//! let sources = Sources { tokens, labels: None, loss_mask: None };
+//! let chunk = ListChunk { offsets: Ints::I64(&[0, 3, 5]), values: Values::of(&[10i32, 11, 12, 20, 21]) };
+//! let tokens = Column::new("input_ids", vec![chunk], None).unwrap();
+//! let sources = Sources { tokens: &tokens, labels: None, loss_mask: None };
 //! let counts = segment_targets(&PlanRef::from(&plan), &sources, None, false).unwrap();
 //! assert_eq!(counts.iter().sum::<u32>(), 3); // labels [-100, 11, 12] and [-100, 21]
 //! ```
@@ -26,56 +33,19 @@
 
 use rayon::prelude::*;
 
-use crate::column::Ints;
+use crate::column::{check_row_len, Column, Values};
 use crate::error::{Error, Result};
-use crate::materialize::{PlanRef, IGNORE_INDEX};
-
-/// Contiguous ragged data read in place: row `i` is `values[offsets[i]..offsets[i + 1]]`.
-#[derive(Debug, Clone, Copy)]
-pub struct Ragged<'a, V> {
-    pub values: V,
-    pub offsets: Ints<'a>,
-}
-
-/// The data whose targets are counted: token ids, optional labels and 0/1 loss mask.
-#[derive(Debug, Clone, Copy)]
-pub struct Sources<'a> {
-    pub tokens: Ragged<'a, Ints<'a>>,
-    pub labels: Option<Ragged<'a, Ints<'a>>>,
-    pub loss_mask: Option<Ragged<'a, &'a [u8]>>,
-}
-use crate::plan::{Overlong, Strategy};
+use crate::materialize::{PlanRef, Sources, IGNORE_INDEX};
 
 /// Segments per parallel task.
 const TASK_SEGMENTS: usize = 1 << 12;
-
-#[inline]
-fn at(ints: &Ints<'_>, i: usize) -> i64 {
-    match ints {
-        Ints::I32(v) => v[i] as i64,
-        Ints::I64(v) => v[i],
-    }
-}
-
-/// The checked value range of row `i`.
-fn row<V>(data: &Ragged<'_, V>, len: usize, arg: &'static str, i: usize) -> Result<(usize, usize)> {
-    let rows = data.offsets.len().saturating_sub(1);
-    if i >= rows {
-        return Err(Error::invalid(arg, format!("row {i} out of range; the data has {rows} rows")));
-    }
-    let (lo, hi) = (at(&data.offsets, i), at(&data.offsets, i + 1));
-    if lo < 0 || hi < lo || hi as u64 > len as u64 {
-        return Err(Error::invalid(
-            arg,
-            format!("offsets[{i}..={}] = {lo}, {hi} do not fit its {len} values", i + 1),
-        ));
-    }
-    Ok((lo as usize, hi as usize))
-}
+/// Values counted per block (a stack buffer of widened labels and mask flags).
+const BLOCK: usize = 256;
 
 /// Target tokens of every segment of `plan` (in segment order), as
 /// [`materialize`](crate::materialize::materialize) would label them with these options.
-/// Run it inside [`crate::pool::install`] to choose the thread count.
+/// Every segment and its rows are checked as gather and materialize check them. Run it
+/// inside [`crate::pool::install`] to choose the thread count.
 pub fn segment_targets(
     plan: &PlanRef<'_>,
     sources: &Sources<'_>,
@@ -102,6 +72,25 @@ pub fn segment_targets(
             ),
         ));
     }
+    let tokens = sources.tokens;
+    if let Some(labels) = sources.labels {
+        labels.require_integers("labels")?;
+    }
+    for side in [sources.labels, sources.loss_mask].into_iter().flatten() {
+        if side.rows() != tokens.rows() {
+            return Err(Error::invalid(
+                "columns",
+                format!(
+                    "column '{}' has {} rows, but the tokens '{}' have {}; every column needs \
+                     one row per sequence",
+                    side.name(),
+                    side.rows(),
+                    tokens.name(),
+                    tokens.rows()
+                ),
+            ));
+        }
+    }
     let separator = u64::from(train_separators && separator_id.is_some_and(|s| s != IGNORE_INDEX));
     let count = |s: usize| segment(plan, sources, separator, s);
     let mut out = vec![0u32; segments];
@@ -115,94 +104,242 @@ pub fn segment_targets(
     Ok(out)
 }
 
-fn segment(plan: &PlanRef<'_>, sources: &Sources<'_>, separator: u64, s: usize) -> Result<u32> {
-    let sample = plan.sample_ids[s];
-    if sample < 0 {
-        return Err(Error::invalid("plan", format!("segment {s} refers to sequence {sample}")));
-    }
-    let i = sample as usize;
-    let (tok_lo, tok_hi) = row(&sources.tokens, sources.tokens.values.len(), "tokens", i)?;
-    let len = (tok_hi - tok_lo) as u64;
-    let (start, seqlen) = (plan.starts[s], plan.seqlens[s]);
-    let extended = len + plan.reserve;
-    if start < 0 || seqlen <= 0 || start as u64 + seqlen as u64 > extended {
-        return Err(Error::invalid(
-            "plan",
-            format!(
-                "segment {s} (sequence {i}, start {start}, {seqlen} tokens) runs past the end \
-                 of its sequence: it has {len} tokens + {} reserved; was the plan made from \
-                 these lengths?",
-                plan.reserve
-            ),
-        ));
-    }
-    let (start, seqlen) = (start as u64, seqlen as u64);
-    let whole = start == 0 && seqlen == extended;
-    let kept =
-        if plan.overlong == Overlong::Truncate && plan.strategy != Strategy::Wrapped && !whole {
-            seqlen.saturating_sub(plan.reserve)
-        } else {
-            len
-        };
-    let n = kept.saturating_sub(start).min(seqlen) as usize;
-    let source_start = start.min(len) as usize;
-
-    let (labels, label_lo) = match &sources.labels {
-        Some(l) => {
-            let (lo, hi) = row(l, l.values.len(), "labels", i)?;
-            if (hi - lo) as u64 != len {
-                return Err(Error::invalid(
-                    "labels",
-                    format!("row {i} has {} values for {len} tokens", hi - lo),
-                ));
-            }
-            (&l.values, lo)
-        }
-        None => (&sources.tokens.values, tok_lo),
+/// The targets of segment `s`: its rows resolved and checked (offsets only), its piece
+/// from [`PlanRef::segment_source`], then the labels and mask of that piece counted.
+fn segment<'a>(plan: &PlanRef<'_>, sources: &Sources<'a>, separator: u64, s: usize) -> Result<u32> {
+    let tokens = sources.tokens;
+    let i = plan.sample(s, tokens.rows())?;
+    let row = tokens.row(i)?;
+    let len = row.len();
+    let side = |column: Option<&Column<'a>>| -> Result<Option<(Values<'a>, usize)>> {
+        column.map(|c| check_row_len(c, tokens, i, len).map(|r| (*c.values(r), r.lo))).transpose()
     };
-    let mask = match &sources.loss_mask {
-        Some(m) => {
-            let (lo, hi) = row(m, m.values.len(), "loss_mask", i)?;
-            if (hi - lo) as u64 != len {
-                return Err(Error::invalid(
-                    "loss_mask",
-                    format!("row {i} has {} values for {len} tokens", hi - lo),
-                ));
-            }
-            Some(&m.values[lo + source_start..lo + source_start + n])
-        }
-        None => None,
-    };
-    let lo = label_lo + source_start;
-    let valid = |label: i64, keep: Option<u8>| label != IGNORE_INDEX && keep != Some(0);
-    // Branch-free sums of 0/1 so the loops vectorise.
-    let data: u64 = match (labels, mask) {
-        (Ints::I32(v), None) => v[lo..lo + n].iter().map(|&x| u64::from(x != -100)).sum(),
-        (Ints::I64(v), None) => v[lo..lo + n].iter().map(|&x| u64::from(x != IGNORE_INDEX)).sum(),
-        (Ints::I32(v), Some(m)) => {
-            v[lo..lo + n].iter().zip(m).map(|(&x, &k)| u64::from((x != -100) & (k != 0))).sum()
-        }
-        (Ints::I64(v), Some(m)) => v[lo..lo + n]
-            .iter()
-            .zip(m)
-            .map(|(&x, &k)| u64::from((x != IGNORE_INDEX) & (k != 0)))
-            .sum(),
-    };
+    let labels = side(sources.labels)?;
+    let mask = side(sources.loss_mask)?;
+    let (from, n) = plan.segment_source(s, len as u64)?;
+    let seqlen = plan.seqlens[s] as u64;
+    let (data, first) =
+        count_data(labels.map(|(v, lo)| (v, lo + from)), mask.map(|(v, lo)| (v, lo + from)), n);
     // The first position is never a target: a data token, or a separator when n == 0.
-    let first =
-        if n > 0 { u64::from(valid(at(labels, lo), mask.map(|m| m[0]))) } else { separator };
-    let separators = (seqlen - n as u64) * separator;
-    Ok((data + separators - first) as u32)
+    let first = if n > 0 { u64::from(first) } else { separator };
+    Ok((data + (seqlen - n as u64) * separator - first) as u32)
+}
+
+/// Targets among `n` data tokens whose labels (default: the token ids, never -100) and
+/// mask start at the given values, and whether the first of them is one.
+fn count_data<'a>(
+    labels: Option<(Values<'a>, usize)>,
+    mask: Option<(Values<'a>, usize)>,
+    n: usize,
+) -> (u64, bool) {
+    if n == 0 {
+        return (0, false);
+    }
+    // The common types, read as typed slices in one pass; any other through blocks.
+    let label = |v: &Values<'a>, lo: usize| -> Option<Labels<'a>> {
+        v.slice::<i32>(lo, n).map(Labels::I32).or_else(|| v.slice::<i64>(lo, n).map(Labels::I64))
+    };
+    let flags = |v: &Values<'a>, lo: usize| -> Option<Mask<'a>> {
+        v.slice::<u8>(lo, n)
+            .map(Mask::U8)
+            .or_else(|| v.slice::<i8>(lo, n).map(|m| Mask::U8(bytes(m))))
+            .or_else(|| v.slice::<i64>(lo, n).map(Mask::I64))
+            .or_else(|| v.slice::<i32>(lo, n).map(Mask::I32))
+    };
+    let fast = match (&labels, &mask) {
+        (None, None) => Some((n as u64, true)),
+        (Some((l, lo)), None) => label(l, *lo).map(|l| l.count(None)),
+        (None, Some((m, lo))) => flags(m, *lo).map(|m| m.count()),
+        (Some((l, llo)), Some((m, mlo))) => match (label(l, *llo), flags(m, *mlo)) {
+            (Some(l), Some(m)) => Some(l.count(Some(m))),
+            _ => None,
+        },
+    };
+    fast.unwrap_or_else(|| count_blocks(labels, mask, n))
+}
+
+/// An int8 mask read as bytes (only compared with 0).
+fn bytes(m: &[i8]) -> &[u8] {
+    // SAFETY: i8 and u8 have the same size and alignment, and any bit pattern is valid.
+    unsafe { std::slice::from_raw_parts(m.as_ptr() as *const u8, m.len()) }
+}
+
+enum Labels<'a> {
+    I32(&'a [i32]),
+    I64(&'a [i64]),
+}
+
+enum Mask<'a> {
+    U8(&'a [u8]),
+    I32(&'a [i32]),
+    I64(&'a [i64]),
+}
+
+/// Branch-free sums of 0/1, so the loops vectorise.
+fn kept<L: Copy + Into<i64>, M: Copy + Default + PartialEq>(l: &[L], m: &[M]) -> u64 {
+    l.iter()
+        .zip(m)
+        .map(|(&x, &k)| u64::from((x.into() != IGNORE_INDEX) & (k != M::default())))
+        .sum()
+}
+
+fn unmasked<L: Copy + Into<i64>>(l: &[L]) -> u64 {
+    l.iter().map(|&x| u64::from(x.into() != IGNORE_INDEX)).sum()
+}
+
+fn ones<M: Copy + Default + PartialEq>(m: &[M]) -> u64 {
+    m.iter().map(|&k| u64::from(k != M::default())).sum()
+}
+
+impl Mask<'_> {
+    fn count(&self) -> (u64, bool) {
+        match self {
+            Mask::U8(m) => (ones(m), m[0] != 0),
+            Mask::I32(m) => (ones(m), m[0] != 0),
+            Mask::I64(m) => (ones(m), m[0] != 0),
+        }
+    }
+}
+
+impl Labels<'_> {
+    fn count(&self, mask: Option<Mask<'_>>) -> (u64, bool) {
+        macro_rules! with {
+            ($l:expr) => {{
+                let l = $l;
+                let first = l[0] as i64 != IGNORE_INDEX;
+                match mask {
+                    None => (unmasked(l), first),
+                    Some(Mask::U8(m)) => (kept(l, m), first && m[0] != 0),
+                    Some(Mask::I32(m)) => (kept(l, m), first && m[0] != 0),
+                    Some(Mask::I64(m)) => (kept(l, m), first && m[0] != 0),
+                }
+            }};
+        }
+        match self {
+            Labels::I32(l) => with!(*l),
+            Labels::I64(l) => with!(*l),
+        }
+    }
+}
+
+/// [`count_data`] for the other types: blocks of labels widened to i64 and mask flags.
+fn count_blocks(
+    labels: Option<(Values<'_>, usize)>,
+    mask: Option<(Values<'_>, usize)>,
+    n: usize,
+) -> (u64, bool) {
+    if labels.is_none() && mask.is_none() {
+        return (n as u64, true);
+    }
+    let mut label = [0i64; BLOCK];
+    let mut keep = [1u8; BLOCK];
+    let (mut total, mut first) = (0u64, false);
+    for at in (0..n).step_by(BLOCK) {
+        let m = BLOCK.min(n - at);
+        keep[..m].fill(1);
+        if let Some((v, lo)) = &mask {
+            v.for_each_zero(lo + at, m, |k| keep[k] = 0);
+        }
+        // Branch-free sums of 0/1 so the loops vectorise.
+        total += match &labels {
+            Some((v, lo)) => {
+                v.copy_i64(lo + at, &mut label[..m]);
+                label[..m]
+                    .iter()
+                    .zip(&keep[..m])
+                    .map(|(&x, &k)| u64::from((x != IGNORE_INDEX) & (k != 0)))
+                    .sum::<u64>()
+            }
+            None => keep[..m].iter().map(|&k| u64::from(k)).sum::<u64>(),
+        };
+        if at == 0 {
+            first = keep[0] != 0 && (labels.is_none() || label[0] != IGNORE_INDEX);
+        }
+    }
+    (total, first)
 }
 
 #[cfg(test)]
 mod tests {
-    use super::{segment_targets, Ints, Overlong, PlanRef, Ragged, Sources, IGNORE_INDEX};
-    use crate::column::{Column, ListChunk, Values};
-    use crate::materialize::{self, materialize, MaterializeOptions};
-    use crate::plan::Strategy as Planner;
+    use super::segment_targets;
+    use crate::column::{Column, Indices, Ints, ListChunk, Native, Values};
+    use crate::materialize::{materialize, MaterializeOptions, PlanRef, Sources, IGNORE_INDEX};
+    use crate::plan::{Overlong, Strategy as Planner};
     use crate::{pack, PackOptions};
     use proptest::prelude::*;
+
+    /// Rows laid out as `datasets` keeps them after a shuffle: the physical rows in another
+    /// order (row `r` is physical row `order[r]`), cut into `chunks` chunks, each with a
+    /// leading value it does not use (sliced offsets), read through the mapping.
+    struct Layout {
+        order: Vec<usize>,
+        /// Per chunk: its offsets (into its own value vector).
+        offsets: Vec<Vec<i64>>,
+        /// Per chunk: physical rows in it.
+        bounds: Vec<(usize, usize)>,
+        indices: Vec<i64>,
+    }
+
+    impl Layout {
+        fn new(lengths: &[u32], chunks: usize, seed: u64) -> Self {
+            let rows = lengths.len();
+            let mut order: Vec<usize> = (0..rows).collect();
+            let mut state = seed | 1;
+            for k in (1..rows).rev() {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                order.swap(k, (state % (k as u64 + 1)) as usize);
+            }
+            // physical[p]: the user row stored at physical row p.
+            let mut physical = vec![0usize; rows];
+            for (r, &p) in order.iter().enumerate() {
+                physical[p] = r;
+            }
+            let per = rows.div_ceil(chunks.max(1)).max(1);
+            let mut offsets = Vec::new();
+            let mut bounds = Vec::new();
+            for lo in (0..rows).step_by(per) {
+                let hi = (lo + per).min(rows);
+                let mut o = vec![1i64];
+                for &r in &physical[lo..hi] {
+                    o.push(o.last().unwrap() + lengths[r] as i64);
+                }
+                offsets.push(o);
+                bounds.push((lo, hi));
+            }
+            let indices = order.iter().map(|&p| p as i64).collect();
+            Self { order, offsets, bounds, indices }
+        }
+
+        /// Each chunk's values for per-user-row data `flat` (rows end to end at `starts`).
+        fn values<T: Native + Default>(&self, flat: &[T], starts: &[usize]) -> Vec<Vec<T>> {
+            let mut physical = vec![0usize; self.order.len()];
+            for (r, &p) in self.order.iter().enumerate() {
+                physical[p] = r;
+            }
+            self.bounds
+                .iter()
+                .map(|&(lo, hi)| {
+                    let mut v = vec![T::default()];
+                    for &r in &physical[lo..hi] {
+                        v.extend_from_slice(&flat[starts[r]..starts[r + 1]]);
+                    }
+                    v
+                })
+                .collect()
+        }
+
+        fn column<'a, T: Native>(&'a self, name: &str, values: &'a [Vec<T>]) -> Column<'a> {
+            let chunks = self
+                .offsets
+                .iter()
+                .zip(values)
+                .map(|(o, v)| ListChunk { offsets: Ints::I64(o), values: Values::of(v) })
+                .collect();
+            Column::new(name, chunks, Some(Indices::new(vec![&self.indices]))).unwrap()
+        }
+    }
 
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(200))]
@@ -211,8 +348,10 @@ mod tests {
             lengths in prop::collection::vec(0u32..40, 1..40),
             max_len in 4u64..32,
             policy in 0usize..4,
-            separator in prop::option::of(0i64..3),
+            separator in prop::option::of(-100i64..3),
             train_separators in any::<bool>(),
+            chunks in 1usize..4,
+            dtypes in 0usize..3,
             seed in any::<u64>(),
         ) {
             let mut opts = PackOptions::new(max_len);
@@ -226,38 +365,41 @@ mod tests {
             opts.overlong = overlong;
             opts.reserve = u64::from(separator.is_some());
             let plan = pack(&lengths, &opts).unwrap();
-            // Token ids in 0..5 with every fifth label -100 and a mask that drops some.
+            // Token ids in 0..5, labels -100 at every fifth, a mask that drops some.
             let mut state = seed | 1;
             let mut next = || { state ^= state << 13; state ^= state >> 7; state ^= state << 17; state };
             let total: usize = lengths.iter().map(|&n| n as usize).sum();
             let ids: Vec<i32> = (0..total).map(|_| (next() % 5) as i32).collect();
             let labels: Vec<i64> = ids.iter().map(|&x| if next() % 5 == 0 { IGNORE_INDEX } else { x as i64 }).collect();
             let mask: Vec<u8> = (0..total).map(|_| u8::from(next() % 3 != 0)).collect();
-            let mut offsets = vec![0i64];
-            for &n in &lengths { offsets.push(offsets.last().unwrap() + n as i64); }
-            let ragged = |v| Ragged { values: v, offsets: Ints::I64(&offsets) };
+            let mut starts = vec![0usize];
+            for &n in &lengths { starts.push(starts.last().unwrap() + n as usize); }
+            let layout = Layout::new(&lengths, chunks, seed);
+            let id_values = layout.values(&ids, &starts);
+            let token_column = layout.column("input_ids", &id_values);
+            // Label and mask types read as typed slices, and others read through blocks.
+            let labels16: Vec<i16> = labels.iter().map(|&x| x as i16).collect();
+            let labels32: Vec<i32> = labels.iter().map(|&x| x as i32).collect();
+            let mask64: Vec<i64> = mask.iter().map(|&k| k as i64).collect();
+            let mask_f32: Vec<f32> = mask.iter().map(|&k| if k == 0 { -0.0 } else { 0.5 }).collect();
+            let (l64, l32, l16) = (layout.values(&labels, &starts), layout.values(&labels32, &starts), layout.values(&labels16, &starts));
+            let (m8, m64, mf) = (layout.values(&mask, &starts), layout.values(&mask64, &starts), layout.values(&mask_f32, &starts));
+            let (label_column, mask_column) = match dtypes {
+                0 => (layout.column("labels", &l64), layout.column("loss_mask", &m8)),
+                1 => (layout.column("labels", &l32), layout.column("loss_mask", &m64)),
+                _ => (layout.column("labels", &l16), layout.column("loss_mask", &mf)),
+            };
+            let plan_ref = PlanRef::from(&plan);
             for (with_labels, with_mask) in [(false, false), (true, false), (false, true), (true, true)] {
                 let sources = Sources {
-                    tokens: ragged(Ints::I32(&ids)),
-                    labels: with_labels.then(|| ragged(Ints::I64(&labels))),
-                    loss_mask: with_mask.then(|| Ragged { values: &mask[..], offsets: Ints::I64(&offsets) }),
+                    tokens: &token_column,
+                    labels: with_labels.then_some(&label_column),
+                    loss_mask: with_mask.then_some(&mask_column),
                 };
-                let plan_ref = PlanRef::from(&plan);
                 let counts = segment_targets(&plan_ref, &sources, separator, train_separators).unwrap();
                 let mopts = MaterializeOptions { separator_id: separator, train_separators, ..Default::default() };
-                fn column<'a>(name: &str, offsets: &'a [i64], values: Values<'a>) -> Column<'a> {
-                    Column::new(name, vec![ListChunk { offsets: Ints::I64(offsets), values }], None).unwrap()
-                }
-                let token_column = column("input_ids", &offsets, Values::of(&ids));
-                let label_column = with_labels.then(|| column("labels", &offsets, Values::of(&labels)));
-                let mask_column = with_mask.then(|| column("loss_mask", &offsets, Values::of(&mask)));
-                let columns = materialize::Sources {
-                    tokens: &token_column,
-                    labels: label_column.as_ref(),
-                    loss_mask: mask_column.as_ref(),
-                };
                 for p in 0..plan.num_packs() {
-                    let rows = materialize(&plan_ref, &columns, &[p as i64], &mopts).unwrap();
+                    let rows = materialize(&plan_ref, &sources, &[p as i64], &mopts).unwrap();
                     let range = plan.pack_offsets[p] as usize..plan.pack_offsets[p + 1] as usize;
                     let ours: u64 = counts[range].iter().map(|&c| c as u64).sum();
                     prop_assert_eq!(ours, rows.num_targets);
@@ -266,19 +408,94 @@ mod tests {
         }
     }
 
+    /// Rows longer than a block, in the types read through blocks (and the typed ones).
+    #[test]
+    fn long_rows_cross_blocks() {
+        let lengths = [700u32, 300, 257];
+        let plan = pack(&lengths, &PackOptions::new(1024)).unwrap();
+        let offsets = [0i64, 700, 1000, 1257];
+        let ids: Vec<i32> = (0..1257).map(|i| i % 7).collect();
+        let labels: Vec<i16> = (0..1257).map(|i| if i % 5 == 0 { -100 } else { 1 }).collect();
+        let mask: Vec<f32> = (0..1257).map(|i| if i % 3 == 0 { 0.0 } else { 1.0 }).collect();
+        let wide: Vec<i64> = labels.iter().map(|&x| x as i64).collect();
+        let bytes: Vec<u8> = mask.iter().map(|&k| k as u8).collect();
+        let tokens = column("input_ids", &offsets, Values::of(&ids));
+        let plan_ref = PlanRef::from(&plan);
+        let all: Vec<i64> = (0..plan.num_packs() as i64).collect();
+        for (l, m) in [
+            (
+                column("labels", &offsets, Values::of(&labels)),
+                column("m", &offsets, Values::of(&mask)),
+            ),
+            (
+                column("labels", &offsets, Values::of(&wide)),
+                column("m", &offsets, Values::of(&bytes)),
+            ),
+        ] {
+            let sources = Sources { tokens: &tokens, labels: Some(&l), loss_mask: Some(&m) };
+            let counts = segment_targets(&plan_ref, &sources, None, false).unwrap();
+            let rows =
+                materialize(&plan_ref, &sources, &all, &MaterializeOptions::default()).unwrap();
+            assert_eq!(counts.iter().map(|&c| c as u64).sum::<u64>(), rows.num_targets);
+        }
+    }
+
+    fn column<'a>(name: &str, offsets: &'a [i64], values: Values<'a>) -> Column<'a> {
+        Column::new(name, vec![ListChunk { offsets: Ints::I64(offsets), values }], None).unwrap()
+    }
+
     #[test]
     fn errors_are_clear() {
         let plan = pack(&[3u32, 2], &PackOptions::new(8)).unwrap();
-        let short = Ragged { values: Ints::I32(&[1, 2, 3]), offsets: Ints::I64(&[0, 3]) };
-        let sources = Sources { tokens: short, labels: None, loss_mask: None };
+        let short = column("input_ids", &[0, 3], Values::of(&[1i32, 2, 3]));
+        let sources = Sources { tokens: &short, labels: None, loss_mask: None };
         let err = segment_targets(&PlanRef::from(&plan), &sources, None, false).unwrap_err();
-        assert!(err.to_string().contains("tokens: row 1 out of range"), "{err}");
+        assert!(err.to_string().contains("refers to sequence 1"), "{err}");
         let mut opts = PackOptions::new(8);
         opts.reserve = 1;
         let plan = pack(&[3u32], &opts).unwrap();
-        let tokens = Ragged { values: Ints::I32(&[1, 2, 3]), offsets: Ints::I64(&[0, 3]) };
-        let sources = Sources { tokens, labels: None, loss_mask: None };
+        let sources = Sources { tokens: &short, labels: None, loss_mask: None };
         let err = segment_targets(&PlanRef::from(&plan), &sources, None, false).unwrap_err();
         assert!(err.to_string().starts_with("separator_id:"), "{err}");
+        // A labels column with more rows than the tokens is refused, as gather refuses it.
+        let labels = column("labels", &[0, 3, 4], Values::of(&[1i64, 2, 3, 4]));
+        let sources = Sources { tokens: &short, labels: Some(&labels), loss_mask: None };
+        let err = segment_targets(&PlanRef::from(&plan), &sources, Some(0), false).unwrap_err();
+        assert!(err.to_string().contains("column 'labels' has 2 rows"), "{err}");
+    }
+
+    /// Segments that gather refuses (a truncated piece not at the start, a partial segment
+    /// under the error policy) used to be counted by the target count's own copy of the
+    /// rule; now all three read `PlanRef::segment_source`.
+    #[test]
+    fn segments_that_gather_refuses_are_refused() {
+        let offsets = [0i64, 10];
+        let values: Vec<i32> = (0..10).collect();
+        let tokens = column("input_ids", &offsets, Values::of(&values));
+        let sources = Sources { tokens: &tokens, labels: None, loss_mask: None };
+        let columns = [tokens.clone()];
+        for (overlong, start, seqlen) in
+            [(Overlong::Truncate, 3i64, 4i32), (Overlong::Error, 0, 4), (Overlong::Drop, 2, 4)]
+        {
+            let plan = PlanRef {
+                sample_ids: &[0],
+                starts: &[start],
+                seqlens: &[seqlen],
+                pack_offsets: &[0, 1],
+                reserve: 0,
+                strategy: Planner::BestFitDecreasing,
+                overlong,
+            };
+            let gathered =
+                crate::gather::gather(&plan, &[0], &columns, &crate::gather::GatherOptions::new(1))
+                    .unwrap_err()
+                    .to_string();
+            let counted = segment_targets(&plan, &sources, None, false).unwrap_err().to_string();
+            assert_eq!(counted, gathered);
+            let made = materialize(&plan, &sources, &[0], &MaterializeOptions::default())
+                .unwrap_err()
+                .to_string();
+            assert_eq!(made, gathered);
+        }
     }
 }

@@ -16,13 +16,23 @@ use crate::{fastpack_error, guarded, plan_ref, to_py};
 /// — int32/int64 offsets, and the value buffer as any contiguous 1-D numpy array whose
 /// bytes hold `value_len` values of `dtype` from value (for `bool`, bit) `value_offset` —
 /// and an optional indices mapping (int64 arrays in row order). The arrays are kept
-/// alive, and read in place, as long as the column lives.
+/// alive, and read in place, as long as the column lives; every use first checks that
+/// none of them was resized or reallocated since (`ndarray.resize(refcheck=False)` frees
+/// the buffer under a live view). Writing into them while a call runs is the caller's race.
 #[pyclass(frozen, module = "fastpack._core")]
 pub struct ListColumn {
     // Borrows from `owners`; declared first so it is dropped first.
     column: Column<'static>,
-    #[allow(dead_code)]
-    owners: Vec<Py<PyAny>>,
+    owners: Vec<Py<PyUntypedArray>>,
+    /// Where each owner's data lay when the column was made: (address, bytes).
+    spans: Vec<(usize, usize)>,
+}
+
+/// The address and size of a numpy array's data.
+fn span_of(array: &Bound<'_, PyUntypedArray>) -> (usize, usize) {
+    // SAFETY: reads two fields of a live array object (the GIL is held).
+    let data = unsafe { (*array.as_array_ptr()).fields.data } as usize;
+    (data, array.len() * array.dtype().itemsize())
 }
 
 /// The bytes of a contiguous 1-D numpy array, for as long as the array lives.
@@ -77,14 +87,14 @@ impl ListColumn {
         indices: Option<Vec<Bound<'_, PyAny>>>,
     ) -> PyResult<Self> {
         let dtype = Dtype::parse(dtype).map_err(to_py)?;
-        let mut owners = Vec::with_capacity(2 * chunks.len());
+        let mut owners: Vec<Py<PyUntypedArray>> = Vec::with_capacity(2 * chunks.len());
         let mut parts = Vec::with_capacity(chunks.len());
         for (offsets, buffer, value_offset, value_len) in &chunks {
             let bytes = bytes_of("values", buffer)?;
             let values = Values::new(bytes, dtype, *value_offset, *value_len).map_err(to_py)?;
             parts.push(ListChunk { offsets: ints_of("offsets", offsets)?, values });
-            owners.push(offsets.clone().unbind());
-            owners.push(buffer.clone().into_any().unbind());
+            owners.push(untyped("offsets", offsets)?);
+            owners.push(buffer.clone().unbind());
         }
         let indices = match indices {
             None => None,
@@ -97,13 +107,14 @@ impl ListColumn {
                             return Err(fastpack_error("indices: expected int64 arrays"));
                         }
                     }
-                    owners.push(a.clone().unbind());
+                    owners.push(untyped("indices", a)?);
                 }
                 Some(Indices::new(slices))
             }
         };
         let column = Column::new(name, parts, indices).map_err(to_py)?;
-        Ok(Self { column, owners })
+        let spans = Python::attach(|py| owners.iter().map(|o| span_of(o.bind(py))).collect());
+        Ok(Self { column, owners, spans })
     }
 
     #[getter]
@@ -144,9 +155,27 @@ impl ListColumn {
 }
 
 impl ListColumn {
-    pub(crate) fn column(&self) -> &Column<'_> {
-        &self.column
+    /// The column, after checking that every array it reads still lies where it did.
+    pub(crate) fn column(&self, py: Python<'_>) -> PyResult<&Column<'_>> {
+        for (owner, &(data, bytes)) in self.owners.iter().zip(&self.spans) {
+            let (now, now_bytes) = span_of(owner.bind(py));
+            if bytes > 0 && (now != data || now_bytes < bytes) {
+                return Err(fastpack_error(&format!(
+                    "{}: an array this column reads was resized or reallocated after the \
+                     column was made (fastpack reads numpy arrays in place); build the data \
+                     again from the new array",
+                    self.column.name()
+                )));
+            }
+        }
+        Ok(&self.column)
     }
+}
+
+fn untyped(arg: &str, obj: &Bound<'_, PyAny>) -> PyResult<Py<PyUntypedArray>> {
+    obj.cast::<PyUntypedArray>()
+        .map(|a| a.clone().unbind())
+        .map_err(|_| fastpack_error(&format!("{arg}: expected a numpy array")))
 }
 
 /// `column_lengths(columns, threads)`: the row lengths (int64) of `columns[0]`, after
@@ -159,7 +188,8 @@ pub fn column_lengths<'py>(
     columns: Vec<PyRef<'py, ListColumn>>,
     threads: Option<usize>,
 ) -> PyResult<Bound<'py, PyArray1<i64>>> {
-    let cols: Vec<Column<'_>> = columns.iter().map(|c| c.column().clone()).collect();
+    let cols: Vec<Column<'_>> =
+        columns.iter().map(|c| c.column(py).cloned()).collect::<PyResult<_>>()?;
     let lengths = py
         .detach(|| pool::install(threads, || guarded(|| column::lengths(&cols))))
         .map_err(to_py)?
@@ -238,7 +268,8 @@ pub fn gather<'py>(
         fill_bytes.push(b);
     }
     let opts = GatherOptions { fills: fill_bytes, position_ids };
-    let cols: Vec<Column<'_>> = columns.iter().map(|c| c.column().clone()).collect();
+    let cols: Vec<Column<'_>> =
+        columns.iter().map(|c| c.column(py).cloned()).collect::<PyResult<_>>()?;
     let out = py
         .detach(|| pool::install(threads, || guarded(|| core::gather(&plan, packs, &cols, &opts))))
         .map_err(to_py)?

@@ -3,57 +3,12 @@
 
 use fastpack_core::materialize::{self as core, Layout, MaterializeOptions, Sources};
 use fastpack_core::pool;
-use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1, PyUntypedArrayMethods};
+use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
-use fastpack_core::column::Ints;
-
 use crate::column::ListColumn;
 use crate::{fastpack_error, guarded, plan_ref, to_py};
-
-/// A borrowed 1-D integer array of a dtype the core reads in place.
-pub(crate) enum IntArray<'py> {
-    I32(PyReadonlyArray1<'py, i32>),
-    I64(PyReadonlyArray1<'py, i64>),
-}
-
-impl<'py> IntArray<'py> {
-    pub(crate) fn extract(arg: &str, obj: &Bound<'py, PyAny>) -> PyResult<Self> {
-        let array = if let Ok(a) = obj.extract::<PyReadonlyArray1<'py, i64>>() {
-            IntArray::I64(a)
-        } else if let Ok(a) = obj.extract::<PyReadonlyArray1<'py, i32>>() {
-            IntArray::I32(a)
-        } else {
-            return Err(fastpack_error(&format!(
-                "{arg}: expected a 1-D int32 or int64 numpy array"
-            )));
-        };
-        let contiguous = match &array {
-            IntArray::I32(a) => a.is_contiguous(),
-            IntArray::I64(a) => a.is_contiguous(),
-        };
-        if !contiguous {
-            return Err(fastpack_error(&format!("{arg}: expected a contiguous array")));
-        }
-        Ok(array)
-    }
-
-    pub(crate) fn ints(&self) -> Ints<'_> {
-        // Contiguity was checked in `extract`.
-        match self {
-            IntArray::I32(a) => Ints::I32(a.as_slice().unwrap_or(&[])),
-            IntArray::I64(a) => Ints::I64(a.as_slice().unwrap_or(&[])),
-        }
-    }
-}
-
-pub(crate) fn optional_ints<'py>(
-    arg: &str,
-    obj: Option<&Bound<'py, PyAny>>,
-) -> PyResult<Option<IntArray<'py>>> {
-    obj.map(|o| IntArray::extract(arg, o)).transpose()
-}
 
 /// `materialize(plan arrays..., packs, tokens, labels, loss_mask, ...)`: the chosen packs
 /// as training rows; see `fastpack.materialize` for the arguments (the token data are
@@ -106,9 +61,9 @@ pub fn materialize<'py>(
         }
     };
     let sources = Sources {
-        tokens: tokens.column(),
-        labels: labels.as_ref().map(|c| c.column()),
-        loss_mask: loss_mask.as_ref().map(|c| c.column()),
+        tokens: tokens.column(py)?,
+        labels: labels.as_ref().map(|c| c.column(py)).transpose()?,
+        loss_mask: loss_mask.as_ref().map(|c| c.column(py)).transpose()?,
     };
     let opts = MaterializeOptions {
         separator_id,
