@@ -1192,6 +1192,22 @@ def test_written_columns_are_not_packed() -> None:
 
 
 @needs_torch
+def test_stream_refuses_misspelt_per_token_keys() -> None:
+    # A later sample's `assistant_mask` (HF's key is `assistant_masks`) would otherwise be
+    # dropped and its prompt trained; `ignore_keys` drops it on purpose.
+    from fastpack.torch import PackedCollator, PackedIterableDataset
+
+    samples = [{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5, 6, 7], "assistant_mask": [0, 1, 1, 1]}]
+    ds = PackedIterableDataset(samples, PackedCollator(max_len=16, backend="flash"), buffer_size=4)
+    with pytest.raises(FastpackError, match=r"sample 1 has the per-token key 'assistant_mask'.*"
+                                            r"did you mean 'assistant_masks'"):
+        list(ds)
+    ignoring = PackedCollator(max_len=16, backend="flash", ignore_keys=("assistant_mask",))
+    (batch,) = list(PackedIterableDataset(samples, ignoring, buffer_size=4))
+    assert batch["input_ids"].shape == (1, 7)
+
+
+@needs_torch
 def test_stream_keys_are_fixed_once() -> None:
     # Review s14: a later sample's mask or labels were dropped when sample 0 had none.
     collator = PackedCollator(max_len=16, backend="sdpa")

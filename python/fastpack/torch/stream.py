@@ -493,7 +493,7 @@ class _Keys:
     ``labels`` and the loss mask when chosen); ``present`` are the labels and loss-mask
     keys the choice was made from, which every sample must carry, and no others."""
 
-    __slots__ = ("candidates", "columns", "mask", "origin", "present", "seen")
+    __slots__ = ("candidates", "collator", "columns", "mask", "origin", "present", "seen")
 
     def __init__(self, collator: PackedCollator, present: list[str], origin: str) -> None:
         self.candidates = _candidates(collator)
@@ -501,6 +501,7 @@ class _Keys:
         self.mask = next((k for k in self.present if k != "labels"), None)
         self.columns = [LENGTH_COLUMN] + [k for k in ("labels", self.mask) if k in self.present]
         self.origin = origin
+        self.collator = collator
         self.seen: frozenset[Any] = frozenset()  # the keys of the last sample that passed
 
     @classmethod
@@ -535,6 +536,11 @@ class _Keys:
         if names == self.seen:  # the usual case, one set comparison: the same keys again
             return
         if LENGTH_COLUMN in sample and [k for k in self.candidates if k in sample] == self.present:
+            # A new key set: a misspelt per-token key (`assistant_mask`, `label`) raises
+            # here, as in the collator, instead of being dropped.
+            tokens = sample[LENGTH_COLUMN]
+            self.collator.check_keys(sample, index, len(tokens) if hasattr(tokens, "__len__")
+                                     else 0)
             self.seen = frozenset(names)
             return
         has = "have" if self.origin.endswith("features") else "has"
