@@ -1,5 +1,7 @@
 """fastpack: fast, correct sequence packing for LLM training.
 
+The layers and which module owns which idea: docs/architecture.md.
+
 >>> import fastpack
 >>> plan = fastpack.pack([3, 5, 2, 6], max_len=8)
 >>> plan.num_packs, plan.efficiency

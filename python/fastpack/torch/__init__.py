@@ -7,6 +7,8 @@ Its modules are its layers:
 - :mod:`~fastpack.torch.collator` — :class:`PackedCollator`: which samples of a batch share
   a pack (the planning policy) plus the batch format; a drop-in ``collate_fn`` /
   ``data_collator``.
+- :mod:`~fastpack.torch.step` — :class:`Step`: one rank's share of a global step, which
+  ``data`` serves and ``sampler`` schedules.
 - :mod:`~fastpack.torch.data` — :class:`PackedDataset`: a whole dataset packed once (one
   global plan), item ``i`` is step ``i``.
 - :mod:`~fastpack.torch.stream` — :class:`PackedIterableDataset`: a stream of samples
@@ -23,7 +25,8 @@ Its modules are its layers:
   ``SFTTrainer`` on many ranks).
 
 Every batch's ``labels`` are unshifted (the model shifts), -100 at the first token of
-every sequence, on padding and where the sample's loss mask is 0.
+every sequence, on padding and where the sample's loss mask is 0. The layers of the whole
+package, and which module owns which idea: docs/architecture.md.
 """
 
 from __future__ import annotations
