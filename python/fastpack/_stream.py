@@ -28,10 +28,12 @@ from typing import Any
 
 import numpy as np
 
+from . import _core
 from ._errors import FastpackError, FastpackTypeError
+from ._gather import DEFAULT_FILLS
 from ._plan import OVERLONG_POLICIES, STRATEGIES, Plan, _choice, _int_arg, pack
 
-__all__ = ["Round", "StreamPacker", "StreamStats", "pack_iterable_dataset"]
+__all__ = ["Gathered", "Round", "StreamPacker", "StreamStats", "pack_iterable_dataset"]
 
 logger = logging.getLogger("fastpack")
 
@@ -91,8 +93,8 @@ class Round:
     """
 
     __slots__ = (
-        "ages", "carry", "columns", "cursor", "emit", "final", "index", "origins", "plan",
-        "row_starts",
+        "_handles", "ages", "carry", "columns", "cursor", "emit", "final", "index", "origins",
+        "plan", "row_starts",
     )
 
     def __init__(
@@ -118,6 +120,7 @@ class Round:
         self.carry = carry
         self.final = final
         self.cursor = cursor
+        self._handles: list[Any] | None = None
 
     @property
     def remaining(self) -> int:
@@ -130,23 +133,76 @@ class Round:
         self.cursor += len(packs)
         return packs
 
-    def segments(self, packs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray,
-                                                   np.ndarray, np.ndarray]:
-        """``(rows, starts, tokens, seqlens, pack_offsets)`` of ``packs`` laid end to end:
-        the window row, start and real tokens of every segment (``seqlens`` add the
-        reserved slots), and each pack's segment range."""
+    def gather(
+        self,
+        packs: Any,
+        *,
+        separator_id: int | None = None,
+        fill: Mapping[str, Any] | None = None,
+        position_ids: bool = True,
+    ) -> Gathered:
+        """The rows of ``packs`` (pack indices of :attr:`plan`, say from :meth:`take`),
+        copied by the same Rust gather as :func:`fastpack.gather`: a truncated sample
+        keeps ``seqlen - reserve`` tokens and its separator, reserved slots hold
+        ``separator_id`` in ``input_ids`` and ``fill`` (default: ``labels`` -100,
+        ``attention_mask`` 1, other columns 0) elsewhere. numpy only."""
+        packs = np.asarray(packs, dtype=np.int64).reshape(-1)
+        names = list(self.columns)
+        fills = dict(fill or {})
+        unknown = [k for k in fills if k not in names]
+        if unknown:
+            raise FastpackError(f"fill: {unknown[0]!r} is not a packed column "
+                                f"({', '.join(names)})")
+        if separator_id is not None:
+            fills.setdefault(LENGTH_COLUMN, _int_arg("separator_id", separator_id,
+                                                     minimum=-(2**63)))
+        reserve = self.plan.reserve
+        if reserve and LENGTH_COLUMN not in fills:
+            raise FastpackError(
+                f"separator_id: the plan reserves {reserve} slot(s) after every sequence; "
+                f"pass the separator token id (or fill={{'input_ids': ...}})"
+            )
+        dtypes = [self.columns[n][0].dtype for n in names]
+        fill_bytes = [
+            _fill_bytes(n, fills.get(n, DEFAULT_FILLS.get(n, 0)), d) if reserve else b""
+            for n, d in zip(names, dtypes)
+        ]
         plan = self.plan
-        lo = plan.pack_offsets[packs]
-        counts = plan.pack_offsets[packs + 1] - lo
-        index = _ranges(lo, counts)
-        rows = plan.sample_ids[index]
-        starts = plan.starts[index]
-        seqlens = plan.seqlens[index].astype(np.int64)
-        lengths = _row_lengths(self.columns[LENGTH_COLUMN])[rows]
-        tokens = np.clip(lengths - starts, 0, seqlens)
-        offsets = np.zeros(len(packs) + 1, dtype=np.int64)
-        np.cumsum(counts, out=offsets[1:])
-        return rows, starts, tokens, seqlens, offsets
+        out = _core.gather(
+            plan.sample_ids, plan.starts, plan.seqlens, plan.pack_offsets, reserve,
+            plan.strategy, plan.overlong, packs, self.handles(), fill_bytes, position_ids,
+            None,
+        )
+        columns = {}
+        for name, dtype, buf in zip(names, dtypes, out["columns"]):
+            if isinstance(buf, tuple):  # booleans come back as bits
+                bits, n = buf
+                columns[name] = np.unpackbits(bits, count=n, bitorder="little").astype(bool)
+            else:
+                columns[name] = buf.view(dtype)
+        return Gathered(out["offsets"], columns, out["seq_offsets"], out["seq_lengths"],
+                        out["position_ids"] if position_ids else None)
+
+    def handles(self) -> list[Any]:
+        """The rows as ``fastpack._core.ListColumn``s (made once per round), in the
+        order of :attr:`columns`: what the Rust gather reads in place."""
+        if self._handles is None:
+            self._handles = [_list_column(k, v, o) for k, (v, o) in self.columns.items()]
+        return self._handles
+
+
+@dataclass
+class Gathered:
+    """Packed rows from :meth:`Round.gather`: row ``k`` holds values
+    ``offsets[k]:offsets[k + 1]`` of every column and of ``position_ids``, and segments
+    ``seq_offsets[k]:seq_offsets[k + 1]`` of ``seq_lengths`` (each segment's tokens,
+    reserved slots included)."""
+
+    offsets: np.ndarray
+    columns: dict[str, np.ndarray]
+    seq_offsets: np.ndarray
+    seq_lengths: np.ndarray
+    position_ids: np.ndarray | None
 
 
 #: The column whose row lengths are planned.
@@ -274,8 +330,8 @@ class StreamPacker:
         lengths = _row_lengths(new[LENGTH_COLUMN])
         self._check_overlong(lengths, origins)
         if previous is not None and len(previous.carry):
-            carried = _carry(previous, self.reserve)
-            window = {k: _concat(carried[0][k], new[k]) for k in new}
+            carried = _carry(previous)
+            window = {k: _concat(k, carried[0][k], new[k]) for k in new}
             origins = np.concatenate([carried[1], origins])
             row_starts = np.concatenate([carried[2], np.zeros(n, dtype=np.int64)])
             ages = np.concatenate([carried[3], np.zeros(n, dtype=np.int32)])
@@ -498,6 +554,9 @@ def _as_column(name: str, column: Any) -> Column:
     if offsets.dtype.kind not in "iu":
         raise FastpackTypeError(f"columns[{name!r}]: offsets must be integers, got "
                                 f"{offsets.dtype}")
+    if values.dtype.kind not in "iufb" or values.dtype.itemsize > 8:
+        raise FastpackTypeError(f"columns[{name!r}]: values must be integers, floats or "
+                                f"booleans, got {values.dtype}")
     offsets = offsets.astype(np.int64, copy=False)
     if offsets[0] < 0 or offsets[-1] > len(values) or np.any(np.diff(offsets) < 0):
         raise FastpackError(f"columns[{name!r}]: offsets must rise from >= 0 to at most "
@@ -546,21 +605,62 @@ def _take(column: Column, rows: np.ndarray, starts: np.ndarray, counts: np.ndarr
     return values[index], out
 
 
-def _concat(a: Column, b: Column) -> Column:
+def _concat(name: str, a: Column, b: Column) -> Column:
     if len(b[1]) == 1:
         return a
+    kinds = a[0].dtype.kind + b[0].dtype.kind
+    if "f" not in kinds and np.promote_types(a[0].dtype, b[0].dtype).kind == "f":
+        raise FastpackTypeError(  # int64 with uint64: numpy would make floats of both
+            f"columns[{name!r}]: {b[0].dtype} values after {a[0].dtype} ones; no integer "
+            f"type holds both; give every window the same dtype"
+        )
     values = np.concatenate([a[0][a[1][0] : a[1][-1]], b[0][b[1][0] : b[1][-1]]])
     offsets = np.concatenate([a[1] - a[1][0], b[1][1:] - b[1][0] + (a[1][-1] - a[1][0])])
     return values, offsets
 
 
-def _carry(rnd: Round, reserve: int) -> tuple[dict[str, Column], np.ndarray, np.ndarray,
-                                                np.ndarray]:
-    """The carried packs' segments as rows of the next window (real tokens only: the
-    next plan adds the reserved slots back), with their origins, offsets and ages."""
-    rows, starts, tokens, _, _ = rnd.segments(rnd.carry)
+def _carry(rnd: Round) -> tuple[dict[str, Column], np.ndarray, np.ndarray, np.ndarray]:
+    """The carried packs' segments as rows of the next window, with their origins,
+    offsets and ages. A carried segment is the rest of its row (``_select`` carries only
+    those): its real tokens run from its start to the row's end, and the next plan adds
+    the reserved slots back."""
+    plan = rnd.plan
+    lo = plan.pack_offsets[rnd.carry]
+    index = _ranges(lo, plan.pack_offsets[rnd.carry + 1] - lo)
+    rows, starts = plan.sample_ids[index], plan.starts[index]
+    tokens = _row_lengths(rnd.columns[LENGTH_COLUMN])[rows] - starts
     columns = {k: _take(c, rows, starts, tokens) for k, c in rnd.columns.items()}
     return columns, rnd.origins[rows], rnd.row_starts[rows] + starts, rnd.ages[rows] + 1
+
+
+def _list_column(name: str, values: np.ndarray, offsets: np.ndarray) -> Any:
+    """A ``(values, offsets)`` column as a ``ListColumn`` over the same buffers (booleans
+    as bits, the layout the Rust column reads)."""
+    values = np.ascontiguousarray(values)
+    if values.dtype.kind == "b":
+        data, dtype = np.packbits(values, bitorder="little"), "bool"
+    else:
+        if not values.dtype.isnative:
+            values = values.astype(values.dtype.newbyteorder("="))
+        data, dtype = values, values.dtype.name
+    offsets = np.ascontiguousarray(offsets, dtype=np.int64)
+    return _core.ListColumn(name, dtype, [(offsets, data.view(np.uint8), 0, len(values))])
+
+
+def _fill_bytes(name: str, value: Any, dtype: np.dtype) -> bytes:
+    """``value`` as the little-endian bytes of one ``dtype`` value, or a FastpackError
+    when it does not fit (as :func:`fastpack.gather` checks its fills)."""
+    if dtype.kind == "b":
+        return bytes([1 if value else 0])
+    try:
+        array = np.array([value], dtype=dtype)
+        if dtype.kind in "iu" and array[0] != value:
+            raise OverflowError
+    except (OverflowError, ValueError, TypeError):
+        raise FastpackError(
+            f"fill: {value!r} for column {name!r} does not fit its type {dtype}"
+        ) from None
+    return array.astype(dtype.newbyteorder("<")).tobytes()
 
 
 def _plan_state(plan: Plan) -> dict[str, Any]:
@@ -598,7 +698,7 @@ def pack_iterable_dataset(
     *,
     strategy: str = "bfd",
     overlong: str = "error",
-    reserve: int = 0,
+    reserve: int | None = None,
     separator_id: int | None = None,
     shuffle: bool = False,
     seed: int = 0,
@@ -609,13 +709,21 @@ def pack_iterable_dataset(
     buffer_size: int = 10_000,
 ) -> Any:
     """Pack a ``datasets.IterableDataset`` lazily: a packed ``IterableDataset`` with one
-    row per pack, as ``fastpack.hf.pack_dataset`` gives for a ``Dataset``.
+    row per pack, as ``fastpack.hf.pack_dataset`` gives for a ``Dataset`` (which calls
+    this for streams).
 
-    Every per-token list column (``columns``: default, every list-of-numbers column;
-    ``input_ids`` gives the lengths) is packed, and two columns are added:
-    ``seq_lengths`` (int32, each segment's tokens, as TRL's ``pack_dataset`` writes it,
-    so TRL's collators and ``SFTTrainer`` read it) and ``position_ids`` (int32,
-    restarting at 0 in every segment), as ``fastpack.gather`` writes them.
+    Every per-token list column (``columns``: default, every list-of-numbers column but
+    ``seq_lengths`` and ``position_ids``; ``input_ids`` gives the lengths) is packed,
+    keeping its Arrow type, and two columns are added: ``seq_lengths`` (int32, each
+    segment's tokens, as TRL's ``pack_dataset`` writes it, so TRL's collators and
+    ``SFTTrainer`` read it) and ``position_ids`` (int32, restarting at 0 in every
+    segment). The rows are copied by the same Rust gather as for a ``Dataset``
+    (:func:`fastpack.gather`), so a pack holds exactly what the Dataset path writes for
+    it: a truncated row keeps ``max_len - reserve`` tokens and its separator; the
+    reserved slots hold ``separator_id`` in ``input_ids``, -100 in ``labels``, 1 in
+    ``attention_mask`` and 0 in other columns (a fill that does not fit a column's type
+    raises). ``separator_id`` without ``reserve`` reserves one slot; ``reserve=0`` with
+    a separator, or ``reserve`` without one, raises.
 
     Each shard of the source is packed on its own by a :class:`StreamPacker` with a
     window of ``buffer_size`` samples, read as Arrow batches; the output has the
@@ -625,11 +733,9 @@ def pack_iterable_dataset(
     Differences from the offline ``pack_dataset``, because a stream is read once:
     ``shuffle`` shuffles the packs of each window (``seed``, the shard and the window
     index), not the whole dataset — chain ``.shuffle(buffer_size=...)`` for more;
-    ``group_tokens`` raises (groups need the whole plan). Over-long samples follow
-    ``overlong``; a shard's dropped and truncated tokens are logged (logger
-    ``"fastpack"``) when it ends. With ``separator_id`` (one reserved slot unless
-    ``reserve`` says more), the slots hold ``separator_id`` in ``input_ids``, -100 in
-    ``labels``, 1 in ``attention_mask`` and 0 in other columns.
+    ``group_tokens`` raises (groups need the whole plan); the packs are planned window
+    by window. Over-long samples follow ``overlong``; a shard's dropped and truncated
+    tokens are logged (logger ``"fastpack"``) when it ends.
 
     Resuming (``state_dict()``/``load_state_dict()`` of the output) replays the shard
     from its start and skips the packs already yielded: the packs are the same for a
@@ -648,14 +754,10 @@ def pack_iterable_dataset(
             "stream is packed a window at a time; pack a datasets.Dataset for groups, or "
             "use None"
         )
-    reserve = _int_arg("reserve", reserve, minimum=0)
+    reserve = _separator_reserve(reserve, separator_id)
     if separator_id is not None:
         separator_id = _int_arg("separator_id", separator_id, minimum=-(2**63),
                                 maximum=2**63 - 1)
-        reserve = max(reserve, 1)
-    elif reserve:
-        raise FastpackError(f"reserve: got {reserve} reserved slots but no separator_id to "
-                            "write into them; pass separator_id")
     options: dict[str, Any] = dict(
         max_len=max_len, buffer_size=buffer_size, strategy=strategy, overlong=overlong,
         reserve=reserve, long_max_len=long_max_len, shuffle=shuffle, seed=seed,
@@ -670,12 +772,21 @@ def pack_iterable_dataset(
         if LENGTH_COLUMN not in columns:
             raise FastpackError(f"columns: {columns} lacks {LENGTH_COLUMN!r}, which gives "
                                 "the lengths to pack")
+        written = [c for c in columns if c in _WRITTEN]
+        if written:
+            raise FastpackError(f"columns: {written[0]!r} is written by pack_dataset from "
+                                "the plan; leave it out")
     known = _list_columns(dataset.features, columns) if dataset.features is not None else None
     features = None
     if known is not None:
-        features = datasets.Features({k: dataset.features[k] for k in known})
-        features["seq_lengths"] = datasets.List(datasets.Value("int32"))
-        features["position_ids"] = datasets.List(datasets.Value("int32"))
+        import pyarrow as pa
+
+        from ._gather import _output_type
+
+        schema = datasets.Features({k: dataset.features[k] for k in known}).arrow_schema
+        out = [pa.field(k, _output_type(schema.field(k).type)) for k in known]
+        out += [pa.field(k, pa.list_(pa.int32())) for k in _WRITTEN]
+        features = datasets.Features.from_arrow_schema(pa.schema(out))
     source = dataset
     n_shards = max(source.num_shards, 1)
     generate = functools.partial(
@@ -687,6 +798,28 @@ def pack_iterable_dataset(
     ex_iterable = ArrowExamplesIterable(generate, {"shards": list(range(n_shards))})
     info = datasets.DatasetInfo(features=features)
     return datasets.IterableDataset(ex_iterable, info=info, split=dataset.split)
+
+
+#: Columns that the gather writes from the plan, never packed from the input.
+_WRITTEN = ("seq_lengths", "position_ids")
+
+
+def _separator_reserve(reserve: int | None, separator_id: int | None) -> int:
+    """The reserved slots per sequence: a separator needs at least one (one unless
+    ``reserve`` says more), and slots need a separator to hold."""
+    if reserve is not None:
+        reserve = _int_arg("reserve", reserve, minimum=0)
+    if separator_id is None:
+        if reserve:
+            raise FastpackError(f"reserve: got {reserve} reserved slots but no separator_id "
+                                "to write into them; pass separator_id")
+        return 0
+    if reserve == 0:
+        raise FastpackError(
+            f"reserve: 0 with separator_id={separator_id!r}; a separator needs a reserved "
+            "slot after every sequence: leave reserve out (1 slot) or pass reserve >= 1"
+        )
+    return 1 if reserve is None else reserve
 
 
 def _list_columns(features: Any, columns: Sequence[str] | None) -> list[str]:
@@ -702,7 +835,7 @@ def _list_columns(features: Any, columns: Sequence[str] | None) -> list[str]:
         )
 
     if columns is None:
-        chosen = [k for k, f in features.items() if numeric_list(f)]
+        chosen = [k for k, f in features.items() if numeric_list(f) and k not in _WRITTEN]
         if LENGTH_COLUMN not in chosen:
             raise FastpackError(
                 f"dataset: no {LENGTH_COLUMN!r} list column to pack (columns: "
@@ -729,9 +862,8 @@ def _packed_tables(
         part = source.shard(num_shards=num_shards, index=shard) if num_shards > 1 else source
         opts = dict(options, seed=_stream_seed(options["seed"], shard))
         packer = StreamPacker(**opts)
-        for table in _pack_shard(part, packer, columns, separator_id):
-            for i in range(table.num_rows):
-                yield f"{shard}_{packer.stats.rounds}_{i}", table.slice(i, 1)
+        for i, table in enumerate(_pack_shard(part, packer, columns, separator_id)):
+            yield f"{shard}_{i}", table
         _report(packer.stats, shard)
 
 
@@ -746,13 +878,17 @@ def _report(stats: StreamStats, shard: int) -> None:
 
 def _pack_shard(part: Any, packer: StreamPacker, columns: list[str] | None,
                 separator_id: int | None) -> Iterator[Any]:
+    """One shard's packs, one single-row table each, in the order each window emits
+    them; after a window's last pack, ``packer.current`` is that window."""
     import pyarrow as pa
+
+    from ._gather import prepare
 
     batches = part.with_format("arrow").iter(batch_size=min(packer.buffer_size, 1000))
     pending: list[Any] = []  # tables read but not yet in a window
     pending_rows = 0
     origin = 0
-    names: list[str] | None = None
+    types: dict[str, Any] | None = None  # the packed columns' Arrow types (first window's)
     exhausted = False
     while True:
         room = packer.room
@@ -764,28 +900,43 @@ def _pack_shard(part: Any, packer: StreamPacker, columns: list[str] | None,
                 pending.append(batch)
                 pending_rows += batch.num_rows
         take = min(room, pending_rows)
-        table = pa.concat_tables(pending) if pending else None
+        table = pa.concat_tables(pending, promote_options="permissive") if pending else None
         if table is not None:
             rest = table.slice(take)
             table = table.slice(0, take)
             pending, pending_rows = ([rest], rest.num_rows) if rest.num_rows else ([], 0)
-            if names is None:
-                names = _table_columns(table, columns)
+            if types is None:
+                types = {k: table.schema.field(k).type for k in _table_columns(table, columns)}
         final = exhausted and pending_rows == 0
         if table is None or take == 0:
             if packer.current is None:
                 return  # an empty shard
-            new = {k: (np.zeros(0, np.int64), np.zeros(1, np.int64))
-                   for k in packer.current.columns}
+            new = {k: (v[:0], np.zeros(1, np.int64))
+                   for k, (v, _) in packer.current.columns.items()}
         else:
-            assert names is not None
-            new = {k: _arrow_column(table.column(k), k, origin) for k in names}
+            assert types is not None
+            new = {k: _arrow_column(table.column(k), k, origin, t) for k, t in types.items()}
         rnd = packer.push(new, final=final,
                           origins=np.arange(origin, origin + take, dtype=np.int64))
         origin += take
-        yield _packed_table(rnd, rnd.take(rnd.remaining), packer.reserve, separator_id)
+        packs = rnd.take(rnd.remaining)
+        if types is not None:  # even without packs: a fill that does not fit raises
+            fill = None if separator_id is None else {LENGTH_COLUMN: separator_id}
+            _, out = prepare(
+                rnd.plan, rnd.handles(), list(types.values()), packs, separator_id=None,
+                fill=fill, position_ids=True, batch_tokens=_BATCH_TOKENS,
+                threads=packer.threads,
+            )
+            for record_batch in out:
+                rows = pa.Table.from_batches([record_batch])
+                for i in range(rows.num_rows):
+                    yield rows.slice(i, 1)
         if final:
             return
+
+
+#: Tokens per gathered record batch of a window (its packs are yielded one by one).
+_BATCH_TOKENS = 1 << 22
 
 
 def _table_columns(table: Any, columns: list[str] | None) -> list[str]:
@@ -795,68 +946,42 @@ def _table_columns(table: Any, columns: list[str] | None) -> list[str]:
     return _list_columns(features, columns)
 
 
-def _arrow_column(chunked: Any, name: str, origin: int) -> Column:
-    """A list column of an Arrow table as ``(values, offsets)``; nulls and nested lists
-    raise, naming the column and the sample."""
+def _arrow_column(chunked: Any, name: str, origin: int, want: Any) -> Column:
+    """A list column of an Arrow table (of type ``want``: the first window's) as
+    ``(values, offsets)``; nulls, nested lists and values of another type raise,
+    naming the column and the sample."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
+    if chunked.type != want:
+        try:
+            chunked = chunked.cast(want)
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+            raise FastpackTypeError(
+                f"{name}: samples {origin}.. of the stream are {chunked.type}; earlier ones "
+                f"were {want}, and the values do not fit it"
+            ) from None
     array = chunked.combine_chunks() if isinstance(chunked, pa.ChunkedArray) else chunked
-    if not isinstance(array, (pa.ListArray, pa.LargeListArray)):
+    fixed = isinstance(array, pa.FixedSizeListArray)
+    if not (fixed or isinstance(array, (pa.ListArray, pa.LargeListArray))):
         raise FastpackError(f"{name}: expected a list column (one value per token), got "
                             f"type {array.type}")
     if array.null_count:
         i = int(np.argmax(pc.is_null(array).to_numpy(zero_copy_only=False)))
         raise FastpackError(f"{name}: sample {origin + i} of the stream is null")
-    child = array.values
+    child = array.values  # the whole child array: the offsets index into it
     if pa.types.is_nested(child.type):
         raise FastpackError(f"{name}: expected a flat list of numbers per sample, got nested "
                             f"type {array.type}")
-    offsets = array.offsets.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+    if fixed:
+        size = array.type.list_size
+        offsets = (np.arange(len(array) + 1, dtype=np.int64) + array.offset) * size
+    else:
+        offsets = array.offsets.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
     if child.null_count:
-        at = int(np.argmax(pc.is_null(child).to_numpy(zero_copy_only=False)))
-        i = int(np.searchsorted(offsets, at, side="right")) - 1
-        raise FastpackError(f"{name}: sample {origin + i} of the stream holds a null value")
+        used = child.slice(int(offsets[0]), int(offsets[-1] - offsets[0]))
+        if used.null_count:
+            at = int(offsets[0]) + int(np.argmax(pc.is_null(used).to_numpy(zero_copy_only=False)))
+            i = int(np.searchsorted(offsets, at, side="right")) - 1
+            raise FastpackError(f"{name}: sample {origin + i} of the stream holds a null value")
     return child.to_numpy(zero_copy_only=False), offsets
-
-
-#: Values of the reserved separator slots, per column (others get 0).
-def _separator_fill(name: str, separator_id: int) -> int:
-    return {"input_ids": separator_id, "labels": -100, "attention_mask": 1}.get(name, 0)
-
-
-def _packed_table(rnd: Round, packs: np.ndarray, reserve: int,
-                  separator_id: int | None) -> Any:
-    """Packs of a round as an Arrow table: every column packed, ``seq_lengths`` and
-    ``position_ids``."""
-    import pyarrow as pa
-
-    rows, starts, tokens, seqlens, seg_offsets = rnd.segments(packs)
-    out_starts = np.zeros(len(seqlens) + 1, dtype=np.int64)
-    np.cumsum(seqlens, out=out_starts[1:])
-    pack_offsets = out_starts[seg_offsets]
-    total = int(out_starts[-1])
-    # Where each real token goes, and where it comes from.
-    dest = _ranges(out_starts[:-1], tokens)
-    arrays: dict[str, Any] = {}
-    for name, (values, offsets) in rnd.columns.items():
-        source = _ranges(offsets[rows] + starts, tokens)
-        if reserve and separator_id is not None and len(dest) != total:
-            packed = np.full(total, _separator_fill(name, separator_id), dtype=values.dtype)
-            packed[dest] = values[source]
-        else:
-            packed = values[source]
-        arrays[name] = _list_array(packed, pack_offsets)
-    arrays["seq_lengths"] = _list_array(seqlens.astype(np.int32), seg_offsets)
-    positions = np.arange(total, dtype=np.int64) - np.repeat(out_starts[:-1], seqlens)
-    arrays["position_ids"] = _list_array(positions.astype(np.int32), pack_offsets)
-    return pa.Table.from_pydict(arrays)
-
-
-def _list_array(values: np.ndarray, offsets: np.ndarray) -> Any:
-    import pyarrow as pa
-
-    if offsets[-1] < 2**31:
-        return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(values))
-    return pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(values))
-

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import fields
 from typing import Any
 
 import numpy as np
@@ -14,7 +16,7 @@ from .._errors import FastpackError, FastpackTypeError
 from .._materialize import Ragged, _from_rows, _to_numpy
 from .._plan import STRATEGIES, _choice, _int_arg
 from .._stream import LENGTH_COLUMN, StreamPacker, StreamStats, _stream_seed
-from .collator import PackedCollator
+from .collator import LOSS_MASK_KEYS, PackedCollator
 
 __all__ = ["SHARDINGS", "PackedIterableDataset"]
 
@@ -24,6 +26,8 @@ SHARDINGS = ("auto", "stride", "hf", "source")
 _STATE_KIND = "fastpack.PackedIterableDataset"
 _CHUNK = 256  # samples read before their rows become arrays
 _STATE_VERSION = 1
+
+logger = logging.getLogger("fastpack")
 
 
 class PackedIterableDataset(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
@@ -72,12 +76,24 @@ class PackedIterableDataset(torch.utils.data.IterableDataset):  # type: ignore[t
         collator: the :class:`PackedCollator` giving ``max_len``, the backend,
             ``overlong``, separators and the batch format.
         buffer_size: samples per window (memory: about this many samples' tokens).
-        strategy: ``"bfd"`` (default), ``"ffd"``, ``"next_fit"`` (keeps the order: the
-            same packs as the offline next fit) or ``"wrapped"``.
+        strategy: the collator's (``PackedCollator(strategy=...)``: ``"bfd"`` by default,
+            ``"ffd"``, ``"next_fit"`` — keeps the order: the same packs as the offline
+            next fit — or ``"wrapped"``); a different value here raises.
         packs_per_batch: packs (rows) per item; each window emits a multiple of it, so
             only the stream's last batch may have fewer.
         shuffle: shuffle the packs each window emits (``seed``, the epoch and the shard).
         sharding, rank, world_size: see above.
+
+    Keys: whether the batches have ``labels`` and which loss mask they read are fixed
+    once per pass — from the source's ``features`` (a ``datasets.IterableDataset``) when
+    it has them, else from the first sample — and a sample that lacks a chosen key, or
+    carries ``labels`` or a loss-mask key that was not chosen, raises (as
+    :class:`PackedCollator` raises for a batch that mixes them).
+
+    Counts: :attr:`stats` holds this process's counts; with DataLoader workers each
+    worker packs (and counts) its own samples, so the main process's are zeros — read
+    :meth:`stats_of` of a ``StatefulDataLoader``'s ``state_dict()``. A worker logs its
+    dropped and truncated tokens (logger ``"fastpack"``) when its pass ends.
 
     With the Hugging Face ``Trainer``: ``train_dataset=ds``,
     ``data_collator=fastpack.torch.first_item``, ``per_device_train_batch_size=1``.
@@ -89,7 +105,7 @@ class PackedIterableDataset(torch.utils.data.IterableDataset):  # type: ignore[t
         collator: PackedCollator,
         *,
         buffer_size: int = 10_000,
-        strategy: str = "bfd",
+        strategy: str | None = None,
         packs_per_batch: int = 1,
         shuffle: bool = True,
         seed: int = 0,
@@ -114,7 +130,13 @@ class PackedIterableDataset(torch.utils.data.IterableDataset):  # type: ignore[t
         self.source = source
         self.collator = collator
         self.buffer_size = _int_arg("buffer_size", buffer_size, minimum=1)
-        self.strategy = _choice("strategy", strategy, STRATEGIES)
+        self.strategy = collator.strategy
+        if strategy is not None and _choice("strategy", strategy, STRATEGIES) != self.strategy:
+            raise FastpackError(
+                f"strategy: got {strategy!r}, but the collator plans with "
+                f"{collator.strategy!r}; set it once, on the collator "
+                f"(PackedCollator(..., strategy={strategy!r})), and leave it out here"
+            )
         self.packs_per_batch = _int_arg("packs_per_batch", packs_per_batch, minimum=1)
         if not isinstance(shuffle, (bool, np.bool_)):
             raise FastpackTypeError(f"shuffle: expected a bool, got {type(shuffle).__name__}")
@@ -133,6 +155,11 @@ class PackedIterableDataset(torch.utils.data.IterableDataset):  # type: ignore[t
             world_size = _int_arg("world_size", world_size, minimum=1)
             rank = _int_arg("rank", rank, minimum=0, maximum=world_size - 1)
         self.rank, self.world_size = rank, world_size
+        # Keys fixed from the source's features, checked here so a mistake fails now.
+        self._feature_keys: _Keys | None = None
+        features = getattr(source, "features", None) if _is_hf_stream(source) else None
+        if features is not None:
+            self._feature_keys = _Keys.choose(collator, list(features), "the source's features")
         self.epoch = 0
         self._pending: dict[str, Any] | None = None
         self._live: _Pass | None = None
@@ -159,8 +186,21 @@ class PackedIterableDataset(torch.utils.data.IterableDataset):  # type: ignore[t
 
     @property
     def stats(self) -> StreamStats:
-        """This process's (or worker's) counts for the current pass."""
+        """This process's counts for the current pass: with DataLoader workers, the
+        main process packs nothing (zeros); see :meth:`stats_of`."""
         return self._live.packer.stats if self._live is not None else StreamStats()
+
+    @staticmethod
+    def stats_of(state: Any) -> StreamStats:
+        """The counts summed over every pass in ``state``: a :meth:`state_dict`, or a
+        torchdata ``StatefulDataLoader``'s ``state_dict()`` (each worker's last snapshot,
+        so as fresh as ``snapshot_every_n_steps``), or a list of them (one per rank)."""
+        total = StreamStats()
+        for found in _states_in(state):
+            counts = found["packer"]["stats"]
+            for f in fields(StreamStats):
+                setattr(total, f.name, getattr(total, f.name) + int(counts[f.name]))
+        return total
 
     def _placement(self) -> tuple[int, int, int, int]:
         """``(rank, world_size, worker, num_workers)`` of this iteration."""
@@ -260,7 +300,7 @@ class _Pass:
         else:
             self.shard, self.num_shards = 0, 1
         self.packer = ds._packer((rank, worker))
-        self.keys: list[str] | None = None
+        self.keys: _Keys | None = ds._feature_keys
         self.position = 0  # items read from this pass's source iterator
         self.source = self._source(rank, world)
         self.stateful = _has_state(self.source)
@@ -269,7 +309,8 @@ class _Pass:
         if state is not None:
             self._check(state)
             self.packer.load_state_dict(state["packer"])
-            self.keys = list(state["keys"]) if state["keys"] is not None else None
+            if state["keys"] is not None:
+                self.keys = _Keys.restore(ds.collator, state["keys"], state.get("present"))
             self.position = int(state["position"])
             self.source_state = state["source"]
 
@@ -339,6 +380,7 @@ class _Pass:
             rnd = packer.current
             if rnd is None or not rnd.remaining:
                 if rnd is not None and rnd.final:
+                    self._report()
                     return
                 if items is None:
                     items = self._items(self._open())
@@ -349,32 +391,42 @@ class _Pass:
             packs = rnd.take(m)
             yield self._batch(rnd, packs)
 
+    def _report(self) -> None:
+        """Log the pass's lost tokens: with workers, the main process sees no counts."""
+        s = self.packer.stats
+        if s.dropped_tokens or s.truncated_tokens:
+            rank, world, worker, workers = self.placement
+            logger.warning(
+                "fastpack: PackedIterableDataset (rank %d/%d, worker %d/%d): %d sequences "
+                "dropped (%d tokens), %d truncated (%d tokens)", rank, world, worker, workers,
+                s.dropped_sequences, s.dropped_tokens, s.truncated_sequences,
+                s.truncated_tokens,
+            )
+
     def _read(self, items: Iterator[tuple[int, Any]], room: int) -> tuple[
             dict[str, tuple[np.ndarray, np.ndarray]], np.ndarray, bool]:
         """Up to ``room`` samples as columns, their stream indices, and whether the source
         ended. Rows become arrays every ``_CHUNK`` samples: a window of Python lists would
         hold millions of objects for the garbage collector to walk (twice the read time)."""
-        keys = self.keys or []
-        chunks: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {k: [] for k in keys}
-        rows: dict[str, list[Any]] = {k: [] for k in keys}
+        keys = self.keys
+        names = keys.columns if keys is not None else []
+        chunks: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {k: [] for k in names}
+        rows: dict[str, list[Any]] = {k: [] for k in names}
         origins: list[int] = []
         while True:
             start = len(origins)
             for index, sample in itertools.islice(items, min(_CHUNK, room - start)):
                 if not isinstance(sample, Mapping):
                     sample = {LENGTH_COLUMN: sample}
-                if self.keys is None:
-                    self.keys = self._keys(sample, index)
-                    rows = {k: [] for k in self.keys}
-                    chunks = {k: [] for k in self.keys}
+                if keys is None:
+                    keys = self.keys = _Keys.choose(
+                        self.ds.collator, list(sample), f"sample {index} of the stream"
+                    )
+                    rows = {k: [] for k in keys.columns}
+                    chunks = {k: [] for k in keys.columns}
+                keys.check(sample, index)
                 for k, column in rows.items():
-                    try:
-                        column.append(sample[k])
-                    except KeyError:
-                        raise FastpackError(
-                            f"{k}: sample {index} of the stream has no {k!r} (it has "
-                            f"{', '.join(map(str, sample))}); earlier samples had it"
-                        ) from None
+                    column.append(sample[k])
                 origins.append(index)
                 self.position = index + 1
             got = len(origins) - start
@@ -389,27 +441,12 @@ class _Pass:
         if self.stateful:
             self.source_state = self.source.state_dict()
         final = len(origins) < room
-        keys = self.keys or [LENGTH_COLUMN]
-        columns = {k: _join(chunks.get(k, [])) for k in keys}
+        names = keys.columns if keys is not None else [LENGTH_COLUMN]
+        columns = {k: _join(chunks.get(k, [])) for k in names}
         return columns, np.asarray(origins, dtype=np.int64), final
 
-    def _keys(self, sample: Mapping[str, Any], index: int) -> list[str]:
-        if LENGTH_COLUMN not in sample:
-            raise FastpackError(
-                f"input_ids: sample {index} of the stream has no 'input_ids' (it has "
-                f"{', '.join(map(str, sample))})"
-            )
-        keys = [LENGTH_COLUMN]
-        if "labels" in sample:
-            keys.append("labels")
-        mask = self.ds.collator._mask_key([sample])
-        if mask is not None:
-            keys.append(mask)
-        return keys
-
     def _mask_key(self) -> str | None:
-        keys = self.keys or []
-        return keys[-1] if keys and keys[-1] not in (LENGTH_COLUMN, "labels") else None
+        return self.keys.mask if self.keys is not None else None
 
     def _batch(self, rnd: Any, packs: np.ndarray) -> dict[str, Any]:
         def ragged(key: str | None, mask: bool = False) -> Ragged | None:
@@ -429,9 +466,101 @@ class _Pass:
         return {
             "kind": _STATE_KIND, "version": _STATE_VERSION, "epoch": self.ds.epoch,
             "started": True, "placement": np.asarray(self.placement, dtype=np.int64),
-            "sharding": self.ds.sharding, "keys": self.keys, "position": self.position,
+            "sharding": self.ds.sharding,
+            "keys": None if self.keys is None else list(self.keys.columns),
+            "present": None if self.keys is None else list(self.keys.present),
+            "position": self.position,
             "source": self.source_state, "packer": self.packer.state_dict(),
         }
+
+
+class _Keys:
+    """The per-sample keys of a pass: ``columns`` are read (``input_ids``, then
+    ``labels`` and the loss mask when chosen); ``present`` are the labels and loss-mask
+    keys the choice was made from, which every sample must carry, and no others."""
+
+    __slots__ = ("candidates", "columns", "mask", "origin", "present", "seen")
+
+    def __init__(self, collator: PackedCollator, present: list[str], origin: str) -> None:
+        self.candidates = _candidates(collator)
+        self.present = [k for k in self.candidates if k in present]
+        self.mask = next((k for k in self.present if k != "labels"), None)
+        self.columns = [LENGTH_COLUMN] + [k for k in ("labels", self.mask) if k in self.present]
+        self.origin = origin
+        self.seen: frozenset[Any] = frozenset()  # the keys of the last sample that passed
+
+    @classmethod
+    def choose(cls, collator: PackedCollator, names: list[str], origin: str) -> _Keys:
+        """The keys from the first sample's (or the features') ``names``."""
+        has = "have" if origin.endswith("features") else "has"
+        if LENGTH_COLUMN not in names:
+            raise FastpackError(
+                f"input_ids: {origin} {has} no 'input_ids' (it has {', '.join(map(str, names))})"
+            )
+        key = collator.loss_mask_key
+        if isinstance(key, str) and key not in names:
+            raise FastpackError(
+                f"loss_mask_key: {origin} {has} no {key!r} (it has "
+                f"{', '.join(map(str, names))}); expected every sample to have it"
+            )
+        return cls(collator, names, origin)
+
+    @classmethod
+    def restore(cls, collator: PackedCollator, columns: list[str],
+                present: list[str] | None) -> _Keys:
+        keys = cls(collator, list(columns[1:] if present is None else present),
+                   "the resumed pass's first sample")
+        if keys.columns != list(columns):
+            raise FastpackError(f"state: read keys {list(columns)}; this collator reads "
+                                f"{keys.columns} (resume with the same collator)")
+        return keys
+
+    def check(self, sample: Mapping[str, Any], index: int) -> None:
+        """A sample carries exactly the chosen labels and mask keys (and input_ids)."""
+        names = sample.keys()
+        if names == self.seen:  # the usual case, one set comparison: the same keys again
+            return
+        if LENGTH_COLUMN in sample and [k for k in self.candidates if k in sample] == self.present:
+            self.seen = frozenset(names)
+            return
+        has = "have" if self.origin.endswith("features") else "has"
+        it_has = ", ".join(map(str, sample))
+        for k in [LENGTH_COLUMN, *self.present]:
+            if k not in sample:
+                raise FastpackError(
+                    f"{k}: sample {index} of the stream has no {k!r} (it has {it_has}); "
+                    f"expected every sample of the stream to have {k!r} or none, and "
+                    f"{self.origin} {has} it"
+                )
+        k = next(k for k in self.candidates if k in sample and k not in self.present)
+        hint = "" if k == "labels" else " (loss_mask_key=False ignores loss masks)"
+        raise FastpackError(
+            f"{k}: sample {index} of the stream has {k!r}, which {self.origin} {has} not; "
+            f"expected every sample of the stream to have {k!r} or none{hint}"
+        )
+
+
+def _candidates(collator: PackedCollator) -> tuple[str, ...]:
+    """The keys that change what a batch trains on: labels and the loss masks that the
+    collator reads."""
+    key = collator.loss_mask_key
+    if key is False:
+        return ("labels",)
+    return ("labels", key) if isinstance(key, str) else ("labels", *LOSS_MASK_KEYS)
+
+
+def _states_in(value: Any) -> Iterator[Mapping[str, Any]]:
+    """Every started PackedIterableDataset state nested in ``value``."""
+    if isinstance(value, Mapping):
+        if value.get("kind") == _STATE_KIND:
+            if value.get("started"):
+                yield value
+            return
+        for v in value.values():
+            yield from _states_in(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _states_in(v)
 
 
 def _has_state(source: Any) -> bool:
