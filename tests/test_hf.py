@@ -405,17 +405,9 @@ def _rows_or_error(packed: Any) -> Any:
 
 #: (overlong, separator_id) pairs; each is its own case, so one that fails on the stream
 #: side can be marked alone.
-_STREAM_SIDE = pytest.mark.xfail(
-    strict=True,
-    reason="stream side (issue14-stream): its numpy gather writes no separator into a "
-    "truncated row, and a separator with unsigned labels raises a raw OverflowError or "
-    "nothing, where the Dataset path raises a FastpackError",
-)
 POLICIES = [
-    ("error", None), pytest.param("error", 0, marks=_STREAM_SIDE), ("truncate", None),
-    pytest.param("truncate", 0, marks=_STREAM_SIDE), ("split", None),
-    pytest.param("split", 7, marks=_STREAM_SIDE), ("drop", None),
-    pytest.param("drop", 7, marks=_STREAM_SIDE),
+    ("error", None), ("error", 0), ("truncate", None), ("truncate", 0), ("split", None),
+    ("split", 7), ("drop", None), ("drop", 7),
 ]
 
 
