@@ -1,30 +1,38 @@
 """Hugging Face datasets packed: fastpack.hf.pack_dataset vs TRL's pack_dataset, and what
 one training step costs out of a big plan.
 
-    python benches/bench_hf.py                       # 10^5 and 10^6 rows, then the step costs
-    python benches/bench_hf.py --sizes 1e5 --skip-steps
+    python benches/bench_hf.py                       # 3x10^5 and 10^6 rows, then the step costs
+    python benches/bench_hf.py --sizes 1e5 --procs 1 --skip-steps
     python benches/bench_hf.py --before-python /tmp/fp-main/.venv/bin/python   # step costs of
                                                      # an older build, side by side
 
-Part 1, packing a dataset. SFT-like row lengths (log-normal, mean ~300, clipped to
-[1, 4096]; seed 0), max_len 4096, a ``datasets.Dataset`` in memory with two int32
+Part 1, packing a dataset end to end. SFT-like row lengths (log-normal, mean ~300, clipped
+to [1, 4096]; seed 0), max_len 4096, a ``datasets.Dataset`` in memory with two int32
 per-token columns, ``input_ids`` and ``labels`` (what SFTTrainer packs), in chunks of 1,000
-rows (as ``datasets`` writes them). Side by side in one run, each tool in a fresh
-subprocess that builds the dataset outside the timed region, resets the peak-RSS counter
-(``echo 5 > /proc/self/clear_refs``) and then packs:
+rows (as ``datasets`` writes them). Each tool runs in its own fresh process (``--procs``
+of them per tool and size, the tools interleaved so that other load on the machine falls
+on all of them alike), which builds the dataset outside the timed region, imports the tool
+(timed apart: ``import``), resets the peak-RSS counter (``echo 5 > /proc/self/clear_refs``)
+and then calls it:
 
-- ``fastpack.hf.pack_dataset(ds, 4096)`` (strategy ``bfd``; default threads), whose output
-  also carries ``position_ids``;
+- ``fastpack.hf.pack_dataset(ds, 4096)`` (its defaults: strategy ``bfd``, shuffled packs,
+  TRL's columns ``input_ids, labels, seq_lengths``; default threads);
 - ``trl.pack_dataset(ds, 4096, strategy="bfd")`` (TRL's default: ``Dataset.map`` over
   1,000-row windows; no row here is over-long, so TRL's truncation drops nothing and both
   hold the same tokens);
 - the floor: one copy of the token bytes (``numpy.copy`` of both columns' value buffers
-  into fresh memory), measured in the same run.
+  into fresh memory): what writing the output's bytes once costs, faults of fresh pages
+  included.
 
-Time: median of the calls (fastpack and the copy: 3; TRL: 3 at 10^5, once at 10^6, where
-it takes minutes). Peak extra memory: VmHWM during the first call minus VmRSS before it
-(the input is already resident), against the bytes of the output table (Arrow buffers).
-Every output is checked: the same multiset of tokens as the input, no row over max_len.
+Per process: the **first call** (what a user pays: fresh output pages, lazy imports, first
+use of every code path) and then ``--warm`` more calls in the same process (their median
+is the **warm** time; TRL at 10^6 gets one, as each takes minutes). Reported per tool and
+size: the median over the processes of the first call's wall-clock and CPU time (user +
+system, all threads: steadier than wall clock when other jobs share the cores), of the
+warm median, of the peak RSS of the process during the first call (the input included)
+and of its growth during the call; the output table's bytes and its packs; and TRL's time
+over fastpack's, first call and warm. Every output is checked: the same multiset of
+tokens as the input, no row over max_len.
 
 Part 2, one step out of a big plan (issue: "batches cost the batch"). ``materialize`` of
 8 packs (``layout="rows"``) out of a plan over 10^4 and 10^7 sequences (int32 token data
@@ -33,7 +41,7 @@ touched), and out of a shuffled 10^6-row ``datasets.Dataset`` passed on every ca
 Median of repeated calls, per interpreter: this build, and with ``--before-python`` an
 older one.
 
-Results go to benches/results/hf.md (and hf.json).
+Results go to benches/results/hf.md (and hf.json), with the README's table.
 """
 
 from __future__ import annotations
@@ -104,7 +112,10 @@ def sft_dataset(n: int) -> Any:
             [whole.slice(a, CHUNK_ROWS) for a in range(0, n, CHUNK_ROWS)]
         )
     table = pa.table(columns)
-    return datasets.Dataset(datasets.table.InMemoryTable(table)), lengths
+    # A fingerprint given: datasets would otherwise hash every byte of the table (10 s at
+    # 3x10^5 rows), outside the timed region but in every process.
+    ds = datasets.Dataset(datasets.table.InMemoryTable(table), fingerprint=f"bench-sft-{n}")
+    return ds, lengths
 
 
 def _token_bytes(ds: Any) -> list[np.ndarray]:
@@ -121,7 +132,7 @@ def _check(packed: Any, lengths: np.ndarray, ds: Any) -> int:
     table = packed.data.table if hasattr(packed.data, "table") else packed.data
     ids = table.column("input_ids")
     rows = ids.chunks
-    per_row = np.concatenate([np.diff(c.offsets.to_numpy()) for c in rows]) if rows else []
+    per_row = np.concatenate([np.diff(c.offsets.to_numpy()) for c in rows] or [np.zeros(0)])
     assert len(per_row) == 0 or per_row.max() <= MAX_LEN, "a pack over max_len"
     values = np.concatenate([c.flatten().to_numpy() for c in rows])
     assert values.size == lengths.sum(), "tokens lost or duplicated"
@@ -131,28 +142,42 @@ def _check(packed: Any, lengths: np.ndarray, ds: Any) -> int:
     return int(table.num_rows)
 
 
-def run_pack(tool: str, n: int, reps: int) -> dict[str, Any]:
+def _call(tool: str, ds: Any) -> Any:
+    if tool == "fastpack":
+        import fastpack.hf
+
+        return fastpack.hf.pack_dataset(ds, MAX_LEN)
+    if tool == "trl":
+        import trl
+
+        return trl.pack_dataset(ds, MAX_LEN, strategy="bfd")
+    return [np.copy(v) for v in _token_bytes(ds)]  # one copy of the token bytes
+
+
+def run_pack(tool: str, n: int, warm: int) -> dict[str, Any]:
     ds, lengths = sft_dataset(n)
-    times, cpu_times = [], []
     result: dict[str, Any] = {"tool": tool, "rows": n, "tokens": int(lengths.sum())}
-    for rep in range(reps):
+    t0 = time.perf_counter()
+    # `from ... import pack_dataset` resolves TRL's lazy module (transformers and torch
+    # come with it), so the first call does not pay for imports a training script has
+    # already paid; the import time is reported apart.
+    if tool == "fastpack":
+        from fastpack.hf import pack_dataset  # noqa: F401
+    elif tool == "trl":
+        import datasets
+        from trl import pack_dataset  # noqa: F401, F811
+
+        datasets.disable_progress_bars()
+    result["import"] = time.perf_counter() - t0
+    times, cpu_times = [], []
+    for rep in range(1 + warm):
         before = reset_peak()
         t0, c0 = time.perf_counter(), time.process_time()
-        if tool == "fastpack":
-            import fastpack.hf
-
-            out: Any = fastpack.hf.pack_dataset(ds, MAX_LEN)
-        elif tool == "trl":
-            import datasets
-            import trl
-
-            datasets.disable_progress_bars()
-            out = trl.pack_dataset(ds, MAX_LEN, strategy="bfd")
-        else:  # one copy of the token bytes
-            out = [np.copy(v) for v in _token_bytes(ds)]
+        out = _call(tool, ds)
         times.append(time.perf_counter() - t0)
         cpu_times.append(time.process_time() - c0)
         if rep == 0:
+            result["peak_rss"] = peak()
             result["peak_extra"] = peak() - before
             if tool == "copy":
                 result["output_bytes"] = sum(v.nbytes for v in out)
@@ -162,9 +187,10 @@ def run_pack(tool: str, n: int, reps: int) -> dict[str, Any]:
                 result["packs"] = _check(out, lengths, ds)
                 result["columns"] = list(table.column_names)
         del out
-    result["times"] = times
-    result["time"] = statistics.median(times)
-    result["cpu"] = statistics.median(cpu_times)
+    result["first"], result["first_cpu"] = times[0], cpu_times[0]
+    if warm:
+        result["warm"] = statistics.median(times[1:])
+        result["warm_cpu"] = statistics.median(cpu_times[1:])
     return result
 
 
@@ -235,7 +261,12 @@ def env_info() -> dict[str, Any]:
         trl_version = trl.__version__
     except ImportError:
         trl_version = "n/a"
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                            capture_output=True, text=True).stdout.strip() or "?"
+    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "python",
+                            "rust"], capture_output=True, text=True).stdout.strip()
     return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
+            "commit": commit + (" + uncommitted changes" if dirty else ""),
             "datasets": datasets.__version__, "pyarrow": pyarrow.__version__,
             "trl": trl_version, "load": os.getloadavg()[0]}
 
@@ -244,60 +275,124 @@ def fmt_bytes(b: float) -> str:
     return f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.0f} MiB"
 
 
-def report(env: dict[str, Any], packs: list[dict[str, Any]], steps: list[dict[str, Any]],
-           before_label: str | None) -> str:
+TOOLS = ("fastpack", "trl", "copy")
+NAMES = {"fastpack": "fastpack.hf.pack_dataset", "trl": "trl.pack_dataset (bfd)",
+         "copy": "one copy of the token bytes"}
+
+
+def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per tool and size, the median over its processes of every measured number."""
+    out = []
+    for n in sorted({r["rows"] for r in runs}):
+        for tool in TOOLS:
+            mine = [r for r in runs if r["rows"] == n and r["tool"] == tool]
+            good = [r for r in mine if "error" not in r]
+            if not mine:
+                continue
+            row: dict[str, Any] = {"tool": tool, "rows": n, "procs": len(good)}
+            if not good:
+                row["error"] = mine[0]["error"]
+            for key in ("import", "first", "first_cpu", "warm", "warm_cpu", "peak_rss",
+                        "peak_extra", "output_bytes", "packs"):
+                values = [r[key] for r in good if key in r]
+                if values:
+                    row[key] = statistics.median(values)
+            if good:
+                row["firsts"] = [r["first"] for r in good]
+                row["columns"] = good[0].get("columns")
+            out.append(row)
+    return out
+
+
+def _ratio(by: dict[Any, dict[str, Any]], n: int, key: str) -> float | None:
+    fast, trl = by.get(("fastpack", n), {}), by.get(("trl", n), {})
+    if fast.get(key) and trl.get(key):
+        return float(trl[key]) / float(fast[key])
+    return None
+
+
+def _x(value: float | None) -> str:
+    return f"{value:.1f}×" if value is not None else "n/a"
+
+
+def readme_table(rows: list[dict[str, Any]]) -> list[str]:
+    by = {(r["tool"], r["rows"]): r for r in rows}
+    lines = [
+        "| rows | fastpack first call | fastpack warm | TRL first call | TRL warm | "
+        "TRL ÷ fastpack, first call | TRL ÷ fastpack, warm |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for n in sorted({r["rows"] for r in rows}):
+        f, t = by.get(("fastpack", n), {}), by.get(("trl", n), {})
+
+        def sec(r: dict[str, Any], key: str) -> str:
+            return f"{r[key]:.2f} s" if key in r else "n/a"
+
+        lines.append(f"| {n:,} | {sec(f, 'first')} | {sec(f, 'warm')} | {sec(t, 'first')} | "
+                     f"{sec(t, 'warm')} | {_x(_ratio(by, n, 'first'))} | "
+                     f"{_x(_ratio(by, n, 'warm'))} |")
+    return lines
+
+
+def report(env: dict[str, Any], rows: list[dict[str, Any]], steps: list[dict[str, Any]],
+           before_label: str | None, procs: int) -> str:
     lines = [
         "# Hugging Face datasets: fastpack.hf.pack_dataset vs TRL pack_dataset",
         "",
-        f"`python benches/bench_hf.py` — {env['cpu']}, {env['cores']} cores (shared), Python "
-        f"{env['python']}, datasets {env['datasets']}, pyarrow {env['pyarrow']}, TRL "
-        f"{env['trl']}; load average {env['load']:.1f} at the start, "
-        f"{env.get('load_end', float('nan')):.1f} at the end (other jobs shared the 2 cores). "
+        f"`python benches/bench_hf.py` — {env['cpu']}, {env['cores']} cores (shared with "
+        f"other jobs), Python {env['python']}, datasets {env['datasets']}, pyarrow "
+        f"{env['pyarrow']}, TRL {env['trl']}, fastpack at {env['commit']}; load average "
+        f"{env['load']:.1f} at the start, {env.get('load_end', float('nan')):.1f} at the end. "
         "Method: see the script's docstring.",
         "",
         "SFT-like rows (log-normal lengths, mean ≈300, max_len 4096), int32 `input_ids` and "
-        "`labels` in 1,000-row chunks, in memory. Time: median wall clock; CPU time: the "
-        "process's user + system time over all threads (steadier than wall clock when other "
-        "jobs share the cores); peak extra: peak RSS growth during the call (output included) "
-        "and its ratio to the output table's bytes.",
+        f"`labels` in 1,000-row chunks, in memory. Each tool in {procs} fresh processes per "
+        "size; every number is the median over them. **First call**: the first call in a "
+        "fresh process (the tool imported before, `import` apart); **warm**: the median of "
+        "the next calls in the same process. CPU: user + system time of all threads. Peak "
+        "RSS: the process's high-water mark during the first call (the input included); "
+        "growth: its rise during that call.",
         "",
-        "| rows | tool | time | vs TRL | vs one copy | CPU time | CPU vs TRL | CPU vs copy | "
-        "peak extra | extra / output | packs |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| rows | tool | first call | CPU | warm | CPU | TRL ÷ it (first / warm) | "
+        "vs one copy (first) | import | peak RSS | growth | output | packs |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    by = {(r.get("tool"), r.get("rows")): r for r in packs}
-    for n in sorted({r["rows"] for r in packs if "rows" in r}):
-        trl_r, copy_r = by.get(("trl", n), {}), by.get(("copy", n), {})
-        for tool in ("fastpack", "trl", "copy"):
-            r = by.get((tool, n))
-            if r is None:
-                continue
-            name = {"fastpack": "fastpack.hf.pack_dataset", "trl": "trl.pack_dataset (bfd)",
-                    "copy": "one copy of the token bytes"}[tool]
-            if "error" in r:
-                lines.append(f"| {n:,} | {name} | n/a ({r['error']}) | | | | | | | | |")
-                continue
+    by = {(r["tool"], r["rows"]): r for r in rows}
+    for r in rows:
+        n, tool = r["rows"], r["tool"]
+        if "error" in r:
+            lines.append(f"| {n:,} | {NAMES[tool]} | n/a ({r['error']}) |" + " |" * 11)
+            continue
+        copy = by.get(("copy", n), {})
 
-            def ratio(key: str, base: dict[str, Any], r: dict[str, Any] = r) -> str:
-                return f"{base[key] / r[key]:.1f}×" if key in base and r.get(key) else ""
+        def sec(key: str, r: dict[str, Any] = r) -> str:
+            return f"{r[key]:.2f} s" if key in r else ""
 
-            def over(key: str, base: dict[str, Any], r: dict[str, Any] = r) -> str:
-                return f"{r[key] / base[key]:.2f}×" if base.get(key) and key in r else ""
-
-            def best(r: dict[str, Any]) -> str:
-                times = r.get("times", [])
-                return f" (best {min(times):.2f})" if len(times) > 1 else ""
-
-            fast = tool == "fastpack"
-            extra = f"{r['peak_extra'] / r['output_bytes']:.2f}" if r.get("output_bytes") else ""
-            packs_cell = f"{r['packs']:,}" if r.get("packs") else ""
-            lines.append(
-                f"| {n:,} | {name} | {r['time']:.2f} s{best(r)} | "
-                f"{ratio('time', trl_r) if fast else ''} | "
-                f"{over('time', copy_r)} | {r.get('cpu', float('nan')):.2f} s | "
-                f"{ratio('cpu', trl_r) if fast else ''} | {over('cpu', copy_r)} | "
-                f"{fmt_bytes(r['peak_extra'])} | {extra} | {packs_cell} |"
-            )
+        vs_trl = (f"{_x(_ratio(by, n, 'first'))} / {_x(_ratio(by, n, 'warm'))}"
+                  if tool == "fastpack" else "")
+        vs_copy = f"{r['first'] / copy['first']:.1f}×" if copy.get("first") else ""
+        packs = f"{int(r['packs']):,}" if r.get("packs") else ""
+        lines.append(
+            f"| {n:,} | {NAMES[tool]} | {sec('first')} | {sec('first_cpu')} | {sec('warm')} | "
+            f"{sec('warm_cpu')} | {vs_trl} | {vs_copy} | "
+            f"{sec('import') if tool != 'copy' else ''} | {fmt_bytes(r['peak_rss'])} | "
+            f"{fmt_bytes(r['peak_extra'])} | {fmt_bytes(r['output_bytes'])} | {packs} |"
+        )
+    lines.append("")
+    for n in sorted({r["rows"] for r in rows}):
+        f = by.get(("fastpack", n), {})
+        if "firsts" in f:
+            lines.append(f"- {n:,} rows: fastpack's first calls "
+                         + ", ".join(f"{t:.2f}" for t in f["firsts"])
+                         + f" s; output columns {', '.join(f.get('columns') or [])}.")
+    for n in sorted({r["rows"] for r in rows}):
+        t = by.get(("trl", n), {})
+        if "firsts" in t:
+            lines.append(f"- {n:,} rows: TRL's first calls "
+                         + ", ".join(f"{x:.2f}" for x in t["firsts"])
+                         + f" s; output columns {', '.join(t.get('columns') or [])}.")
+    lines += ["", "## README table", "", "`pack_dataset` end to end, fastpack vs TRL "
+              "(`benches/results/hf.md`):", "", *readme_table(rows)]
     if steps:
         lines += [
             "",
@@ -327,7 +422,9 @@ def report(env: dict[str, Any], packs: list[dict[str, Any]], steps: list[dict[st
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--worker", nargs=argparse.REMAINDER)
-    ap.add_argument("--sizes", default="1e5,1e6")
+    ap.add_argument("--sizes", default="3e5,1e6")
+    ap.add_argument("--procs", type=int, default=3, help="fresh processes per tool and size")
+    ap.add_argument("--warm", type=int, default=3, help="warm calls per process")
     ap.add_argument("--skip-steps", action="store_true")
     ap.add_argument("--skip-trl", action="store_true")
     ap.add_argument("--before-python", default=None,
@@ -339,19 +436,23 @@ def main() -> None:
         worker(args.worker)
         return
     env = env_info()
-    packs = []
+    runs = []
     for size in args.sizes.split(","):
         n = int(float(size))
-        big = n >= 10**6
-        for tool in ("copy", "fastpack", "trl"):
-            if tool == "trl" and args.skip_trl:
-                continue
-            reps = 1 if (tool == "trl" and big) else 3
-            r = spawn(sys.executable, ["pack", tool, str(n), str(reps)], timeout=3600)
-            r.setdefault("tool", tool)
-            r.setdefault("rows", n)
-            print(json.dumps({k: v for k, v in r.items() if k != "times"}), flush=True)
-            packs.append(r)
+        for _ in range(args.procs):
+            for tool in TOOLS:
+                if tool == "trl" and args.skip_trl:
+                    continue
+                # TRL takes minutes a call at 10^6 rows: one warm call there.
+                warm = 1 if (tool == "trl" and n >= 10**6) else args.warm
+                if tool == "trl":
+                    warm = min(warm, 2)
+                r = spawn(sys.executable, ["pack", tool, str(n), str(warm)], timeout=3600)
+                r.setdefault("tool", tool)
+                r.setdefault("rows", n)
+                print(json.dumps(r), flush=True)
+                runs.append(r)
+    rows = summarize(runs)
     steps = []
     if not args.skip_steps:
         builds = [("this", sys.executable)]
@@ -366,10 +467,11 @@ def main() -> None:
                 print(json.dumps(r), flush=True)
                 steps.append(r)
     env["load_end"] = os.getloadavg()[0]
-    text = report(env, packs, steps, args.before_label if args.before_python else None)
+    text = report(env, rows, steps, args.before_label if args.before_python else None,
+                  args.procs)
     Path(args.out).write_text(text)
     Path(args.out).with_suffix(".json").write_text(
-        json.dumps({"env": env, "pack": packs, "steps": steps}, indent=1))
+        json.dumps({"env": env, "runs": runs, "pack": rows, "steps": steps}, indent=1))
     print(text)
 
 

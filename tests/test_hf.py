@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import sys
-import types
+import os
 from collections import Counter
 from typing import Any
 
@@ -70,7 +69,8 @@ def _check(packed: Any, ds: Any, max_len: int, reserve: int, strategy: str,
         ids, seq_lengths = out["input_ids"][k], out["seq_lengths"][k]
         assert sum(seq_lengths) == len(ids) <= max_len
         assert all(n > 0 for n in seq_lengths)
-        assert out["position_ids"][k] == [p for n in seq_lengths for p in range(n)]
+        if "position_ids" in out:
+            assert out["position_ids"][k] == [p for n in seq_lengths for p in range(n)]
         at = 0
         for n in seq_lengths:
             seg = slice(at, at + n)
@@ -117,10 +117,11 @@ def _check(packed: Any, ds: Any, max_len: int, reserve: int, strategy: str,
     strategy=st.sampled_from(["bfd", "ffd", "next_fit", "wrapped", "bfd_split"]),
     overlong=st.sampled_from(["error", "truncate", "split", "drop"]),
     seed=st.integers(0, 3),
+    positions=st.booleans(),
 )
 def test_rows_hold_exactly_their_segments(
     lengths: list[int], cuts: list[int], token_type: Any, large: bool, mapping: str,
-    max_len: int, reserve: int, strategy: str, overlong: str, seed: int,
+    max_len: int, reserve: int, strategy: str, overlong: str, seed: int, positions: bool,
 ) -> None:
     ds = _dataset(_table(lengths, token_type, cuts, large), mapping, seed)
     if strategy == "bfd_split":
@@ -132,7 +133,8 @@ def test_rows_hold_exactly_their_segments(
     rows = [len(r) for r in ds["input_ids"]]
     too_long = [i for i, n in enumerate(rows) if n + reserve > max_len]
     kwargs = dict(strategy=strategy, overlong=overlong, reserve=reserve,
-                  separator_id=SEP if reserve else None, shuffle=seed % 2 == 1, seed=seed)
+                  separator_id=SEP if reserve else None, shuffle=seed % 2 == 1, seed=seed,
+                  position_ids=positions)
     if overlong == "error" and too_long and strategy != "wrapped":
         with pytest.raises(FastpackError, match=f"column 'input_ids'.*first at row {too_long[0]}"):
             pack_dataset(ds, max_len, **kwargs)
@@ -140,6 +142,7 @@ def test_rows_hold_exactly_their_segments(
     packed = pack_dataset(ds, max_len, **kwargs, threads=1)
     assert packed.features["input_ids"].feature.dtype == str(token_type)
     assert packed.data.table.schema.field("seq_lengths").type == pa.list_(pa.int32())
+    assert ("position_ids" in packed.column_names) == positions
     _check(packed, ds, max_len, reserve, "wrapped" if strategy == "wrapped" else "bfd",
            "split" if strategy == "bfd_split" else overlong)
     again = pack_dataset(ds, max_len, **kwargs, threads=3)
@@ -170,8 +173,9 @@ def test_same_segments_as_trl(trl_strategy: str, overlong: str) -> None:
     ours = pack_dataset(ds, 128, strategy="bfd", overlong=overlong)
     columns = ("input_ids", "labels", "mask")
     assert _segments(ours, columns) == _segments(theirs, columns)
-    for name in (*columns, "seq_lengths"):
-        assert ours.features[name] == theirs.features[name]
+    # TRL's columns by default: the same names, order and types (no position_ids).
+    assert ours.features == theirs.features
+    assert ours.data.table.schema.equals(theirs.data.table.schema, check_metadata=False)
     # One plan over every row: no more packs than TRL's 1,000-row windows.
     assert len(ours) <= len(theirs)
 
@@ -181,11 +185,15 @@ def test_trl_collator_reads_the_packed_rows() -> None:
     sft = pytest.importorskip("trl.trainer.sft_trainer")
     lengths = [5, 3, 7, 2, 6, 4]
     ds = _dataset(_table(lengths, pa.int64(), [], False), "none", 0)
-    packed = pack_dataset(ds, 12, columns=["input_ids", "labels"])
     collate = sft.DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True)
+    packed = pack_dataset(ds, 12, columns=["input_ids", "labels"])
+    assert packed.column_names == ["input_ids", "labels", "seq_lengths"]
     rows = [packed[i] for i in range(len(packed))]
     batch = collate(rows)
-    ours = [p for r in rows for p in r["position_ids"]]
+    # The collator builds the positions from seq_lengths: what position_ids=True writes.
+    with_positions = pack_dataset(ds, 12, columns=["input_ids", "labels"], position_ids=True)
+    assert with_positions.column_names == [*packed.column_names, "position_ids"]
+    ours = [p for i in range(len(packed)) for p in with_positions[i]["position_ids"]]
     assert batch["position_ids"][0].tolist() == ours
     boundaries = np.cumsum([0] + [n for r in rows for n in r["seq_lengths"]])
     assert batch["cu_seq_lens_q"].tolist() == boundaries.tolist()
@@ -236,6 +244,19 @@ def test_separators_go_to_the_token_column_and_fills_fit_their_types() -> None:
         pack_dataset(ds, 8, reserve=1, separator_id=2)
     with pytest.raises(FastpackError, match="separator_id: reserve=1"):
         pack_dataset(ds, 8, reserve=1)
+
+
+def test_a_separator_reserves_one_slot_and_reserve_0_refuses_it() -> None:
+    ds = _bad(input_ids=[[5, 6], [7]])
+    # The team rule, on both paths: separator_id alone means reserve=1.
+    for source in (ds, ds.to_iterable_dataset()):
+        packed = pack_dataset(source, 8, separator_id=2, strategy="next_fit", shuffle=False)
+        assert [r["input_ids"] for r in packed] == [[5, 6, 2, 7, 2]]
+        assert [r["seq_lengths"] for r in packed] == [[3, 2]]
+        with pytest.raises(FastpackError, match="reserve: 0 with separator_id=2"):
+            pack_dataset(source, 8, separator_id=2, reserve=0)
+    assert pack_dataset(ds, 8, separator_id=2, reserve=2, strategy="next_fit",
+                        shuffle=False)["input_ids"] == [[5, 6, 2, 2, 7, 2, 2]]
 
 
 def test_groups_and_buckets() -> None:
@@ -291,30 +312,157 @@ def test_nulls_in_rows_the_mapping_skips_are_fine() -> None:
         pack_dataset(ds.select([0, 2, 1]), 8)
 
 
-def test_iterable_datasets_go_to_the_stream_packer(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls = []
-    fake = types.ModuleType("fastpack._stream")
-
-    def pack_iterable_dataset(dataset: Any, max_len: int, **options: Any) -> str:
-        calls.append((dataset, max_len, options))
-        return "packed stream"
-
-    fake.pack_iterable_dataset = pack_iterable_dataset  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "fastpack._stream", fake)
-    stream = _bad(input_ids=[[1, 2], [3]]).to_iterable_dataset()
-    assert pack_dataset(stream, 16, strategy="ffd", overlong="drop", seed=3) == "packed stream"
-    _, max_len, options = calls[0]
-    assert max_len == 16 and options["strategy"] == "ffd" and options["overlong"] == "drop"
-    assert options["seed"] == 3 and options["columns"] is None
-    both = pack_dataset(datasets.IterableDatasetDict({"a": stream, "b": stream}), 16,
-                        strategy="bfd_split")
-    assert dict(both) == {"a": "packed stream", "b": "packed stream"}
-    assert calls[-1][2]["strategy"] == "bfd" and calls[-1][2]["overlong"] == "split"
-    pack_dataset(stream, 16, buffer_size=100)
-    assert calls[-1][2]["buffer_size"] == 100 and "buffer_size" not in calls[0][2]
+def test_iterable_datasets_go_to_the_stream_packer() -> None:
+    ds = _bad(input_ids=[[1, 2], [3], [4, 5, 6, 7], [8, 9, 10]])
+    stream = ds.to_iterable_dataset(num_shards=2)
+    packed = pack_dataset(stream, 4, strategy="bfd_split", buffer_size=8)
+    assert isinstance(packed, datasets.IterableDataset)
+    rows = list(packed)
+    assert sorted(t for r in rows for t in r["input_ids"]) == list(range(1, 11))
+    assert all(sum(r["seq_lengths"]) == len(r["input_ids"]) <= 4 for r in rows)
+    assert all(set(r) == {"input_ids", "seq_lengths"} for r in rows)
+    with_positions = list(pack_dataset(stream, 4, strategy="bfd_split", position_ids=True))
+    assert all(r["position_ids"] == [p for n in r["seq_lengths"] for p in range(n)]
+               for r in with_positions)
+    # Options reach the stream packer: theirs, not a default.
+    with pytest.raises(FastpackError, match=r"input_ids: sample \d of the stream has 4 tokens"):
+        list(pack_dataset(stream, 3, strategy="ffd", buffer_size=8))
+    assert len(list(pack_dataset(stream, 3, overlong="drop", buffer_size=8))) == 2
+    both = pack_dataset(datasets.IterableDatasetDict({"a": stream, "b": stream}), 16)
+    assert set(both) == {"a", "b"}
+    assert sorted(t for r in both["b"] for t in r["input_ids"]) == list(range(1, 11))
+    with pytest.raises(FastpackError, match="group_tokens: got 8"):
+        pack_dataset(stream, 16, group_tokens=8)
     with pytest.raises(FastpackError, match="buffer_size: applies to a streamed"):
         pack_dataset(_bad(input_ids=[[1]]), 16, buffer_size=100)
 
 
 def test_fastpack_hf_is_lazy() -> None:
     assert fastpack.hf.pack_dataset is pack_dataset
+
+
+def test_trl_keywords_are_accepted() -> None:
+    ds = _dataset(_table([5, 3, 7, 2, 6, 4, 9], pa.int32(), [], False), "none", 0)
+    want = pack_dataset(ds, 10, "bfd_split").to_dict()
+    # TRL's spelling: seq_length=, strategy positional or by name, map_kwargs=.
+    assert pack_dataset(ds, seq_length=10, strategy="bfd_split").to_dict() == want
+    got = pack_dataset(ds, seq_length=10, map_kwargs={"num_proc": 2, "desc": "packing",
+                                                       "load_from_cache_file": False})
+    assert got.to_dict() == pack_dataset(ds, 10).to_dict()
+    with pytest.raises(FastpackError, match="seq_length: got max_len=10 and seq_length=8"):
+        pack_dataset(ds, 10, seq_length=8)
+    with pytest.raises(TypeError, match="max_len: missing"):
+        pack_dataset(ds)
+    with pytest.raises(FastpackError, match="map_kwargs: 'batch_size' has no meaning here"):
+        pack_dataset(ds, 10, map_kwargs={"batch_size": 1000})
+    with pytest.raises(TypeError, match="map_kwargs: expected a dict"):
+        pack_dataset(ds, 10, map_kwargs=[("num_proc", 2)])
+
+
+def test_packs_are_shuffled_by_default_with_seed_0() -> None:
+    rng = np.random.default_rng(0)
+    ds = _dataset(_table(rng.integers(1, 30, 200).tolist(), pa.int32(), [], False), "none", 0)
+    default = pack_dataset(ds, 32, columns=["input_ids"])
+    assert default.to_dict() == pack_dataset(ds, 32, columns=["input_ids"], shuffle=True,
+                                             seed=0).to_dict()
+    sorted_packs = pack_dataset(ds, 32, columns=["input_ids"], shuffle=False)
+    assert default.to_dict() != sorted_packs.to_dict()
+    assert sorted(map(tuple, default["input_ids"])) == sorted(
+        map(tuple, sorted_packs["input_ids"]))
+
+
+def test_cache_file_follows_the_umask_and_map_kwargs(tmp_path: Any) -> None:
+    ds = datasets.Dataset(datasets.table.InMemoryTable(_table([5, 3, 7], pa.int32(), [],
+                                                              False)))
+    ds.save_to_disk(str(tmp_path / "ds"))
+    on_disk = datasets.load_from_disk(str(tmp_path / "ds"))
+    old = os.umask(0o022)
+    try:
+        packed = pack_dataset(on_disk, 10)
+        named = pack_dataset(on_disk, 10, map_kwargs={"cache_file_name": str(tmp_path / "p")})
+        in_memory = pack_dataset(on_disk, 10, map_kwargs={"keep_in_memory": True})
+        os.umask(0o077)
+        private = pack_dataset(on_disk, 10, seed=1)
+    finally:
+        os.umask(old)
+    path = packed.cache_files[0]["filename"]
+    assert os.stat(path).st_mode & 0o777 == 0o644  # 0666 less the umask, as datasets' files
+    assert os.stat(private.cache_files[0]["filename"]).st_mode & 0o777 == 0o600
+    assert named.cache_files[0]["filename"] == str(tmp_path / "p")
+    assert not in_memory.cache_files
+    assert named.to_dict() == packed.to_dict() == in_memory.to_dict()
+    assert not [f for f in os.listdir(os.path.dirname(path)) if f.startswith(".fastpack-")]
+
+
+def _rows_or_error(packed: Any) -> Any:
+    """Every row of a packed Dataset or IterableDataset (a stream raises as it is read),
+    or the FastpackError type it raised."""
+    try:
+        return [dict(r) for r in packed()]
+    except FastpackError:
+        return FastpackError
+
+
+#: (overlong, separator_id) pairs; each is its own case, so one that fails on the stream
+#: side can be marked alone.
+POLICIES = [
+    ("error", None), ("error", 0), ("truncate", None), ("truncate", 0), ("split", None),
+    ("split", 7), ("drop", None), ("drop", 7),
+]
+
+
+@pytest.mark.parametrize(("overlong", "separator_id"), POLICIES)
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    data=st.data(),
+    token_type=st.sampled_from([pa.int32(), pa.int64(), pa.uint16()]),
+    labels_type=st.sampled_from([pa.int64(), pa.int32(), pa.uint32()]),
+    assistant_masks=st.booleans(),
+    strategy=st.sampled_from(["bfd", "ffd", "next_fit", "wrapped"]),
+    max_len=st.integers(4, 24),
+    extra_reserve=st.sampled_from([None, 1, 2]),
+    long_bucket=st.booleans(),
+    shuffle=st.booleans(),
+    positions=st.booleans(),
+)
+def test_a_dataset_and_its_stream_give_the_same_rows(
+    overlong: str, separator_id: int | None, data: Any, token_type: Any, labels_type: Any,
+    assistant_masks: bool, strategy: str, max_len: int, extra_reserve: int | None,
+    long_bucket: bool, shuffle: bool, positions: bool,
+) -> None:
+    """One call, one answer: the same rows for a Dataset and for its IterableDataset,
+    when the stream's window holds the whole stream (buffer_size > rows). The packs'
+    order is the same with shuffle=False; with shuffle=True the stream shuffles its
+    window with its own seed, so only the multiset of rows is the same."""
+    lengths = data.draw(st.lists(st.integers(0, 2 * max_len), min_size=1, max_size=25), label="lengths")
+    rng = np.random.default_rng(len(lengths))
+    ids = [rng.integers(1, 60000, n).tolist() for n in lengths]
+    # -100 in signed labels (a prompt token), as SFT data has.
+    labels = [[-100 if (labels_type != pa.uint32() and t % 3 == 0) else t for t in row]
+              for row in ids]
+    columns: dict[str, Any] = {
+        "input_ids": pa.array(ids, pa.list_(token_type)),
+        "labels": pa.array(labels, pa.list_(labels_type)),
+    }
+    if assistant_masks:
+        columns["assistant_masks"] = pa.array([[t % 2 for t in r] for r in ids],
+                                              pa.list_(pa.int8()))
+    columns["text"] = pa.array([str(n) for n in lengths])
+    ds = datasets.Dataset(datasets.table.InMemoryTable(pa.table(columns)))
+    reserve = extra_reserve if separator_id is not None else None
+    kwargs = dict(strategy=strategy, overlong=overlong, separator_id=separator_id,
+                  reserve=reserve, shuffle=shuffle, seed=data.draw(st.integers(0, 5)),
+                  long_max_len=2 * max_len if long_bucket else None,
+                  position_ids=positions, threads=1)
+    stream = ds.to_iterable_dataset(num_shards=1)
+    offline = _rows_or_error(lambda: pack_dataset(ds, max_len, **kwargs))
+    streamed = _rows_or_error(lambda: pack_dataset(stream, max_len, buffer_size=len(ds) + 1,
+                                                   **kwargs))
+    if offline is FastpackError or streamed is FastpackError:
+        assert offline is streamed, (offline, streamed)
+        return
+    if shuffle:
+        offline, streamed = (sorted(map(repr, rows)) for rows in (offline, streamed))
+    assert streamed == offline
+    assert pack_dataset(stream, max_len, **kwargs).features == pack_dataset(
+        ds, max_len, **kwargs).features

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
-import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -22,7 +21,7 @@ from . import _core
 from ._arrow import dataset_parts, list_columns, per_token_columns
 from ._errors import FastpackError, FastpackTypeError
 from ._gather import DEFAULT_BATCH_TOKENS, prepare
-from ._plan import OVERLONG_POLICIES, STRATEGIES, Plan, _choice, pack
+from ._plan import OVERLONG_POLICIES, STRATEGIES, Plan, _choice, _int_arg, pack
 
 __all__ = ["pack_dataset"]
 
@@ -43,17 +42,20 @@ def _kind(dataset: Any) -> str:
 
 def pack_dataset(
     dataset: Any,
-    max_len: int,
-    *,
+    max_len: int | None = None,
     strategy: str = "bfd",
+    *,
+    seq_length: int | None = None,
+    map_kwargs: Mapping[str, Any] | None = None,
     overlong: str = "error",
-    reserve: int = 0,
+    reserve: int | None = None,
     separator_id: int | None = None,
-    shuffle: bool = False,
+    shuffle: bool = True,
     seed: int = 0,
     group_tokens: int | None = None,
     long_max_len: int | None = None,
     columns: Sequence[str] | None = None,
+    position_ids: bool = False,
     threads: int | None = None,
     keep_in_memory: bool = False,
     batch_tokens: int = DEFAULT_BATCH_TOKENS,
@@ -61,32 +63,46 @@ def pack_dataset(
 ) -> Any:
     """Pack a Hugging Face dataset: one row per pack of at most ``max_len`` tokens.
 
-    A drop-in for TRL's ``pack_dataset(dataset, seq_length, strategy)``: the result has
-    the packed per-token columns and TRL's ``seq_lengths``, which TRL's collators and
-    ``SFTTrainer`` read as they read TRL's own output; plus ``position_ids`` restarting at
-    0 in every packed sequence. Unlike TRL, rows are packed best-fit over the whole
-    dataset, and over-long rows raise unless ``overlong`` says what to do with them.
+    A drop-in for TRL's ``pack_dataset(dataset, seq_length, strategy, map_kwargs)``: the
+    result has TRL's columns — every packed per-token column, in the input's order, then
+    ``seq_lengths`` (``list<int32>``) — which TRL's collators and ``SFTTrainer`` read as
+    they read TRL's own output. Unlike TRL, rows are packed best-fit over the whole
+    dataset, over-long rows raise unless ``overlong`` says what to do with them, and the
+    packs are shuffled (``seed`` 0) unless ``shuffle=False``.
 
     Args:
         dataset: a ``datasets.Dataset`` (a ``DatasetDict`` packs every split; a
-            ``datasets.IterableDataset`` is packed as a stream in bounded windows).
-        max_len: tokens per pack.
+            ``datasets.IterableDataset`` is packed as a stream in bounded windows, with
+            the same rows as the Dataset for a window that holds the whole stream).
+        max_len: tokens per pack (TRL's ``seq_length``, also accepted by that name).
         strategy: ``"bfd"`` (best fit decreasing, the fewest packs), ``"ffd"``,
             ``"next_fit"`` (keeps row order), ``"wrapped"`` (concatenate and cut every
             ``max_len`` tokens), or TRL's ``"bfd_split"`` (= ``"bfd"`` with
             ``overlong="split"``).
+        map_kwargs: TRL's ``Dataset.map`` arguments, where they mean something without a
+            ``map``: ``keep_in_memory``, ``cache_file_name`` (where the result is
+            written), ``num_proc`` (the thread count, if ``threads`` is not given),
+            ``load_from_cache_file``, ``desc`` (no effect: the result is always made, no
+            progress bar is shown). Any other key raises: ``batch_size``, say, would
+            set TRL's packing window, and fastpack plans the whole dataset at once.
         overlong: rows longer than ``max_len - reserve``: ``"error"`` (raise, naming the
             first such row), ``"truncate"`` (TRL ``bfd``), ``"split"`` into pieces packed
             on their own (TRL ``bfd_split``), or ``"drop"``. Lost tokens are counted.
         reserve, separator_id: slots after every row, filled with ``separator_id`` in
             ``input_ids`` (-100 in ``labels``, 1 in ``attention_mask``, 0 elsewhere).
-        shuffle, seed: shuffle the packs (``bfd`` packs otherwise come sorted by fill).
+            ``separator_id`` alone reserves one slot; ``reserve=0`` with a separator, or
+            ``reserve`` without one, raises.
+        shuffle, seed: shuffle the packs (the default; ``bfd`` packs otherwise come
+            sorted by fill).
         group_tokens: two-level packing: packs are ordered in groups of at most this many
             tokens (a step or micro-batch); the result gets a ``group`` column.
         long_max_len: a second bucket: rows over ``max_len`` go to packs of this cap.
         columns: the per-token columns to pack (default: every column holding a list of
             numbers per row, except ``seq_lengths``/``position_ids``; other columns are
             left out). Each must have one value per token of ``input_ids``.
+        position_ids: also write ``position_ids`` (``list<int32>``, restarting at 0 in
+            every packed sequence). Off by default, as in TRL: its collator builds them
+            from ``seq_lengths``, and they would add half the bytes of two int32 columns.
         threads: worker threads (default: ``RAYON_NUM_THREADS`` or all cores); the
             result does not depend on it.
         keep_in_memory: for a dataset backed by cache files, keep the result in memory
@@ -101,25 +117,31 @@ def pack_dataset(
         (logger ``"fastpack"``: a warning when tokens were truncated or dropped).
     """
     kind = _kind(dataset)
+    max_len = _max_len(max_len, seq_length)
     strategy, overlong = _strategy(strategy, overlong)  # TRL's names become fastpack's
+    reserve = _reserve(reserve, separator_id)
+    cache_file_name = None
+    if map_kwargs is not None:
+        keep_in_memory, cache_file_name, threads = _map_kwargs(
+            map_kwargs, keep_in_memory, threads
+        )
     options: dict[str, Any] = dict(
         strategy=strategy, overlong=overlong, reserve=reserve, separator_id=separator_id,
         shuffle=shuffle, seed=seed, group_tokens=group_tokens, long_max_len=long_max_len,
         columns=columns, threads=threads,
     )
     if kind in ("IterableDataset", "IterableDatasetDict"):
-        from ._stream import pack_iterable_dataset
-
-        if buffer_size is not None:
-            options["buffer_size"] = buffer_size
+        if cache_file_name is not None:
+            raise FastpackError("map_kwargs: 'cache_file_name' applies to a Dataset; a "
+                                "stream is packed as it is read, into no file")
         if kind == "IterableDatasetDict":
             import datasets
 
             return datasets.IterableDatasetDict({
-                split: pack_iterable_dataset(ds, max_len, **options)
+                split: _pack_stream(ds, max_len, position_ids, buffer_size, options)
                 for split, ds in dataset.items()
             })
-        return pack_iterable_dataset(dataset, max_len, **options)
+        return _pack_stream(dataset, max_len, position_ids, buffer_size, options)
     if buffer_size is not None:
         raise FastpackError(
             "buffer_size: applies to a streamed datasets.IterableDataset; a Dataset is "
@@ -128,9 +150,13 @@ def pack_dataset(
     if kind == "DatasetDict":
         import datasets
 
+        if cache_file_name is not None:
+            raise FastpackError("map_kwargs: 'cache_file_name' names one file; a "
+                                "DatasetDict has a result per split")
         return datasets.DatasetDict({
             split: _pack_one(ds, max_len, keep_in_memory=keep_in_memory,
-                             batch_tokens=batch_tokens, split=str(split), **options)
+                             batch_tokens=batch_tokens, split=str(split),
+                             position_ids=position_ids, cache_file_name=None, **options)
             for split, ds in dataset.items()
         })
     if kind != "Dataset":
@@ -139,7 +165,85 @@ def pack_dataset(
             f"{type(dataset).__name__}"
         )
     return _pack_one(dataset, max_len, keep_in_memory=keep_in_memory,
-                     batch_tokens=batch_tokens, split=None, **options)
+                     batch_tokens=batch_tokens, split=None, position_ids=position_ids,
+                     cache_file_name=cache_file_name, **options)
+
+
+def _max_len(max_len: int | None, seq_length: int | None) -> int:
+    if max_len is not None and seq_length is not None:
+        raise FastpackError(
+            f"seq_length: got max_len={max_len!r} and seq_length={seq_length!r}; "
+            "seq_length is TRL's name for max_len: pass one"
+        )
+    value = max_len if max_len is not None else seq_length
+    if value is None:
+        raise FastpackTypeError("max_len: missing (the tokens per pack; TRL: seq_length)")
+    return value
+
+
+def _reserve(reserve: int | None, separator_id: int | None) -> int:
+    """The team rule: a separator needs a slot, and slots need a separator."""
+    if reserve is not None:
+        reserve = _int_arg("reserve", reserve, minimum=0)
+    if separator_id is None:
+        if reserve:
+            raise FastpackError(
+                f"separator_id: reserve={reserve} keeps slots after every row; pass the "
+                "separator token id to write into them"
+            )
+        return 0
+    if reserve == 0:
+        raise FastpackError(
+            f"reserve: 0 with separator_id={separator_id!r}; a separator needs a slot "
+            "after every row: leave reserve out (one slot) or pass reserve >= 1"
+        )
+    return 1 if reserve is None else reserve
+
+
+#: TRL's map_kwargs that mean something here; see pack_dataset.
+MAP_KWARGS = ("keep_in_memory", "cache_file_name", "num_proc", "load_from_cache_file",
+              "desc")
+
+
+def _map_kwargs(map_kwargs: Mapping[str, Any], keep_in_memory: bool,
+                threads: int | None) -> tuple[bool, str | None, int | None]:
+    if not isinstance(map_kwargs, Mapping):
+        raise FastpackTypeError(
+            f"map_kwargs: expected a dict, got {type(map_kwargs).__name__}"
+        )
+    unknown = [k for k in map_kwargs if k not in MAP_KWARGS]
+    if unknown:
+        raise FastpackError(
+            f"map_kwargs: {unknown[0]!r} has no meaning here (fastpack plans the whole "
+            f"dataset at once, without Dataset.map); accepted: {', '.join(MAP_KWARGS)}"
+        )
+    keep_in_memory = bool(map_kwargs.get("keep_in_memory", keep_in_memory))
+    cache_file_name = map_kwargs.get("cache_file_name")
+    if cache_file_name is not None:
+        cache_file_name = os.fspath(cache_file_name)
+    num_proc = map_kwargs.get("num_proc")
+    if threads is None and num_proc is not None:
+        threads = _int_arg("map_kwargs['num_proc']", num_proc, minimum=1, maximum=4096)
+    return keep_in_memory, cache_file_name, threads
+
+
+def _pack_stream(dataset: Any, max_len: int, position_ids: bool, buffer_size: int | None,
+                 options: dict[str, Any]) -> Any:
+    import inspect
+
+    from ._stream import pack_iterable_dataset
+
+    options = dict(options)
+    if buffer_size is not None:
+        options["buffer_size"] = buffer_size
+    # The stream packer may not take `position_ids` (it then always writes them).
+    takes = "position_ids" in inspect.signature(pack_iterable_dataset).parameters
+    if takes:
+        options["position_ids"] = position_ids
+    packed = pack_iterable_dataset(dataset, max_len, **options)
+    if takes or position_ids:
+        return packed
+    return packed.remove_columns(["position_ids"])
 
 
 def _strategy(strategy: str, overlong: str) -> tuple[str, str]:
@@ -180,7 +284,8 @@ def _pack_one(
     dataset: Any, max_len: int, *, strategy: str, overlong: str, reserve: int,
     separator_id: int | None, shuffle: bool, seed: int, group_tokens: int | None,
     long_max_len: int | None, columns: Sequence[str] | None, threads: int | None,
-    keep_in_memory: bool, batch_tokens: int, split: str | None,
+    keep_in_memory: bool, batch_tokens: int, split: str | None, position_ids: bool,
+    cache_file_name: str | None,
 ) -> Any:
     import datasets
     import pyarrow as pa
@@ -206,21 +311,16 @@ def _pack_one(
                        + message[len("lengths: "):].replace("sequence(s)", "row(s)")
                        .replace("at index", "at row"))
         raise FastpackError(message) from None
-    if reserve and separator_id is None:
-        raise FastpackError(
-            f"separator_id: reserve={reserve} keeps slots after every row; pass the "
-            f"separator token id to write into {names[first]!r}"
-        )
     fill = None if separator_id is None else {names[first]: separator_id}
     schema, batches = prepare(
-        plan, handles, types, None, separator_id=None, fill=fill, position_ids=True,
+        plan, handles, types, None, separator_id=None, fill=fill, position_ids=position_ids,
         batch_tokens=batch_tokens, threads=threads,
     )
     group = _group_of_packs(plan)
     if group is not None:
         schema = schema.append(pa.field("group", pa.int64()))
         batches = _with_groups(batches, group)
-    summary = _summary(plan, names[first], dataset, skipped, columns is None)
+    summary = _summary(plan, names[first], dataset, skipped, columns is None, position_ids)
     features = datasets.Features.from_arrow_schema(schema)
     schema = pa.schema(schema, metadata=features.arrow_schema.metadata)
     info = dataset.info.copy()
@@ -233,16 +333,22 @@ def _pack_one(
     fingerprint = Hasher.hash([
         "fastpack.hf.pack_dataset", __version__, dataset._fingerprint, max_len, strategy,
         overlong, reserve, separator_id, shuffle, seed, group_tokens, long_max_len, names,
+        position_ids,
     ])
-    cache_dir = _cache_dir(dataset) if not keep_in_memory else None
-    if cache_dir is None:
+    if cache_file_name is not None:
+        path: str | None = os.path.abspath(cache_file_name)
+    elif keep_in_memory:
+        path = None
+    else:
+        cache_dir = _cache_dir(dataset)
+        path = cache_dir and os.path.join(cache_dir, f"fastpack-packed-{fingerprint}.arrow")
+    if path is None:
         table = pa.Table.from_batches(list(batches), schema=schema)
         packed = datasets.Dataset(
             datasets.table.InMemoryTable(table), info=info, split=dataset.split,
             fingerprint=fingerprint,
         )
     else:
-        path = os.path.join(cache_dir, f"fastpack-packed-{fingerprint}.arrow")
         _write(path, schema, batches)
         packed = datasets.Dataset.from_file(path, info=info, split=dataset.split)
         packed._fingerprint = fingerprint
@@ -270,15 +376,18 @@ def _with_groups(batches: Any, group: np.ndarray) -> Any:
         at += n
 
 
-def _summary(plan: Plan, column: str, dataset: Any, skipped: list[str], default: bool) -> str:
+def _summary(plan: Plan, column: str, dataset: Any, skipped: list[str], default: bool,
+             position_ids: bool) -> str:
     lines = [f"Packed by fastpack from column {column!r}: " + plan.summary()]
     if skipped:
         table, _ = dataset_parts(dataset)
         per_token = set(per_token_columns(table))
 
         def why(name: str) -> str:
-            if name in WRITTEN:
+            if name == "seq_lengths" or (name == "position_ids" and position_ids):
                 return "rewritten from the plan"
+            if name == "position_ids":
+                return "position_ids=True writes them from the plan"
             if name not in per_token:
                 return "not one number per token"
             return "left out by default" if default else "not in columns"
@@ -298,12 +407,17 @@ def _cache_dir(dataset: Any) -> str | None:
 
 def _write(path: str, schema: Any, batches: Any) -> None:
     """Streams the batches into an Arrow file (as ``datasets`` writes its cache files),
-    atomically: a reader never sees a partial file."""
+    atomically: a reader never sees a partial file. The file gets the mode any file of
+    this process gets (0666 less the umask, as ``datasets``' own cache files), and is
+    written once, by Arrow's own file writer (no Python file object in between)."""
     import pyarrow as pa
 
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".fastpack-", suffix=".arrow")
+    tmp = os.path.join(os.path.dirname(path),
+                       f".fastpack-{os.getpid()}-{os.urandom(6).hex()}.arrow")
+    # O_EXCL: the name is ours alone; 0o666 & ~umask is applied by open(2).
+    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
     try:
-        with os.fdopen(fd, "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+        with pa.OSFile(tmp, "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
             for batch in batches:
                 writer.write_batch(batch)
         os.replace(tmp, path)
