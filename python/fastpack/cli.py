@@ -243,8 +243,8 @@ def pack(inputs: Sequence[str], outdir: str, max_len: int, column: str, quiet: b
          spill: bool, resume: bool, overwrite: bool, ray_address: str | None,
          plot: bool | None) -> None:
     """Pack the documents of INPUT... (files or directories) into parquet shards of packed
-    rows with the columns of fastpack.hf.pack_dataset: every packed token column,
-    seq_lengths and position_ids (what TRL's SFTTrainer reads).
+    rows with the columns of fastpack.hf.pack_dataset(..., position_ids=True): every packed
+    token column, seq_lengths (what TRL's SFTTrainer reads) and position_ids.
 
     Memory stays bounded: lengths first (a few bytes per document), one global plan, then
     the shards gathered in as many passes as --memory requires. Shards are written

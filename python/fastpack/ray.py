@@ -601,8 +601,9 @@ def pack_dataset(
 ) -> Any:
     """Packs a ``ray.data.Dataset`` of token lists into a ``ray.data.Dataset`` of packed
     rows: ``column`` and the other per-token columns packed, ``seq_lengths``,
-    ``position_ids`` (the columns of ``fastpack.hf.pack_dataset``) and ``pack_index``, the
-    row's place in the plan (Ray Data does not keep order: sort by it, or drop it).
+    ``position_ids`` (the columns of ``fastpack.hf.pack_dataset(..., position_ids=True)``)
+    and ``pack_index``, the row's place in the plan (Ray Data does not keep order: sort by
+    it, or drop it).
 
     ``columns``: the other per-token columns to pack (default: every column holding a
     list of integers with one value per token, as ``fastpack pack``). ``order``: an
