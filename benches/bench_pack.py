@@ -14,6 +14,9 @@ Every tool here returns a packing *plan* (which item goes in which pack), not pa
   seqpacker-bfd     seqpacker.Packer(max_len, "bfd").pack_flat(arr)      its plain BFD
   lightbinpack-obfd lightbinpack.obfd(list, max_len)                      counting sort + segment tree BFD
   lightbinpack-bfd  lightbinpack.bfd(list, max_len)                       std::map BFD
+  lightbinpack-obfdp lightbinpack.obfdp(list, max_len)                    its parallel obfd (OpenMP: items dealt
+                                                                          round-robin to threads, each packed alone,
+                                                                          the last bins repacked)
   numpy.sort        np.sort(lengths)                                      the floor: one sort of the same array
 
 TRL is not here: `trl.pack_dataset` builds the packed rows (it copies every token), so its
@@ -64,11 +67,13 @@ ALL_TOOLS = [
     "seqpacker-bfd",
     "lightbinpack-obfd",
     "lightbinpack-bfd",
+    "lightbinpack-obfdp",
     "numpy.sort",
 ]
 DISTS = ["sft", "pretrain"]
 DIST_NAME = {"sft": "SFT-like", "pretrain": "pretraining-like"}
 REF = "fastpack-bfd"  # the denominator of every ratio
+MULTI_THREADED = {"fastpack-bfd", "lightbinpack-obfdp"}  # the others run on one thread
 
 
 # --------------------------------------------------------------------------- inputs
@@ -380,25 +385,27 @@ def render_summary(results: list[dict]) -> list[str]:
             cells.append(fmt_t(by["numpy.sort"][key]) if "numpy.sort" in by else "n/a")
             if key == "first_s" and fp:
                 plb = f"{fp['packs_over_lb']:.5f} ({fp['packs']:,} / {fp['lower_bound']:,})"
-                same = [p for p in peers.values() if p is not None]
-                if same and all(p["packs"] == fp["packs"] for p in same):
-                    plb += ", peers the same"
-                elif same:
-                    plb += ", peers " + ", ".join(f"{p['packs']:,}" for p in same)
+                others = [p for t, p in by.items() if t.split("-")[0] in ("seqpacker", "lightbinpack")]
+                differ = [p for p in others if p["packs"] != fp["packs"]]
+                if others and not differ:
+                    plb += ", every peer the same"
+                elif differ:
+                    plb += "; " + ", ".join(f"{p['tool']} {p['packs']:,}" for p in differ)
                 mem = f"{fp['bytes_per_seq']:.1f} B/seq" if fp.get("bytes_per_seq") is not None else "n/a"
             else:
                 plb, mem = "", ""
             out.append(f"| {DIST_NAME[dist]}, {fmt_n(n)} | {label} | " + " | ".join(cells) + f" | {plb} | {mem} |")
             one = by.get("fastpack-bfd-1t")
-            ps = [p for p in peers.values() if p is not None]
+            ps = [p for p in rows if "error" not in p and p["tool"].split("-")[0] in ("seqpacker", "lightbinpack")
+                  and p["tool"] not in MULTI_THREADED]
             if one and ps:
                 fastest = min(ps, key=lambda p: p[key])
                 one_thread.append(f"{DIST_NAME[dist]} {fmt_n(n)} {label} {fmt_r(fastest[key] / one[key])}")
     out.append("")
     out.append(
         "Ratios in brackets = peer ÷ fastpack `bfd` (default threads) for the same call; best = the peer's variant "
-        "with the lower warm median, used in both rows. One thread against one thread (fastest peer ÷ fastpack "
-        "`threads=1`): " + ("; ".join(one_thread) if one_thread else "n/a") + ".\n"
+        "with the lowest warm median, used in both rows (lightbinpack's candidates include its multi-threaded `obfdp`). "
+        "One thread against one thread (fastest single-threaded peer ÷ fastpack `threads=1`): " + ("; ".join(one_thread) if one_thread else "n/a") + ".\n"
     )
     return out
 
@@ -435,7 +442,7 @@ def render(results: list[dict], args, env: dict, previous: dict | None = None) -
     if previous is not None:
         penv = previous["env"]
         out.append(
-            f"Earlier run of the same command on this machine ({penv['cpu']}), started {penv['started_utc']}, "
+            f"Earlier run, `{previous.get('command', '?')}` on {penv['cpu']}, started {penv['started_utc']}, "
             f"load average {penv['loadavg_start']} at the start, {penv['loadavg_end']} at the end "
             f"(from `{previous['path']}`):\n"
         )
@@ -497,8 +504,9 @@ def render(results: list[dict], args, env: dict, previous: dict | None = None) -
         "20% Pareto tail, clipped to [1, 131072]. fastpack runs with `shuffle=False` (placement order, as the peers "
         "return it). Every plan is verified: no pack over max_len, no empty pack, every item (fastpack: every "
         "token of every sample) placed exactly once. lightbinpack's time includes `ndarray.tolist()`, which its API "
-        "needs; the core column leaves it out. The peers run on one thread; fastpack `bfd` uses the process's "
-        "cores (`threads=None`), fastpack `threads=1` one.\n"
+        "needs; the core column leaves it out. seqpacker and lightbinpack `obfd`/`bfd` run on one thread; "
+        "lightbinpack `obfdp` on up to all cores (OpenMP, from 5·10^5 items); fastpack `bfd` on the process's cores "
+        "(`threads=None`), fastpack `threads=1` on one.\n"
     )
     return "\n".join(out)
 
