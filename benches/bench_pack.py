@@ -444,7 +444,7 @@ def render(results: list[dict], args, env: dict, previous: dict | None = None) -
         out.append(
             f"Earlier run, `{previous.get('command', '?')}` on {penv['cpu']}, started {penv['started_utc']}, "
             f"load average {penv['loadavg_start']} at the start, {penv['loadavg_end']} at the end "
-            f"(from `{previous['path']}`):\n"
+            "(kept in this run's pack.json under `previous`):\n"
         )
         out += render_summary(previous["results"])
     for (dist, n), rows in _group(results).items():
