@@ -1,11 +1,12 @@
 #!/usr/bin/env python
-"""Side-by-side benchmark of sequence-packing tools.
+"""Plan-vs-plan benchmark of sequence-packing tools: first call in a fresh process and warm calls.
 
-    python benches/bench_pack.py                      # N = 1e4, 1e6, 1e7
+    python benches/bench_pack.py                      # N = 1e6, 1e7, both distributions
     python benches/bench_pack.py --quick              # N = 1e4, 1e5 (smoke run)
-    python benches/bench_pack.py --sizes 1e4,1e6 --tools fastpack,seqpacker-obfd
+    python benches/bench_pack.py --sizes 1e4,1e6 --tools fastpack-bfd,seqpacker-obfd
+    python benches/bench_pack.py --previous OLD.json  # also summarise an earlier run beside this one
 
-Tools (each measured in its own fresh subprocess per (distribution, N)):
+Every tool here returns a packing *plan* (which item goes in which pack), not packed rows:
 
   fastpack-bfd      fastpack.pack(lengths, max_len, strategy="bfd", shuffle=False)  numpy int64 in, CSR out
   fastpack-bfd-1t   the same with threads=1 (the peers are single-threaded)
@@ -13,22 +14,30 @@ Tools (each measured in its own fresh subprocess per (distribution, N)):
   seqpacker-bfd     seqpacker.Packer(max_len, "bfd").pack_flat(arr)      its plain BFD
   lightbinpack-obfd lightbinpack.obfd(list, max_len)                      counting sort + segment tree BFD
   lightbinpack-bfd  lightbinpack.bfd(list, max_len)                       std::map BFD
-  trl-bfd           trl.pack_dataset(ds, max_len, strategy="bfd")         ("bfd_split" on the pretraining set)
-  numpy.sort        np.sort(lengths)                                      the floor
+  lightbinpack-obfdp lightbinpack.obfdp(list, max_len)                    its parallel obfd (OpenMP: items dealt
+                                                                          round-robin to threads, each packed alone,
+                                                                          the last bins repacked)
+  numpy.sort        np.sort(lengths)                                      the floor: one sort of the same array
 
-Measurement: the lengths are generated once (numpy default_rng, fixed seed) and stored
-as .npy; each worker loads them, builds whatever the tool needs outside the timed region
-(TRL: the datasets.Dataset), resets the peak-RSS counter (echo 5 > /proc/self/clear_refs),
-runs the tool once (that call gives the peak extra memory = VmHWM - VmRSS before the call,
-so it includes the tool's output and any Rust/C++ allocations), validates the packing,
-then repeats the call; the reported time is the median of all calls.  Conversions that a
-tool's API requires (lightbinpack takes a Python list: ndarray.tolist()) are inside the
-timed region; the "core" column excludes them.
+TRL is not here: `trl.pack_dataset` builds the packed rows (it copies every token), so its
+time is not comparable with a plan.  End to end it is compared with `fastpack.hf.pack_dataset`,
+which also builds the rows, in benches/bench_hf.py.
 
-Pretraining-like input has documents longer than max_len: fastpack gets the raw lengths
-with overlong="split"; TRL gets the raw lengths with its own "bfd_split"; seqpacker and
-lightbinpack cannot split, so they get the lengths pre-split in numpy (pieces of max_len,
-then the remainder) outside the timed region.
+Measurement: the lengths are generated once (numpy default_rng, fixed seed) and stored as
+.npy.  Each (tool, distribution, N) runs in its own fresh subprocess, which loads the lengths
+and imports the tool (both timed and reported, but outside the call's time), resets the
+peak-RSS counter (echo 5 > /proc/self/clear_refs) and makes the **first call** — what a user
+pays once per process, timed from just before the call to its return; that call also gives
+the peak extra memory (VmHWM - VmRSS before the call: the output and any Rust/C++
+allocations).  The plan is validated, then the call is repeated: the **warm** time is the
+median of those repeats (at least --min-warm, at most --reps, stopping once --rep-budget
+seconds are spent).  Conversions that a tool's API requires (lightbinpack takes a Python list:
+ndarray.tolist()) are inside the timed region; the "core" figures exclude them.
+
+Pretraining-like input has documents longer than max_len: fastpack gets the raw lengths with
+overlong="split" (it splits inside the call); seqpacker and lightbinpack cannot split, so they
+get the lengths pre-split in numpy (pieces of max_len, then the remainder) outside the timed
+region.
 """
 from __future__ import annotations
 
@@ -58,10 +67,13 @@ ALL_TOOLS = [
     "seqpacker-bfd",
     "lightbinpack-obfd",
     "lightbinpack-bfd",
-    "trl-bfd",
+    "lightbinpack-obfdp",
     "numpy.sort",
 ]
 DISTS = ["sft", "pretrain"]
+DIST_NAME = {"sft": "SFT-like", "pretrain": "pretraining-like"}
+REF = "fastpack-bfd"  # the denominator of every ratio
+MULTI_THREADED = {"fastpack-bfd", "lightbinpack-obfdp"}  # the others run on one thread
 
 
 # --------------------------------------------------------------------------- inputs
@@ -163,43 +175,25 @@ def check_lists(item_lengths: np.ndarray, bins, max_len: int) -> int:
     return check_bins(item_lengths, items, off, max_len)
 
 
-def check_trl(out, raw: np.ndarray, pieces: np.ndarray, max_len: int) -> int:
-    import pyarrow.compute as pc
-
-    tbl = out.with_format("arrow")[:]
-    ids_col = tbl.column("input_ids").combine_chunks()
-    sl_col = tbl.column("seq_lengths").combine_chunks()
-    packs = len(tbl)
-    seg = np.asarray(pc.list_flatten(sl_col)).astype(np.int64)
-    per_row = np.asarray(pc.list_value_length(sl_col)).astype(np.int64)
-    row_tokens = np.asarray(pc.list_value_length(ids_col)).astype(np.int64)
-    loads = np.add.reduceat(seg, np.r_[0, np.cumsum(per_row)[:-1]])
-    assert (loads == row_tokens).all()
-    assert row_tokens.max() <= max_len, f"pack over max_len: {row_tokens.max()}"
-    assert (np.sort(seg) == np.sort(pieces)).all(), "piece multiset differs"
-    # tokens carry their sample id: every segment must be one sample, all tokens present
-    vals = np.asarray(pc.list_flatten(ids_col))
-    starts = np.r_[0, np.cumsum(seg)[:-1]]
-    sid = vals[starts].astype(np.int64)
-    assert (vals == np.repeat(sid, seg)).all(), "segment mixes samples"
-    cover = np.bincount(sid, weights=seg, minlength=len(raw)).astype(np.int64)
-    assert (cover == raw).all(), "tokens lost or duplicated"
-    return packs
-
 
 # --------------------------------------------------------------------------- worker
-def worker(tool: str, dist: str, raw_path: str, pieces_path: str, max_len: int, reps: int, rep_budget: float) -> dict:
+def worker(tool: str, dist: str, raw_path: str, pieces_path: str, max_len: int, reps: int, min_warm: int,
+           rep_budget: float) -> dict:
+    t0 = time.perf_counter()
     raw = np.load(raw_path)
     pieces = np.load(pieces_path)
+    load_s = time.perf_counter() - t0
     has_long = bool(raw.max() > max_len)
     n = len(raw)
     total = int(raw.sum())
     info: dict = {}
     conv_t: list[float] = []
 
+    t0 = time.perf_counter()
     if tool in ("fastpack-bfd", "fastpack-bfd-1t"):
         import fastpack
 
+        import_s = time.perf_counter() - t0
         overlong = "split" if has_long else "error"
         threads = 1 if tool.endswith("-1t") else None
         info["input"] = f"raw, overlong={overlong!r}" + (", threads=1" if threads else ", threads=None (all cores)")
@@ -217,6 +211,7 @@ def worker(tool: str, dist: str, raw_path: str, pieces_path: str, max_len: int, 
     elif tool.startswith("seqpacker-"):
         import seqpacker
 
+        import_s = time.perf_counter() - t0
         algo = tool.split("-", 1)[1]
         x = pieces
         info["input"] = "pre-split pieces (int64 ndarray)" if has_long else "int64 ndarray"
@@ -233,6 +228,7 @@ def worker(tool: str, dist: str, raw_path: str, pieces_path: str, max_len: int, 
     elif tool.startswith("lightbinpack-"):
         import lightbinpack
 
+        import_s = time.perf_counter() - t0
         fn = getattr(lightbinpack, tool.split("-", 1)[1])
         x = pieces
         info["input"] = ("pre-split pieces, " if has_long else "") + "ndarray.tolist() (timed)"
@@ -241,41 +237,14 @@ def worker(tool: str, dist: str, raw_path: str, pieces_path: str, max_len: int, 
         def run():
             t0 = time.perf_counter()
             lst = x.tolist()
-            t1 = time.perf_counter()
-            conv_t.append(t1 - t0)
+            conv_t.append(time.perf_counter() - t0)
             return fn(lst, max_len)
 
         def check(r):
             return check_lists(x, r, max_len)
 
-    elif tool == "trl-bfd":
-        import datasets
-        import pyarrow as pa
-        import trl
-        from trl import pack_dataset
-
-        datasets.disable_progress_bars()
-        info["version"] = trl.__version__
-        strategy = "bfd_split" if has_long else "bfd"
-        info["input"] = f"Dataset(input_ids int32), strategy={strategy!r}"
-        # token values = sample id, so the output can be verified sample by sample
-        offs = np.r_[0, np.cumsum(raw)]
-        vals = pa.array(np.repeat(np.arange(n, dtype=np.int32), raw))
-        if offs[-1] < 2**31:
-            col = pa.ListArray.from_arrays(pa.array(offs.astype(np.int32)), vals)
-        else:
-            col = pa.LargeListArray.from_arrays(pa.array(offs), vals)
-        del offs
-        ds = datasets.Dataset(datasets.table.InMemoryTable(pa.table({"input_ids": col})))
-        del col, vals
-
-        def run():
-            return pack_dataset(ds, max_len, strategy=strategy)
-
-        def check(r):
-            return check_trl(r, raw, pieces, max_len)
-
     elif tool == "numpy.sort":
+        import_s = 0.0  # numpy is already imported to load the lengths
         info["input"] = "raw int64 ndarray"
 
         def run():
@@ -285,43 +254,48 @@ def worker(tool: str, dist: str, raw_path: str, pieces_path: str, max_len: int, 
     else:
         raise ValueError(tool)
 
-    times: list[float] = []
     gc.collect()
     base = reset_peak()
     t0 = time.perf_counter()
     r = run()
-    times.append(time.perf_counter() - t0)
+    first = time.perf_counter() - t0
     peak = peak_since_reset()
     extra = None if base is None else max(0, peak - base)
     packs = check(r) if check is not None else None
     del r
-    spent = times[0]
-    while len(times) < reps and spent < rep_budget:
+    warm: list[float] = []
+    spent = 0.0
+    while len(warm) < reps and (len(warm) < min_warm or spent < rep_budget):
         gc.collect()
         t0 = time.perf_counter()
         r = run()
         dt = time.perf_counter() - t0
         del r
-        times.append(dt)
+        warm.append(dt)
         spent += dt
-    med = statistics.median(times)
     res = dict(
         tool=tool,
         dist=dist,
         n=n,
         items=len(pieces),
         total_tokens=total,
+        overlong=int((raw > max_len).sum()),
         max_len=max_len,
-        time_s=med,
-        times=times,
+        load_s=load_s,
+        import_s=import_s,
+        first_s=first,
+        warm_s=warm,
+        warm_median_s=statistics.median(warm),
+        warm_min_s=min(warm),
         packs=packs,
         peak_extra_bytes=extra,
         bytes_per_seq=None if extra is None else extra / n,
         **info,
     )
     if conv_t:
-        res["conv_s"] = statistics.median(conv_t)
-        res["core_time_s"] = statistics.median([t - c for t, c in zip(times, conv_t)])
+        res["conv_first_s"] = conv_t[0]
+        res["core_first_s"] = first - conv_t[0]
+        res["core_warm_median_s"] = statistics.median([t - c for t, c in zip(warm, conv_t[1:])])
     if packs is not None:
         lb = -(-total // max_len)
         res["lower_bound"] = lb
@@ -333,7 +307,7 @@ def worker(tool: str, dist: str, raw_path: str, pieces_path: str, max_len: int, 
 # --------------------------------------------------------------------------- driver
 def fmt_n(n: int) -> str:
     e = int(round(math.log10(n))) if n > 0 else 0
-    return f"1e{e}" if 10**e == n else f"{n:,}"
+    return f"10^{e}" if 10**e == n else f"{n:,}"
 
 
 def fmt_t(t) -> str:
@@ -346,156 +320,193 @@ def fmt_t(t) -> str:
     return f"{t:.2f} s"
 
 
-def reps_for(tool: str, n: int) -> int:
-    if tool == "trl-bfd":
-        return 1 if n >= 10**6 else 3
-    # Seven calls everywhere: on a shared machine one slow call in three can become the
-    # median. Slow tools stop earlier, at --rep-budget seconds.
-    return 7
-
-
-_TRL_CACHE: dict = {}
+def fmt_r(x: float) -> str:
+    return f"{x:.2f}×" if x < 10 else f"{x:.1f}×"
 
 
 def run_one(tool, dist, n, paths, args) -> dict:
-    note = None
-    n_run = n
-    if tool == "trl-bfd":
-        raw = np.load(paths[0])
-        n_red = n
-        while n_red > 1 and (n_red > args.trl_max_n or int(raw[:n_red].sum()) > args.trl_max_tokens):
-            n_red //= 10
-        if n_red < n:
-            cap = f"N ≤ {fmt_n(int(args.trl_max_n))} and ≤ {args.trl_max_tokens:.0e} tokens"
-            if n_red < 1000:
-                return dict(tool=tool, dist=dist, n=n, error=f"skipped: TRL capped at {cap}")
-            # run TRL on the first n_red lengths of the same array instead
-            sub = raw[:n_red]
-            paths = (paths[0][:-4] + f"_trl{n_red}.npy", paths[1][:-4] + f"_trl{n_red}.npy")
-            np.save(paths[0], sub)
-            np.save(paths[1], split_pieces(sub, args.max_len))
-            note = f"run at N={fmt_n(n_red)} (first {n_red:,} lengths; TRL capped at {cap})"
-            n_run = n_red
-        del raw
-    cmd = [
-        sys.executable, os.path.abspath(__file__), "--worker", tool, dist, paths[0], paths[1],
-        str(args.max_len), str(reps_for(tool, n_run)), str(args.rep_budget),
-    ]
+    cmd = [sys.executable, __file__, "--worker", tool, dist, paths[0], paths[1], str(args.max_len),
+           str(args.reps), str(args.min_warm), str(args.rep_budget)]
     env = dict(os.environ)
-    if getattr(args, "snapshot", None):
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [args.snapshot, env.get("PYTHONPATH")]))
-    cache_key = None
-    if tool == "trl-bfd":
-        import hashlib
-
-        cache_key = (dist, hashlib.sha1(np.load(paths[0]).tobytes()).hexdigest())
-        if cache_key in _TRL_CACHE:
-            res = dict(_TRL_CACHE[cache_key])
-            res["input"] = res.get("input", "") + " (same input as a row above: result reused)"
-            if note:
-                res["reduced_n"], res["n"] = res["n"], n
-                res["input"] = f"{res['input']}; **{note}**"
-                for q in paths:
-                    os.remove(q)
-            return res
+    if args.snapshot:
+        env["PYTHONPATH"] = args.snapshot + os.pathsep + env.get("PYTHONPATH", "")
+    load1 = os.getloadavg()[0]
+    t0 = time.perf_counter()
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
     except subprocess.TimeoutExpired:
-        return dict(tool=tool, dist=dist, n=n, error=f"timeout > {args.timeout:.0f} s")
+        return dict(tool=tool, dist=dist, n=n, error=f"timeout > {args.timeout:.0f} s", load1_before=load1)
+    wall = time.perf_counter() - t0
     lines = [line for line in p.stdout.splitlines() if line.startswith("{")]
     if p.returncode != 0 or not lines:
         err = (p.stderr.strip().splitlines() or [f"exit {p.returncode}"])[-1]
-        return dict(tool=tool, dist=dist, n=n, error=err[:160])
+        return dict(tool=tool, dist=dist, n=n, error=err[:160], load1_before=load1)
     res = json.loads(lines[-1])
-    if cache_key is not None:
-        _TRL_CACHE[cache_key] = dict(res)
-    if note:
-        res["reduced_n"] = res["n"]
-        res["n"] = n
-        res["input"] = f"{res.get('input', '')}; **{note}**"
-        for q in paths:
-            os.remove(q)
+    res["load1_before"] = load1
+    res["process_wall_s"] = wall
     return res
 
 
-def render(results: list[dict], args, env: dict) -> str:
-    out = []
-    out.append(f"# Packing benchmark (max_len={args.max_len})\n")
-    out.append(
-        f"{env['cpu']}, {env['cores']} cores (shared), Python {env['python']}, numpy {env['numpy']}; "
-        f"versions: {', '.join(f'{k} {v}' for k, v in env['versions'].items())}. "
-        "Time = median of repeated calls in one fresh process per row; "
-        "mem = peak RSS growth during the first call (VmHWM after `clear_refs` reset), bytes per input sequence, output included. "
-        f"Load average (1/5/15 min) at start {env.get('loadavg_start')}, at end {env.get('loadavg_end')}. "
-        f"fastpack build: {env.get('fastpack_snapshot_of') or env.get('fastpack_build')}"
-        f"{' (workers import a copy taken at start)' if env.get('fastpack_snapshot_of') else ''}.\n"
-    )
-    if env.get("warning"):
-        out.append(f"**WARNING: {env['warning']}.**\n")
+def _best(rows: list[dict], prefix: str) -> dict | None:
+    """The variant of one peer with the lower warm median (the same variant serves both rows)."""
+    cand = [r for r in rows if r["tool"].startswith(prefix) and "error" not in r]
+    return min(cand, key=lambda r: r["warm_median_s"]) if cand else None
+
+
+def _group(results: list[dict]) -> dict:
     by_key: dict = {}
     for r in results:
         by_key.setdefault((r["dist"], r["n"]), []).append(r)
-    for (dist, n), rows in by_key.items():
+    return by_key
+
+
+def render_summary(results: list[dict]) -> list[str]:
+    out = [
+        "| data, N | call | fastpack `bfd` | fastpack `threads=1` | seqpacker (best) | lightbinpack (best) "
+        "| `numpy.sort` | packs / lower bound | fastpack extra memory |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    one_thread = []
+    for (dist, n), rows in _group(results).items():
+        by = {r["tool"]: r for r in rows if "error" not in r}
+        fp = by.get(REF)
+        peers = {"seqpacker": _best(rows, "seqpacker-"), "lightbinpack": _best(rows, "lightbinpack-")}
+        for key, label in (("first_s", "first call"), ("warm_median_s", "warm median")):
+            cells = []
+            for tool in (REF, "fastpack-bfd-1t"):
+                cells.append(fmt_t(by[tool][key]) if tool in by else "n/a")
+            for r in peers.values():
+                if r is None:
+                    cells.append("n/a")
+                    continue
+                variant = r["tool"].split("-", 1)[1]
+                ratio = f"{fmt_r(r[key] / fp[key])}, " if fp else ""
+                cells.append(f"{fmt_t(r[key])} ({ratio}{variant})")
+            cells.append(fmt_t(by["numpy.sort"][key]) if "numpy.sort" in by else "n/a")
+            if key == "first_s" and fp:
+                plb = f"{fp['packs_over_lb']:.5f} ({fp['packs']:,} / {fp['lower_bound']:,})"
+                others = [p for t, p in by.items() if t.split("-")[0] in ("seqpacker", "lightbinpack")]
+                differ = [p for p in others if p["packs"] != fp["packs"]]
+                if others and not differ:
+                    plb += ", every peer the same"
+                elif differ:
+                    plb += "; " + ", ".join(f"{p['tool']} {p['packs']:,}" for p in differ)
+                mem = f"{fp['bytes_per_seq']:.1f} B/seq" if fp.get("bytes_per_seq") is not None else "n/a"
+            else:
+                plb, mem = "", ""
+            out.append(f"| {DIST_NAME[dist]}, {fmt_n(n)} | {label} | " + " | ".join(cells) + f" | {plb} | {mem} |")
+            one = by.get("fastpack-bfd-1t")
+            ps = [p for p in rows if "error" not in p and p["tool"].split("-")[0] in ("seqpacker", "lightbinpack")
+                  and p["tool"] not in MULTI_THREADED]
+            if one and ps:
+                fastest = min(ps, key=lambda p: p[key])
+                one_thread.append(f"{DIST_NAME[dist]} {fmt_n(n)} {label} {fmt_r(fastest[key] / one[key])}")
+    out.append("")
+    out.append(
+        "Ratios in brackets = peer ÷ fastpack `bfd` (default threads) for the same call; best = the peer's variant "
+        "with the lowest warm median, used in both rows (lightbinpack's candidates include its multi-threaded `obfdp`). "
+        "One thread against one thread (fastest single-threaded peer ÷ fastpack `threads=1`): " + ("; ".join(one_thread) if one_thread else "n/a") + ".\n"
+    )
+    return out
+
+
+def render(results: list[dict], args, env: dict, previous: dict | None = None) -> str:
+    out = []
+    out.append(f"# Packing plans (max_len={args.max_len}): fastpack vs seqpacker, lightbinpack, numpy.sort\n")
+    cores = env["cores"]
+    out.append(
+        f"Machine: **{env['cpu']}** (`lscpu` Model name), {cores['cpu_count']} logical CPUs "
+        f"({cores['usable']} usable by this process), shared with other users. Load average (1/5/15 min): "
+        f"{env['loadavg_start']} at the start ({env['started_utc']}), {env['loadavg_end']} at the end "
+        f"({env['ended_utc']}); every row also gives the 1-minute load just before its process started. "
+        f"Python {env['python']}, numpy {env['numpy']}; versions: "
+        f"{', '.join(f'{k} {v}' for k, v in env['versions'].items())}. "
+        f"fastpack build: {env.get('fastpack_snapshot_of') or env.get('fastpack_build')}"
+        f"{' (workers import a copy taken at start)' if env.get('fastpack_snapshot_of') else ''}"
+        f"{', git ' + env['git'] if env.get('git') else ''}. Command: `{env['command']}`.\n"
+    )
+    out.append(
+        "Every tool returns a plan (which item goes in which pack). Each row is its own fresh process: "
+        "**first call** = the first call in that process, timed from just before the call (the process's "
+        "imports and the load of the lengths are excluded; the tables give both); **warm** = median of the "
+        "repeated calls after it. Ratios = peer ÷ fastpack (`bfd`, default threads) for the same call: >1 means "
+        "fastpack is faster. Memory = peak RSS growth during the first call (VmHWM after a `clear_refs` reset), "
+        "bytes per input sequence, output included. TRL's `pack_dataset` builds the packed rows, not a plan: it is "
+        "compared end to end with `fastpack.hf.pack_dataset` in `benches/bench_hf.py` "
+        "(`benches/results/hf.md`), not here.\n"
+    )
+    if env.get("warning"):
+        out.append(f"**WARNING: {env['warning']}.**\n")
+    out.append("## Summary\n")
+    out += render_summary(results)
+    if previous is not None:
+        penv = previous["env"]
+        out.append(
+            f"Earlier run, `{previous.get('command', '?')}` on {penv['cpu']}, started {penv['started_utc']}, "
+            f"load average {penv['loadavg_start']} at the start, {penv['loadavg_end']} at the end "
+            "(kept in this run's pack.json under `previous`):\n"
+        )
+        out += render_summary(previous["results"])
+    for (dist, n), rows in _group(results).items():
         ok = [r for r in rows if "error" not in r]
-        full = [r for r in ok if not r.get("reduced_n")]
-        any_r = full[0] if full else None
-        head = f"## {dist}, N = {fmt_n(n)}"
-        if any_r:
+        head = f"## {DIST_NAME[dist]}, N = {fmt_n(n)}"
+        if ok:
+            r0 = ok[0]
             head += (
-                f" — {any_r['total_tokens']:,} tokens, mean {any_r['total_tokens'] / n:.0f}, "
-                f"{any_r['items']:,} items after splitting, lower bound {-(-any_r['total_tokens'] // args.max_len):,} packs"
+                f" — {r0['total_tokens']:,} tokens, mean {r0['total_tokens'] / n:.0f}, "
+                f"{r0['overlong']:,} ({100 * r0['overlong'] / n:.1f}%) longer than max_len, "
+                f"{r0['items']:,} items after splitting, lower bound {-(-r0['total_tokens'] // args.max_len):,} packs"
             )
         out.append(head + "\n")
-        out.append("| tool | input | time (median) | min | core time (no conversion) | packs | packs / LB | efficiency | mem (B/seq) | time vs fastpack |")
-        out.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-        fp = next((r for r in ok if r["tool"] == "fastpack-bfd"), None)
+        out.append(
+            "| tool | input | first call | ÷ fastpack | warm median (calls) | ÷ fastpack | warm min "
+            "| core first / warm (no conversion) | packs | packs / LB | first-call mem (B/seq) "
+            "| import · load (not timed) | load before |"
+        )
+        out.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        fp = next((r for r in ok if r["tool"] == REF), None)
         for r in rows:
             if "error" in r:
-                out.append(f"| {r['tool']} | n/a ({r['error'].replace('|', '/')}) | | | | | | | | |")
+                out.append(f"| {r['tool']} | n/a ({r['error'].replace('|', '/')}) |" + " |" * 11)
                 continue
-            ratio = ""
-            if fp and r is not fp and r.get("reduced_n"):
-                ratio = f"{(r['time_s'] / r['reduced_n']) / (fp['time_s'] / fp['n']):.1f}× per seq"
-            elif fp and r is not fp:
-                ratio = f"{r['time_s'] / fp['time_s']:.2f}×"
-            elif r is fp:
-                ratio = "1×"
-            packs = f"{r['packs']:,}" if r.get("packs") is not None else "—"
-            plb = f"{r['packs_over_lb']:.5f}" if r.get("packs") is not None else "—"
-            eff = f"{r['efficiency'] * 100:.3f}%" if r.get("packs") is not None else "—"
+            rf = fmt_r(r["first_s"] / fp["first_s"]) if fp else ""
+            rw = fmt_r(r["warm_median_s"] / fp["warm_median_s"]) if fp else ""
+            has = r.get("packs") is not None
+            core = f"{fmt_t(r['core_first_s'])} / {fmt_t(r['core_warm_median_s'])}" if "core_first_s" in r else ""
             mem = f"{r['bytes_per_seq']:.1f}" if r.get("bytes_per_seq") is not None else "n/a"
-            core = fmt_t(r.get("core_time_s")) if "core_time_s" in r else ""
+            packs = f"{r['packs']:,} | {r['packs_over_lb']:.5f}" if has else "— | —"
             out.append(
-                f"| {r['tool']} | {r.get('input', '')} | {fmt_t(r['time_s'])} ({len(r['times'])}×) | {fmt_t(min(r['times']))} | {core} | "
-                f"{packs} | {plb} | {eff} | {mem} | {ratio} |"
+                f"| {r['tool']} | {r.get('input', '')} | {fmt_t(r['first_s'])} | {rf} | "
+                f"{fmt_t(r['warm_median_s'])} ({len(r['warm_s'])}) | {rw} | {fmt_t(r['warm_min_s'])} | {core} | "
+                f"{packs} | {mem} | {fmt_t(r['import_s'])} · {fmt_t(r['load_s'])} | {r['load1_before']:.2f} |"
             )
         out.append("")
+        notes = []
+        srt = next((r for r in ok if r["tool"] == "numpy.sort"), None)
+        if fp and srt:
+            notes.append(
+                f"fastpack = {fp['first_s'] / srt['first_s']:.2f}× numpy.sort (first call), "
+                f"{fp['warm_median_s'] / srt['warm_median_s']:.2f}× (warm)"
+            )
         if fp:
-            notes = []
             for r in ok:
-                if r is fp:
-                    continue
-                if r["tool"] == "numpy.sort":
-                    notes.append(f"fastpack = {fp['time_s'] / r['time_s']:.2f}× numpy.sort")
-                elif r.get("reduced_n"):
-                    notes.append(
-                        f"{r['tool']} (at N={fmt_n(r['reduced_n'])}) {(r['time_s'] / r['reduced_n']) / (fp['time_s'] / fp['n']):.1f}× "
-                        "fastpack's time per sequence"
-                    )
-                    continue
-                else:
-                    notes.append(f"{r['tool']} {r['time_s'] / fp['time_s']:.2f}× fastpack's time")
                 if r.get("packs") is not None and r["packs"] < fp["packs"]:
                     notes.append(f"**{r['tool']} uses fewer packs than fastpack ({r['packs']:,} < {fp['packs']:,})**")
-            if notes:
-                out.append("Ratios: " + "; ".join(notes) + ".\n")
+            if fp.get("overlong"):
+                notes.append(
+                    "fastpack splits the longer documents inside its call; the peers get pieces pre-split outside it"
+                )
+        if notes:
+            out.append("Notes: " + "; ".join(notes) + ".\n")
     out.append(
-        "Notes: `time vs fastpack` = tool time / fastpack time (>1 means fastpack is faster). "
-        "Pretraining input: seqpacker and lightbinpack get the lengths pre-split in numpy outside the timed region "
-        "(pieces of max_len then the remainder); fastpack splits inside its call (overlong=\"split\"); TRL uses its "
-        "own \"bfd_split\". TRL's `bfd` runs inside `Dataset.map` with 1000-row batches, so it packs 1000-row windows; "
-        "its time and memory include copying the token data (int32) into the packed rows; the Dataset is built "
-        "outside the timed region.\n"
+        "Method: lengths from numpy `default_rng` with a fixed seed, generated once and stored as `.npy`; SFT-like = "
+        "log-normal (mean ≈300, clipped to [1, max_len]); pretraining-like = 80% log-normal body (mean ≈600) + "
+        "20% Pareto tail, clipped to [1, 131072]. fastpack runs with `shuffle=False` (placement order, as the peers "
+        "return it). Every plan is verified: no pack over max_len, no empty pack, every item (fastpack: every "
+        "token of every sample) placed exactly once. lightbinpack's time includes `ndarray.tolist()`, which its API "
+        "needs; the core column leaves it out. seqpacker and lightbinpack `obfd`/`bfd` run on one thread; "
+        "lightbinpack `obfdp` on up to all cores (OpenMP, from 5·10^5 items); fastpack `bfd` on the process's cores "
+        "(`threads=None`), fastpack `threads=1` on one.\n"
     )
     return "\n".join(out)
 
@@ -534,62 +545,102 @@ def snapshot_fastpack(tmp: str) -> str | None:
     return dst
 
 
+def cpu_model() -> str:
+    """`lscpu`'s "Model name" (what the results name the machine by); /proc/cpuinfo if lscpu is absent."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10,
+                             env={**os.environ, "LC_ALL": "C"}).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name:"):
+                return line.split(":", 1)[1].strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def git_describe() -> str | None:
+    try:
+        head = subprocess.run(["git", "-C", str(HERE), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(HERE), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (head + (" (uncommitted changes)" if dirty else "")) if head else None
+
+
 def env_info() -> dict:
     versions = {}
-    for mod in ["fastpack", "seqpacker", "lightbinpack", "trl", "datasets", "pyarrow"]:
+    for mod in ["fastpack", "seqpacker", "lightbinpack"]:
         try:
             m = __import__(mod)
             versions[mod] = getattr(m, "__version__", "?")
         except Exception as e:  # noqa: BLE001
             versions[mod] = f"missing ({type(e).__name__})"
-    cpu = platform.processor() or "?"
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     return dict(
-        cpu=cpu,
-        cores=len(os.sched_getaffinity(0)),
+        cpu=cpu_model(),
+        cores=dict(cpu_count=os.cpu_count(), usable=len(os.sched_getaffinity(0))),
         python=platform.python_version(),
         numpy=np.__version__,
         versions=versions,
         fastpack_build=fastpack_build(),
+        git=git_describe(),
     )
+
+
+def utc_now() -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--sizes", default="1e4,1e6,1e7", help="comma-separated N (default 1e4,1e6,1e7)")
+    ap.add_argument("--sizes", default="1e6,1e7", help="comma-separated N (default 1e6,1e7)")
     ap.add_argument("--quick", action="store_true", help="N = 1e4,1e5 (smoke run)")
     ap.add_argument("--dists", default=",".join(DISTS))
     ap.add_argument("--tools", default=",".join(ALL_TOOLS))
     ap.add_argument("--max-len", type=int, default=MAX_LEN)
-    ap.add_argument("--trl-max-n", type=float, default=1e6, help="largest N given to TRL (default 1e6)")
-    ap.add_argument("--trl-max-tokens", type=float, default=4e8, help="largest token count given to TRL")
-    ap.add_argument("--rep-budget", type=float, default=15.0, help="stop repeating a row after this many seconds")
+    ap.add_argument("--reps", type=int, default=7, help="most warm calls per row (default 7)")
+    ap.add_argument("--min-warm", type=int, default=3, help="fewest warm calls per row (default 3)")
+    ap.add_argument("--rep-budget", type=float, default=15.0,
+                    help="stop repeating a row after this many seconds of warm calls, once --min-warm are done")
     ap.add_argument("--timeout", type=float, default=300.0, help="per-row subprocess timeout (s)")
     ap.add_argument("--out", default=str(HERE / "results" / "pack.md"))
+    ap.add_argument("--previous", help="pack.json of an earlier run: its summary is shown beside this run's")
     ap.add_argument("--no-snapshot", action="store_true", help="import fastpack from the tree in every worker")
-    ap.add_argument("--worker", nargs=7, help=argparse.SUPPRESS)
+    ap.add_argument("--worker", nargs=8, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
     if args.worker:
-        tool, dist, rawp, piecep, max_len, reps, budget = args.worker
-        res = worker(tool, dist, rawp, piecep, int(max_len), int(reps), float(budget))
+        tool, dist, rawp, piecep, max_len, reps, min_warm, budget = args.worker
+        res = worker(tool, dist, rawp, piecep, int(max_len), int(reps), int(min_warm), float(budget))
         print(json.dumps(res))
         return
 
+    if args.min_warm < 1 or args.reps < args.min_warm:
+        ap.error("need 1 <= --min-warm <= --reps")
     sizes = [10**4, 10**5] if args.quick else [int(float(s)) for s in args.sizes.split(",")]
     tools = [t.strip() for t in args.tools.split(",") if t.strip()]
     for t in tools:
         if t not in ALL_TOOLS:
             ap.error(f"unknown tool {t!r}; choose from {ALL_TOOLS}")
     dists = [d.strip() for d in args.dists.split(",")]
+    for d in dists:
+        if d not in DISTS:
+            ap.error(f"unknown distribution {d!r}; choose from {DISTS}")
+    previous = None
+    if args.previous:
+        previous = json.loads(Path(args.previous).read_text())
+        previous["path"] = args.previous
     env = env_info()
-    load0 = [round(x, 2) for x in os.getloadavg()]
+    env["command"] = ("python benches/bench_pack.py " + " ".join(sys.argv[1:] if argv is None else argv)).strip()
+    env["started_utc"] = utc_now()
+    env["loadavg_start"] = [round(x, 2) for x in os.getloadavg()]
     results = []
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench_pack_") as tmp:
@@ -611,14 +662,14 @@ def main(argv=None):
                     if "error" in r:
                         msg = f"n/a ({r['error']})"
                     else:
-                        msg = f"{fmt_t(r['time_s'])}"
+                        msg = f"first {fmt_t(r['first_s'])}, warm {fmt_t(r['warm_median_s'])}"
                         if r.get("packs") is not None:
                             msg += f", {r['packs']:,} packs ({r['packs_over_lb']:.5f}×LB)"
                         if r.get("bytes_per_seq") is not None:
                             msg += f", {r['bytes_per_seq']:.1f} B/seq"
                     print(
                         f"[{time.perf_counter() - t_start:6.1f}s] {dist:8s} N={fmt_n(n):>6s} {tool:18s} {msg}"
-                        f"  (wall {time.perf_counter() - t0:.1f}s)",
+                        f"  (wall {time.perf_counter() - t0:.1f}s, load {r['load1_before']:.2f})",
                         file=sys.stderr,
                         flush=True,
                     )
@@ -629,17 +680,17 @@ def main(argv=None):
         if env["fastpack_build_end"] != env["fastpack_build"]:
             print("WARNING: the fastpack extension changed during the run; rerun", file=sys.stderr)
             env["warning"] = "fastpack extension was rebuilt during the run: rows may mix builds"
-    env["loadavg_start"] = load0
     env["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
-    md = render(results, args, env)
+    env["ended_utc"] = utc_now()
+    md = render(results, args, env, previous)
     print(md)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(md)
-    cmd = "python benches/bench_pack.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    out.with_suffix(".json").write_text(
-        json.dumps(dict(command=cmd.strip(), env=env, max_len=args.max_len, sizes=sizes, results=results), indent=1)
-    )
+    blob = dict(command=env["command"], env=env, max_len=args.max_len, sizes=sizes, results=results)
+    if previous is not None:
+        blob["previous"] = {k: previous[k] for k in ("command", "env", "results", "path") if k in previous}
+    out.with_suffix(".json").write_text(json.dumps(blob, indent=1))
     print(f"\nwrote {out} and {out.with_suffix('.json')}  ({time.perf_counter() - t_start:.0f} s)", file=sys.stderr)
 
 
