@@ -186,7 +186,7 @@ def test_ordered_strategies_match_the_offline_plan(
     # With room for the open pack (at most max_len rows) the stream packs as the offline
     # plan over the whole stream does, pack for pack.
     packer = StreamPacker(max_len, buffer_size=2 * max_len + 2 + extra, strategy=strategy,
-                          overlong="split", reserve=reserve)
+                          overlong="split", reserve=reserve, shuffle=False)
     packs, _ = drive(packer, lengths)
     plan = fastpack.pack(lengths, max_len, strategy=strategy, overlong="split",
                          reserve=reserve, shuffle=False)
