@@ -135,3 +135,30 @@ def test_the_extras_the_docs_promise_exist():
     name, extras = _project()
     assert _normal(name) != "fastpack"  # the index's "fastpack" is another project
     assert {"torch", "hf", "cli", "ray"} <= extras
+
+
+# A line that is one upper-case name (the README once shipped a bare `HF_TABLE` where a
+# table belonged), or a marker of unfinished text.
+PLACEHOLDER = re.compile(r"^\s*[A-Z][A-Z0-9]*_[A-Z0-9_]+\s*$|\b(TODO|TBD|FIXME|XXX)\b")
+
+
+def placeholders(text: str) -> list[tuple[int, str]]:
+    """``(line number, line)`` of every placeholder outside code blocks."""
+    found, in_code = [], False
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.lstrip().startswith("```"):
+            in_code = not in_code
+        elif not in_code and PLACEHOLDER.search(line):
+            found.append((number, line))
+    return found
+
+
+def test_no_doc_holds_a_placeholder() -> None:
+    found = {doc.name: placeholders(doc.read_text()) for doc in DOCS}
+    assert not {name: lines for name, lines in found.items() if lines}
+
+
+def test_the_placeholder_check_catches_one() -> None:
+    assert placeholders("A table:\n\nHF_TABLE\n\nmore") == [(3, "HF_TABLE")]
+    assert placeholders("numbers: TODO") == [(1, "numbers: TODO")]
+    assert placeholders("```\nMAX_LEN\n```\n`MAX_LEN` is a constant") == []
