@@ -131,28 +131,14 @@ def combine_plans(plans: Sequence[Plan], sample_maps: Sequence[np.ndarray]) -> P
         fields[name] = sum(getattr(p, name) for p in plans)
     if first.long_max_len is not None:
         fields["pack_caps"] = np.concatenate([p.pack_caps for p in plans])
-    def ratio(tokens: int, capacity: int) -> float:
-        return tokens / capacity if capacity else 1.0
-
-    # The joined plan's metrics, computed over the whole input (not summed per shard: the
-    # lower bound of all the tokens is what the shards' extra packs are measured against).
-    totals = [fields["total_tokens"]]
-    caps = [first.max_len]
+    # Every metric (lower bound, efficiency, the buckets' and the groups') is the core's,
+    # computed by Plan() over the joined arrays: the whole input's bound, not a sum of the
+    # shards'. Only each bucket's sequences, an input count, come from the shards.
     if first.buckets:
-        fields["buckets"] = []
-        for i, b in enumerate(first.buckets):
-            bucket = {k: sum(getattr(p.buckets[i], k) for p in plans)
-                      for k in ("num_sequences", "num_packs", "total_tokens")}
-            bucket["lower_bound"] = -(-bucket["total_tokens"] // b.max_len)
-            bucket["efficiency"] = ratio(bucket["total_tokens"], bucket["num_packs"] * b.max_len)
-            fields["buckets"].append({"max_len": b.max_len, **bucket})
-        totals = [b["total_tokens"] for b in fields["buckets"]]
-        caps = [b["max_len"] for b in fields["buckets"]]
-    fields["lower_bound"] = sum(-(-t // c) for t, c in zip(totals, caps))
-    num_packs = len(fields["pack_offsets"]) - 1
-    capacity = (int(fields["pack_caps"].sum()) if "pack_caps" in fields
-                else num_packs * first.max_len)
-    fields["efficiency"] = ratio(fields["total_tokens"], capacity)
+        fields["buckets"] = [
+            {"num_sequences": sum(p.buckets[i].num_sequences for p in plans)}
+            for i in range(len(first.buckets))
+        ]
     if first.group_offsets is not None:
         pack_base = np.cumsum([0] + [p.num_packs for p in plans])
         group_offsets = [np.zeros(1, dtype=np.int64)]
@@ -162,11 +148,6 @@ def combine_plans(plans: Sequence[Plan], sample_maps: Sequence[np.ndarray]) -> P
         fields["group_offsets"] = np.concatenate(group_offsets).astype(np.int64)
         fields["group_fills"] = np.concatenate([p.group_fills for p in plans
                                                 if p.group_fills is not None])
-        assert first.group_tokens is not None
-        budget = first.group_tokens
-        fields["group_lower_bound"] = sum(-(-t // budget) for t in totals)
-        fields["group_efficiency"] = ratio(
-            fields["total_tokens"], (len(fields["group_offsets"]) - 1) * budget)
     return Plan(fields)
 
 
