@@ -12,6 +12,7 @@ __all__ = [
     "gather",
     "materialize",
     "pack",
+    "plan_metrics",
     "permutation",
     "segment_targets",
     "step_sums",
