@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+import fastpack
+
 pytest.importorskip("torch")
 pytest.importorskip("datasets")
 pa = pytest.importorskip("pyarrow")
@@ -86,10 +88,11 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int, int]:
 
 @pytest.fixture(scope="module")
 def measured(corpus: tuple[Path, int, int]) -> dict[str, dict[str, object]]:
+    # The child imports the fastpack this run imports (the installed wheel in CI, the
+    # source tree through PYTHONPATH in a checkout).
     env = dict(os.environ)
-    root = Path(__file__).resolve().parent.parent
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root / "python"),
-                                                       env.get("PYTHONPATH")]))
+    where = str(Path(fastpack.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [where, env.get("PYTHONPATH")]))
     out = subprocess.run([sys.executable, "-c", CHILD, str(corpus[0])], capture_output=True,
                          text=True, env=env, timeout=300, check=False)
     assert out.returncode == 0, out.stderr[-3000:]
