@@ -371,7 +371,7 @@ def test_round_gather_is_the_rule(lengths: list[int], max_len: int, buffer_size:
     ids = [(i * 64 + np.arange(n) + 1).astype(dtype) for i, n in enumerate(lengths)]
     samples = {
         "input_ids": ids,
-        "labels": [np.where(rng.random(len(r)) < 0.3, -100, r).astype(np.int64) for r in ids],
+        "labels": [np.where(rng.random(len(r)) < 0.3, -100, r.astype(np.int64)) for r in ids],
         "flags": [rng.random(len(r)) < 0.5 for r in ids],
     }
     packer = StreamPacker(max_len, buffer_size=buffer_size, strategy=strategy,
