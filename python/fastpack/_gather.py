@@ -33,6 +33,24 @@ def _packs(plan: Plan, packs: PackIndex | None) -> np.ndarray:
     return plan._packs(packs)
 
 
+def fill_bytes(name: str, value: Any, dtype: np.dtype, type_name: Any = None) -> bytes:
+    """``value`` as the little-endian bytes of one ``dtype`` value, or a FastpackError
+    naming the column and its type (``type_name``, else the dtype) when it does not fit.
+    The one check of a fill value: the Arrow gather and the stream both use it."""
+    if dtype.kind == "b":
+        return bytes([1 if value else 0])
+    try:
+        array = np.array([value], dtype=dtype)
+        if dtype.kind in "iu" and array[0] != value:
+            raise OverflowError
+    except (OverflowError, ValueError, TypeError):
+        raise FastpackError(
+            f"fill: {value!r} for column {name!r} does not fit its type "
+            f"{dtype if type_name is None else type_name}"
+        ) from None
+    return array.astype(dtype.newbyteorder("<")).tobytes()
+
+
 def _fill_bytes(name: str, value: Any, pa_type: Any) -> bytes:
     value_type = pa_type.value_type
     import pyarrow as pa
@@ -41,15 +59,7 @@ def _fill_bytes(name: str, value: Any, pa_type: Any) -> bytes:
         return bytes([1 if value else 0])
     # (not to_pandas_dtype(): that needs pandas, which a base install lacks)
     dtype = pa.array([], type=value_type).to_numpy(zero_copy_only=False).dtype
-    try:
-        array = np.array([value], dtype=dtype)
-        if dtype.kind in "iu" and array[0] != value:
-            raise OverflowError
-    except (OverflowError, ValueError, TypeError):
-        raise FastpackError(
-            f"fill: {value!r} for column {name!r} does not fit its type {value_type}"
-        ) from None
-    return array.astype(dtype.newbyteorder("<")).tobytes()
+    return fill_bytes(name, value, dtype, value_type)
 
 
 def _batches(pack_tokens: np.ndarray, batch_tokens: int) -> list[tuple[int, int]]:

@@ -30,7 +30,7 @@ import numpy as np
 
 from . import _core
 from ._errors import FastpackError, FastpackTypeError
-from ._gather import DEFAULT_FILLS
+from ._gather import DEFAULT_FILLS, fill_bytes
 from ._plan import OVERLONG_POLICIES, STRATEGIES, Plan, _choice, _int_arg, pack
 
 __all__ = ["Gathered", "Round", "StreamPacker", "StreamStats", "pack_iterable_dataset"]
@@ -163,14 +163,14 @@ class Round:
                 f"pass the separator token id (or fill={{'input_ids': ...}})"
             )
         dtypes = [self.columns[n][0].dtype for n in names]
-        fill_bytes = [
-            _fill_bytes(n, fills.get(n, DEFAULT_FILLS.get(n, 0)), d) if reserve else b""
+        column_fills = [
+            fill_bytes(n, fills.get(n, DEFAULT_FILLS.get(n, 0)), d) if reserve else b""
             for n, d in zip(names, dtypes)
         ]
         plan = self.plan
         out = _core.gather(
             plan.sample_ids, plan.starts, plan.seqlens, plan.pack_offsets, reserve,
-            plan.strategy, plan.overlong, packs, self.handles(), fill_bytes, position_ids,
+            plan.strategy, plan.overlong, packs, self.handles(), column_fills, position_ids,
             None,
         )
         columns = {}
@@ -645,22 +645,6 @@ def _list_column(name: str, values: np.ndarray, offsets: np.ndarray) -> Any:
         data, dtype = values, values.dtype.name
     offsets = np.ascontiguousarray(offsets, dtype=np.int64)
     return _core.ListColumn(name, dtype, [(offsets, data.view(np.uint8), 0, len(values))])
-
-
-def _fill_bytes(name: str, value: Any, dtype: np.dtype) -> bytes:
-    """``value`` as the little-endian bytes of one ``dtype`` value, or a FastpackError
-    when it does not fit (as :func:`fastpack.gather` checks its fills)."""
-    if dtype.kind == "b":
-        return bytes([1 if value else 0])
-    try:
-        array = np.array([value], dtype=dtype)
-        if dtype.kind in "iu" and array[0] != value:
-            raise OverflowError
-    except (OverflowError, ValueError, TypeError):
-        raise FastpackError(
-            f"fill: {value!r} for column {name!r} does not fit its type {dtype}"
-        ) from None
-    return array.astype(dtype.newbyteorder("<")).tobytes()
 
 
 def _plan_state(plan: Plan) -> dict[str, Any]:
