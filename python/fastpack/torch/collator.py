@@ -11,7 +11,7 @@ import torch
 
 from .. import _core
 from .._errors import FastpackError, FastpackTypeError
-from .._materialize import TokenData, _from_rows, materialize
+from .._materialize import TokenData, _from_rows, _packs, as_ragged, materialize
 from .._plan import (
     MAX_LEN_LIMIT,
     OVERLONG_POLICIES,
@@ -23,7 +23,9 @@ from .._plan import (
     _threads,
     pack,
 )
+from ..vlm import VlmConfig
 from .formats import BACKENDS, MASK_MODES, RETURN_TENSORS, BatchFormat
+from .media import MEDIA_KEYS, media_batch, sample_media
 
 __all__ = ["LOSS_MASK_KEYS", "PackedCollator"]
 
@@ -68,6 +70,13 @@ class PackedCollator:
             misspelled mask (``assistant_mask``) or labels (``label``) would otherwise
             silently train every token. Other keys — text (``messages``, ``prompt``,
             ``completion``), scalars and other metadata — are ignored.
+        model_config: a vision-language model's config (``model.config`` or its dict):
+            samples may carry the processor's media keys (``pixel_values``,
+            ``image_grid_thw``, ``pixel_values_videos``, ``video_grid_thw``,
+            ``second_per_grid_ts``, ``image_sizes``), concatenated in placeholder order;
+            mRoPE models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) get ``position_ids``
+            ``[4, rows, width]`` and ``mm_token_type_ids``; labels are -100 on every
+            placeholder. See :mod:`fastpack.torch.media` and docs/vision_language.md.
 
     A sample with ``seq_lengths`` is already packed and raises, as does an
     ``attention_mask`` with zeros (a padded sample) or ``position_ids`` other than
@@ -100,6 +109,7 @@ class PackedCollator:
         return_num_items: bool = False,
         threads: int | None = None,
         ignore_keys: Sequence[str] = (),
+        model_config: Any = None,
     ) -> None:
         # Every option is checked here, so a mistake fails where the collator is built,
         # not at the first batch.
@@ -142,6 +152,22 @@ class PackedCollator:
         self._known = frozenset((*KNOWN_KEYS, *([loss_mask_key] if isinstance(
             loss_mask_key, str) else []))) | self.ignore_keys
         self.threads = _threads(threads)
+        #: What the collator reads of a vision-language model's config (None: text only).
+        self.vlm = None if model_config is None else VlmConfig.of(model_config)
+        if self.vlm is not None:
+            self._known |= frozenset(MEDIA_KEYS)
+            if self.overlong in ("truncate", "split"):
+                raise FastpackError(
+                    f"overlong: {self.overlong!r} would cut a sample's image placeholders "
+                    f"from its pixels; with model_config use 'error' or 'drop'"
+                )
+            placeholders = {self.vlm.image_token_id, self.vlm.video_token_id}
+            for name, token in (("pad_id", self.pad_id), ("separator_id", self.separator_id)):
+                if token in placeholders:
+                    raise FastpackError(
+                        f"{name}: {token} is the model's image or video placeholder token; "
+                        f"pick another id"
+                    )
         self.format = BatchFormat(
             backend=self.backend, mask=self.mask,
             return_tensors=_choice("return_tensors", return_tensors, RETURN_TENSORS),
@@ -204,7 +230,8 @@ class PackedCollator:
             strategy = "next_fit" if self.layout == "flat" else self.strategy
             plan = pack(lengths, self.max_len, strategy=strategy, overlong=self.overlong,
                         reserve=self.reserve, shuffle=False, threads=self.threads)
-        return self.batch(plan, tokens, None, labels=labels, loss_mask=loss_mask)
+        return self.batch(plan, tokens, None, labels=labels, loss_mask=loss_mask,
+                          media=features if self.vlm is not None else None)
 
     def check_keys(self, sample: Mapping[str, Any], index: int, length: int) -> None:
         """Raises if ``sample`` (number ``index``, of ``length`` tokens) carries a per-token
@@ -216,6 +243,13 @@ class PackedCollator:
                 f"straight to the model"
             )
         for key in sample.keys() - self._known:
+            if key in MEDIA_KEYS and sample[key] is not None:
+                raise FastpackError(
+                    f"features: sample {index} has the media key {key!r}, but the collator "
+                    f"has no model_config, so its images would be packed without their "
+                    f"positions; pass PackedCollator(..., model_config=model.config), or "
+                    f"ignore_keys=({key!r},) to drop it"
+                )
             if length and _per_token(sample[key], length):
                 close = difflib.get_close_matches(str(key), KNOWN_KEYS, n=1)
                 hint = f"did you mean {close[0]!r}? " if close else ""
@@ -283,15 +317,47 @@ class PackedCollator:
         *,
         labels: TokenData | None = None,
         loss_mask: TokenData | None = None,
+        media: Any = None,
     ) -> dict[str, Any]:
-        """The batch of ``packs`` (default: all) of ``plan`` over ``tokens``."""
+        """The batch of ``packs`` (default: all) of ``plan`` over ``tokens``; with a
+        ``model_config``, ``media[i]`` is sample ``i``'s dict of media keys (a list of
+        samples, a ``datasets.Dataset``, anything indexable by sample)."""
         rows = materialize(
             plan, tokens, packs, labels=labels, loss_mask=loss_mask,
             separator_id=self.separator_id, train_separators=self.train_separators,
             layout=self.layout, pad_to=self.pad_to, pad_to_multiple_of=self.pad_to_multiple_of,
             pad_id=self.pad_id, threads=self.threads,
         )
-        return self.format(rows)
+        if self.vlm is None:
+            return self.format(rows)
+        if media is None:
+            raise FastpackError(
+                "media: the collator has a model_config; pass each sample's media (its "
+                "dict of pixel_values, image_grid_thw, ...) as media="
+            )
+        # The samples in the order their placeholders appear in the rows.
+        order = np.asarray(plan.sample_ids)[_segments(plan, packs)]
+        ragged = as_ragged(tokens)
+        checked = []
+        for i in order.tolist():
+            ids = np.asarray(ragged[i])
+            checked.append(sample_media(self.vlm, media[i], i, ids))
+        extra = media_batch(self.vlm, checked, rows, padded=self.backend == "padded",
+                            return_tensors=self.return_tensors, threads=self.threads)
+        out = self.format(rows)
+        out.update(extra)
+        return out
+
+
+def _segments(plan: Plan, packs: Any) -> np.ndarray:
+    """The plan's segments of ``packs`` (default: all), in the order the rows hold them."""
+    if packs is None:
+        return np.arange(plan.num_segments)
+    offsets = np.asarray(plan.pack_offsets)
+    chosen = _packs(plan, packs)
+    lo, hi = offsets[chosen], offsets[chosen + 1]
+    return np.concatenate([np.arange(a, b) for a, b in zip(lo.tolist(), hi.tolist())]) \
+        if len(chosen) else np.zeros(0, dtype=np.int64)
 
 
 def _per_token(value: Any, length: int) -> bool:

@@ -153,6 +153,15 @@ def _position_starts(position_ids: torch.Tensor, rows: int, width: int) -> torch
     wherever the position does not follow the previous one (Hugging Face's
     ``find_packed_sequence_indices`` rule)."""
     host = position_ids.detach().to("cpu", torch.int64)
+    if host.ndim == 3 and host.shape[0] == 4:
+        host = host[0]  # mRoPE [4, B, T]: row 0 is the text position, where documents restart
+    elif host.ndim == 3:
+        raise FastpackError(
+            f"position_ids: got shape {tuple(position_ids.shape)}: 3-D positions without the "
+            f"text row (expected [4, batch, tokens], row 0 restarting in every document), so "
+            f"the documents' boundaries cannot be read; build the batch with "
+            f"PackedCollator(model_config=...)"
+        )
     if host.ndim == 1:
         host = host[None]
     if host.ndim != 2 or host.shape[-1] != width or host.shape[0] not in (1, rows):
@@ -242,6 +251,11 @@ def _attention(
         return _packed(name, kernel, module, query, key, value, cu_seqlens, max_len, causal,
                        scaling, dropout, window, softcap)
     if attention_mask is None and q_len == kv_len:
+        if position_ids is None and not causal:
+            # A bidirectional call with no boundaries is one whole sequence: a vision
+            # encoder's image (Qwen-VL towers call once per image).
+            return _dense(name, module, query, key, value, None, scaling, dropout, False,
+                          softcap, kwargs)
         if position_ids is None:
             raise FastpackError(
                 f"{name}: {type(module).__name__} passed neither cu_seq_lens_q nor "

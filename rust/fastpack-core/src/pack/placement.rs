@@ -17,6 +17,7 @@ use crate::memory;
 use crate::plan::Strategy;
 
 use super::histogram::Histogram;
+use super::limits::LimitedRuns;
 
 /// `emit(pack, first_sorted_position, count, len)`.
 pub(crate) trait Emit: FnMut(u32, usize, usize, u32) {}
@@ -268,6 +269,8 @@ pub(crate) struct Placement<'h> {
     shards: usize,
     /// About how many packs a shard opens: room reserved up front for per-pack state.
     packs_hint: usize,
+    /// Under several budgets: the runs placed already (see `limits`), replayed by `run`.
+    limited: Option<&'h LimitedRuns>,
 }
 
 impl<'h> Placement<'h> {
@@ -288,7 +291,32 @@ impl<'h> Placement<'h> {
             hist,
             shards,
             packs_hint,
+            limited: None,
         }
+    }
+
+    /// The placement under several budgets: `runs` were placed over the same shards.
+    pub(crate) fn with_runs(mut self, runs: Option<&'h LimitedRuns>) -> Self {
+        self.limited = runs;
+        self
+    }
+
+    pub(crate) fn shards(&self) -> usize {
+        self.shards
+    }
+
+    pub(crate) fn is_best(&self) -> bool {
+        self.best
+    }
+
+    /// The sorted positions `(first, count)` of shard `shard`'s items of length `len`: an
+    /// even share of every length's items.
+    #[inline(always)]
+    pub(crate) fn range(&self, shard: usize, len: u32) -> (usize, usize) {
+        let h = self.hist.counts[len as usize];
+        let lo = h * shard / self.shards;
+        let hi = h * (shard + 1) / self.shards;
+        (self.hist.bucket_start[len as usize] + lo, hi - lo)
     }
 
     pub(crate) fn max_len(&self) -> u64 {
@@ -302,13 +330,14 @@ impl<'h> Placement<'h> {
         shard: usize,
         emit: &mut dyn FnMut(u32, usize, usize, u32),
     ) -> Result<u32> {
-        let (counts, starts, shards) = (&self.hist.counts, &self.hist.bucket_start, self.shards);
-        let bucket = move |len: u32| {
-            let h = counts[len as usize];
-            let lo = h * shard / shards;
-            let hi = h * (shard + 1) / shards;
-            (starts[len as usize] + lo, hi - lo)
-        };
+        if let Some(limited) = self.limited {
+            let (runs, packs) = &limited.shards[shard];
+            for r in runs {
+                emit(r.pack, r.pos as usize, r.k as usize, r.len);
+            }
+            return Ok(*packs);
+        }
+        let bucket = move |len: u32| self.range(shard, len);
         if self.best {
             best_fit(self.max_len, &self.hist.present, bucket, self.packs_hint, emit)
         } else {

@@ -1,0 +1,678 @@
+//! Several budgets per pack: tokens (`max_len`) and up to [`MAX_LIMITS`] others (image
+//! patches, images, frames, ...), each with its own per-item values and per-pack cap.
+//!
+//! The fit strategies keep their order — items sorted by tokens, longest first, each
+//! length in input order — and their rule on tokens, restricted to the packs whose every
+//! other budget still has room for the item: best fit takes the pack with the least token
+//! room, first fit the lowest-numbered one. An item is never cut (an image is never
+//! split); one over any budget follows `overlong` (`"error"` or `"drop"`, counted).
+//!
+//! Unlike the one-budget placement, items of one length are not interchangeable here, so
+//! the placement runs once, after the sort (it reads every item's needs in sorted order),
+//! and records its runs; the layout and the replay read those runs. A run is consecutive
+//! items of one length with identical needs: the pack that best fits the first stays the
+//! best fit for the next as long as it has room (the packs that could not take the first
+//! cannot take an identical one), so runs keep the per-item rule exact.
+//!
+//! **Best fit**: a max-tree over token rooms `0..=max_len`, each leaf the packs with that
+//! room (a list) and, per budget, `1 +` the largest room among them (0: no pack). The
+//! search walks right from leaf `len` and descends only where every budget's maximum
+//! admits the item; a leaf whose list has no pack that admits it on every budget at once
+//! gets its maxima recomputed and the search moves on. Maxima may be stale upward (a pack
+//! taken out of a list leaves them), never downward: they only ever cost a look.
+//! **First fit**: a max-tree over the packs themselves (token room and every budget's).
+//!
+//! The placement is deterministic and depends on the data only (shards as for one
+//! budget), never on the thread count.
+
+use rayon::prelude::*;
+
+use crate::error::{Error, Result};
+use crate::length::Length;
+use crate::memory;
+use crate::plan::{Overlong, PackOptions, Strategy};
+
+use super::histogram::Histogram;
+use super::placement::NONE;
+
+/// Budgets besides tokens a plan can have.
+pub const MAX_LIMITS: usize = 4;
+/// Largest per-pack cap of a budget (values and rooms are held as `u32`, maxima as `1 +`).
+pub const LIMIT_CAP: u64 = u32::MAX as u64 - 1;
+
+/// One budget besides tokens: item `i` needs `values[i]`, a pack holds at most `cap`.
+#[derive(Debug, Clone, Copy)]
+pub struct Limit<'a> {
+    pub name: &'a str,
+    pub values: &'a [i64],
+    pub cap: u64,
+}
+
+/// How a plan uses one budget.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LimitUse {
+    pub name: String,
+    pub cap: u64,
+    /// Sum over the packed items.
+    pub total: u64,
+    /// `ceil(total / cap)`: no plan can use fewer packs.
+    pub lower_bound: u64,
+    /// The fullest pack's use (at most `cap`).
+    pub max_fill: u64,
+}
+
+fn arg_name(limit: &Limit<'_>) -> String {
+    format!("limits[{:?}]", limit.name)
+}
+
+/// Checks the limits against the options and the input, before anything is read.
+pub(crate) fn validate(limits: &[Limit<'_>], opts: &PackOptions, items: usize) -> Result<()> {
+    if limits.len() > MAX_LIMITS {
+        return Err(Error::invalid(
+            "limits",
+            format!("got {} budgets; at most {MAX_LIMITS} besides tokens", limits.len()),
+        ));
+    }
+    for (i, l) in limits.iter().enumerate() {
+        if l.name.is_empty() || limits[..i].iter().any(|o| o.name == l.name) {
+            return Err(Error::invalid(
+                "limits",
+                format!("budget names must be non-empty and distinct, got {:?}", l.name),
+            ));
+        }
+        if !(1..=LIMIT_CAP).contains(&l.cap) {
+            return Err(Error::invalid(
+                "limits",
+                format!("{}: cap {} out of range; expected 1..={LIMIT_CAP}", arg_name(l), l.cap),
+            ));
+        }
+        if l.values.len() != items {
+            return Err(Error::invalid(
+                "limits",
+                format!(
+                    "{}: {} values for {items} sequences; expected one per sequence",
+                    arg_name(l),
+                    l.values.len()
+                ),
+            ));
+        }
+    }
+    if !matches!(opts.strategy, Strategy::BestFitDecreasing | Strategy::FirstFitDecreasing) {
+        return Err(Error::invalid(
+            "limits",
+            format!(
+                "strategy {:?} keeps input order or cuts sequences; budgets besides tokens \
+                 take \"bfd\" or \"ffd\"",
+                opts.strategy.name()
+            ),
+        ));
+    }
+    if matches!(opts.overlong, Overlong::Truncate | Overlong::Split) {
+        return Err(Error::invalid(
+            "limits",
+            format!(
+                "overlong={:?} would cut an item, and the media it holds with it; with budgets \
+                 besides tokens use \"error\" or \"drop\"",
+                opts.overlong.name()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The items over a budget, dropped (counted) or refused.
+pub(crate) struct Screened<L> {
+    /// The kept items' lengths and input indices; `None`: every item is kept.
+    pub kept: Option<(Vec<L>, Vec<u32>)>,
+    pub dropped_sequences: u64,
+    pub dropped_tokens: u128,
+}
+
+/// One parallel pass over every budget's values: a negative value is an error; an item
+/// over a budget is an error under `overlong="error"`, dropped and counted under
+/// `"drop"`.
+pub(crate) fn screen<L: Length>(
+    lengths: &[L],
+    limits: &[Limit<'_>],
+    opts: &PackOptions,
+) -> Result<Screened<L>> {
+    const CHUNK: usize = 1 << 16;
+    // Per chunk: (first negative, first over, over count).
+    type Found = (Option<(usize, usize)>, Option<(usize, usize)>, u64);
+    let found: Vec<Found> = (0..lengths.len().div_ceil(CHUNK))
+        .into_par_iter()
+        .map(|c| {
+            let (lo, hi) = (c * CHUNK, ((c + 1) * CHUNK).min(lengths.len()));
+            let (mut negative, mut over, mut count) = (None, None, 0u64);
+            for i in lo..hi {
+                let mut is_over = false;
+                for (d, l) in limits.iter().enumerate() {
+                    let v = l.values[i];
+                    if v < 0 {
+                        negative = negative.or(Some((i, d)));
+                    } else if v as u64 > l.cap && !is_over && lengths[i].to_u64() != Some(0) {
+                        is_over = true;
+                        over = over.or(Some((i, d)));
+                    }
+                }
+                count += is_over as u64;
+            }
+            (negative, over, count)
+        })
+        .collect();
+    if let Some((i, d)) = found.iter().find_map(|f| f.0) {
+        let l = &limits[d];
+        return Err(Error::invalid(
+            "limits",
+            format!(
+                "{}: negative value {} at index {i}; values must be non-negative integers",
+                arg_name(l),
+                l.values[i]
+            ),
+        ));
+    }
+    let count: u64 = found.iter().map(|f| f.2).sum();
+    let Some((first, d)) = found.iter().find_map(|f| f.1) else {
+        return Ok(Screened { kept: None, dropped_sequences: 0, dropped_tokens: 0 });
+    };
+    let l = &limits[d];
+    if opts.overlong == Overlong::Error {
+        return Err(Error::invalid(
+            "limits",
+            format!(
+                "{count} sequence(s) over the {:?} budget or another (first at index {first}: \
+                 {} {} over the cap of {}); pass overlong=\"drop\" (counted) or raise the cap",
+                l.name, l.values[first], l.name, l.cap
+            ),
+        ));
+    }
+    // An empty sequence holds nothing to drop: it stays empty (counted as such).
+    let over = |i: usize| {
+        lengths[i].to_u64() != Some(0) && limits.iter().any(|l| l.values[i] as u64 > l.cap)
+    };
+    let kept_count = lengths.len() - count as usize;
+    let mut kept_lengths = memory::try_with_capacity::<L>(kept_count, "the kept sequences")?;
+    let mut kept_ids = memory::try_with_capacity::<u32>(kept_count, "the kept sequences")?;
+    let mut dropped_tokens = 0u128;
+    for (i, &len) in lengths.iter().enumerate() {
+        if over(i) {
+            // A negative length is kept, so the packing reports it as it always does.
+            match len.to_u64() {
+                Some(n) => dropped_tokens += n as u128,
+                None => {
+                    kept_lengths.push(len);
+                    kept_ids.push(i as u32);
+                }
+            }
+        } else {
+            kept_lengths.push(len);
+            kept_ids.push(i as u32);
+        }
+    }
+    let dropped_sequences = (lengths.len() - kept_lengths.len()) as u64;
+    Ok(Screened { kept: Some((kept_lengths, kept_ids)), dropped_sequences, dropped_tokens })
+}
+
+/// One recorded run: `k` sorted positions from `pos`, of length `len`, into `pack`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Run {
+    pub pack: u32,
+    pub pos: u32,
+    pub k: u32,
+    pub len: u32,
+}
+
+/// A bucket's placement under several budgets: each shard's runs and its packs.
+pub(crate) struct LimitedRuns {
+    pub shards: Vec<(Vec<Run>, u32)>,
+}
+
+/// Places a best/first-fit bucket under `limits`: `order` is its sorted order (input
+/// indices as `i32` bits), `range(shard, len)` the sorted positions `(first, count)` of
+/// length `len` in a shard.
+pub(crate) fn place(
+    hist: &Histogram,
+    order: &[i32],
+    limits: &[Limit<'_>],
+    best: bool,
+    max_len: u32,
+    shards: usize,
+    range: impl Fn(usize, u32) -> (usize, usize) + Sync,
+) -> Result<LimitedRuns> {
+    match limits.len() {
+        1 => place_k::<1, 2>(hist, order, limits, best, max_len, shards, &range),
+        2 => place_k::<2, 3>(hist, order, limits, best, max_len, shards, &range),
+        3 => place_k::<3, 4>(hist, order, limits, best, max_len, shards, &range),
+        4 => place_k::<4, 5>(hist, order, limits, best, max_len, shards, &range),
+        n => Err(Error::invalid("limits", format!("got {n} budgets; expected 1..={MAX_LIMITS}"))),
+    }
+}
+
+/// `K` budgets; first fit's tree has `L = K + 1` lanes (tokens first).
+fn place_k<const K: usize, const L: usize>(
+    hist: &Histogram,
+    order: &[i32],
+    limits: &[Limit<'_>],
+    best: bool,
+    max_len: u32,
+    shards: usize,
+    range: &(impl Fn(usize, u32) -> (usize, usize) + Sync),
+) -> Result<LimitedRuns> {
+    // Every item's needs in sorted order: the placement then reads them sequentially.
+    let mut needs = memory::try_zeroed::<u32>(order.len() * K, "the items' needs")?;
+    needs.par_chunks_mut(K * 4096).enumerate().for_each(|(c, chunk)| {
+        for (j, slot) in chunk.chunks_exact_mut(K).enumerate() {
+            let id = order[c * 4096 + j] as u32 as usize;
+            for d in 0..K {
+                slot[d] = limits[d].values[id] as u32;
+            }
+        }
+    });
+    let need = |pos: usize| -> [u32; K] {
+        let mut n = [0u32; K];
+        n.copy_from_slice(&needs[pos * K..pos * K + K]);
+        n
+    };
+    let mut caps = [0u32; K];
+    for d in 0..K {
+        caps[d] = limits[d].cap as u32;
+    }
+    let runs_hint = order.len() / shards / 4 + 16;
+    let placed: Vec<Result<(Vec<Run>, u32)>> = (0..shards)
+        .into_par_iter()
+        .map(|shard| {
+            let positions = |len: u32| range(shard, len);
+            if best {
+                let fit = BestFit::<K>::new(max_len, caps)?;
+                place_shard(fit, hist, &positions, &need, runs_hint)
+            } else {
+                let fit = FirstFit::<K, L>::new(max_len, caps);
+                place_shard(fit, hist, &positions, &need, runs_hint)
+            }
+        })
+        .collect();
+    Ok(LimitedRuns { shards: placed.into_iter().collect::<Result<_>>()? })
+}
+
+/// One shard's runs and packs under the rule `fit`.
+fn place_shard<const K: usize, F: Fit<K>>(
+    mut fit: F,
+    hist: &Histogram,
+    positions: &impl Fn(u32) -> (usize, usize),
+    need: &impl Fn(usize) -> [u32; K],
+    runs_hint: usize,
+) -> Result<(Vec<Run>, u32)> {
+    let mut runs = memory::try_with_capacity::<Run>(runs_hint, "the placement's runs")?;
+    for &len in &hist.present {
+        let (first, count) = positions(len);
+        let (mut pos, end) = (first, first + count);
+        while pos < end {
+            let n = need(pos);
+            let (pack, room, mut left) = match fit.take(len, &n) {
+                Some(taken) => taken,
+                None => fit.open()?,
+            };
+            let mut room = room - len;
+            sub(&mut left, &n);
+            let mut k = 1;
+            while pos + k < end && room >= len && need(pos + k) == n && covers(&left, &n) {
+                room -= len;
+                sub(&mut left, &n);
+                k += 1;
+            }
+            fit.put(pack, room, left);
+            let run = Run { pack, pos: pos as u32, k: k as u32, len };
+            memory::try_push(&mut runs, run, "the placement's runs")?;
+            pos += k;
+        }
+    }
+    Ok((runs, fit.packs()))
+}
+
+#[inline(always)]
+fn covers<const K: usize>(have: &[u32; K], need: &[u32; K]) -> bool {
+    (0..K).all(|d| have[d] >= need[d])
+}
+
+#[inline(always)]
+fn sub<const K: usize>(have: &mut [u32; K], need: &[u32; K]) {
+    for d in 0..K {
+        have[d] -= need[d];
+    }
+}
+
+#[inline(always)]
+fn lane_max<const K: usize>(a: [u32; K], b: [u32; K]) -> [u32; K] {
+    let mut m = a;
+    for d in 0..K {
+        m[d] = m[d].max(b[d]);
+    }
+    m
+}
+
+/// A placement rule over open packs.
+trait Fit<const K: usize> {
+    /// Takes the pack the rule picks for an item of `len` tokens and needs `need`, out of
+    /// the index: `(pack, token room, other rooms)`.
+    fn take(&mut self, len: u32, need: &[u32; K]) -> Option<(u32, u32, [u32; K])>;
+    /// A new, empty pack (taken).
+    fn open(&mut self) -> Result<(u32, u32, [u32; K])>;
+    /// Puts a taken pack back with its rooms.
+    fn put(&mut self, pack: u32, room: u32, left: [u32; K]);
+    fn packs(&self) -> u32;
+}
+
+/// Best fit on tokens (see the module docs).
+struct BestFit<const K: usize> {
+    max_len: u32,
+    caps: [u32; K],
+    /// Leaves: `size` (a power of two over `0..=max_len`); node `i`'s children `2i, 2i+1`.
+    size: usize,
+    /// Per node, per budget: `1 +` the largest room of a pack below (0: no pack below).
+    tree: Vec<[u32; K]>,
+    head: Vec<u32>,
+    next: Vec<u32>,
+    rooms: Vec<[u32; K]>,
+}
+
+impl<const K: usize> BestFit<K> {
+    fn new(max_len: u32, caps: [u32; K]) -> Result<Self> {
+        let size = (max_len as usize + 1).next_power_of_two();
+        Ok(Self {
+            max_len,
+            caps,
+            size,
+            tree: memory::try_with_capacity(2 * size, "the budget index")
+                .map(|mut v: Vec<[u32; K]>| {
+                    v.resize(2 * size, [0; K]);
+                    v
+                })?,
+            head: memory::try_filled(max_len as usize + 1, NONE, "the budget index")?,
+            next: Vec::new(),
+            rooms: Vec::new(),
+        })
+    }
+
+    #[inline(always)]
+    fn admits(&self, node: usize, need: &[u32; K]) -> bool {
+        let lanes = &self.tree[node];
+        (0..K).all(|d| lanes[d] > need[d])
+    }
+
+    /// The leftmost leaf under `node` (which admits `need`) that admits it.
+    fn descend(&self, node: usize, need: &[u32; K]) -> Option<usize> {
+        if node >= self.size {
+            return Some(node - self.size);
+        }
+        for child in [2 * node, 2 * node + 1] {
+            if self.admits(child, need) {
+                if let Some(leaf) = self.descend(child, need) {
+                    return Some(leaf);
+                }
+            }
+        }
+        None
+    }
+
+    /// The first leaf at or after `from` that admits `need`.
+    fn first_leaf(&self, from: usize, need: &[u32; K]) -> Option<usize> {
+        let mut i = from + self.size;
+        loop {
+            if self.admits(i, need) {
+                if let Some(leaf) = self.descend(i, need) {
+                    return Some(leaf);
+                }
+            }
+            while i & 1 == 1 {
+                i >>= 1;
+            }
+            if i == 0 {
+                return None;
+            }
+            i += 1;
+        }
+    }
+
+    /// Leaf `room`'s maxima from its list, and its ancestors' from their children.
+    fn refresh(&mut self, room: usize) {
+        let mut lanes = [0u32; K];
+        let mut p = self.head[room];
+        while p != NONE {
+            lanes = lane_max(lanes, self.rooms[p as usize].map(|r| r + 1));
+            p = self.next[p as usize];
+        }
+        let mut node = room + self.size;
+        self.tree[node] = lanes;
+        while node > 1 {
+            node >>= 1;
+            self.tree[node] = lane_max(self.tree[2 * node], self.tree[2 * node + 1]);
+        }
+    }
+}
+
+impl<const K: usize> Fit<K> for BestFit<K> {
+    fn take(&mut self, len: u32, need: &[u32; K]) -> Option<(u32, u32, [u32; K])> {
+        let mut from = len as usize;
+        while from <= self.max_len as usize {
+            let room = self.first_leaf(from, need)?;
+            let (mut prev, mut p) = (NONE, self.head[room]);
+            while p != NONE {
+                if covers(&self.rooms[p as usize], need) {
+                    let after = self.next[p as usize];
+                    if prev == NONE {
+                        self.head[room] = after;
+                    } else {
+                        self.next[prev as usize] = after;
+                    }
+                    if self.head[room] == NONE {
+                        self.refresh(room);
+                    }
+                    return Some((p, room as u32, self.rooms[p as usize]));
+                }
+                prev = p;
+                p = self.next[p as usize];
+            }
+            // Every budget has room in some pack here, but no pack has room in all.
+            self.refresh(room);
+            from = room + 1;
+        }
+        None
+    }
+
+    fn open(&mut self) -> Result<(u32, u32, [u32; K])> {
+        let pack = self.next.len() as u32;
+        memory::try_push(&mut self.next, NONE, "the budget index")?;
+        memory::try_push(&mut self.rooms, self.caps, "the budget index")?;
+        Ok((pack, self.max_len, self.caps))
+    }
+
+    fn put(&mut self, pack: u32, room: u32, left: [u32; K]) {
+        self.rooms[pack as usize] = left;
+        if room == 0 {
+            return;
+        }
+        let r = room as usize;
+        self.next[pack as usize] = self.head[r];
+        self.head[r] = pack;
+        let lanes = left.map(|x| x + 1);
+        let mut node = r + self.size;
+        self.tree[node] = lane_max(self.tree[node], lanes);
+        while node > 1 {
+            node >>= 1;
+            let m = lane_max(self.tree[node], lanes);
+            if m == self.tree[node] {
+                break;
+            }
+            self.tree[node] = m;
+        }
+    }
+
+    fn packs(&self) -> u32 {
+        self.next.len() as u32
+    }
+}
+
+/// First fit: a max-tree over the packs, lane 0 their token room, lanes `1..L` the other
+/// budgets' rooms.
+struct FirstFit<const K: usize, const L: usize> {
+    max_len: u32,
+    caps: [u32; K],
+    size: usize,
+    tree: Vec<[u32; L]>,
+    packs: u32,
+}
+
+impl<const K: usize, const L: usize> FirstFit<K, L> {
+    fn new(max_len: u32, caps: [u32; K]) -> Self {
+        Self { max_len, caps, size: 1024, tree: vec![[0; L]; 2048], packs: 0 }
+    }
+
+    fn lanes(len: u32, need: &[u32; K]) -> [u32; L] {
+        let mut n = [0u32; L];
+        n[0] = len;
+        n[1..].copy_from_slice(need);
+        n
+    }
+
+    #[inline(always)]
+    fn admits(&self, node: usize, need: &[u32; L]) -> bool {
+        (0..L).all(|d| self.tree[node][d] >= need[d])
+    }
+
+    fn descend(&self, node: usize, need: &[u32; L]) -> Option<usize> {
+        if node >= self.size {
+            return Some(node - self.size);
+        }
+        for child in [2 * node, 2 * node + 1] {
+            if self.admits(child, need) {
+                if let Some(leaf) = self.descend(child, need) {
+                    return Some(leaf);
+                }
+            }
+        }
+        None
+    }
+
+    fn set(&mut self, leaf: usize, lanes: [u32; L]) {
+        let mut node = leaf + self.size;
+        self.tree[node] = lanes;
+        while node > 1 {
+            node >>= 1;
+            self.tree[node] = lane_max(self.tree[2 * node], self.tree[2 * node + 1]);
+        }
+    }
+
+    fn grow(&mut self) -> Result<()> {
+        let size = self.size * 2;
+        let mut tree = memory::try_with_capacity::<[u32; L]>(2 * size, "the budget index")?;
+        tree.resize(2 * size, [0; L]);
+        tree[size..size + self.size].copy_from_slice(&self.tree[self.size..]);
+        for i in (1..size).rev() {
+            tree[i] = lane_max(tree[2 * i], tree[2 * i + 1]);
+        }
+        self.size = size;
+        self.tree = tree;
+        Ok(())
+    }
+}
+
+impl<const K: usize, const L: usize> Fit<K> for FirstFit<K, L> {
+    fn take(&mut self, len: u32, need: &[u32; K]) -> Option<(u32, u32, [u32; K])> {
+        let want = Self::lanes(len, need);
+        if !self.admits(1, &want) {
+            return None;
+        }
+        let leaf = self.descend(1, &want)?;
+        let lanes = self.tree[leaf + self.size];
+        let mut left = [0u32; K];
+        left.copy_from_slice(&lanes[1..]);
+        Some((leaf as u32, lanes[0], left))
+    }
+
+    fn open(&mut self) -> Result<(u32, u32, [u32; K])> {
+        if self.packs as usize == self.size {
+            self.grow()?;
+        }
+        self.packs += 1;
+        Ok((self.packs - 1, self.max_len, self.caps))
+    }
+
+    fn put(&mut self, pack: u32, room: u32, left: [u32; K]) {
+        let mut lanes = [0u32; L];
+        lanes[0] = room;
+        lanes[1..].copy_from_slice(&left);
+        self.set(pack as usize, lanes);
+    }
+
+    fn packs(&self) -> u32 {
+        self.packs
+    }
+}
+
+/// How the plan uses each budget: totals over the packed segments and the fullest pack,
+/// checked against the caps (a pack over a cap is an internal error, never a plan).
+pub(crate) fn uses(
+    limits: &[Limit<'_>],
+    sample_ids: &[i64],
+    pack_offsets: &[i64],
+) -> Result<Vec<LimitUse>> {
+    let mut out = Vec::with_capacity(limits.len());
+    for l in limits {
+        let fills: Vec<u64> = pack_offsets
+            .par_windows(2)
+            .map(|w| {
+                sample_ids[w[0] as usize..w[1] as usize]
+                    .iter()
+                    .map(|&s| l.values[s as usize] as u64)
+                    .sum()
+            })
+            .collect();
+        let total: u64 = fills.iter().sum();
+        let max_fill = fills.iter().copied().max().unwrap_or(0);
+        if max_fill > l.cap {
+            return Err(Error::invalid(
+                "fastpack",
+                format!("internal error: a pack holds {max_fill} {} over the cap {}", l.name, l.cap),
+            ));
+        }
+        out.push(LimitUse {
+            name: l.name.to_string(),
+            cap: l.cap,
+            total,
+            lower_bound: total.div_ceil(l.cap),
+            max_fill,
+        });
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn best_fit_skips_packs_without_room_in_a_budget() {
+        let mut fit = BestFit::<1>::new(10, [2]).unwrap();
+        // Pack 0: room 3 tokens, no room for images; pack 1: room 5, one image left.
+        let (p0, _, _) = fit.open().unwrap();
+        fit.put(p0, 3, [0]);
+        let (p1, _, _) = fit.open().unwrap();
+        fit.put(p1, 5, [1]);
+        // A 2-token item with an image: pack 0 fits on tokens but not on images.
+        assert_eq!(fit.take(2, &[1]).map(|t| t.0), Some(p1));
+        // A 2-token text item: pack 0 (the least room).
+        assert_eq!(fit.take(2, &[0]).map(|t| t.0), Some(p0));
+        assert!(fit.take(2, &[0]).is_none());
+    }
+
+    #[test]
+    fn first_fit_takes_the_lowest_pack_with_room_in_every_budget() {
+        let mut fit = FirstFit::<1, 2>::new(10, [2]);
+        for (room, left) in [(6, 0), (2, 2), (8, 1)] {
+            let (p, _, _) = fit.open().unwrap();
+            fit.put(p, room, [left]);
+        }
+        assert_eq!(fit.take(3, &[1]).map(|t| t.0), Some(2));
+        assert_eq!(fit.take(3, &[0]).map(|t| t.0), Some(0));
+    }
+}
