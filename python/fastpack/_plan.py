@@ -11,7 +11,7 @@ import numpy as np
 from . import _core
 from ._errors import FastpackError, FastpackTypeError
 
-__all__ = ["OVERLONG_POLICIES", "STRATEGIES", "Bucket", "Plan", "pack"]
+__all__ = ["OVERLONG_POLICIES", "STRATEGIES", "Bucket", "LimitUse", "Plan", "pack"]
 
 STRATEGIES = ("bfd", "ffd", "next_fit", "wrapped")
 # Below this many sequences one thread (the calling one) is as fast as two and skips
@@ -32,6 +32,9 @@ PackIndex = Union[int, slice, range, Sequence[int], np.ndarray]
 GROUP_TOKENS_LIMIT = 2**31 - 1
 # The fit strategies keep an index over every capacity 0..=max_len (the core's limit).
 MAX_LEN_LIMIT = 2**24
+# Budgets besides tokens (the core's MAX_LIMITS and LIMIT_CAP).
+MAX_LIMITS = 4
+LIMIT_CAP = 2**32 - 2
 
 
 def _int_arg(
@@ -299,6 +302,53 @@ class Bucket:
     efficiency: float
 
 
+@dataclass(frozen=True)
+class LimitUse:
+    """How a plan uses one budget besides tokens (``pack(..., limits=...)``)."""
+
+    name: str
+    #: The most any pack holds.
+    cap: int
+    #: Sum over the packed sequences.
+    total: int
+    #: ``ceil(total / cap)``: no plan can use fewer packs.
+    lower_bound: int
+    #: The fullest pack's use (at most ``cap``).
+    max_fill: int
+
+
+def _limits(limits: Any) -> list[tuple[str, np.ndarray, int]] | None:
+    """``limits`` as the core takes them: ``(name, int64 values, cap)`` per budget."""
+    if limits is None:
+        return None
+    if not isinstance(limits, Mapping):
+        raise FastpackTypeError(
+            f"limits: expected a dict {{name: (values, cap)}}, e.g. {{'patches': (patches, "
+            f"16384)}}, got {type(limits).__name__}"
+        )
+    if len(limits) > MAX_LIMITS:
+        raise FastpackError(
+            f"limits: got {len(limits)} budgets; at most {MAX_LIMITS} besides tokens"
+        )
+    out = []
+    for name, spec in limits.items():
+        if not isinstance(name, str) or not name or name == "tokens":
+            raise FastpackError(
+                f"limits: budget name {name!r}; expected a non-empty string other than "
+                f"'tokens' (max_len is the token budget)"
+            )
+        arg = f"limits[{name!r}]"
+        if not isinstance(spec, (tuple, list)) or len(spec) != 2:
+            raise FastpackTypeError(
+                f"{arg}: expected (values, cap): one value per sequence and the most a pack "
+                f"holds, got {type(spec).__name__}"
+            )
+        values = np.ascontiguousarray(as_lengths(spec[0], name=arg), dtype=np.int64)
+        cap = _int_arg(arg, spec[1], minimum=1, maximum=LIMIT_CAP, why=" (the cap)")
+        out.append((name, values, cap))
+    return out
+
+
 class Plan:
     """A packing plan: which segment of which sequence goes into which pack.
 
@@ -321,6 +371,10 @@ class Plan:
     Groups never mix buckets; shuffled, the groups are shuffled and packs stay in their
     group.
 
+    With ``limits`` (budgets besides tokens), ``limits`` maps each budget's name to its
+    :class:`LimitUse`: the packed total, the cap, the lower bound ``ceil(total / cap)``
+    and the fullest pack. A plan built from arrays (``Plan(fields)``) has none.
+
     Every metric (``lower_bound``, ``efficiency``, the buckets' and the groups') is computed
     by the core with the plan; a *fill* is the number of tokens a pack or group holds.
     """
@@ -336,7 +390,7 @@ class Plan:
         "group_efficiency",
     )
 
-    __slots__ = (*_FIELDS, *_OPTIONAL, "buckets", "_pack_caps")
+    __slots__ = (*_FIELDS, *_OPTIONAL, "buckets", "limits", "_pack_caps")
 
     sample_ids: np.ndarray
     starts: np.ndarray
@@ -372,13 +426,18 @@ class Plan:
     #: ``total_tokens / (num_groups * group_tokens)``, or None without groups.
     group_efficiency: float | None
     buckets: tuple[Bucket, ...]
+    #: Each budget besides tokens, by name (empty without ``limits``).
+    limits: dict[str, LimitUse]
     _pack_caps: np.ndarray | None
 
     def __init__(self, fields: dict[str, Any]) -> None:
         """A plan from its fields (the arrays and counts above). Every metric is computed
         by the core from the arrays, after checking them (see ``_with_metrics``); metrics
-        in ``fields`` are not read."""
-        self._set(_with_metrics(fields))
+        in ``fields`` are not read, nor ``limits`` (the budgets' values are not in the
+        arrays)."""
+        fields = _with_metrics(fields)
+        fields.pop("limits", None)
+        self._set(fields)
 
     @classmethod
     def _from_core(cls, fields: dict[str, Any]) -> Plan:
@@ -400,6 +459,7 @@ class Plan:
         self.buckets = tuple(
             Bucket(name=names[i], **b) for i, b in enumerate(fields.get("buckets", ()))
         )
+        self.limits = {u["name"]: LimitUse(**u) for u in fields.get("limits", ())}
 
     @property
     def num_packs(self) -> int:
@@ -508,6 +568,11 @@ class Plan:
                     f"{b.num_packs:,} packs, efficiency {b.efficiency:.4%}, "
                     f"lower bound {b.lower_bound:,}"
                 )
+        for use in self.limits.values():
+            lines.append(
+                f"{use.name}: {use.total:,} in all, at most {use.cap:,} per pack (fullest "
+                f"{use.max_fill:,}); packs / lower bound {self.num_packs}/{use.lower_bound}"
+            )
         if self.group_fills is not None:
             fills = self.group_fills
             spread = (
@@ -542,6 +607,7 @@ class Plan:
             f"dropped_tokens={self.dropped_tokens}, truncated_tokens={self.truncated_tokens}"
             + (f", long_max_len={self.long_max_len}" if self.long_max_len is not None else "")
             + (f", num_groups={self.num_groups}" if self.group_tokens is not None else "")
+            + (f", limits={sorted(self.limits)}" if self.limits else "")
             + ")"
         )
 
@@ -558,6 +624,7 @@ def pack(
     threads: int | None = None,
     long_max_len: int | None = None,
     group_tokens: int | None = None,
+    limits: Mapping[str, tuple[Any, int]] | None = None,
 ) -> Plan:
     """Pack sequences of the given token ``lengths`` into packs of at most ``max_len``.
 
@@ -592,6 +659,14 @@ def pack(
             at most ``group_tokens`` (at least the largest pack cap), so every group (a step
             or micro-batch) carries nearly the same number of tokens. See
             ``Plan.group_offsets``, ``Plan.group_fills`` and ``Plan.group_cu_seqlens``.
+        limits: budgets besides tokens, ``{name: (values, cap)}`` (at most 4): sequence
+            ``i`` needs ``values[i]`` of the budget and no pack holds more than ``cap`` —
+            say ``{"patches": (patches, 16384), "images": (images, 8)}`` for a
+            vision-language dataset (see :func:`fastpack.vlm.media_tokens`). Best/first fit
+            on tokens among the packs with room in every budget; a sequence is never cut,
+            so ``overlong`` must be ``"error"`` or ``"drop"`` (a sequence over any budget
+            follows it, counted), and ``strategy`` ``"bfd"`` or ``"ffd"``. See
+            ``Plan.limits`` for each budget's lower bound.
 
     Sequences of length 0 are skipped and counted in ``empty_sequences``.
     """
@@ -618,10 +693,11 @@ def pack(
             why=f": at least {cap_name} ({cap}) so every pack fits a group, and int32 "
             "cu_seqlens",
         )
+    budgets = _limits(limits)
     if threads is None and len(array) < _SMALL_INPUT:
         threads = 1  # waking a pool costs more than it saves here; the plan is the same
     fields = _core.pack(
         array, max_len, strategy, overlong, reserve, seed if shuffle else None, threads,
-        None, long_max_len, group_tokens,
+        None, long_max_len, group_tokens, budgets,
     )
     return Plan._from_core(fields)

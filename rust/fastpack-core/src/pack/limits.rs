@@ -8,19 +8,22 @@
 //! split); one over any budget follows `overlong` (`"error"` or `"drop"`, counted).
 //!
 //! Unlike the one-budget placement, items of one length are not interchangeable here, so
-//! the placement runs once, after the sort (it reads every item's needs in sorted order),
-//! and records its runs; the layout and the replay read those runs. A run is consecutive
-//! items of one length with identical needs: the pack that best fits the first stays the
-//! best fit for the next as long as it has room (the packs that could not take the first
-//! cannot take an identical one), so runs keep the per-item rule exact.
+//! the placement reads every item's needs — written at its sorted position by the
+//! counting sort, read here in order — and runs once, after the sort, recording each
+//! position's pack; the layout and the replay read those. Consecutive items of one
+//! length with identical needs go to one pack while it has room: the pack that best fits
+//! the first stays the best fit for an identical next one (the packs that could not take
+//! the first cannot take it either), so the per-item rule stays exact.
 //!
-//! **Best fit**: a max-tree over token rooms `0..=max_len`, each leaf the packs with that
-//! room (a list) and, per budget, `1 +` the largest room among them (0: no pack). The
-//! search walks right from leaf `len` and descends only where every budget's maximum
-//! admits the item; a leaf whose list has no pack that admits it on every budget at once
-//! gets its maxima recomputed and the search moves on. Maxima may be stale upward (a pack
-//! taken out of a list leaves them), never downward: they only ever cost a look.
-//! **First fit**: a max-tree over the packs themselves (token room and every budget's).
+//! **Best fit**: the rooms that have a pack (the one-budget placement's bitset tree) give
+//! the least token room `>= len`, whose list usually holds a pack with room in every
+//! budget. When it does not, a max-tree over token rooms `0..=max_len` whose leaves hold,
+//! per budget, `1 +` the largest room of their packs (0: none) is searched rightwards,
+//! descending only where every budget's maximum admits the item; a leaf whose packs
+//! cannot take it in every budget at once gets its maxima recomputed and the search moves
+//! on. Maxima may be stale upward (a pack taken out of a list leaves them), never
+//! downward: they only ever cost a look. **First fit**: a max-tree over the packs
+//! themselves (token room and every budget's).
 //!
 //! The placement is deterministic and depends on the data only (shards as for one
 //! budget), never on the thread count.
@@ -29,11 +32,11 @@ use rayon::prelude::*;
 
 use crate::error::{Error, Result};
 use crate::length::Length;
-use crate::memory;
+use crate::memory::{self, Slots};
 use crate::plan::{Overlong, PackOptions, Strategy};
 
 use super::histogram::Histogram;
-use super::placement::NONE;
+use super::placement::RoomSet;
 
 /// Budgets besides tokens a plan can have.
 pub const MAX_LIMITS: usize = 4;
@@ -213,26 +216,68 @@ pub(crate) fn screen<L: Length>(
     Ok(Screened { kept: Some((kept_lengths, kept_ids)), dropped_sequences, dropped_tokens })
 }
 
-/// One recorded run: `k` sorted positions from `pos`, of length `len`, into `pack`.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Run {
-    pub pack: u32,
-    pub pos: u32,
-    pub k: u32,
-    pub len: u32,
+/// Writes each item's needs at its sorted position during the counting sort: `K` values
+/// per position (the values were screened: each at most its cap, below 2^32).
+pub(crate) struct Needs<'a> {
+    slots: Slots<'a, u32>,
+    limits: &'a [Limit<'a>],
 }
 
-/// A bucket's placement under several budgets: each shard's runs and its packs.
+impl<'a> Needs<'a> {
+    pub(crate) fn new(buffer: &'a mut [u32], limits: &'a [Limit<'a>]) -> Self {
+        Self { slots: Slots::new(buffer), limits }
+    }
+
+    /// `false` if `pos` is out of the buffer (the caller changed the input meanwhile).
+    #[inline(always)]
+    pub(crate) fn write(&self, pos: usize, id: u32) -> bool {
+        let k = self.limits.len();
+        self.limits.iter().enumerate().all(|(d, l)| {
+            self.slots.try_set(pos * k + d, l.values[id as usize] as u32)
+        })
+    }
+}
+
+/// A bucket's placement under several budgets: the pack of every sorted position (each
+/// shard numbers its packs from 0), each shard's packs, and each budget's fills.
 pub(crate) struct LimitedRuns {
-    pub shards: Vec<(Vec<Run>, u32)>,
+    pub pack_of: Vec<u32>,
+    pub shard_packs: Vec<u32>,
+    /// Per budget: (sum, fullest pack) over every pack of the bucket.
+    pub fills: Vec<(u64, u64)>,
 }
 
-/// Places a best/first-fit bucket under `limits`: `order` is its sorted order (input
-/// indices as `i32` bits), `range(shard, len)` the sorted positions `(first, count)` of
-/// length `len` in a shard.
+impl LimitedRuns {
+    /// Replays shard `shard`: `emit(pack, first sorted position, count, len)` for each run
+    /// of consecutive positions in one pack, in placement order.
+    pub(crate) fn run(
+        &self,
+        shard: usize,
+        lens: &[u32],
+        range: impl Fn(u32) -> (usize, usize),
+        emit: &mut dyn FnMut(u32, usize, usize, u32),
+    ) -> u32 {
+        for &len in lens {
+            let (first, count) = range(len);
+            let mut pos = first;
+            while pos < first + count {
+                let pack = self.pack_of[pos];
+                let k = self.pack_of[pos..first + count].iter().take_while(|&&p| p == pack).count();
+                emit(pack, pos, k, len);
+                pos += k;
+            }
+        }
+        self.shard_packs[shard]
+    }
+}
+
+/// Places a best/first-fit bucket under `limits`: `needs` holds each sorted position's
+/// needs (`limits.len()` values each), `range(shard, len)` the sorted positions `(first,
+/// count)` of length `len` in a shard.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn place(
     hist: &Histogram,
-    order: &[i32],
+    needs: &[u32],
     limits: &[Limit<'_>],
     best: bool,
     max_len: u32,
@@ -240,10 +285,10 @@ pub(crate) fn place(
     range: impl Fn(usize, u32) -> (usize, usize) + Sync,
 ) -> Result<LimitedRuns> {
     match limits.len() {
-        1 => place_k::<1, 2>(hist, order, limits, best, max_len, shards, &range),
-        2 => place_k::<2, 3>(hist, order, limits, best, max_len, shards, &range),
-        3 => place_k::<3, 4>(hist, order, limits, best, max_len, shards, &range),
-        4 => place_k::<4, 5>(hist, order, limits, best, max_len, shards, &range),
+        1 => place_k::<1, 2>(hist, needs, limits, best, max_len, shards, &range),
+        2 => place_k::<2, 3>(hist, needs, limits, best, max_len, shards, &range),
+        3 => place_k::<3, 4>(hist, needs, limits, best, max_len, shards, &range),
+        4 => place_k::<4, 5>(hist, needs, limits, best, max_len, shards, &range),
         n => Err(Error::invalid("limits", format!("got {n} budgets; expected 1..={MAX_LIMITS}"))),
     }
 }
@@ -251,58 +296,64 @@ pub(crate) fn place(
 /// `K` budgets; first fit's tree has `L = K + 1` lanes (tokens first).
 fn place_k<const K: usize, const L: usize>(
     hist: &Histogram,
-    order: &[i32],
+    needs: &[u32],
     limits: &[Limit<'_>],
     best: bool,
     max_len: u32,
     shards: usize,
     range: &(impl Fn(usize, u32) -> (usize, usize) + Sync),
 ) -> Result<LimitedRuns> {
-    // Every item's needs in sorted order: the placement then reads them sequentially.
-    let mut needs = memory::try_zeroed::<u32>(order.len() * K, "the items' needs")?;
-    needs.par_chunks_mut(K * 4096).enumerate().for_each(|(c, chunk)| {
-        for (j, slot) in chunk.chunks_exact_mut(K).enumerate() {
-            let id = order[c * 4096 + j] as u32 as usize;
-            for d in 0..K {
-                slot[d] = limits[d].values[id] as u32;
-            }
-        }
-    });
-    let need = |pos: usize| -> [u32; K] {
-        let mut n = [0u32; K];
-        n.copy_from_slice(&needs[pos * K..pos * K + K]);
-        n
-    };
+    let items = needs.len() / K;
     let mut caps = [0u32; K];
     for d in 0..K {
         caps[d] = limits[d].cap as u32;
     }
-    let runs_hint = order.len() / shards / 4 + 16;
-    let placed: Vec<Result<(Vec<Run>, u32)>> = (0..shards)
-        .into_par_iter()
-        .map(|shard| {
-            let positions = |len: u32| range(shard, len);
-            if best {
-                let fit = BestFit::<K>::new(max_len, caps)?;
-                place_shard(fit, hist, &positions, &need, runs_hint)
-            } else {
-                let fit = FirstFit::<K, L>::new(max_len, caps);
-                place_shard(fit, hist, &positions, &need, runs_hint)
-            }
-        })
-        .collect();
-    Ok(LimitedRuns { shards: placed.into_iter().collect::<Result<_>>()? })
+    let mut pack_of = memory::try_zeroed::<u32>(items, "the placement")?;
+    // Shards own disjoint positions (each its share of every length): the writes go
+    // through slots, each position once.
+    let placed: Vec<Result<(u32, [(u64, u64); K])>> = {
+        let slots = Slots::new(&mut pack_of);
+        let need = |pos: usize| -> [u32; K] {
+            let mut n = [0u32; K];
+            n.copy_from_slice(&needs[pos * K..pos * K + K]);
+            n
+        };
+        (0..shards)
+            .into_par_iter()
+            .map(|shard| {
+                let positions = |len: u32| range(shard, len);
+                if best {
+                    let fit = BestFit::<K>::new(max_len, caps)?;
+                    place_shard(fit, hist, &positions, &need, &slots)
+                } else {
+                    let fit = FirstFit::<K, L>::new(max_len, caps);
+                    place_shard(fit, hist, &positions, &need, &slots)
+                }
+            })
+            .collect()
+    };
+    let mut shard_packs = Vec::with_capacity(shards);
+    let mut fills = vec![(0u64, 0u64); K];
+    for r in placed {
+        let (packs, f) = r?;
+        shard_packs.push(packs);
+        for d in 0..K {
+            fills[d].0 += f[d].0;
+            fills[d].1 = fills[d].1.max(f[d].1);
+        }
+    }
+    Ok(LimitedRuns { pack_of, shard_packs, fills })
 }
 
-/// One shard's runs and packs under the rule `fit`.
+/// One shard under the rule `fit`: each position's pack into `pack_of`; returns the
+/// shard's packs and each budget's (sum, fullest pack).
 fn place_shard<const K: usize, F: Fit<K>>(
     mut fit: F,
     hist: &Histogram,
     positions: &impl Fn(u32) -> (usize, usize),
     need: &impl Fn(usize) -> [u32; K],
-    runs_hint: usize,
-) -> Result<(Vec<Run>, u32)> {
-    let mut runs = memory::try_with_capacity::<Run>(runs_hint, "the placement's runs")?;
+    pack_of: &Slots<'_, u32>,
+) -> Result<(u32, [(u64, u64); K])> {
     for &len in &hist.present {
         let (first, count) = positions(len);
         let (mut pos, end) = (first, first + count);
@@ -314,19 +365,19 @@ fn place_shard<const K: usize, F: Fit<K>>(
             };
             let mut room = room - len;
             sub(&mut left, &n);
-            let mut k = 1;
-            while pos + k < end && room >= len && need(pos + k) == n && covers(&left, &n) {
+            pack_of.set(pos, pack);
+            pos += 1;
+            // A run: the pack stays the rule's choice for identical items while it has room.
+            while pos < end && room >= len && need(pos) == n && covers(&left, &n) {
                 room -= len;
                 sub(&mut left, &n);
-                k += 1;
+                pack_of.set(pos, pack);
+                pos += 1;
             }
             fit.put(pack, room, left);
-            let run = Run { pack, pos: pos as u32, k: k as u32, len };
-            memory::try_push(&mut runs, run, "the placement's runs")?;
-            pos += k;
         }
     }
-    Ok((runs, fit.packs()))
+    Ok((fit.packs(), fit.fills()))
 }
 
 #[inline(always)]
@@ -360,36 +411,52 @@ trait Fit<const K: usize> {
     /// Puts a taken pack back with its rooms.
     fn put(&mut self, pack: u32, room: u32, left: [u32; K]);
     fn packs(&self) -> u32;
+    /// Per budget: (sum, fullest pack) over the packs.
+    fn fills(&self) -> [(u64, u64); K];
 }
 
-/// Best fit on tokens (see the module docs).
+/// An open pack of best fit, listed under its token room: its rooms in every budget.
+#[derive(Clone, Copy)]
+struct Entry<const K: usize> {
+    pack: u32,
+    left: [u32; K],
+}
+
+/// Best fit on tokens (see the module docs): the rooms that have a pack (a bitset tree,
+/// the usual answer in a few word operations), each room's packs with their budgets'
+/// rooms side by side (a short scan of contiguous memory) and, for the items their least
+/// room cannot take, a max-tree of every budget's rooms.
 struct BestFit<const K: usize> {
     max_len: u32,
     caps: [u32; K],
+    present: RoomSet,
     /// Leaves: `size` (a power of two over `0..=max_len`); node `i`'s children `2i, 2i+1`.
     size: usize,
-    /// Per node, per budget: `1 +` the largest room of a pack below (0: no pack below).
+    /// Per node, per budget: at least `1 +` the largest room of a pack below (0: none).
     tree: Vec<[u32; K]>,
-    head: Vec<u32>,
-    next: Vec<u32>,
-    rooms: Vec<[u32; K]>,
+    /// The open packs of each token room (their order is free: ties go to any of them).
+    lists: Vec<Vec<Entry<K>>>,
+    packs: u32,
+    /// Per budget: sum and fullest pack, of the packs that closed (no token room left).
+    closed: [(u64, u64); K],
 }
 
 impl<const K: usize> BestFit<K> {
     fn new(max_len: u32, caps: [u32; K]) -> Result<Self> {
         let size = (max_len as usize + 1).next_power_of_two();
+        let mut tree = memory::try_with_capacity::<[u32; K]>(2 * size, "the budget index")?;
+        tree.resize(2 * size, [0; K]);
+        let mut lists = memory::try_with_capacity(max_len as usize + 1, "the budget index")?;
+        lists.resize_with(max_len as usize + 1, Vec::new);
         Ok(Self {
             max_len,
             caps,
+            present: RoomSet::new(max_len as usize)?,
             size,
-            tree: memory::try_with_capacity(2 * size, "the budget index")
-                .map(|mut v: Vec<[u32; K]>| {
-                    v.resize(2 * size, [0; K]);
-                    v
-                })?,
-            head: memory::try_filled(max_len as usize + 1, NONE, "the budget index")?,
-            next: Vec::new(),
-            rooms: Vec::new(),
+            tree,
+            lists,
+            packs: 0,
+            closed: [(0, 0); K],
         })
     }
 
@@ -433,82 +500,106 @@ impl<const K: usize> BestFit<K> {
         }
     }
 
-    /// Leaf `room`'s maxima from its list, and its ancestors' from their children.
-    fn refresh(&mut self, room: usize) {
-        let mut lanes = [0u32; K];
-        let mut p = self.head[room];
-        while p != NONE {
-            lanes = lane_max(lanes, self.rooms[p as usize].map(|r| r + 1));
-            p = self.next[p as usize];
+    /// Takes a pack of room `room` that covers `need`; if none does, sets the leaf's
+    /// maxima from the packs it looked at (and its ancestors') and returns `None`.
+    #[inline(always)]
+    fn take_from(&mut self, room: usize, need: &[u32; K]) -> Option<Entry<K>> {
+        let list = &mut self.lists[room];
+        if let Some(at) = list.iter().position(|e| covers(&e.left, need)) {
+            let entry = list.swap_remove(at);
+            if list.is_empty() {
+                self.present.remove(room);
+            }
+            return Some(entry);
         }
+        let lanes = list.iter().fold([0u32; K], |m, e| lane_max(m, e.left.map(|r| r + 1)));
+        self.set_leaf(room, lanes);
+        None
+    }
+
+    /// Leaf `room`'s maxima (lowered to what its packs hold), and its ancestors'.
+    fn set_leaf(&mut self, room: usize, lanes: [u32; K]) {
         let mut node = room + self.size;
         self.tree[node] = lanes;
         while node > 1 {
             node >>= 1;
-            self.tree[node] = lane_max(self.tree[2 * node], self.tree[2 * node + 1]);
-        }
-    }
-}
-
-impl<const K: usize> Fit<K> for BestFit<K> {
-    fn take(&mut self, len: u32, need: &[u32; K]) -> Option<(u32, u32, [u32; K])> {
-        let mut from = len as usize;
-        while from <= self.max_len as usize {
-            let room = self.first_leaf(from, need)?;
-            let (mut prev, mut p) = (NONE, self.head[room]);
-            while p != NONE {
-                if covers(&self.rooms[p as usize], need) {
-                    let after = self.next[p as usize];
-                    if prev == NONE {
-                        self.head[room] = after;
-                    } else {
-                        self.next[prev as usize] = after;
-                    }
-                    if self.head[room] == NONE {
-                        self.refresh(room);
-                    }
-                    return Some((p, room as u32, self.rooms[p as usize]));
-                }
-                prev = p;
-                p = self.next[p as usize];
-            }
-            // Every budget has room in some pack here, but no pack has room in all.
-            self.refresh(room);
-            from = room + 1;
-        }
-        None
-    }
-
-    fn open(&mut self) -> Result<(u32, u32, [u32; K])> {
-        let pack = self.next.len() as u32;
-        memory::try_push(&mut self.next, NONE, "the budget index")?;
-        memory::try_push(&mut self.rooms, self.caps, "the budget index")?;
-        Ok((pack, self.max_len, self.caps))
-    }
-
-    fn put(&mut self, pack: u32, room: u32, left: [u32; K]) {
-        self.rooms[pack as usize] = left;
-        if room == 0 {
-            return;
-        }
-        let r = room as usize;
-        self.next[pack as usize] = self.head[r];
-        self.head[r] = pack;
-        let lanes = left.map(|x| x + 1);
-        let mut node = r + self.size;
-        self.tree[node] = lane_max(self.tree[node], lanes);
-        while node > 1 {
-            node >>= 1;
-            let m = lane_max(self.tree[node], lanes);
+            let m = lane_max(self.tree[2 * node], self.tree[2 * node + 1]);
             if m == self.tree[node] {
                 break;
             }
             self.tree[node] = m;
         }
     }
+}
+
+impl<const K: usize> Fit<K> for BestFit<K> {
+    fn take(&mut self, len: u32, need: &[u32; K]) -> Option<(u32, u32, [u32; K])> {
+        // From the least room that has a pack (usually one of its packs takes the item),
+        // the rooms whose budgets' maxima admit it; stale maxima are lowered where they
+        // mislead.
+        let mut from = self.present.first_at_least(len as usize)?;
+        while from <= self.max_len as usize {
+            let room = self.first_leaf(from, need)?;
+            if let Some(e) = self.take_from(room, need) {
+                return Some((e.pack, room as u32, e.left));
+            }
+            from = room + 1;
+        }
+        None
+    }
+
+    fn open(&mut self) -> Result<(u32, u32, [u32; K])> {
+        self.packs += 1;
+        Ok((self.packs - 1, self.max_len, self.caps))
+    }
+
+    fn put(&mut self, pack: u32, room: u32, left: [u32; K]) {
+        if room == 0 {
+            for d in 0..K {
+                let used = (self.caps[d] - left[d]) as u64;
+                self.closed[d].0 += used;
+                self.closed[d].1 = self.closed[d].1.max(used);
+            }
+            return;
+        }
+        let r = room as usize;
+        let list = &mut self.lists[r];
+        if list.is_empty() {
+            self.present.insert(r);
+        }
+        // Allocation failure here aborts like any Vec growth would; the lists hold one
+        // entry per open pack, at most what the plan itself holds.
+        list.push(Entry { pack, left });
+        // Maxima only rise here (a pack taken out leaves them, as upper bounds).
+        let lanes = left.map(|x| x + 1);
+        let mut node = r + self.size;
+        loop {
+            let m = lane_max(self.tree[node], lanes);
+            if m == self.tree[node] {
+                break;
+            }
+            self.tree[node] = m;
+            if node == 1 {
+                break;
+            }
+            node >>= 1;
+        }
+    }
 
     fn packs(&self) -> u32 {
-        self.next.len() as u32
+        self.packs
+    }
+
+    fn fills(&self) -> [(u64, u64); K] {
+        let mut out = self.closed;
+        for entry in self.lists.iter().flatten() {
+            for d in 0..K {
+                let used = (self.caps[d] - entry.left[d]) as u64;
+                out[d].0 += used;
+                out[d].1 = out[d].1.max(used);
+            }
+        }
+        out
     }
 }
 
@@ -607,43 +698,38 @@ impl<const K: usize, const L: usize> Fit<K> for FirstFit<K, L> {
     fn packs(&self) -> u32 {
         self.packs
     }
+
+    fn fills(&self) -> [(u64, u64); K] {
+        let mut out = [(0u64, 0u64); K];
+        for p in 0..self.packs as usize {
+            let lanes = self.tree[self.size + p];
+            for d in 0..K {
+                let used = (self.caps[d] - lanes[d + 1]) as u64;
+                out[d].0 += used;
+                out[d].1 = out[d].1.max(used);
+            }
+        }
+        out
+    }
 }
 
-/// How the plan uses each budget: totals over the packed segments and the fullest pack,
-/// checked against the caps (a pack over a cap is an internal error, never a plan).
-pub(crate) fn uses(
-    limits: &[Limit<'_>],
-    sample_ids: &[i64],
-    pack_offsets: &[i64],
-) -> Result<Vec<LimitUse>> {
-    let mut out = Vec::with_capacity(limits.len());
-    for l in limits {
-        let fills: Vec<u64> = pack_offsets
-            .par_windows(2)
-            .map(|w| {
-                sample_ids[w[0] as usize..w[1] as usize]
-                    .iter()
-                    .map(|&s| l.values[s as usize] as u64)
-                    .sum()
-            })
-            .collect();
-        let total: u64 = fills.iter().sum();
-        let max_fill = fills.iter().copied().max().unwrap_or(0);
-        if max_fill > l.cap {
-            return Err(Error::invalid(
-                "fastpack",
-                format!("internal error: a pack holds {max_fill} {} over the cap {}", l.name, l.cap),
-            ));
-        }
-        out.push(LimitUse {
-            name: l.name.to_string(),
-            cap: l.cap,
-            total,
-            lower_bound: total.div_ceil(l.cap),
-            max_fill,
-        });
-    }
-    Ok(out)
+/// How the plan uses each budget, from every bucket's fills.
+pub(crate) fn uses(limits: &[Limit<'_>], buckets: &[&LimitedRuns]) -> Vec<LimitUse> {
+    limits
+        .iter()
+        .enumerate()
+        .map(|(d, l)| {
+            let total: u64 = buckets.iter().map(|b| b.fills[d].0).sum();
+            let max_fill = buckets.iter().map(|b| b.fills[d].1).max().unwrap_or(0);
+            LimitUse {
+                name: l.name.to_string(),
+                cap: l.cap,
+                total,
+                lower_bound: total.div_ceil(l.cap),
+                max_fill,
+            }
+        })
+        .collect()
 }
 
 #[cfg(test)]

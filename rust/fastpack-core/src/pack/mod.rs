@@ -49,7 +49,7 @@ use crate::two_level::{Bucket, Groups, Levels, TwoLevelPlan};
 
 use classify::Rules;
 use histogram::Histogram;
-use limits::{Limit, LimitedRuns};
+use limits::{Limit, LimitedRuns, Needs};
 use placement::{PackCounts, Placement};
 use sort::Sorted;
 
@@ -284,15 +284,24 @@ pub fn pack_limited<L: Length>(
 
     // The counting sort (and the outputs' page faults), alongside the placement and the
     // layout; under several budgets the placement reads the sorted order, so it follows.
+    // Under several budgets, each fit bucket's needs at its sorted positions (the sort
+    // writes them).
+    let k = limits.len();
+    let mut needs: Vec<Vec<u32>> = Vec::with_capacity(buckets.len());
+    for b in &buckets {
+        let n = if k > 0 && b.hist.is_some() { b.items() * k } else { 0 };
+        needs.push(memory::try_zeroed::<u32>(n, "the items' needs")?);
+    }
     let mut sort_all = || -> Result<Vec<Option<Sorted>>> {
         let orders = std::iter::once(&mut seqlens).chain(scratch.iter_mut());
         let mut sorted = Vec::with_capacity(buckets.len());
-        for (bucket, order) in buckets.iter().zip(orders) {
+        for ((bucket, order), need) in buckets.iter().zip(orders).zip(needs.iter_mut()) {
             sorted.push(match &bucket.hist {
                 Some(hist) => {
                     let max_len = bucket.rules.max_len as usize;
                     let tiles = sort::tiling(hist, max_len)?.over(order, "the sorted order")?;
-                    Some(sort::sort(bucket.input, &bucket.rules, hist, tiles)?)
+                    let writer = (k > 0).then(|| Needs::new(need, limits));
+                    Some(sort::sort(bucket.input, &bucket.rules, hist, tiles, writer.as_ref())?)
                 }
                 None => None,
             });
@@ -321,11 +330,10 @@ pub fn pack_limited<L: Length>(
         let sorted = sort_all()?;
         for (b, bucket) in buckets.iter().enumerate() {
             let Some(placement) = bucket.placement(None) else { continue };
-            let order: &[i32] = if b == 0 { &seqlens } else { &scratch[b - 1] };
             let hist = bucket.hist.as_ref().expect("a fit bucket");
             runs[b] = Some(limits::place(
                 hist,
-                order,
+                &needs[b],
                 limits,
                 placement.is_best(),
                 bucket.rules.max_len as u32,
@@ -333,6 +341,7 @@ pub fn pack_limited<L: Length>(
                 |shard, len| placement.range(shard, len),
             )?);
         }
+        drop(needs);
         trace!(start, "  placement under the budgets");
         (lay_out(&buckets, &runs, in_order_counts, opts, levels), Ok(sorted))
     };
@@ -403,7 +412,8 @@ pub fn pack_limited<L: Length>(
         stats.total_tokens += s.total_tokens;
     }
     let bucket_metrics = buckets.iter().zip(&laid.counts).map(|(b, c)| b.bucket(c.packs)).collect();
-    let limit_uses = limits::uses(limits, &sample_ids, &pack_offsets)?;
+    let placed: Vec<&LimitedRuns> = runs.iter().flatten().collect();
+    let limit_uses = limits::uses(limits, &placed);
     let plan = Plan {
         sample_ids,
         starts,
