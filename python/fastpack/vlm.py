@@ -72,6 +72,9 @@ class VlmConfig:
     vision_layers: int = 0
     #: Text model depth.
     text_layers: int = 0
+    #: Placeholders per image of a plain-position model with a fixed count (LLaVA's
+    #: ``image_seq_length``); None where it varies (LLaVA-Next tiles) or for mRoPE.
+    tokens_per_image: int | None = None
 
     @property
     def mrope(self) -> bool:
@@ -124,6 +127,9 @@ class VlmConfig:
             tokens_per_second=float(1.0 if per_second is None else per_second),
             vision_hidden_size=int(width), vision_layers=int(depth),
             text_layers=int(_get(text, "num_hidden_layers") or 0),
+            tokens_per_image=(int(_get(config, "image_seq_length"))
+                              if model_type == "llava" and _get(config, "image_seq_length")
+                              else None),
         )
 
 

@@ -161,9 +161,9 @@ class PackedCollator:
                     f"overlong: {self.overlong!r} would cut a sample's image placeholders "
                     f"from its pixels; with model_config use 'error' or 'drop'"
                 )
-            placeholders = {self.vlm.image_token_id, self.vlm.video_token_id}
+            placeholders = {self.vlm.image_token_id, self.vlm.video_token_id} - {None}
             for name, token in (("pad_id", self.pad_id), ("separator_id", self.separator_id)):
-                if token in placeholders:
+                if token is not None and token in placeholders:
                     raise FastpackError(
                         f"{name}: {token} is the model's image or video placeholder token; "
                         f"pick another id"

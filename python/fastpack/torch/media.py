@@ -67,6 +67,11 @@ def sample_media(cfg: VlmConfig, sample: Mapping[str, Any], index: int,
         if image_tokens and "pixel_values" not in present:
             raise fail("pixel_values", f"missing, but the sample has {image_tokens} image "
                                        f"placeholder token(s)")
+        images = len(_numpy(present["pixel_values"])) if "pixel_values" in present else 0
+        if cfg.tokens_per_image is not None and images * cfg.tokens_per_image != image_tokens:
+            raise fail("pixel_values", f"{images} image(s) need {images * cfg.tokens_per_image} "
+                                       f"placeholder tokens ({cfg.tokens_per_image} each), the "
+                                       f"sample's input_ids hold {image_tokens}")
         if "image_sizes" in present and "pixel_values" in present and \
                 len(_numpy(present["image_sizes"])) != len(_numpy(present["pixel_values"])):
             raise fail("image_sizes", f"{len(_numpy(present['image_sizes']))} sizes for "

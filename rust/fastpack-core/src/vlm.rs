@@ -549,10 +549,7 @@ pub fn media_grid(height: u64, width: u64, frames: Option<u64>, rule: &ResizeRul
     if !(1..=SIDE_LIMIT).contains(&height) || !(1..=SIDE_LIMIT).contains(&width) {
         return Err(Error::invalid(
             "heights",
-            format!(
-                "got a {}x{} image; sides must be in 1..={SIDE_LIMIT}",
-                height as i64, width as i64
-            ),
+            format!("got a {height}x{width} image; sides must be in 1..={SIDE_LIMIT}"),
         ));
     }
     let tf = rule.temporal_patch_size as u64;
@@ -563,9 +560,8 @@ pub fn media_grid(height: u64, width: u64, frames: Option<u64>, rule: &ResizeRul
                 return Err(Error::invalid(
                     "frames",
                     format!(
-                        "got {} frames; expected {tf}..={FRAMES_LIMIT} (at least \
-                         temporal_patch_size)",
-                        t as i64
+                        "got {t} frames; expected {tf}..={FRAMES_LIMIT} (at least \
+                         temporal_patch_size)"
                     ),
                 ));
             }
@@ -595,7 +591,7 @@ pub fn media_grid(height: u64, width: u64, frames: Option<u64>, rule: &ResizeRul
                 if !(1..=FRAMES_LIMIT).contains(&t) {
                     return Err(Error::invalid(
                         "frames",
-                        format!("got {} frames; expected 1..={FRAMES_LIMIT}", t as i64),
+                        format!("got {t} frames; expected 1..={FRAMES_LIMIT}"),
                     ));
                 }
             }
@@ -651,13 +647,23 @@ pub fn media_grids(
         ));
     }
     let mut out = memory::try_zeroed::<i64>(3 * heights.len(), "media grids")?;
-    let size = |v: i64| if v < 0 { u64::MAX } else { v as u64 };
     let failed: Option<(usize, Error)> = out
         .par_chunks_mut(3)
         .enumerate()
         .filter_map(|(k, slot)| {
-            let frames = frames.map(|f| size(f[k]));
-            match media_grid(size(heights[k]), size(widths[k]), frames, rule) {
+            let (h, w) = (heights[k], widths[k]);
+            if h < 1 || w < 1 {
+                let e = format!("got a {h}x{w} image; sides must be in 1..={SIDE_LIMIT}");
+                return Some((k, Error::invalid("heights", e)));
+            }
+            let frames = match frames.map(|f| f[k]) {
+                Some(t) if t < 1 => {
+                    let e = format!("got {t} frames; expected at least 1");
+                    return Some((k, Error::invalid("frames", e)));
+                }
+                t => t.map(|t| t as u64),
+            };
+            match media_grid(h as u64, w as u64, frames, rule) {
                 Ok(g) => {
                     for (s, v) in slot.iter_mut().zip(g) {
                         *s = v as i64;
