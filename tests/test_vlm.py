@@ -156,6 +156,25 @@ def test_many_documents_at_once_equal_each_alone(family: str, data: Any) -> None
         np.testing.assert_array_equal(together[0, lo:hi], np.arange(hi - lo))
 
 
+def test_a_videos_temporal_step_is_multiplied_as_the_model_multiplies_it() -> None:
+    """Qwen2.5-VL truncates ``i * tokens_per_second * seconds`` computed in float32 for a
+    float32 tensor or a list of Python floats, in float64 for a float64 tensor: at 1/49
+    seconds (2 frames at 98 fps) the 50th grid lands on 2 or just under it."""
+    ids = [1] + [VIDEO] * 50 + [2]
+    grid = torch.tensor([[50, 2, 2]])
+    cfg = model("qwen2_5_vl").config
+    got = {}
+    for form in ([1 / 49], torch.tensor([1 / 49], dtype=torch.float32),
+                 torch.tensor([1 / 49], dtype=torch.float64)):
+        sample = {"input_ids": ids, "image_grid_thw": None, "video_grid_thw": grid,
+                  "second_per_grid_ts": form}
+        want = hf_positions("qwen2_5_vl", sample)
+        mine = vlm.rope_index(cfg, ids, video_grid_thw=grid, second_per_grid_ts=form)
+        np.testing.assert_array_equal(mine, want)
+        got[type(form).__name__ + str(getattr(form, "dtype", ""))] = int(mine[0, 50])
+    assert sorted(got.values()) == [2, 3, 3]  # float64 alone truncates 1.999... to 1
+
+
 def test_rope_index_reads_a_config_dict_and_refuses_other_families() -> None:
     cfg = model("qwen2_vl").config
     ids = [1, IMAGE, IMAGE, IMAGE, IMAGE, 2]
