@@ -273,6 +273,124 @@ RAGGED = [
 ]
 
 
+LIMITS = [
+    Row("limits-not-dict", _pack(limits=[(1, 2)]), T, r"^limits: expected a dict \{name: "
+        r"\(values, cap\)\}"),
+    Row("limits-tokens-name", _pack(limits={"tokens": ([1, 1], 2)}), E,
+        r"^limits: budget name 'tokens'; expected a non-empty string other than 'tokens'"),
+    Row("limits-spec", _pack(limits={"images": [1, 1]}), T,
+        r"^limits\['images'\]: expected \(values, cap\)"),
+    Row("limits-cap-zero", _pack(limits={"images": ([1, 1], 0)}), E,
+        r"^limits\['images'\]: got 0; expected an integer in 1\.\.=4294967294 \(the cap\)"),
+    Row("limits-length", _pack(limits={"images": ([1], 2)}), E,
+        r"^limits: limits\[\"images\"\]: 1 values for 2 sequences; expected one per sequence"),
+    Row("limits-negative", _pack(limits={"images": ([1, -1], 2)}), E,
+        r"^limits: limits\[\"images\"\]: negative value -1 at index 1"),
+    Row("limits-over-cap", _pack(limits={"images": ([1, 3], 2)}), E,
+        r"^limits: 1 sequence\(s\) over the \"images\" budget or another \(first at index 1: "
+        r"3 images over the cap of 2\); pass overlong=\"drop\""),
+    Row("limits-next-fit", _pack(strategy="next_fit", limits={"images": ([1, 1], 2)}), E,
+        r"^limits: strategy \"next_fit\" keeps input order or cuts sequences; budgets besides "
+        r"tokens take \"bfd\" or \"ffd\""),
+    Row("limits-split", _pack(overlong="split", limits={"images": ([1, 1], 2)}), E,
+        r"^limits: overlong=\"split\" would cut an item, and the media it holds with it"),
+    Row("limits-too-many", _pack(limits={str(i): ([0, 0], 1) for i in range(5)}), E,
+        r"^limits: got 5 budgets; at most 4 besides tokens"),
+]
+
+
+def _vlm_rows() -> list[Row]:
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        return []
+    import fastpack.vlm as vlm
+    from fastpack.torch import PackedCollator
+
+    qwen = transformers.Qwen2VLConfig(image_token_id=60, video_token_id=61,
+                                      vision_config={"spatial_merge_size": 2})
+    llava = transformers.LlavaConfig(image_token_id=60, image_seq_length=4)
+    image = {"input_ids": [1, 60, 60, 60, 60, 2], "image_grid_thw": torch.tensor([[1, 4, 4]]),
+             "pixel_values": torch.zeros(16, 24)}
+
+    def collate(*features: Any, config: Any = qwen, **kwargs: Any) -> Callable[[], Any]:
+        return lambda: PackedCollator(**{"max_len": 32, "model_config": config, **kwargs})(
+            list(features))
+
+    def without(key: str, **change: Any) -> dict[str, Any]:
+        return {k: v for k, v in {**image, **change}.items() if k != key}
+
+    return [
+        Row("vlm-unknown-family", lambda: PackedCollator(8, model_config=transformers.LlamaConfig()),
+            E, r"^config: model_type 'llama' is not a vision-language family fastpack packs; "
+            r"expected one of 'qwen2_vl'"),
+        Row("vlm-config-type", lambda: vlm.rope_index("qwen2_vl", [1, 2]), T,
+            r"^config: expected a Hugging Face model config \(model\.config\) or its dict, got "
+            r"str"),
+        Row("vlm-rope-plain-family", lambda: vlm.rope_index(llava, [1, 2]), E,
+            r"^config: llava takes plain positions, not mRoPE"),
+        Row("vlm-rope-placeholders", lambda: vlm.rope_index(qwen, [1, 60, 60, 60, 2],
+                                                            image_grid_thw=[[1, 4, 4]]), E,
+            r"^input_ids: image 0 has 3 placeholder token\(s\) from token 1, but its grid needs "
+            r"4 \(t·h·w / merge²\)"),
+        Row("vlm-rope-grids-left", lambda: vlm.rope_index(qwen, [1, 2], image_grid_thw=[[1, 4, 4]]),
+            E, r"^image_grid_thw: 1 image grid\(s\) given, but the placeholders use 0"),
+        Row("vlm-rope-grid-shape", lambda: vlm.rope_index(qwen, [1, 2], image_grid_thw=[1, 4, 4]),
+            E, r"^image_grid_thw: expected integers of shape \(n, 3\)"),
+        Row("vlm-rope-grid-merge", lambda: vlm.rope_index(qwen, [1] + [60] * 3,
+                                                          image_grid_thw=[[1, 3, 4]]), E,
+            r"^image_grid_thw: grid 0 is \(1, 3, 4\): h and w must be multiples of "
+            r"vision_config\.spatial_merge_size \(2\)"),
+        Row("vlm-rope-no-grid", lambda: vlm.rope_index(qwen, [1, 60, 60, 60, 60]), E,
+            r"^image_grid_thw: a image placeholder at token 1 has no grid left"),
+        Row("vlm-media-tokens-config", lambda: vlm.media_tokens([4], [4], {"patch_size": 14}), E,
+            r"^config: .* has no integer merge_size, min_pixels, max_pixels"),
+        Row("vlm-media-tokens-aspect", lambda: vlm.media_tokens(
+            [10], [2500], transformers.Qwen2VLImageProcessor()), E,
+            r"^heights: item 0: a 10x2500 image has an aspect ratio over 200"),
+        Row("vlm-media-tokens-frames", lambda: vlm.media_tokens(
+            [448], [448], {"video_processor_type": "Qwen3VLVideoProcessor", "patch_size": 16,
+                           "merge_size": 2, "temporal_patch_size": 2, "min_pixels": 4096,
+                           "max_pixels": 10**6}, frames=[1]), E,
+            r"^frames: item 0: got 1 frames; expected 2\.\.=4096 \(at least temporal_patch_size\)"),
+        Row("vlm-media-without-config", lambda: PackedCollator(32)([image]), E,
+            r"^features: sample 0 has the media key 'image_grid_thw', but the "
+            r"collator has no model_config"),
+        Row("vlm-grids-without-pixels", collate(without("pixel_values")), E,
+            r"^features: sample 0 'image_grid_thw': image grids without pixel_values"),
+        Row("vlm-pixels-without-grids", collate(without("image_grid_thw")), E,
+            r"^features: sample 0 'pixel_values': image pixel values without image_grid_thw"),
+        Row("vlm-placeholders-vs-grids", collate({"input_ids": [3]}, dict(
+            image, input_ids=[1, 60, 60, 60, 2])), E,
+            r"^features: sample 1 'image_grid_thw': its grids need 4 image placeholder token\(s\) "
+            r"\(t\*h\*w / 4\), the sample's input_ids hold 3"),
+        Row("vlm-pixels-vs-grids", collate(dict(image, pixel_values=torch.zeros(12, 24))), E,
+            r"^features: sample 0 'pixel_values': 12 rows, but its grids hold 16 patches"),
+        Row("vlm-placeholders-no-grids", collate({"input_ids": [1, 60, 60]}), E,
+            r"^features: sample 0 'image_grid_thw': missing, but the sample has 2 image "
+            r"placeholder token\(s\)"),
+        Row("vlm-seconds-wrong-family", collate(dict(image, second_per_grid_ts=[1.0])), E,
+            r"^features: sample 0 'second_per_grid_ts': applies to qwen2_5_vl, not qwen2_vl"),
+        Row("vlm-sizes-on-qwen", collate(dict(image, image_sizes=torch.tensor([[8, 8]]))), E,
+            r"^features: sample 0 'image_sizes': qwen2_vl reads image_grid_thw, not image_sizes"),
+        Row("vlm-video-on-llava", collate({"input_ids": [1, 2], "video_grid_thw": [[1, 2, 2]],
+                                           "pixel_values_videos": torch.zeros(4, 3)},
+                                          config=llava), E,
+            r"^features: sample 0 'pixel_values_videos': llava takes images as pixel_values \(and "
+            r"image_sizes\), not pixel_values_videos"),
+        Row("vlm-llava-placeholders", collate({"input_ids": [1, 60, 60, 60],
+                                               "pixel_values": torch.zeros(1, 3, 8, 8)},
+                                              config=llava), E,
+            r"^features: sample 0 'pixel_values': 1 image\(s\) need 4 placeholder tokens \(4 "
+            r"each\), the sample's input_ids hold 3"),
+        Row("vlm-overlong-split", lambda: PackedCollator(8, model_config=qwen, overlong="split"),
+            E, r"^overlong: 'split' would cut a sample's image placeholders from its pixels"),
+        Row("vlm-pad-is-placeholder", lambda: PackedCollator(8, model_config=qwen, pad_id=60), E,
+            r"^pad_id: 60 is the model's image or video placeholder token"),
+    ]
+
+
 def _datasets_rows() -> list[Row]:
     try:
         import datasets
@@ -519,7 +637,8 @@ def _torch_rows() -> list[Row]:
     ]
 
 
-ROWS = PACK + PLAN + MATERIALIZE + RAGGED + _datasets_rows() + _torch_rows()
+ROWS = (PACK + LIMITS + PLAN + MATERIALIZE + RAGGED + _datasets_rows() + _torch_rows()
+        + _vlm_rows())
 
 
 def _param(row: Row) -> Any:

@@ -390,6 +390,20 @@ def test_what_the_collator_prevents_is_measured_wrong() -> None:
             packed_logits("qwen2_vl", "fp64", "fastpack", "sdpa", position_ids=positions)
 
 
+def test_check_model_batch_refuses_the_positions_that_are_silently_wrong() -> None:
+    from fastpack.torch import check_model_batch
+
+    m = model("qwen2_vl")
+    batch = PackedCollator(40, backend="sdpa", model_config=m.config)(documents("qwen2_vl"))
+    check_model_batch(m, batch)
+    pos = batch["position_ids"]
+    with pytest.raises(FastpackError, match=r"position_ids of shape \(3, 2, \d+\) \(mRoPE rows "
+                                            r"without the text row"):
+        check_model_batch(m, dict(batch, position_ids=pos[1:]))
+    with pytest.raises(FastpackError, match="2-D position_ids beside images or videos"):
+        check_model_batch(m, dict(batch, position_ids=pos[0]))
+
+
 def test_fastpack_attention_reads_row_0_of_4_row_positions() -> None:
     from fastpack.torch.hf import _position_bounds
 

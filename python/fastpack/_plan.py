@@ -338,7 +338,7 @@ def _limits(limits: Any) -> list[tuple[str, np.ndarray, int]] | None:
                 f"'tokens' (max_len is the token budget)"
             )
         arg = f"limits[{name!r}]"
-        if not isinstance(spec, (tuple, list)) or len(spec) != 2:
+        if not isinstance(spec, (tuple, list)) or len(spec) != 2 or np.isscalar(spec[0]):
             raise FastpackTypeError(
                 f"{arg}: expected (values, cap): one value per sequence and the most a pack "
                 f"holds, got {type(spec).__name__}"

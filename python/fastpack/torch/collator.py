@@ -161,6 +161,12 @@ class PackedCollator:
                     f"overlong: {self.overlong!r} would cut a sample's image placeholders "
                     f"from its pixels; with model_config use 'error' or 'drop'"
                 )
+            if self.vlm.mrope and self.backend == "flex" and self.mask == "explicit":
+                raise FastpackError(
+                    f"mask: 'explicit' with backend='flex' makes a flex BlockMask, and Hugging "
+                    f"Face runs {self.vlm.model_type} without flex attention; use "
+                    f"backend='flash' or 'sdpa'"
+                )
             placeholders = {self.vlm.image_token_id, self.vlm.video_token_id} - {None}
             for name, token in (("pad_id", self.pad_id), ("separator_id", self.separator_id)):
                 if token is not None and token in placeholders:
@@ -242,7 +248,7 @@ class PackedCollator:
                 f"unpacked samples (one sequence each), or its rows with the boundaries "
                 f"straight to the model"
             )
-        for key in sample.keys() - self._known:
+        for key in sorted(sample.keys() - self._known, key=str):
             if key in MEDIA_KEYS and sample[key] is not None:
                 raise FastpackError(
                     f"features: sample {index} has the media key {key!r}, but the collator "

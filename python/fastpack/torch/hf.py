@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from .._errors import FastpackError, FastpackTypeError
+from ..vlm import MROPE_FAMILIES
 from .attention import KERNELS, Kernel, varlen_attention
 from .collator import LOSS_MASK_KEYS, PackedCollator
 from .data import PackedDataset, first_item
@@ -463,7 +464,11 @@ def check_model_batch(model: Any, batch: dict[str, Any]) -> None:
       or with ``use_cache`` on, on a Hugging Face implementation: it then skips the
       per-sequence mask;
     * rows of packed sequences without ``cu_seq_lens_q`` for ``flash_attention_*``, which
-      reads the boundaries from the positions of a single row only.
+      reads the boundaries from the positions of a single row only;
+    * for mRoPE models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): ``position_ids`` of 3 rows (no
+      text row: the model then builds no per-document mask) or 2-D beside media (no
+      mRoPE for the images); ``PackedCollator(model_config=...)`` gives ``[4, rows,
+      width]``.
     """
     if not isinstance(batch, dict):
         raise FastpackTypeError(f"batch: expected a dict, got {type(batch).__name__}")
@@ -473,12 +478,24 @@ def check_model_batch(model: Any, batch: dict[str, Any]) -> None:
     mask = batch.get("attention_mask")
     positions = batch.get("position_ids")
     window = _window(config)
+    mrope = getattr(config, "model_type", None) in MROPE_FAMILIES
 
     def refuse(what: str, fix: str) -> None:
         raise FastpackError(f"batch: {what} with attn_implementation={impl!r} "
                             f"({type(config).__name__}) would not compute the unpacked "
                             f"model; {fix}")
 
+    if isinstance(positions, torch.Tensor) and positions.ndim == 3:
+        if positions.shape[0] != 4:
+            refuse(f"position_ids of shape {tuple(positions.shape)} (mRoPE rows without the "
+                   f"text row, so no per-document mask)",
+                   "build the batch with PackedCollator(model_config=model.config): "
+                   "[4, rows, width], row 0 the text position")
+        positions = positions[0]  # the text row: where documents restart
+    elif mrope and isinstance(positions, torch.Tensor) and (
+            "image_grid_thw" in batch or "video_grid_thw" in batch):
+        refuse("2-D position_ids beside images or videos (no mRoPE for them)",
+               "build the batch with PackedCollator(model_config=model.config)")
     if mask is not None and getattr(mask, "ndim", len(getattr(mask, "shape", ()))) == 4:
         from torch.nn.attention.flex_attention import BlockMask
 
