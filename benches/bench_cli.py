@@ -69,7 +69,7 @@ def reset_peak() -> None:
 def _sharded_packs(lengths: np.ndarray, k: int, config: object) -> int:
     """Packs of the sharded plan (``sharded_plan`` without laying the plans end to end,
     which only costs memory here)."""
-    from fastpack._sharded import plan_shard, shard_of
+    from fastpack._offline.plan import plan_shard, shard_of
 
     shards = shard_of(np.arange(len(lengths), dtype=np.int64), k)
     order = np.argsort(shards, kind="stable")
@@ -82,12 +82,12 @@ def _sharded_packs(lengths: np.ndarray, k: int, config: object) -> int:
 
 
 def bench_sharded() -> list[str]:
-    from fastpack._sharded import PlanConfig
+    from fastpack._offline.plan import PlanConfig
 
     lines = ["## Sharded plans: extra packs over one global plan", "",
              "Each document goes to plan shard `hash(key) % K`; each shard is packed on its "
              "own (best-fit decreasing) and the plans are laid end to end "
-             "(`fastpack._sharded.sharded_plan`, what `--plan-shards K` and "
+             "(`fastpack._offline.plan.sharded_plan`, what `--plan-shards K` and "
              "`fastpack.ray.pack_dataset(plan_shards=K)` compute). Max len 4,096.", "",
              "| data | N | K | docs per shard | global packs | sharded packs | extra packs | "
              "extra / global | lower bound |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -115,7 +115,7 @@ def bench_sharded() -> list[str]:
 def bench_billion() -> list[str]:
     """10^9 lengths planned in 10 shards of 10^8, one at a time (what 10 workers do in
     parallel); lengths are generated per shard, outside the timing."""
-    from fastpack._sharded import PlanConfig, plan_shard
+    from fastpack._offline.plan import PlanConfig, plan_shard
 
     lines = ["## A plan over 10^9 lengths, in shards", "",
              "10 plan shards of 10^8 lengths each, planned one after another in one process "
@@ -178,7 +178,7 @@ workers = int(sys.argv[1])
 ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False,
          logging_level=logging.WARNING)
 ray.data.DataContext.get_current().enable_progress_bars = False
-from fastpack._offline import PackSettings
+from fastpack._offline.settings import PackSettings
 from fastpack.ray import pack_files
 settings = PackSettings(max_len=1024, shuffle=True, seed=0)
 start = time.perf_counter()
@@ -189,7 +189,8 @@ print(json.dumps({"seconds": time.perf_counter() - start, "phases": report["seco
 
 _LOCAL_RUN = """
 import json, sys, time
-from fastpack._offline import PackSettings, pack_corpus
+from fastpack._offline.driver import pack_corpus
+from fastpack._offline.settings import PackSettings
 settings = PackSettings(max_len=1024, shuffle=True, seed=0)
 start = time.perf_counter()
 report = pack_corpus([sys.argv[1]], sys.argv[2], settings, quiet=True, plot=False)
