@@ -6,18 +6,15 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from .._plan import Plan
-from .outdir import FORMAT
+from .outdir import FORMAT, OutputDir
 from .progress import human_bytes
 from .settings import PackSettings
 from .stats import LengthHistogram
-
-if TYPE_CHECKING:
-    from .outdir import OutputDir
 
 __all__ = ["FILL_BINS", "PlanStats", "make_report", "summary_lines"]
 
