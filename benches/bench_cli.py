@@ -11,7 +11,8 @@ workers). Writes benches/results/cli.md.
 ``compare`` runs the command of this tree and of BASELINE (a ``python/`` folder of another
 fastpack, e.g. ``git archive main python`` unpacked with this tree's built ``_core`` copied
 in) on the same corpora, alternately, in one run: local and ``--ray``, 10^5 and 10^6
-documents (``BENCH_SIZES=100000,1000000``), ``BENCH_REPEATS`` runs each (3).
+documents (``BENCH_SIZES=100000,1000000``, ``BENCH_PATHS=local,ray``), ``BENCH_REPEATS``
+runs each (3).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import resource
 import shutil
 import subprocess
 import sys
@@ -257,53 +259,69 @@ def bench_ray(sizes: tuple[int, ...] = (10**5, 10**6, 10**7)) -> list[str]:
     return lines
 
 
-def _command(pythonpath: str | None, args: list[str]) -> tuple[float, dict]:
-    """Wall seconds of ``fastpack pack ARGS`` in a fresh process (``pythonpath``: the
-    fastpack it imports, None: this tree's), and its report."""
+def _command(pythonpath: str | None, args: list[str]) -> tuple[float, float, dict]:
+    """Wall and CPU seconds (user + system, every thread) of ``fastpack pack ARGS`` in a
+    fresh process (``pythonpath``: the fastpack it imports, None: this tree's), and its
+    report. CPU time hardly moves with what else the shared machine runs."""
     env = dict(os.environ)
     if pythonpath:
         env["PYTHONPATH"] = pythonpath
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     subprocess.run([sys.executable, "-m", "fastpack", "pack", *args, "-q", "--no-plot"],
                    check=True, env=env, capture_output=True)
     seconds = time.perf_counter() - start
-    return seconds, json.loads((Path(args[args.index("-o") + 1]) / "report.json").read_text())
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+    report = json.loads((Path(args[args.index("-o") + 1]) / "report.json").read_text())
+    return seconds, cpu, report
 
 
 def bench_compare(baseline: str) -> list[str]:
     sizes = [int(v) for v in os.environ.get("BENCH_SIZES", "100000,1000000").split(",")]
     repeats = int(os.environ.get("BENCH_REPEATS", "3"))
+    paths = os.environ.get("BENCH_PATHS", "local,ray").split(",")
     lines = ["## `fastpack pack`: this tree against a baseline", "",
              f"The same corpora as above (`--max-len 1024`, shuffled), packed by this tree and "
              f"by `{baseline}` in turn, {repeats} fresh processes each (medians); wall = the "
              "whole process (start, imports, `ray.init`), passes = lengths + plan + gather "
-             "from report.json. Ray: a local cluster of all cores (`--ray=local`). Every run's "
-             "shards are checked byte-identical across the two trees.", "",
-             "| documents | path | baseline wall | this tree wall | ratio | baseline passes | "
-             "this tree passes | ratio |", "|---:|---|---:|---:|---:|---:|---:|---:|"]
+             "from report.json, CPU = user + system seconds of the command's process and its "
+             "threads (for Ray, not its workers'). Ray: a local cluster of all cores "
+             "(`--ray=local`). Every run's shards are checked byte-identical across the two "
+             "trees.", "",
+             "| documents | path | wall: baseline | this tree | ratio | passes: baseline | "
+             "this tree | ratio | CPU: baseline | this tree | ratio |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for n in sizes:
         with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
             root = Path(tmp)
             (root / "in").mkdir()
             _corpus(root / "in", n, max(2, n // 250_000))
             for path, extra in (("local", []), ("Ray", ["--ray=local"])):
+                if path.lower() not in paths:
+                    continue
                 wall: dict[str, list[float]] = {"base": [], "this": []}
                 passes: dict[str, list[float]] = {"base": [], "this": []}
+                cpus: dict[str, list[float]] = {"base": [], "this": []}
                 for r in range(repeats):
                     for tree in ("base", "this") if r % 2 == 0 else ("this", "base"):
                         out = root / f"{tree}-{path}"
                         shutil.rmtree(out, ignore_errors=True)
-                        seconds, report = _command(baseline if tree == "base" else None,
-                                                   [str(root / "in"), "-o", str(out),
-                                                    "--max-len", "1024", *extra])
+                        seconds, cpu, report = _command(
+                            baseline if tree == "base" else None,
+                            [str(root / "in"), "-o", str(out), "--max-len", "1024", *extra])
                         wall[tree].append(seconds)
+                        cpus[tree].append(cpu)
                         passes[tree].append(sum(report["seconds"].values()))
                     assert _same_shards(root / f"base-{path}", root / f"this-{path}")
                 w = {k: float(np.median(v)) for k, v in wall.items()}
                 p = {k: float(np.median(v)) for k, v in passes.items()}
+                c = {k: float(np.median(v)) for k, v in cpus.items()}
                 lines.append(f"| {n:.0e} | {path} | {w['base']:.2f} s | {w['this']:.2f} s | "
                              f"{w['this'] / w['base']:.3f} | {p['base']:.2f} s | "
-                             f"{p['this']:.2f} s | {p['this'] / p['base']:.3f} |")
+                             f"{p['this']:.2f} s | {p['this'] / p['base']:.3f} | "
+                             f"{c['base']:.2f} s | {c['this']:.2f} s | "
+                             f"{c['this'] / c['base']:.3f} |")
                 print(lines[-1], flush=True)
     return lines
 
