@@ -682,7 +682,8 @@ def pack_iterable_dataset(
 ) -> Any:
     """Pack a ``datasets.IterableDataset`` lazily: a packed ``IterableDataset`` with one
     row per pack, as ``fastpack.hf.pack_dataset`` gives for a ``Dataset`` (which calls
-    this for streams).
+    this for streams). The packing options (``max_len``, ``options`` and the keywords
+    of :class:`fastpack.PackOptions`) are :func:`fastpack.pack`'s.
 
     Every per-token list column (``columns``: default, every list-of-numbers column but
     ``seq_lengths`` and ``position_ids``; ``input_ids`` gives the lengths) is packed,
