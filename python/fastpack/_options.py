@@ -116,7 +116,10 @@ class PackOptions:
 
     def __post_init__(self) -> None:
         for name, check in _CHECKS.items():
-            object.__setattr__(self, name, check(self, getattr(self, name)))
+            value = getattr(self, name)
+            checked = check(self, value)
+            if checked is not value:  # normalised (np.int64 -> int): keep the plain value
+                object.__setattr__(self, name, checked)
 
     def replace(self, max_len: int | None = None, **changes: Unpack[PackArgs]) -> PackOptions:
         """A copy with ``changes`` (checked like any option)."""
