@@ -39,9 +39,13 @@ Why this shape:
 
 Adding an option: a field (its default and a ``#:`` line), its check in ``_CHECKS``, its
 key in ``_Args``; when it changes the plan, its value passed to the core in
-:func:`fastpack.pack`. It is a per-batch option unless listed in :data:`PLAN_OPTIONS`.
-An entry point that cannot honour it refuses it by name (``refuse=``, as the streams
-refuse ``group_tokens``), so it is never silently ignored.
+:func:`fastpack.pack`. Every entry point hands its whole ``PackOptions`` on (to ``pack``,
+a ``StreamPacker``, a collator), never field by field, so that is all. It is a per-batch
+option unless listed in :data:`PLAN_OPTIONS` (context parallelism's ``cp_size``,
+``cp_mode`` and ``pad_multiple``, several budgets per pack, a collator's ``share_prefix``:
+per-batch). An entry point that cannot honour it refuses it by name (``refuse=``, as the
+streams refuse ``group_tokens``), so it is never silently ignored; ``tests/test_options.py``
+then checks it at every entry point without a new row.
 """
 
 from __future__ import annotations
@@ -60,7 +64,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "GROUP_TOKENS_LIMIT", "MAX_LEN_LIMIT", "OVERLONG_POLICIES", "PLAN_OPTIONS", "STRATEGIES",
-    "PackArgs", "PackOptions", "layered", "resolve", "separator_reserve",
+    "PackArgs", "PackOptions", "WithOptions", "check_plan", "layered", "resolve",
+    "separator_reserve", "with_separator",
 ]
 
 STRATEGIES = ("bfd", "ffd", "next_fit", "wrapped")
