@@ -297,6 +297,16 @@ class PackedCollator(WithOptions):
         return self.format(rows)
 
 
+def as_collator(value: Any) -> PackedCollator:
+    """``value`` if it is a :class:`PackedCollator` (what a dataset packs with), else the
+    one error for it."""
+    if not isinstance(value, PackedCollator):
+        raise FastpackTypeError(
+            f"collator: expected a fastpack.torch.PackedCollator, got {type(value).__name__}"
+        )
+    return value
+
+
 def _per_token(value: Any, length: int) -> bool:
     """Whether ``value`` holds one number per token: a flat list, tuple, array or tensor
     of numbers as long as the sample's ``input_ids``."""

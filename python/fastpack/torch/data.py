@@ -19,7 +19,7 @@ from .._materialize import Ragged, TokenData, _is_dataset, as_ragged
 from .._options import PackArgs, PackOptions, WithOptions, check_plan, layered
 from .._plan import Plan
 from .._targets import segment_targets
-from .collator import PackedCollator
+from .collator import PackedCollator, as_collator
 from .step import Step
 
 if TYPE_CHECKING:
@@ -125,10 +125,7 @@ class PackedDataset(torch.utils.data.Dataset, WithOptions):  # type: ignore[type
         options: PackOptions | None = None,
         **kwargs: Unpack[PackArgs],
     ) -> None:
-        if not isinstance(collator, PackedCollator):
-            raise FastpackTypeError(
-                f"collator: expected a PackedCollator, got {type(collator).__name__}"
-            )
+        as_collator(collator)
         dataset = tokens if _is_dataset(tokens) else None
         self.tokens: Ragged = as_ragged(tokens)
         self.labels = _resolve(labels, dataset, mask=False)

@@ -24,7 +24,7 @@ from .._stream import (
     StreamStats,
     _stream_seed,
 )
-from .collator import LOSS_MASK_KEYS, PackedCollator
+from .collator import LOSS_MASK_KEYS, PackedCollator, as_collator
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -128,10 +128,7 @@ class PackedIterableDataset(
         options: PackOptions | None = None,
         **kwargs: Unpack[PackArgs],
     ) -> None:
-        if not isinstance(collator, PackedCollator):
-            raise FastpackTypeError(
-                f"collator: expected a fastpack.torch.PackedCollator, got {type(collator).__name__}"
-            )
+        as_collator(collator)
         if collator.backend == "padded":
             raise FastpackError("collator: backend='padded' does not pack; use a plain "
                                 "DataLoader with the collator as collate_fn")
