@@ -243,6 +243,22 @@ def test_options_are_frozen_and_replace_checks() -> None:
     assert type(PackOptions(np.int64(8)).max_len) is int
 
 
+def test_options_made_from_keywords_are_reused_only_for_the_same_values_and_types() -> None:
+    lengths = [3, 2]
+    first = fastpack.pack(lengths, 8, shuffle=True, seed=3).options
+    assert fastpack.pack(lengths, 8, seed=3, shuffle=True).options is first  # checked once
+    assert fastpack.pack(lengths, np.int64(8), shuffle=True, seed=3).options == first
+    # Equal values of a refused type are refused again, not served from the first call.
+    with pytest.raises(FastpackTypeError, match=r"^shuffle: expected a bool, got int 1"):
+        fastpack.pack(lengths, 8, shuffle=1, seed=3)
+    with pytest.raises(FastpackTypeError, match=r"^seed: expected an integer, got float 3\.0"):
+        fastpack.pack(lengths, 8, shuffle=True, seed=3.0)
+    with pytest.raises(FastpackTypeError, match=r"^max_len: expected an integer, got float"):
+        fastpack.pack(lengths, 8.0, shuffle=True, seed=3)
+    with pytest.raises(FastpackTypeError, match=r"^group_tokens: expected an integer, got list"):
+        fastpack.pack(lengths, 8, group_tokens=[16])  # unhashable: checked, not cached
+
+
 def test_a_stream_state_of_before_an_option_existed_still_loads() -> None:
     packer = StreamPacker(8, buffer_size=4, seed=3)
     packer.push({"input_ids": (np.arange(9), np.array([0, 3, 5, 9]))})

@@ -266,7 +266,7 @@ def resolve(
                 "max_len: missing (the tokens per pack); pass it, or options="
                 "fastpack.PackOptions(max_len, ...)"
             )
-        made = PackOptions(max_len, **kwargs)
+        made = _made(max_len, kwargs)
     else:
         if not isinstance(options, PackOptions):
             raise FastpackTypeError(
@@ -284,6 +284,27 @@ def resolve(
             ))
     if refuse:
         _refuse(made, refuse)
+    return made
+
+
+#: Options made from keywords, by the exact values (and types) given: a loop that calls
+#: ``pack(lengths, 4096, strategy="ffd")`` per batch checks its options once. Only options
+#: that passed their checks are kept; the checks read nothing but the values.
+_MADE: dict[tuple[Any, ...], PackOptions] = {}
+_MADE_MAX = 256
+
+
+def _made(max_len: Any, kwargs: Mapping[str, Any]) -> PackOptions:
+    try:
+        key = (type(max_len), max_len, *((k, type(v), v) for k, v in sorted(kwargs.items())))
+        made = _MADE.get(key)
+    except TypeError:  # an unhashable value (never a valid one): let the checks say so
+        return PackOptions(max_len, **kwargs)
+    if made is None:
+        made = PackOptions(max_len, **kwargs)
+        if len(_MADE) >= _MADE_MAX:
+            _MADE.clear()
+        _MADE[key] = made
     return made
 
 
