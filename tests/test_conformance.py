@@ -29,11 +29,10 @@ pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
+import vlm_models  # noqa: E402
 
 from fastpack import FastpackError  # noqa: E402
 from fastpack.torch import PackedCollator, check_model_batch, register_hf_attention  # noqa: E402
-
-import vlm_models  # noqa: E402
 
 FASTPACK = register_hf_attention()
 IMPLS = ("fastpack", "sdpa", "eager", "flex_attention")

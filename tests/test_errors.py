@@ -124,6 +124,25 @@ PACK = [
         r"^group_tokens: got 2147483648"),
     Row("group_tokens-str", _pack([1, 2], 100, group_tokens="4096"), T,
         r"^group_tokens: expected an integer, got str"),
+    # The options object (fastpack.PackOptions) and the keywords that stand for it.
+    Row("option-misspelt", _pack(stratgy="ffd"), T,
+        r"^stratgy: not an option of pack\(\); did you mean 'strategy'\? it takes lengths, "
+        r"max_len, options, threads, strategy"),
+    Row("max_len-missing", lambda: fastpack.pack([3, 5]), T,
+        r"^max_len: missing \(the tokens per pack\); pass it, or options="),
+    Row("options-not-PackOptions", lambda: fastpack.pack([3, 5], options={"max_len": 8}), T,
+        r"^options: expected a fastpack\.PackOptions, got dict"),
+    Row("options-and-keyword-disagree",
+        lambda: fastpack.pack([3, 5], options=fastpack.PackOptions(8, strategy="ffd"),
+                              strategy="bfd"), E,
+        r"^strategy: got strategy='bfd' and options with strategy='ffd'; pass it once"),
+    Row("PackOptions-reserve", lambda: fastpack.PackOptions(8, reserve=8), E,
+        r"^reserve: got 8; expected an integer in 0\.\.=7: fewer tokens than max_len \(8\)"),
+    Row("PackOptions-replace-misspelt", lambda: fastpack.PackOptions(8).replace(sede=1), T,
+        r"^sede: not an option of PackOptions\(\); did you mean 'seed'\?"),
+    Row("stream-group_tokens", lambda: fastpack.StreamPacker(8, group_tokens=16), E,
+        r"^group_tokens: got 16; groups of packs need the whole plan, and a stream is packed "
+        r"a window at a time"),
 ]
 
 def _plan_of(**change: Any) -> Callable[[], Any]:
@@ -274,14 +293,20 @@ RAGGED = [
 
 
 LIMITS = [
-    Row("limits-not-dict", _pack(limits=[(1, 2)]), T, r"^limits: expected a dict \{name: "
-        r"\(values, cap\)\}"),
+    Row("limits-not-dict", _pack(limits=[(1, 2)]), T, r"^limits: expected a dict \{name: cap\}, "
+        r"e\.g\. \{'patches': 16384, 'images': 8\} \(pack\(\) also takes \{name: \(values, "
+        r"cap\)\}\), got list"),
     Row("limits-tokens-name", _pack(limits={"tokens": ([1, 1], 2)}), E,
-        r"^limits: budget name 'tokens'; expected a non-empty string other than 'tokens'"),
-    Row("limits-spec", _pack(limits={"images": [1, 1]}), T,
-        r"^limits\['images'\]: expected \(values, cap\)"),
+        r"^limits: budget name 'tokens'; expected distinct non-empty strings other than "
+        r"'tokens'"),
+    Row("limits-spec", _pack(limits={"images": ([1, 1], 2), "patches": 3}), T,
+        r"^limits\['patches'\]: expected \(values, cap\)"),
     Row("limits-cap-zero", _pack(limits={"images": ([1, 1], 0)}), E,
-        r"^limits\['images'\]: got 0; expected an integer in 1\.\.=4294967294 \(the cap\)"),
+        r"^limits\['images'\]: got 0; expected an integer in 1\.\.=4294967294 \(the most a "
+        r"pack holds\)"),
+    Row("limits-no-values", _pack(limits={"images": 2}), E,
+        r"^limits: \{'images': 2\} has no values per sequence; pass limits=\{name: \(values, "
+        r"cap\)\} to pack\(\)"),
     Row("limits-length", _pack(limits={"images": ([1], 2)}), E,
         r"^limits: limits\[\"images\"\]: 1 values for 2 sequences; expected one per sequence"),
     Row("limits-negative", _pack(limits={"images": ([1, -1], 2)}), E,
@@ -290,12 +315,14 @@ LIMITS = [
         r"^limits: 1 sequence\(s\) over the \"images\" budget or another \(first at index 1: "
         r"3 images over the cap of 2\); pass overlong=\"drop\""),
     Row("limits-next-fit", _pack(strategy="next_fit", limits={"images": ([1, 1], 2)}), E,
-        r"^limits: strategy \"next_fit\" keeps input order or cuts sequences; budgets besides "
-        r"tokens take \"bfd\" or \"ffd\""),
+        r"^limits: strategy 'next_fit' keeps input order or cuts sequences; budgets besides "
+        r"tokens take 'bfd' or 'ffd'"),
     Row("limits-split", _pack(overlong="split", limits={"images": ([1, 1], 2)}), E,
-        r"^limits: overlong=\"split\" would cut an item, and the media it holds with it"),
+        r"^limits: overlong='split' would cut a sequence, and the media it holds with it"),
     Row("limits-too-many", _pack(limits={str(i): ([0, 0], 1) for i in range(5)}), E,
         r"^limits: got 5 budgets; at most 4 besides tokens"),
+    Row("limits-stream", lambda: fastpack.StreamPacker(8, limits={"images": 2}), E,
+        r"^limits: got \(\('images', 2\),\); a stream's windows are packed on tokens only"),
 ]
 
 
@@ -533,6 +560,11 @@ def _torch_rows() -> list[Row]:
         Row("collator-return_num_items", collator(return_num_items=None), T,
             r"^return_num_items: expected a bool"),
         Row("collator-threads", collator(threads=0), E, r"^threads: got 0"),
+        Row("collator-plan-option", collator(group_tokens=64), E,
+            r"^group_tokens: got 64; orders, buckets or groups the packs of a whole plan, not "
+            r"of one batch; pass it to PackedDataset"),
+        Row("collator-reserve-without-separator", collator(reserve=1), E,
+            r"^reserve: got 1 reserved slots but no separator_id to write into them"),
         Row("format-backend", lambda: BatchFormat(backend="xformers"), E, r"^backend: unknown"),
         # PackedCollator.__call__: the batch itself.
         Row("batch-empty", collate(), E, r"^features: got an empty batch"),
@@ -571,6 +603,15 @@ def _torch_rows() -> list[Row]:
         Row("dataset-plan-not-a-plan", dataset(plan=[0, 1]), T, r"^plan: "),
         Row("dataset-plan-of-other-data", dataset(plan=fastpack.pack([1, 2, 3], 8)), E,
             r"^plan: "),
+        Row("dataset-strategy-not-the-collators", dataset(strategy="ffd"), E,
+            r"^strategy: got 'ffd', but the collator plans with 'bfd'; set it once, on the "
+            r"collator \(PackedCollator\(\.\.\., strategy='ffd'\)\), and leave it out here"),
+        Row("dataset-plan-other-max_len", dataset(plan=fastpack.pack([3, 2], 16)), E,
+            r"^max_len: got 8, but the given plan was made with 16; pass max_len=8 when "
+            r"planning"),
+        Row("dataset-plan-other-group_tokens",
+            dataset(plan=fastpack.pack([3, 2], 8, group_tokens=16), group_tokens=32), E,
+            r"^group_tokens: got 32, but the given plan was made with 16"),
         Row("first_item-two", lambda: first_item([1, 2]), E,
             r"^first_item: got 2 items; a PackedDataset item is a whole batch"),
         # varlen_attention.

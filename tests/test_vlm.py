@@ -503,3 +503,118 @@ def test_plans_stay_within_every_budget() -> None:
     assert plan.limits["patches"].lower_bound == -(-int(patches.sum()) // 8192)
     assert plan.num_packs >= max(plan.lower_bound, plan.limits["patches"].lower_bound,
                                  plan.limits["images"].lower_bound)
+
+
+# ------------------------------------------------------------------ budgets at every entry
+def budget_docs(family: str, n: int = 24) -> list[dict[str, Any]]:
+    """Documents of 0 to 3 images (and a video every fifth), markers 50..59 repeating."""
+    out = []
+    for i in range(n):
+        pieces: list[tuple[str, Any]] = [("text", 2 + i % 4)]
+        for _ in range(i % 4):
+            pieces += [("image", (1, 2, 4)), ("text", 1)]
+        if i % 5 == 4:
+            pieces += [("video", (2, 2, 2)), ("text", 1)]
+        out.append(document(family, 50 + i % 10, pieces, seed=i))
+    return out
+
+
+def used(samples: list[dict[str, Any]], ids: Any) -> tuple[int, int]:
+    """(images, patches) of the samples ``ids``."""
+    images = sum(len(samples[i].get("image_grid_thw", [])) for i in ids)
+    patches = sum(int(torch.as_tensor(samples[i][k]).prod(1).sum())
+                  for i in ids for k in ("image_grid_thw", "video_grid_thw") if k in samples[i])
+    return images, patches
+
+
+def test_a_collator_keeps_every_pack_of_a_batch_within_its_budgets() -> None:
+    m = model("qwen2_vl")
+    docs = budget_docs("qwen2_vl", 8)
+    collator = PackedCollator(64, backend="sdpa", model_config=m.config,
+                              limits={"images": 3, "patches": 24})
+    batch = collator(docs)
+    rows = batch["input_ids"]
+    assert len(rows) >= 3  # 12 images, 3 a pack
+    for row in rows:
+        assert int((row == IMAGE).sum()) // 2 <= 3  # 2 placeholders per (1, 2, 4) image
+        assert int((row == IMAGE).sum()) * 4 + int((row == VIDEO).sum()) * 4 <= 24
+    with torch.no_grad():
+        got = per_document(batch, m(**model_inputs(batch)).logits, docs)
+        for d, g in zip(docs, got):
+            assert (g - alone(m, d).logits[0]).abs().max().item() <= 1e-10
+
+
+def test_a_dataset_plans_within_its_budgets_and_the_sampler_weighs_the_vision_work() -> None:
+    from fastpack.torch import PackedDataset, PackedSampler
+
+    m = model("qwen2_5_vl")
+    docs = budget_docs("qwen2_5_vl")
+    collator = PackedCollator(48, backend="flash", model_config=m.config,
+                              limits={"images": 3, "patches": 40})
+    ds = PackedDataset([d["input_ids"] for d in docs], collator, media=docs, group_tokens=96)
+    plan = ds.plan
+    assert plan.limits["images"].total == sum(len(d.get("image_grid_thw", [])) for d in docs)
+    for p in range(plan.num_packs):
+        images, patches = used(docs, plan.segments(p)[0])
+        assert images <= 3 and patches <= 40
+    batch = ds[0]
+    with torch.no_grad():
+        m(**model_inputs(batch))  # the step's media are the batch's placeholders'
+    # The sampler's cost: tokens and attention, plus the vision encoder's work scaled by
+    # (vision layers x width) / (text layers x hidden_size).
+    sampler = PackedSampler(ds, num_replicas=2, rank=0, hidden_size=32)
+    schedule = sampler.schedule(0)
+    cfg = m.config
+    ratio = (cfg.vision_config.depth * cfg.vision_config.hidden_size) / (
+        cfg.text_config.num_hidden_layers * 32)
+    for micro in range(len(schedule.micro_steps)):
+        lo, hi = schedule.micro_lo[micro], schedule.micro_hi[micro]
+        ids = plan.sample_ids[lo:hi]
+        vision = 0.0
+        for i in ids:
+            for key in ("image_grid_thw", "video_grid_thw"):
+                for t, h, w in torch.as_tensor(docs[i].get(key, torch.zeros(0, 3))).tolist():
+                    vision += t * (6 * cfg.vision_config.hidden_size * h * w + (h * w) ** 2)
+        seqlens = plan.seqlens[lo:hi].astype(np.float64)
+        want = 6 * 32 * seqlens.sum() + (seqlens ** 2).sum() + ratio * vision
+        assert schedule.micro_cost[micro] == pytest.approx(want, rel=1e-12)
+    assert ds.steps.vision.sum() > 0
+
+
+def test_pack_dataset_packs_media_columns_in_placeholder_order() -> None:
+    datasets = pytest.importorskip("datasets")
+    import fastpack.hf
+
+    m = model("qwen2_vl")
+    docs = budget_docs("qwen2_vl")
+    rows = [{"input_ids": d["input_ids"],
+             "image_grid_thw": d["image_grid_thw"].tolist() if "image_grid_thw" in d else [],
+             "pixel_values": (d["pixel_values"].tolist() if "pixel_values" in d else []),
+             "video_grid_thw": d["video_grid_thw"].tolist() if "video_grid_thw" in d else [],
+             "pixel_values_videos": (d["pixel_values_videos"].tolist()
+                                     if "pixel_values_videos" in d else [])}
+            for d in docs]
+    table = datasets.Dataset.from_list(rows).shuffle(seed=1)  # through an indices mapping
+    packed = fastpack.hf.pack_dataset(table, 48, limits={"images": 3, "patches": 40})
+    assert packed.num_rows >= -(-sum(len(r["image_grid_thw"]) for r in rows) // 3)
+    for row in packed:
+        grids = torch.tensor(row["image_grid_thw"]).reshape(-1, 3)
+        videos = torch.tensor(row["video_grid_thw"]).reshape(-1, 3)
+        assert len(grids) <= 3 and int(grids.prod(1).sum() + videos.prod(1).sum()) <= 40
+        assert len(row["pixel_values"]) == int(grids.prod(1).sum())
+        cu = np.concatenate(([0], np.cumsum(row["seq_lengths"])))
+        # The media follow the placeholders: every document's positions are its own.
+        together = vlm.position_ids(m.config, row["input_ids"], cu,
+                                    image_grid_thw=grids, video_grid_thw=videos)
+        for lo, hi in zip(cu[:-1], cu[1:]):
+            doc = next(d for d in docs if d["input_ids"] == row["input_ids"][lo:hi])
+            np.testing.assert_array_equal(together[1:, lo:hi], vlm.rope_index(
+                m.config, doc["input_ids"], image_grid_thw=doc.get("image_grid_thw"),
+                video_grid_thw=doc.get("video_grid_thw")))
+            want = torch.as_tensor(doc["pixel_values"]) if "pixel_values" in doc else None
+            if want is not None:
+                k = sum(int(torch.as_tensor(d.get("image_grid_thw", torch.zeros(0, 3))).prod(
+                    1).sum()) for d in docs if any(d["input_ids"] == row["input_ids"][a:b]
+                                                   for a, b in zip(cu[:-1], cu[1:]) if a < lo))
+                got = torch.tensor(row["pixel_values"][k:k + len(want)], dtype=want.dtype)
+                assert torch.equal(got, want)

@@ -23,24 +23,31 @@ See docs/vision_language.md.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from . import _core
+from ._checks import _threads
 from ._errors import FastpackError, FastpackTypeError
-from ._plan import _threads, as_lengths
+from ._plan import as_lengths
 
 __all__ = [
+    "IMAGE_KEYS",
+    "MEDIA_BUDGETS",
+    "MEDIA_KEYS",
     "MROPE_FAMILIES",
     "MediaTokens",
+    "VIDEO_KEYS",
     "VlmConfig",
+    "media_budgets",
     "media_tokens",
     "mm_token_type_ids",
     "position_ids",
     "rope_index",
+    "vision_work",
 ]
 
 #: ``model_type`` values whose mRoPE rule fastpack computes.
@@ -48,6 +55,11 @@ MROPE_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 #: ``model_type`` values with plain (1-D) positions whose media fastpack concatenates:
 #: ``pixel_values`` (and ``image_sizes``) in document order.
 PLAIN_FAMILIES = ("llava", "llava_next", "llava_onevision", "vipllava")
+#: The processor's per-sample keys for images, videos, and the per-token type ids a
+#: collator rebuilds (``mm_token_type_ids``).
+IMAGE_KEYS = ("pixel_values", "image_grid_thw", "image_sizes")
+VIDEO_KEYS = ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+MEDIA_KEYS = (*IMAGE_KEYS, *VIDEO_KEYS, "mm_token_type_ids")
 
 
 def _get(config: Any, key: str) -> Any:
@@ -344,3 +356,114 @@ def media_tokens(
     patches = grid.prod(axis=1)
     return MediaTokens(tokens=patches // (rule["merge_size"] ** 2), patches=patches,
                        grid_thw=grid)
+
+
+#: The budgets a collator or dataset counts from each sample's media, for ``limits``:
+#: vision patches (rows of ``pixel_values`` and ``pixel_values_videos``: ``t·h·w`` of every
+#: grid), images, videos.
+MEDIA_BUDGETS = ("patches", "images", "videos")
+
+
+def media_budgets(
+    samples: Any, names: Sequence[str], *, mrope: bool = True
+) -> dict[str, np.ndarray]:
+    """Each sample's use of each budget of ``names`` (int64 arrays, one value per sample),
+    counted from its grids (``mrope``: Qwen-VL families) or its ``pixel_values`` (plain
+    families: ``images`` only). ``samples`` is a sequence of sample dicts, or a
+    ``datasets.Dataset`` (its grid columns read from Arrow at once)."""
+    unknown = [n for n in names if n not in MEDIA_BUDGETS]
+    if unknown:
+        raise FastpackError(
+            f"limits: {unknown[0]!r} is not counted from a sample's media; the budgets are "
+            f"{', '.join(map(repr, MEDIA_BUDGETS))} (pack the lengths with fastpack.pack("
+            f"lengths, limits={{name: (values, cap)}}) for any other)"
+        )
+    if not mrope and set(names) - {"images"}:
+        raise FastpackError(
+            "limits: a model with plain positions has no grids to count patches or videos "
+            "from; its budget is 'images'"
+        )
+    grids = {kind: _grids_of(samples, kind, mrope) for kind in ("image", "video")}
+    out = {}
+    for name in names:
+        if name == "patches":
+            out[name] = np.sum([_per_sample(o, g.prod(axis=1)) for o, g in grids.values()],
+                               axis=0).astype(np.int64)
+        else:
+            offsets, _ = grids["image" if name == "images" else "video"]
+            out[name] = np.diff(offsets)
+    return out
+
+
+def vision_work(samples: Any, width: int) -> np.ndarray:
+    """Each sample's vision encoder work (float64), in the units of the sampler's cost of
+    a text layer: per encoder layer ``6·width·p + p²`` for every frame of ``p = h·w``
+    patches (its projections, then attention within the frame: Qwen-VL encoders attend
+    within each frame; Qwen2.5-VL's windowed layers do less, so this is an upper bound);
+    ``width`` is the encoder's hidden size."""
+    total = np.zeros(len(samples), dtype=np.float64)
+    for kind in ("image", "video"):
+        offsets, g = _grids_of(samples, kind, True)
+        frame = (g[:, 1] * g[:, 2]).astype(np.float64)
+        work = g[:, 0] * (6.0 * width * frame + frame * frame)
+        total += _per_sample(offsets, work)
+    return total
+
+
+def _per_sample(offsets: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """Sums of ``values`` (one per grid) per sample, samples ``offsets`` (CSR over grids)."""
+    cumulative = np.concatenate(([0], np.cumsum(values)))
+    return cumulative[offsets[1:]] - cumulative[offsets[:-1]]
+
+
+def _grids_of(samples: Any, kind: str, mrope: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Every sample's grids of ``kind`` (``"image"`` or ``"video"``): CSR offsets over the
+    samples and the grids ``(G, 3)`` int64. Plain families: one ``(1, 0, 0)`` per image
+    (their pixel rows are images, not patches)."""
+    key = f"{kind}_grid_thw" if mrope else ("pixel_values" if kind == "image" else None)
+    n = len(samples)
+    if key is None:
+        return np.zeros(n + 1, dtype=np.int64), np.zeros((0, 3), dtype=np.int64)
+    arrow = _arrow_grids(samples, key)
+    if arrow is not None:
+        offsets, grids = arrow
+    else:
+        counts = np.zeros(n, dtype=np.int64)
+        parts = []
+        for i, sample in enumerate(samples):
+            value = sample.get(key)
+            if value is None:
+                continue
+            array = np.asarray(value.detach().cpu() if hasattr(value, "detach") else value)
+            counts[i] = len(array)
+            if mrope and array.size:
+                parts.append(array.reshape(-1, 3).astype(np.int64))
+        offsets = np.concatenate(([0], np.cumsum(counts)))
+        grids = np.concatenate(parts) if parts else np.zeros((0, 3), dtype=np.int64)
+    if not mrope:
+        grids = np.tile(np.array([[1, 0, 0]], dtype=np.int64), (int(offsets[-1]), 1))
+    return offsets, grids
+
+
+def _arrow_grids(samples: Any, key: str) -> tuple[np.ndarray, np.ndarray] | None:
+    """``_grids_of`` read in place from a ``datasets.Dataset``'s list column ``key``
+    (``None``: not a Dataset; no grids: no such column)."""
+    data = getattr(samples, "data", None)
+    table = getattr(data, "table", data)
+    if table is None or not hasattr(table, "column_names"):
+        return None
+    n = len(samples)
+    if key not in table.column_names:
+        return np.zeros(n + 1, dtype=np.int64), np.zeros((0, 3), dtype=np.int64)
+    import pyarrow as pa
+
+    column = table.column(key).combine_chunks()
+    indices = getattr(samples, "_indices", None)
+    if indices is not None:
+        column = column.take(pa.array(indices.column(0).to_numpy()))
+    offsets = np.asarray(column.offsets, dtype=np.int64)
+    offsets = offsets - offsets[0]
+    if key == "pixel_values":
+        return offsets, np.zeros((int(offsets[-1]), 3), dtype=np.int64)
+    values = np.asarray(column.flatten().flatten(), dtype=np.int64)
+    return offsets, values.reshape(-1, 3)

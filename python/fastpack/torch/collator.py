@@ -4,28 +4,30 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from .. import _core
+from .._checks import _bool_arg, _choice, _int_arg, _threads
 from .._errors import FastpackError, FastpackTypeError
-from .._materialize import TokenData, _from_rows, _packs, as_ragged, materialize
-from .._plan import (
-    MAX_LEN_LIMIT,
-    OVERLONG_POLICIES,
-    STRATEGIES,
-    Plan,
-    _bool_arg,
-    _choice,
-    _int_arg,
-    _threads,
-    pack,
+from .._materialize import TokenData, _from_rows, as_ragged, materialize
+from .._options import (
+    PLAN_OPTIONS,
+    PackArgs,
+    PackOptions,
+    WithOptions,
+    layered,
+    with_separator,
 )
+from .._plan import Plan, pack
 from ..vlm import VlmConfig
 from .formats import BACKENDS, MASK_MODES, RETURN_TENSORS, BatchFormat
-from .media import MEDIA_KEYS, media_batch, sample_media
+from .media import MEDIA_KEYS, media_batch, media_budgets, sample_media
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["LOSS_MASK_KEYS", "PackedCollator"]
 
@@ -36,9 +38,15 @@ LOSS_MASK_KEYS = ("assistant_masks", "completion_mask", "loss_mask")
 #: labels and loss masks are packed; ``attention_mask`` (all ones: an unpadded sample) and
 #: ``position_ids`` (``0..n-1``) are checked and rebuilt per pack.
 KNOWN_KEYS = ("input_ids", "labels", *LOSS_MASK_KEYS, "attention_mask", "position_ids")
+#: The plan options a collator refuses: one batch is packed on its own, in order.
+_PER_PLAN = {
+    name: "orders, buckets or groups the packs of a whole plan, not of one batch; pass it to "
+          "PackedDataset (or collator.plan())"
+    for name in PLAN_OPTIONS
+}
 
 
-class PackedCollator:
+class PackedCollator(WithOptions):
     """Pack a list of samples into one batch for ``model(**batch)``.
 
     Args:
@@ -54,10 +62,13 @@ class PackedCollator:
         fixed_cu_seqlens: flash: pad ``cu_seq_lens_q/k`` to this many entries by
             repeating the last value (empty trailing sequences), for CUDA graphs.
         return_tensors: ``"pt"`` (torch, via ``torch.from_numpy``: no copy) or ``"np"``.
-        separator_id: insert this token after every sample (reserved by the plan);
-            ``train_separators`` makes it a target.
-        strategy, overlong: passed to :func:`fastpack.pack` (``overlong`` decides what
-            happens to a sample longer than ``max_len``: ``"error"`` by default).
+        separator_id: insert this token after every sample (one slot reserved by the plan
+            unless ``reserve`` says more); ``train_separators`` makes it a target.
+        options, **kwargs: the packing options of every batch (:class:`fastpack.PackOptions`
+            as in :func:`fastpack.pack`: ``strategy``; ``overlong``, what happens to a
+            sample longer than ``max_len``, ``"error"`` by default; ``reserve``). The
+            options of a whole plan (``shuffle``, ``seed``, ``long_max_len``,
+            ``group_tokens``) go to :class:`PackedDataset` or :meth:`plan`.
         loss_mask_key: per-sample key of a 0/1 loss mask (default: the first of
             :data:`LOSS_MASK_KEYS` present); ``False`` to ignore masks.
         mask_dtype: dtype of the additive eager mask (match the model's dtype).
@@ -76,7 +87,9 @@ class PackedCollator:
             ``second_per_grid_ts``, ``image_sizes``), concatenated in placeholder order;
             mRoPE models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) get ``position_ids``
             ``[4, rows, width]`` and ``mm_token_type_ids``; labels are -100 on every
-            placeholder. See :mod:`fastpack.torch.media` and docs/vision_language.md.
+            placeholder. With ``limits`` (say ``{"patches": 16384, "images": 8}``) every
+            pack of a batch stays within them, each sample's use counted from its media
+            (:data:`fastpack.torch.media.MEDIA_BUDGETS`). See docs/vision_language.md.
 
     A sample with ``seq_lengths`` is already packed and raises, as does an
     ``attention_mask`` with zeros (a padded sample) or ``position_ids`` other than
@@ -90,7 +103,7 @@ class PackedCollator:
 
     def __init__(
         self,
-        max_len: int,
+        max_len: int | None = None,
         backend: str = "sdpa",
         *,
         mask: str = "position_ids",
@@ -101,8 +114,7 @@ class PackedCollator:
         separator_id: int | None = None,
         train_separators: bool = False,
         pad_id: int = 0,
-        strategy: str = "bfd",
-        overlong: str = "error",
+        options: PackOptions | None = None,
         loss_mask_key: str | bool | None = None,
         mask_dtype: torch.dtype = torch.float32,
         return_seq_idx: bool = False,
@@ -110,10 +122,13 @@ class PackedCollator:
         threads: int | None = None,
         ignore_keys: Sequence[str] = (),
         model_config: Any = None,
+        **kwargs: Unpack[PackArgs],
     ) -> None:
         # Every option is checked here, so a mistake fails where the collator is built,
         # not at the first batch.
-        self.max_len = _int_arg("max_len", max_len, minimum=1, maximum=MAX_LEN_LIMIT)
+        #: The packing options of every batch (and the base of a dataset's).
+        self.options = with_separator(PackedCollator, options, max_len, kwargs, separator_id,
+                                      refuse=_PER_PLAN)
         self.backend = _choice("backend", backend, BACKENDS)
         self.mask = _choice("mask", mask, MASK_MODES)
         self.pad_to_multiple_of = None if pad_to_multiple_of is None else _int_arg(
@@ -127,8 +142,6 @@ class PackedCollator:
         )
         self.train_separators = _bool_arg("train_separators", train_separators)
         self.pad_id = _int_arg("pad_id", pad_id, minimum=-(2**63), maximum=2**63 - 1)
-        self.strategy = _choice("strategy", strategy, STRATEGIES)
-        self.overlong = _choice("overlong", overlong, OVERLONG_POLICIES)
         if self.backend == "padded" and self.overlong in ("split", "drop"):
             raise FastpackError(
                 f"overlong: {self.overlong!r} does not apply to backend='padded' (one sample "
@@ -174,16 +187,31 @@ class PackedCollator:
                         f"{name}: {token} is the model's image or video placeholder token; "
                         f"pick another id"
                     )
+        if self.options.budgets and self.backend == "padded":
+            raise FastpackError(
+                f"limits: {dict(self.options.budgets)} do not apply to backend='padded' (one "
+                f"sample per row)"
+            )
+        if self.options.budgets and self.vlm is None:
+            raise FastpackError(
+                f"limits: {dict(self.options.budgets)} are counted from each sample's media; "
+                f"pass model_config=model.config (or pack the dataset with fastpack.pack("
+                f"lengths, limits={{name: (values, cap)}}))"
+            )
         self.format = BatchFormat(
             backend=self.backend, mask=self.mask,
             return_tensors=_choice("return_tensors", return_tensors, RETURN_TENSORS),
             fixed_cu_seqlens=fixed_cu_seqlens, mask_dtype=mask_dtype,
             return_seq_idx=return_seq_idx, return_num_items=return_num_items,
         )
-
-    @property
-    def reserve(self) -> int:
-        return 0 if self.separator_id is None else 1
+        # One batch keeps its samples in order on the flat layout, where bin packing could
+        # only reorder them (the padded backend has its own planner); under budgets besides
+        # tokens the fit strategy places them (the order of the media follows).
+        flat = self.layout == "flat" and not self.options.budgets
+        self._batch_options = self.options.replace(
+            strategy="next_fit" if flat else self.options.strategy,
+            shuffle=False,
+        )
 
     @property
     def layout(self) -> str:
@@ -229,13 +257,16 @@ class PackedCollator:
             self._column(features, key), mask=True, name=key
         )
         if self.backend == "padded":
-            plan = self.plan(lengths)
+            plan = self.plan(lengths, shuffle=False)
+        elif self.options.budgets:
+            assert self.vlm is not None
+            values = media_budgets(features, [n for n, _ in self.options.budgets],
+                                   mrope=self.vlm.mrope)
+            limits = {n: (values[n], cap) for n, cap in self.options.budgets}
+            plan = pack(lengths, options=self._batch_options, threads=self.threads,
+                        limits=limits)
         else:
-            # One flat row holds every pack end to end: bin packing would only reorder the
-            # samples, so keep their order.
-            strategy = "next_fit" if self.layout == "flat" else self.strategy
-            plan = pack(lengths, self.max_len, strategy=strategy, overlong=self.overlong,
-                        reserve=self.reserve, shuffle=False, threads=self.threads)
+            plan = pack(lengths, options=self._batch_options, threads=self.threads)
         return self.batch(plan, tokens, None, labels=labels, loss_mask=loss_mask,
                           media=features if self.vlm is not None else None)
 
@@ -289,31 +320,38 @@ class PackedCollator:
         return next((k for k in LOSS_MASK_KEYS if any(k in f for f in features)), None)
 
     def plan(
-        self,
-        lengths: Any,
-        *,
-        shuffle: bool = False,
-        seed: int = 0,
-        long_max_len: int | None = None,
-        group_tokens: int | None = None,
+        self, lengths: Any, *, options: PackOptions | None = None, media: Any = None,
+        **kwargs: Unpack[PackArgs]
     ) -> Plan:
-        """The plan this collator uses for samples of these lengths (a whole dataset):
-        ``strategy`` whatever ``shuffle`` is; ``shuffle``/``seed`` shuffle the packs
-        (``long_max_len`` and ``group_tokens``: see :func:`fastpack.pack`). With the padded
-        backend every sample is its own pack, in input order or shuffled by ``seed``."""
-        shuffle = _bool_arg("shuffle", shuffle)
-        seed = _int_arg("seed", seed, minimum=0, maximum=2**64 - 1)
+        """The plan this collator uses for samples of these lengths (a whole dataset): its
+        per-batch options (``strategy`` whatever ``shuffle`` is), with the plan options
+        given here (``shuffle``, ``seed``, ``long_max_len``, ``group_tokens``: see
+        :func:`fastpack.pack`; shuffled with seed 0 by default). With the padded backend
+        every sample is its own pack, in input order or shuffled by ``seed``. With
+        ``limits``, ``media`` (the samples, or a ``datasets.Dataset`` with their grid
+        columns) gives each sample's use of every budget."""
+        opts, _ = layered(PackedCollator.plan, self.options, options, kwargs)
+        return self._plan(lengths, opts, media)
+
+    def _plan(self, lengths: Any, options: PackOptions, media: Any = None) -> Plan:
+        if options.budgets:
+            if media is None or self.vlm is None:
+                raise FastpackError(
+                    f"media: limits {dict(options.budgets)} are counted from each sample's "
+                    f"media; pass media= (the samples, or a datasets.Dataset with their "
+                    f"image_grid_thw / video_grid_thw columns)"
+                )
+            values = media_budgets(media, [n for n, _ in options.budgets], mrope=self.vlm.mrope)
+            return pack(lengths, options=options, threads=self.threads,
+                        limits={n: (values[n], cap) for n, cap in options.budgets})
         if self.backend == "padded":
-            if long_max_len is not None or group_tokens is not None:
+            if options.long_max_len is not None or options.group_tokens is not None:
                 raise FastpackError(
                     "long_max_len/group_tokens: do not apply to backend='padded' (one sample "
                     "per row)"
                 )
-            return _one_per_pack(np.asarray(lengths, dtype=np.int64), self.max_len,
-                                 self.reserve, self.overlong, seed if shuffle else None)
-        return pack(lengths, self.max_len, strategy=self.strategy, overlong=self.overlong,
-                    reserve=self.reserve, shuffle=shuffle, seed=seed, threads=self.threads,
-                    long_max_len=long_max_len, group_tokens=group_tokens)
+            return _one_per_pack(np.asarray(lengths, dtype=np.int64), options)
+        return pack(lengths, options=options, threads=self.threads)
 
     def batch(
         self,
@@ -342,12 +380,13 @@ class PackedCollator:
                 "dict of pixel_values, image_grid_thw, ...) as media="
             )
         # The samples in the order their placeholders appear in the rows.
-        order = np.asarray(plan.sample_ids)[_segments(plan, packs)]
+        chosen = plan._packs(packs)
+        offsets = np.asarray(plan.pack_offsets)
+        order: Any = np.concatenate([np.asarray(plan.sample_ids[a:b]) for a, b in zip(
+            offsets[chosen].tolist(), offsets[chosen + 1].tolist())]) if len(chosen) else []
         ragged = as_ragged(tokens)
-        checked = []
-        for i in order.tolist():
-            ids = np.asarray(ragged[i])
-            checked.append(sample_media(self.vlm, media[i], i, ids))
+        checked = [sample_media(self.vlm, media[i], i, np.asarray(ragged[i]))
+                   for i in np.asarray(order, dtype=np.int64).tolist()]
         extra = media_batch(self.vlm, checked, rows, padded=self.backend == "padded",
                             return_tensors=self.return_tensors, threads=self.threads)
         out = self.format(rows)
@@ -355,15 +394,14 @@ class PackedCollator:
         return out
 
 
-def _segments(plan: Plan, packs: Any) -> np.ndarray:
-    """The plan's segments of ``packs`` (default: all), in the order the rows hold them."""
-    if packs is None:
-        return np.arange(plan.num_segments)
-    offsets = np.asarray(plan.pack_offsets)
-    chosen = _packs(plan, packs)
-    lo, hi = offsets[chosen], offsets[chosen + 1]
-    return np.concatenate([np.arange(a, b) for a, b in zip(lo.tolist(), hi.tolist())]) \
-        if len(chosen) else np.zeros(0, dtype=np.int64)
+def as_collator(value: Any) -> PackedCollator:
+    """``value`` if it is a :class:`PackedCollator` (what a dataset packs with), else the
+    one error for it."""
+    if not isinstance(value, PackedCollator):
+        raise FastpackTypeError(
+            f"collator: expected a fastpack.torch.PackedCollator, got {type(value).__name__}"
+        )
+    return value
 
 
 def _per_token(value: Any, length: int) -> bool:
@@ -398,10 +436,11 @@ def _check_unpacked(sample: Mapping[str, Any], index: int, length: int,
             )
 
 
-def _one_per_pack(lengths: np.ndarray, max_len: int, reserve: int, overlong: str,
-                  seed: int | None = None) -> Plan:
-    """A plan with every sample in its own pack (the padded baseline), in order or, with a
-    ``seed``, shuffled."""
+def _one_per_pack(lengths: np.ndarray, options: PackOptions) -> Plan:
+    """A plan with every sample in its own pack (the padded baseline), in order or, with
+    ``options.shuffle``, shuffled by ``options.seed``."""
+    max_len, reserve, overlong = options.max_len, options.reserve, options.overlong
+    seed = options.seed if options.shuffle else None
     extended = lengths + reserve
     over = extended > max_len
     if over.any() and overlong == "error":
@@ -437,4 +476,5 @@ def _one_per_pack(lengths: np.ndarray, max_len: int, reserve: int, overlong: str
         "truncated_sequences": int(over.sum()),
         "truncated_tokens": int((extended - np.minimum(extended, max_len)).sum()),
         "split_sequences": 0, "total_tokens": total,
+        "shuffle": options.shuffle, "seed": options.seed,
     })

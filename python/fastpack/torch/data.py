@@ -7,18 +7,24 @@ import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from .. import _core
+from .._checks import _int_arg
 from .._errors import FastpackError, FastpackTypeError
-from .._materialize import Ragged, TokenData, as_ragged
-from .._plan import Plan, _int_arg, _with_metrics
+from .._materialize import Ragged, TokenData, _is_dataset, as_ragged
+from .._options import PackArgs, PackOptions, WithOptions, check_plan, layered
+from .._plan import Plan
 from .._targets import segment_targets
-from .collator import PackedCollator
+from .collator import PackedCollator, as_collator
+from .media import vision_work
 from .step import Step
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["PackedDataset", "StepTable", "first_item"]
 
@@ -58,12 +64,33 @@ class StepTable:
     targets: np.ndarray
     sequences: np.ndarray
     segment_targets: np.ndarray
+    #: Each segment's vision encoder work (float64 [S]; see
+    #: :func:`fastpack.torch.media.vision_work`), or None without media.
+    segment_vision: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
 
+    @cached_property
+    def vision(self) -> np.ndarray:
+        """Each step's vision encoder work (float64 [N]; zeros without media)."""
+        return self.vision_between(self.segment_offsets[:-1], self.segment_offsets[1:])
 
-class PackedDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    @cached_property
+    def _vision_cumulative(self) -> np.ndarray | None:
+        if self.segment_vision is None:
+            return None
+        return np.concatenate(([0.0], np.cumsum(self.segment_vision)))
+
+    def vision_between(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        """The vision work of segments ``lo[i]:hi[i]`` for every ``i`` (float64)."""
+        cumulative = self._vision_cumulative
+        if cumulative is None:
+            return np.zeros(len(lo), dtype=np.float64)
+        return cumulative[hi] - cumulative[lo]
+
+
+class PackedDataset(torch.utils.data.Dataset, WithOptions):  # type: ignore[type-arg]
     """A whole dataset packed once; item ``i`` is step ``i``: a ready batch (formatted by
     ``collator``) of one group of the plan (``group_tokens``) or of ``packs_per_batch``
     packs.
@@ -87,14 +114,22 @@ class PackedDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
             ``datasets.Dataset``).
         packs_per_batch: a step is this many packs (rows), in plan order (default 1
             without ``group_tokens``).
-        group_tokens: a step is one group of the two-level plan: packs of ``max_len``
-            bin-packed under this token budget, so every step carries nearly the same
-            tokens (see :func:`fastpack.pack`). At least ``long_max_len`` (or ``max_len``).
-        long_max_len: a second bucket for sequences over ``max_len``, packed into packs of
-            this cap (never mixed with short ones in a pack or a group).
+        media: with a vision-language collator (``model_config``), each sample's media
+            keys, indexed like ``tokens``: the samples, or a ``datasets.Dataset`` with the
+            media columns (default: ``tokens`` itself when it is a Dataset). The collator's
+            ``limits`` are counted from it, each step's batch takes its samples' media,
+            and :class:`PackedSampler` balances the vision encoder's work per step.
         plan: a precomputed plan over ``tokens`` (default: packed here); its groups are
-            the steps unless ``packs_per_batch`` is given.
-        shuffle, seed: shuffle the packs (groups) of the plan, once.
+            the steps unless ``packs_per_batch`` is given. It must have been made with the
+            options given here and the collator's ``max_len`` and ``reserve``
+            (``plan.options`` is compared).
+        options, **kwargs: the options of the whole plan (:class:`fastpack.PackOptions`):
+            ``group_tokens`` (a step is one group of the two-level plan: packs bin-packed
+            under this token budget, so every step carries nearly the same tokens; at
+            least ``long_max_len``, or ``max_len``), ``long_max_len`` (a second bucket for
+            sequences over ``max_len``, never mixed with short ones in a pack or a group),
+            ``shuffle`` and ``seed`` (shuffle the packs, or groups, of the plan, once). The
+            per-batch options are the collator's: given here, they must equal them.
 
     An item is an ``int`` (step ``i``) or a :class:`fastpack.torch.Step` from a
     :class:`~fastpack.torch.PackedSampler`, which may name a smaller piece of a step and
@@ -113,41 +148,40 @@ class PackedDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
         labels: TokenData | str | None = None,
         loss_mask: TokenData | str | None = None,
         packs_per_batch: int | None = None,
-        group_tokens: int | None = None,
-        long_max_len: int | None = None,
         plan: Plan | None = None,
-        shuffle: bool = True,
-        seed: int = 0,
+        media: Any = None,
+        options: PackOptions | None = None,
+        **kwargs: Unpack[PackArgs],
     ) -> None:
-        if not isinstance(collator, PackedCollator):
-            raise FastpackTypeError(
-                f"collator: expected a PackedCollator, got {type(collator).__name__}"
-            )
+        as_collator(collator)
         dataset = tokens if _is_dataset(tokens) else None
+        if collator.vlm is not None and media is None:
+            if dataset is None:
+                raise FastpackError(
+                    "media: the collator has a model_config; pass each sample's media "
+                    "(media=the samples, or a datasets.Dataset with their media columns)"
+                )
+            media = dataset  # its rows carry the media columns
+        #: Each sample's media (with a vision-language collator), indexed like ``tokens``.
+        self.media = media
         self.tokens: Ragged = as_ragged(tokens)
         self.labels = _resolve(labels, dataset, mask=False)
         self.loss_mask = _resolve(loss_mask, dataset, mask=True)
         self.collator = collator
-        if packs_per_batch is not None and group_tokens is not None:
+        #: The packing options: the collator's per-batch ones and the plan options given.
+        self.options, stated = layered(PackedDataset, collator.options, options, kwargs)
+        if packs_per_batch is not None and self.options.group_tokens is not None:
             raise FastpackError(
                 "packs_per_batch, group_tokens: pass one: a fixed number of packs per step, "
                 "or a token budget per step"
             )
         if plan is None:
-            plan = collator.plan(
-                self.tokens.lengths, shuffle=shuffle, seed=seed, long_max_len=long_max_len,
-                group_tokens=group_tokens,
-            )
+            plan = collator._plan(self.tokens.lengths, self.options, media)
         elif not isinstance(plan, Plan):
             raise FastpackTypeError(f"plan: expected a fastpack.Plan, got {type(plan).__name__}")
         else:
-            for name, value, have in (("group_tokens", group_tokens, plan.group_tokens),
-                                      ("long_max_len", long_max_len, plan.long_max_len)):
-                if value is not None and value != have:
-                    raise FastpackError(
-                        f"{name}: got {value}, but the given plan was made with {have}; "
-                        f"pass {name} to fastpack.pack() when planning"
-                    )
+            # What building the batches reads from the plan, and what the caller stated.
+            check_plan(plan.options, self.options, {"max_len", "reserve"} | stated)
         if plan.num_sequences != len(self.tokens):
             raise FastpackError(
                 f"plan: made from {plan.num_sequences} lengths, but the token data has "
@@ -190,7 +224,12 @@ class PackedDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
             separator_id=self.collator.separator_id,
             train_separators=self.collator.train_separators, threads=self.collator.threads,
         )
-        return step_table(self.plan, self.step_pack_offsets, per_segment)
+        vision = None
+        vlm = self.collator.vlm
+        if vlm is not None and vlm.mrope and self.media is not None:
+            vision = vision_work(self.media, vlm.vision_hidden_size)[
+                np.asarray(self.plan.sample_ids)]
+        return step_table(self.plan, self.step_pack_offsets, per_segment, vision)
 
     @cached_property
     def fingerprint(self) -> dict[str, Any]:
@@ -260,7 +299,7 @@ class PackedDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
         p0, p1, lo, hi = self._segments(index)
         batch = self.collator.batch(
             _sub_plan(self.plan, p0, p1, lo, hi), self.tokens, None,
-            labels=self.labels, loss_mask=self.loss_mask,
+            labels=self.labels, loss_mask=self.loss_mask, media=self.media,
         )
         if step is not None:
             for key in ("num_items_in_batch", "num_sequences_in_batch"):
@@ -274,16 +313,18 @@ class PackedDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
         return (self[i] for i in range(len(self)))
 
 
-def step_table(plan: Plan, step_pack_offsets: np.ndarray, per_segment: np.ndarray) -> StepTable:
+def step_table(plan: Plan, step_pack_offsets: np.ndarray, per_segment: np.ndarray,
+               segment_vision: np.ndarray | None = None) -> StepTable:
     """The :class:`StepTable` of steps ``step_pack_offsets`` (CSR over the plan's packs)
-    given the targets of every segment (from :func:`fastpack._targets.segment_targets`)."""
+    given the targets of every segment (from :func:`fastpack._targets.segment_targets`)
+    and, with media, each segment's vision work."""
     segments = np.asarray(plan.pack_offsets, dtype=np.int64)[step_pack_offsets]
     per_segment = np.ascontiguousarray(per_segment, dtype=np.uint32)
     tokens, squared, targets, sequences = _core.step_sums(plan.seqlens, per_segment, segments)
     table = StepTable(
         pack_offsets=step_pack_offsets, segment_offsets=segments, tokens=tokens,
         squared_tokens=squared, targets=targets, sequences=sequences,
-        segment_targets=per_segment,
+        segment_targets=per_segment, segment_vision=segment_vision,
     )
     for array in (table.segment_offsets, table.tokens, table.squared_tokens,
                   table.targets, table.sequences, table.segment_targets):
@@ -324,12 +365,11 @@ def _sub_plan(plan: Plan, p0: int, p1: int, lo: int, hi: int) -> Plan:
     fields.update(
         sample_ids=plan.sample_ids[lo:hi], starts=plan.starts[lo:hi], seqlens=seqlens,
         pack_offsets=offsets - lo, total_tokens=total, buckets=buckets,
-        long_max_len=plan.long_max_len, pack_caps=caps,
+        long_max_len=plan.long_max_len, pack_caps=caps, shuffle=plan.options.shuffle,
+        seed=plan.options.seed,
     )
-    return Plan(_with_metrics(fields))
+    return Plan(fields)
 
-def _is_dataset(obj: Any) -> bool:
-    return type(obj).__module__.startswith("datasets") and hasattr(obj, "column_names")
 
 
 def _resolve(data: Any, dataset: Any, *, mask: bool) -> Ragged | None:

@@ -22,15 +22,22 @@ import numpy as np
 import torch
 
 from .._errors import FastpackError
-from ..vlm import VlmConfig, mm_token_type_ids, position_ids
+from ..vlm import (
+    IMAGE_KEYS,
+    MEDIA_BUDGETS,
+    MEDIA_KEYS,
+    VIDEO_KEYS,
+    VlmConfig,
+    media_budgets,
+    mm_token_type_ids,
+    position_ids,
+    vision_work,
+)
 
-__all__ = ["IMAGE_KEYS", "MEDIA_KEYS", "VIDEO_KEYS", "media_batch", "sample_media"]
-
-#: The processor's per-sample keys for images, videos, and the per-token type ids the
-#: collator rebuilds (``mm_token_type_ids``).
-IMAGE_KEYS = ("pixel_values", "image_grid_thw", "image_sizes")
-VIDEO_KEYS = ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
-MEDIA_KEYS = (*IMAGE_KEYS, *VIDEO_KEYS, "mm_token_type_ids")
+__all__ = [
+    "IMAGE_KEYS", "MEDIA_BUDGETS", "MEDIA_KEYS", "VIDEO_KEYS", "media_batch", "media_budgets",
+    "sample_media", "vision_work",
+]
 
 
 def _numpy(value: Any) -> np.ndarray:
