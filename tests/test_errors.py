@@ -415,6 +415,26 @@ def _vlm_rows() -> list[Row]:
             E, r"^overlong: 'split' would cut a sample's image placeholders from its pixels"),
         Row("vlm-pad-is-placeholder", lambda: PackedCollator(8, model_config=qwen, pad_id=60), E,
             r"^pad_id: 60 is the model's image or video placeholder token"),
+        Row("vlm-limits-without-config", lambda: PackedCollator(8, limits={"images": 2}), E,
+            r"^limits: \{'images': 2\} are counted from each sample's media; pass "
+            r"model_config=model\.config"),
+        Row("vlm-limits-padded", lambda: PackedCollator(8, backend="padded", model_config=qwen,
+                                                        limits={"images": 2}), E,
+            r"^limits: \{'images': 2\} do not apply to backend='padded'"),
+        Row("vlm-limits-unknown-budget", collate(image, limits={"frames": 2}), E,
+            r"^limits: 'frames' is not counted from a sample's media; the budgets are "
+            r"'patches', 'images', 'videos'"),
+        Row("vlm-limits-plain-patches", collate({"input_ids": [1, 60, 60, 60, 60],
+                                                 "pixel_values": torch.zeros(1, 3, 8, 8)},
+                                                config=llava, limits={"patches": 8}), E,
+            r"^limits: a model with plain positions has no grids to count patches or videos "
+            r"from; its budget is 'images'"),
+        Row("vlm-plan-without-media", lambda: PackedCollator(
+            8, model_config=qwen, limits={"images": 2}).plan([3, 4]), E,
+            r"^media: limits \{'images': 2\} are counted from each sample's media; pass media="),
+        Row("vlm-dataset-without-media", lambda: fastpack.torch.PackedDataset(
+            [[1, 2], [3]], PackedCollator(8, model_config=qwen)), E,
+            r"^media: the collator has a model_config; pass each sample's media"),
     ]
 
 

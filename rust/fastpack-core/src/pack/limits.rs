@@ -19,11 +19,11 @@
 //! the least token room `>= len`, whose list usually holds a pack with room in every
 //! budget. When it does not, a max-tree over token rooms `0..=max_len` whose leaves hold,
 //! per budget, `1 +` the largest room of their packs (0: none) is searched rightwards,
-//! descending only where every budget's maximum admits the item; a leaf whose packs
-//! cannot take it in every budget at once gets its maxima recomputed and the search moves
-//! on. Maxima may be stale upward (a pack taken out of a list leaves them), never
-//! downward: they only ever cost a look. **First fit**: a max-tree over the packs
-//! themselves (token room and every budget's).
+//! descending only where every budget's maximum admits the item. The maxima are exact
+//! (raised when a pack is put in a list, recomputed from the list when the pack taken
+//! out held one), so a leaf misleads only when one pack has the most room in one budget
+//! and another in the next: then no pack of it takes the item and the search moves on.
+//! **First fit**: a max-tree over the packs themselves (token room and every budget's).
 //!
 //! The placement is deterministic and depends on the data only (shards as for one
 //! budget), never on the thread count.
@@ -422,19 +422,22 @@ struct Entry<const K: usize> {
     left: [u32; K],
 }
 
+/// Children of a node of best fit's max-tree: one cache line of lanes for two budgets.
+const FAN: usize = 16;
+
 /// Best fit on tokens (see the module docs): the rooms that have a pack (a bitset tree,
 /// the usual answer in a few word operations), each room's packs with their budgets'
 /// rooms side by side (a short scan of contiguous memory) and, for the items their least
-/// room cannot take, a max-tree of every budget's rooms.
+/// room cannot take, a 16-ary max-tree of every budget's rooms.
 struct BestFit<const K: usize> {
     max_len: u32,
     caps: [u32; K],
     present: RoomSet,
-    /// Leaves: `size` (a power of two over `0..=max_len`); node `i`'s children `2i, 2i+1`.
-    size: usize,
-    /// Per node, per budget: at least `1 +` the largest room of a pack below (0: none).
-    tree: Vec<[u32; K]>,
-    /// The open packs of each token room (their order is free: ties go to any of them).
+    /// `levels[0][room]`, per budget, `1 +` the largest room of a pack of that token room
+    /// (0: none); `levels[k + 1][i]` the lane maxima of `levels[k][16i..16i + 16]`.
+    levels: Vec<Vec<[u32; K]>>,
+    /// The open packs of each token room (their order is free: ties of token room go to
+    /// the first that fits).
     lists: Vec<Vec<Entry<K>>>,
     packs: u32,
     /// Per budget: sum and fullest pack, of the packs that closed (no token room left).
@@ -443,17 +446,24 @@ struct BestFit<const K: usize> {
 
 impl<const K: usize> BestFit<K> {
     fn new(max_len: u32, caps: [u32; K]) -> Result<Self> {
-        let size = (max_len as usize + 1).next_power_of_two();
-        let mut tree = memory::try_with_capacity::<[u32; K]>(2 * size, "the budget index")?;
-        tree.resize(2 * size, [0; K]);
+        let mut levels = Vec::new();
+        let mut width = max_len as usize + 1;
+        loop {
+            let mut level = memory::try_with_capacity::<[u32; K]>(width, "the budget index")?;
+            level.resize(width, [0; K]);
+            levels.push(level);
+            if width == 1 {
+                break;
+            }
+            width = width.div_ceil(FAN);
+        }
         let mut lists = memory::try_with_capacity(max_len as usize + 1, "the budget index")?;
         lists.resize_with(max_len as usize + 1, Vec::new);
         Ok(Self {
             max_len,
             caps,
             present: RoomSet::new(max_len as usize)?,
-            size,
-            tree,
+            levels,
             lists,
             packs: 0,
             closed: [(0, 0); K],
@@ -461,73 +471,97 @@ impl<const K: usize> BestFit<K> {
     }
 
     #[inline(always)]
-    fn admits(&self, node: usize, need: &[u32; K]) -> bool {
-        let lanes = &self.tree[node];
+    fn admits(lanes: &[u32; K], need: &[u32; K]) -> bool {
         (0..K).all(|d| lanes[d] > need[d])
     }
 
-    /// The leftmost leaf under `node` (which admits `need`) that admits it.
-    fn descend(&self, node: usize, need: &[u32; K]) -> Option<usize> {
-        if node >= self.size {
-            return Some(node - self.size);
+    /// The leftmost room under node `i` of level `k` (which admits `need`) that admits it.
+    fn descend(&self, k: usize, i: usize, need: &[u32; K]) -> Option<usize> {
+        if k == 0 {
+            return Some(i);
         }
-        for child in [2 * node, 2 * node + 1] {
-            if self.admits(child, need) {
-                if let Some(leaf) = self.descend(child, need) {
-                    return Some(leaf);
+        let below = &self.levels[k - 1];
+        let end = (FAN * (i + 1)).min(below.len());
+        for c in FAN * i..end {
+            if Self::admits(&below[c], need) {
+                if let Some(room) = self.descend(k - 1, c, need) {
+                    return Some(room);
                 }
             }
         }
         None
     }
 
-    /// The first leaf at or after `from` that admits `need`.
+    /// The first room at or after `from` whose maxima admit `need`.
     fn first_leaf(&self, from: usize, need: &[u32; K]) -> Option<usize> {
-        let mut i = from + self.size;
+        let (mut k, mut i) = (0, from);
         loop {
-            if self.admits(i, need) {
-                if let Some(leaf) = self.descend(i, need) {
-                    return Some(leaf);
+            let level = &self.levels[k];
+            let end = ((i / FAN + 1) * FAN).min(level.len());
+            for j in i..end {
+                if Self::admits(&level[j], need) {
+                    if let Some(room) = self.descend(k, j, need) {
+                        return Some(room);
+                    }
                 }
             }
-            while i & 1 == 1 {
-                i >>= 1;
-            }
-            if i == 0 {
+            k += 1;
+            i = i / FAN + 1;
+            if k == self.levels.len() || i >= self.levels[k].len() {
                 return None;
             }
-            i += 1;
         }
     }
 
-    /// Takes a pack of room `room` that covers `need`; if none does, sets the leaf's
-    /// maxima from the packs it looked at (and its ancestors') and returns `None`.
+    /// Takes a pack of room `room` that covers `need`, if one does.
     #[inline(always)]
     fn take_from(&mut self, room: usize, need: &[u32; K]) -> Option<Entry<K>> {
         let list = &mut self.lists[room];
-        if let Some(at) = list.iter().position(|e| covers(&e.left, need)) {
-            let entry = list.swap_remove(at);
-            if list.is_empty() {
-                self.present.remove(room);
-            }
-            return Some(entry);
+        let at = list.iter().position(|e| covers(&e.left, need))?;
+        let entry = list.swap_remove(at);
+        if list.is_empty() {
+            self.present.remove(room);
         }
-        let lanes = list.iter().fold([0u32; K], |m, e| lane_max(m, e.left.map(|r| r + 1)));
-        self.set_leaf(room, lanes);
-        None
+        // The room's maxima stay exact: lowered when the pack taken held one.
+        let held = self.levels[0][room];
+        if (0..K).any(|d| entry.left[d] + 1 == held[d]) {
+            let lanes = self.lists[room]
+                .iter()
+                .fold([0u32; K], |m, e| lane_max(m, e.left.map(|r| r + 1)));
+            self.lower(room, lanes);
+        }
+        Some(entry)
     }
 
-    /// Leaf `room`'s maxima (lowered to what its packs hold), and its ancestors'.
-    fn set_leaf(&mut self, room: usize, lanes: [u32; K]) {
-        let mut node = room + self.size;
-        self.tree[node] = lanes;
-        while node > 1 {
-            node >>= 1;
-            let m = lane_max(self.tree[2 * node], self.tree[2 * node + 1]);
-            if m == self.tree[node] {
+    /// Room `room`'s maxima lowered to `lanes`, and its ancestors' recomputed.
+    fn lower(&mut self, room: usize, lanes: [u32; K]) {
+        if self.levels[0][room] == lanes {
+            return;
+        }
+        self.levels[0][room] = lanes;
+        let mut i = room;
+        for k in 1..self.levels.len() {
+            i /= FAN;
+            let below = &self.levels[k - 1];
+            let end = (FAN * (i + 1)).min(below.len());
+            let m = below[FAN * i..end].iter().fold([0u32; K], |m, l| lane_max(m, *l));
+            if m == self.levels[k][i] {
                 break;
             }
-            self.tree[node] = m;
+            self.levels[k][i] = m;
+        }
+    }
+
+    /// Room `room`'s maxima raised to hold `lanes`, and its ancestors'.
+    fn raise(&mut self, room: usize, lanes: [u32; K]) {
+        let mut i = room;
+        for level in &mut self.levels {
+            let m = lane_max(level[i], lanes);
+            if m == level[i] {
+                break;
+            }
+            level[i] = m;
+            i /= FAN;
         }
     }
 }
@@ -535,8 +569,7 @@ impl<const K: usize> BestFit<K> {
 impl<const K: usize> Fit<K> for BestFit<K> {
     fn take(&mut self, len: u32, need: &[u32; K]) -> Option<(u32, u32, [u32; K])> {
         // From the least room that has a pack (usually one of its packs takes the item),
-        // the rooms whose budgets' maxima admit it; stale maxima are lowered where they
-        // mislead.
+        // the rooms whose budgets' maxima admit it.
         let mut from = self.present.first_at_least(len as usize)?;
         while from <= self.max_len as usize {
             let room = self.first_leaf(from, need)?;
@@ -570,20 +603,7 @@ impl<const K: usize> Fit<K> for BestFit<K> {
         // Allocation failure here aborts like any Vec growth would; the lists hold one
         // entry per open pack, at most what the plan itself holds.
         list.push(Entry { pack, left });
-        // Maxima only rise here (a pack taken out leaves them, as upper bounds).
-        let lanes = left.map(|x| x + 1);
-        let mut node = r + self.size;
-        loop {
-            let m = lane_max(self.tree[node], lanes);
-            if m == self.tree[node] {
-                break;
-            }
-            self.tree[node] = m;
-            if node == 1 {
-                break;
-            }
-            node >>= 1;
-        }
+        self.raise(r, left.map(|x| x + 1));
     }
 
     fn packs(&self) -> u32 {
