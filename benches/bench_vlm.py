@@ -21,12 +21,12 @@ packing saves over padding on a realistic mix.
 3. **Padding vs packing** on the mix: padded batches of 8 (each row as long as its
    longest sample) against packs of ``max_len`` within the budgets.
 
-The mix (fixed seed): 50% captions (20-120 text tokens, one image), 20% documents with 2-6
-images (100-800 text tokens), 10% videos (16-64 frames, 50-300 text tokens), 20% text
-only (100-3000 tokens); image sizes drawn from common photo and screen shapes (224-2048
-px a side), each image's tokens and patches from ``media_tokens`` with the Qwen2-VL
-processor's defaults (patch 14, merge 2, 56*56 to 28*28*1280 pixels). Packs: 8192 tokens,
-16384 patches (the vision encoder's varlen batch), 16 images.
+The mix (fixed seed): 50% captions (20-120 text tokens, one image), 20% documents with 2-4
+images (100-800 text tokens), 10% videos (16-32 frames of 336x448, 50-300 text tokens),
+20% text only (100-3000 tokens); image sizes drawn from common photo and screen shapes
+(224-2048 px a side), each image's tokens and patches from ``media_tokens`` with the
+Qwen2-VL processor's defaults (patch 14, merge 2, 56*56 to 28*28*1280 pixels). Packs:
+8192 tokens, 32768 patches (the vision encoder's varlen batch), 16 images.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-MAX_LEN, MAX_PATCHES, MAX_IMAGES = 8192, 16384, 16
+MAX_LEN, MAX_PATCHES, MAX_IMAGES = 8192, 32768, 16
 
 
 def cpu() -> str:
@@ -76,7 +76,7 @@ def mix(n: int, seed: int = 0) -> dict[str, np.ndarray]:
 
     rng = np.random.default_rng(seed)
     kind = rng.choice(4, size=n, p=[0.5, 0.2, 0.1, 0.2])  # caption, multi-image, video, text
-    images = np.where(kind == 0, 1, np.where(kind == 1, rng.integers(2, 7, n), 0))
+    images = np.where(kind == 0, 1, np.where(kind == 1, rng.integers(2, 5, n), 0))
     shapes = np.array([(480, 640), (640, 480), (375, 500), (1080, 1920), (768, 1024),
                        (224, 224), (1024, 1024), (2048, 1536), (720, 1280), (600, 800)])
     which = rng.integers(0, len(shapes), int(images.sum()))
@@ -86,8 +86,8 @@ def mix(n: int, seed: int = 0) -> dict[str, np.ndarray]:
     owner = np.repeat(np.arange(n), images)
     image_tokens = np.bincount(owner, weights=media.tokens, minlength=n).astype(np.int64)
     image_patches = np.bincount(owner, weights=media.patches, minlength=n).astype(np.int64)
-    # Videos: 16-64 frames of 336x448, two frames a temporal patch: 12x16 tokens each.
-    frames = np.where(kind == 2, rng.integers(16, 65, n), 0)
+    # Videos: 16-32 frames of 336x448, two frames a temporal patch: 12x16 tokens each.
+    frames = np.where(kind == 2, rng.integers(16, 33, n), 0)
     video_patches = np.where(kind == 2, -(-frames // 2) * 24 * 32, 0)
     text = np.select([kind == 0, kind == 1, kind == 2],
                      [rng.integers(20, 121, n), rng.integers(100, 801, n),
@@ -180,7 +180,7 @@ def positions(quick: bool) -> dict:
 
 
 # ------------------------------------------------------------------ 2. planning
-def worker(variant: str, path: str, reps: int) -> None:
+def worker(variant: str, path: str, reps: int, max_len: int, overlong: str) -> None:
     data = np.load(path)
     import fastpack
 
@@ -189,42 +189,73 @@ def worker(variant: str, path: str, reps: int) -> None:
     if variant == "three budgets":
         limits = {"patches": (data["patches"], MAX_PATCHES), "images": (data["images"],
                                                                        MAX_IMAGES)}
-    kwargs = {"shuffle": False, "overlong": "drop"}
+    kwargs: dict = {"shuffle": False, "overlong": overlong}
     if limits is not None:
         kwargs["limits"] = limits
     t0 = time.perf_counter()
-    plan = fastpack.pack(lengths, MAX_LEN, **kwargs)
+    plan = fastpack.pack(lengths, max_len, **kwargs)
     first = time.perf_counter() - t0
     warm = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        fastpack.pack(lengths, MAX_LEN, **kwargs)
+        fastpack.pack(lengths, max_len, **kwargs)
         warm.append(time.perf_counter() - t0)
     out = {"first": first, "warm": statistics.median(warm), "packs": plan.num_packs,
            "token_bound": plan.lower_bound, "efficiency": plan.efficiency,
            "dropped": plan.dropped_sequences,
-           "limits": {k: [v.lower_bound, v.total, v.max_fill] for k, v in plan.limits.items()},
+           "limits": {k: [v.lower_bound, v.total, v.max_fill]
+                      for k, v in getattr(plan, "limits", {}).items()},
            "fastpack": os.path.dirname(fastpack.__file__)}
     print(json.dumps(out))
+
+
+def run_variants(variants: list[tuple[str, str, str | None, int, str]], reps: int,
+                 rounds: int) -> dict[str, list[dict]]:
+    """``(name, data path, fastpack site or None, max_len, overlong)`` each in ``rounds``
+    fresh processes, interleaved so the shared machine's load hits all alike."""
+    runs: dict[str, list[dict]] = {v[0]: [] for v in variants}
+    for _ in range(rounds):
+        for name, path, site, max_len, overlong in variants:
+            env = dict(os.environ)
+            if site:
+                env["PYTHONPATH"] = site
+            variant = "three budgets" if name.startswith("three") else "one budget"
+            cmd = [sys.executable, __file__, "--worker", variant, path, str(reps),
+                   str(max_len), overlong]
+            out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
+            runs[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    return runs
+
+
+def before_after(n: int, reps: int, rounds: int, main_site: str) -> dict:
+    """The one-budget path on bench_pack.py's distributions: this build against main's."""
+    sys.path.insert(0, str(HERE))
+    from bench_pack import gen_lengths
+
+    out = {}
+    tmp = tempfile.mkdtemp()
+    for dist, overlong in (("sft", "error"), ("pretrain", "split")):
+        path = os.path.join(tmp, f"{dist}.npz")
+        np.savez(path, lengths=gen_lengths(dist, n, 4096).astype(np.int64))
+        runs = run_variants([(f"{dist} (this branch)", path, None, 4096, overlong),
+                             (f"{dist} (main)", path, main_site, 4096, overlong)], reps, rounds)
+        for name, rs in runs.items():
+            out[name] = {"first": statistics.median(r["first"] for r in rs),
+                         "warm": statistics.median(r["warm"] for r in rs),
+                         "packs": rs[0]["packs"], "fastpack": rs[0]["fastpack"]}
+    out["load"] = load()
+    return out
 
 
 def planning(n: int, reps: int, rounds: int, main_site: str | None) -> dict:
     data = mix(n)
     path = os.path.join(tempfile.mkdtemp(), "mix.npz")
     np.savez(path, **data)
-    variants = [("one budget", None), ("three budgets", None)]
+    variants: list[tuple[str, str, str | None, int, str]] = [
+        ("one budget", path, None, MAX_LEN, "drop"), ("three budgets", path, None, MAX_LEN, "drop")]
     if main_site:
-        variants.append(("one budget (main)", main_site))
-    runs: dict[str, list[dict]] = {name: [] for name, _ in variants}
-    for _ in range(rounds):  # interleaved, so the shared machine's load hits all alike
-        for name, site in variants:
-            env = dict(os.environ)
-            if site:
-                env["PYTHONPATH"] = site
-            cmd = [sys.executable, __file__, "--worker", name.replace(" (main)", ""), path,
-                   str(reps)]
-            out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
-            runs[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
+        variants.append(("one budget (main)", path, main_site, MAX_LEN, "drop"))
+    runs = run_variants(variants, reps, rounds)
     result = {}
     for name, rs in runs.items():
         result[name] = {
@@ -265,6 +296,26 @@ def ms(x: float) -> str:
     return f"{x * 1e3:.1f} ms" if x < 10 else f"{x:.2f} s"
 
 
+def before_after_lines(ba: dict | None) -> list[str]:
+    if not ba:
+        return []
+    lines = [
+        "The one-budget path before and after this change, on bench_pack.py's "
+        "distributions (max_len 4096; fresh processes, interleaved; load "
+        f"{ba['load']} at the end):",
+        "",
+        "| lengths | main: first / warm | this branch: first / warm | warm ratio | packs |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for dist in ("sft", "pretrain"):
+        old, new = ba[f"{dist} (main)"], ba[f"{dist} (this branch)"]
+        assert old["packs"] == new["packs"]
+        lines.append(f"| {dist}-like | {ms(old['first'])} / {ms(old['warm'])} | "
+                     f"{ms(new['first'])} / {ms(new['warm'])} | "
+                     f"{new['warm'] / old['warm']:.2f}× | {new['packs']:,} |")
+    return [*lines, ""]
+
+
 def report(pos: dict, plan: dict, pad: dict, started: str, args: argparse.Namespace) -> str:
     t = pos["times"]
     lines = [
@@ -303,8 +354,8 @@ def report(pos: dict, plan: dict, pad: dict, started: str, args: argparse.Namesp
         f"{args.reps} calls each; load {plan['load']} at the end of the section.",
         "",
         "| plan | first call | warm | ÷ one budget (warm) | packs | tokens bound | "
-        "patches bound | images bound | efficiency |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "patches bound | images bound | efficiency | dropped |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     base = plan["one budget"]["warm"]
     for name in ("one budget", "one budget (main)", "three budgets"):
@@ -317,7 +368,7 @@ def report(pos: dict, plan: dict, pad: dict, started: str, args: argparse.Namesp
         lines.append(
             f"| {name} | {ms(r['first'])} | {ms(r['warm'])} | {r['warm'] / base:.2f}× | "
             f"{r['packs']:,} | {r['token_bound']:,} | {patches} | {images} | "
-            f"{r['efficiency']:.4f} |")
+            f"{r['efficiency']:.4f} | {r['dropped']:,} |")
     lines += [
         "",
         "Packs / the largest bound: one budget "
@@ -325,6 +376,7 @@ def report(pos: dict, plan: dict, pad: dict, started: str, args: argparse.Namesp
         f"its packs then break the patch and image caps); three budgets "
         f"{plan['three budgets']['packs'] / max(plan['three budgets']['token_bound'], *[v[0] for v in plan['three budgets']['limits'].values()]):.5f}.",
         "",
+        *before_after_lines(plan.get("before_after")),
         f"## 3. Padding vs packing ({pad['n']:,} items of the mix)",
         "",
         "| | rows | token efficiency |",
@@ -350,15 +402,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--main-site", help="a directory with main's build of fastpack")
     ap.add_argument("--out", default=str(HERE / "results" / "vlm.md"))
-    ap.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
+    ap.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
-        worker(args.worker[0], args.worker[1], int(args.worker[2]))
+        w = args.worker
+        worker(w[0], w[1], int(w[2]), int(w[3]), w[4])
         return
     started = load()
     n = 10**5 if args.quick else int(args.n)
     pos = positions(args.quick)
     plan = planning(n, args.reps, args.rounds, args.main_site)
+    if args.main_site:
+        plan["before_after"] = before_after(n, args.reps, args.rounds, args.main_site)
     pad = padding(10**5 if args.quick else 2 * 10**5)
     text = report(pos, plan, pad, started, args)
     Path(args.out).write_text(text)

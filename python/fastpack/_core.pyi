@@ -47,6 +47,7 @@ def rope_index(
     video_grid_thw: np.ndarray | None = None,
     second_per_grid_ts: np.ndarray | None = None,
     time_f32: bool = True,
+    text_row: bool = False,
     threads: int | None = None,
 ) -> np.ndarray: ...
 def media_grids(

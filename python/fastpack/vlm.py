@@ -176,7 +176,7 @@ def _grids(value: Any, name: str) -> np.ndarray | None:
     return np.ascontiguousarray(array.reshape(-1), dtype=np.int64)
 
 
-def _seconds(value: Any, videos: int) -> tuple[np.ndarray | None, bool]:
+def _seconds(value: Any) -> tuple[np.ndarray | None, bool]:
     """``second_per_grid_ts`` as float64 and whether Hugging Face multiplies it in float32:
     a float32 array or tensor (the processor's) and Python floats do, float64 does not."""
     if value is None:
@@ -222,6 +222,13 @@ def rope_index(
     A placeholder count that disagrees with the grids raises, naming the document and the
     image or video.
     """
+    return _positions(config, input_ids, image_grid_thw, video_grid_thw, second_per_grid_ts,
+                      cu_seqlens, False, threads)
+
+
+def _positions(config: Any, input_ids: Any, image_grid_thw: Any, video_grid_thw: Any,
+               second_per_grid_ts: Any, cu_seqlens: Any, text_row: bool,
+               threads: int | None) -> np.ndarray:
     cfg = VlmConfig.of(config)
     if not cfg.mrope:
         raise FastpackError(
@@ -231,16 +238,16 @@ def rope_index(
     ids = _ids(input_ids)
     images = _grids(image_grid_thw, "image_grid_thw")
     videos = _grids(video_grid_thw, "video_grid_thw")
-    seconds, f32 = _seconds(second_per_grid_ts, 0 if videos is None else len(videos) // 3)
+    seconds, f32 = _seconds(second_per_grid_ts)
     cu = None
     if cu_seqlens is not None:
         cu = np.ascontiguousarray(_array(cu_seqlens), dtype=np.int64)
     flat = _core.rope_index(
         ids, cu, cfg.model_type, cfg.image_token_id,
         -1 if cfg.video_token_id is None else cfg.video_token_id, cfg.spatial_merge_size,
-        cfg.tokens_per_second, images, videos, seconds, f32, _threads(threads),
+        cfg.tokens_per_second, images, videos, seconds, f32, text_row, _threads(threads),
     )
-    return flat.reshape(3, len(ids))
+    return flat.reshape(4 if text_row else 3, len(ids))
 
 
 def position_ids(
@@ -255,17 +262,12 @@ def position_ids(
 ) -> np.ndarray:
     """``(4, T)`` int64 positions of documents laid end to end (``cu_seqlens``): row 0 the
     text position, restarting at 0 in every document (what packed attention reads the
-    boundaries from), rows 1-3 each document's :func:`rope_index`."""
-    ids = _ids(input_ids)
-    cu = np.ascontiguousarray(_array(cu_seqlens), dtype=np.int64)
-    rows = np.empty((4, len(ids)), dtype=np.int64)
-    rows[1:] = rope_index(
-        config, ids, image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw,
-        second_per_grid_ts=second_per_grid_ts, cu_seqlens=cu, threads=threads,
-    )
-    lengths = np.diff(cu)
-    rows[0] = np.arange(len(ids), dtype=np.int64) - np.repeat(cu[:-1], lengths)
-    return rows
+    boundaries from), rows 1-3 each document's :func:`rope_index`. One Rust call, the
+    documents in parallel."""
+    if cu_seqlens is None:
+        raise FastpackTypeError("cu_seqlens: expected the documents' offsets, got None")
+    return _positions(config, input_ids, image_grid_thw, video_grid_thw, second_per_grid_ts,
+                      cu_seqlens, True, threads)
 
 
 def mm_token_type_ids(config: Any, input_ids: Any) -> np.ndarray:

@@ -355,13 +355,17 @@ fn unused_grids(units: &Units, used: Cursor) -> Result<()> {
 
 /// The positions of many documents laid end to end: document `d` is
 /// `input_ids[cu_seqlens[d]..cu_seqlens[d+1]]`, its positions start at 0, and its grids are
-/// the next ones in placeholder order. Returns `(3, T)` row-major. Documents run in
-/// parallel; the result does not depend on the thread count.
+/// the next ones in placeholder order. Returns `(3, T)` row-major, or `(4, T)` with
+/// `text_row`: first the text position (`0..len` in every document, where packed
+/// attention reads the boundaries), then the three mRoPE rows, as the model's
+/// `position_ids` `[4, 1, T]`. Documents run in parallel; the result does not depend on
+/// the thread count.
 pub fn rope_index_many(
     cfg: &RopeConfig,
     input_ids: &[i64],
     cu_seqlens: &[i64],
     media: &Media<'_>,
+    text_row: bool,
 ) -> Result<Vec<i64>> {
     let units = grids(cfg, media)?;
     let n = input_ids.len();
@@ -378,14 +382,28 @@ pub fn rope_index_many(
         })
         .collect();
     let starts = first_grids(&units, &counts)?;
-    let mut out = memory::try_zeroed::<i64>(3 * n, "positions")?;
-    let (r0, rest) = out.split_at_mut(n);
+    let rows = if text_row { 4 } else { 3 };
+    let mut out = memory::try_zeroed::<i64>(rows * n, "positions")?;
+    let (text, mrope) = out.split_at_mut(if text_row { n } else { 0 });
+    let (r0, rest) = mrope.split_at_mut(n);
     let (r1, r2) = rest.split_at_mut(n);
     let pieces = split_rows([r0, r1, r2], cu_seqlens);
+    let mut texts: Vec<&mut [i64]> = Vec::with_capacity(docs);
+    let mut rest = text;
+    for w in cu_seqlens.windows(2) {
+        let len = if text_row { (w[1] - w[0]) as usize } else { 0 };
+        let (mine, tail) = std::mem::take(&mut rest).split_at_mut(len);
+        texts.push(mine);
+        rest = tail;
+    }
     let results: Vec<Result<Cursor>> = pieces
         .into_par_iter()
+        .zip(texts)
         .enumerate()
-        .map(|(d, rows)| {
+        .map(|(d, (rows, text))| {
+            for (k, p) in text.iter_mut().enumerate() {
+                *p = k as i64;
+            }
             let ids = &input_ids[cu_seqlens[d] as usize..cu_seqlens[d + 1] as usize];
             one_document(cfg, ids, &units, starts[d], rows, Some(d))
         })
@@ -714,7 +732,10 @@ mod tests {
             second_per_grid_ts: Some(&seconds),
             time_math: Some(TimeMath::F32),
         };
-        let many = rope_index_many(&c, &ids, &cu, &media).unwrap();
+        let many = rope_index_many(&c, &ids, &cu, &media, false).unwrap();
+        let four = rope_index_many(&c, &ids, &cu, &media, true).unwrap();
+        assert_eq!(&four[ids.len()..], &many[..]);
+        assert_eq!(&four[..ids.len()], &[0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2]);
         let per = [
             Media { image_grid_thw: &images, ..Media::default() },
             Media {
@@ -752,7 +773,7 @@ mod tests {
         let c = cfg(Family::Qwen2Vl);
         let ids = [1, 9, 9, 9, 2];
         let media = Media { image_grid_thw: &[1, 2, 4], ..Media::default() };
-        let e = rope_index_many(&c, &ids, &[0, 5], &media).unwrap_err().to_string();
+        let e = rope_index_many(&c, &ids, &[0, 5], &media, false).unwrap_err().to_string();
         assert!(e.contains("document 0"), "{e}");
         let e = rope_index(&c, &[1, 2], &media).unwrap_err().to_string();
         assert!(e.starts_with("image_grid_thw: 1 image grid(s) given, but the placeholders use 0"), "{e}");

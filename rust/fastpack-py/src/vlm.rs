@@ -19,14 +19,15 @@ fn slice<'a>(array: &'a Option<PyReadonlyArray1<'_, i64>>, name: &str) -> PyResu
 
 /// `rope_index(input_ids, cu_seqlens, model_type, image_token_id, video_token_id,
 /// spatial_merge_size, tokens_per_second, image_grid_thw, video_grid_thw,
-/// second_per_grid_ts, time_f32, threads)`: the mRoPE positions `(3, T)` flat (row-major)
-/// of one document (`cu_seqlens=None`) or of the documents `cu_seqlens` cuts `input_ids`
-/// into; grids flat `(t, h, w)` int64 in placeholder order.
+/// second_per_grid_ts, time_f32, text_row, threads)`: the mRoPE positions `(3, T)` flat
+/// (row-major) of one document (`cu_seqlens=None`) or of the documents `cu_seqlens` cuts
+/// `input_ids` into (`text_row`: `(4, T)`, the text position first); grids flat
+/// `(t, h, w)` int64 in placeholder order.
 #[pyfunction]
 #[pyo3(signature = (
     input_ids, cu_seqlens, model_type, image_token_id, video_token_id, spatial_merge_size,
     tokens_per_second, image_grid_thw=None, video_grid_thw=None, second_per_grid_ts=None,
-    time_f32=true, threads=None
+    time_f32=true, text_row=false, threads=None
 ))]
 #[allow(clippy::too_many_arguments)]
 pub fn rope_index<'py>(
@@ -42,6 +43,7 @@ pub fn rope_index<'py>(
     video_grid_thw: Option<PyReadonlyArray1<'py, i64>>,
     second_per_grid_ts: Option<PyReadonlyArray1<'py, f64>>,
     time_f32: bool,
+    text_row: bool,
     threads: Option<usize>,
 ) -> PyResult<Bound<'py, PyArray1<i64>>> {
     let cfg = RopeConfig {
@@ -75,7 +77,7 @@ pub fn rope_index<'py>(
             pool::install(threads, || {
                 guarded(|| match cu {
                     None => core::rope_index(&cfg, ids, &media),
-                    Some(cu) => core::rope_index_many(&cfg, ids, cu, &media),
+                    Some(cu) => core::rope_index_many(&cfg, ids, cu, &media, text_row),
                 })
             })
         })
