@@ -50,6 +50,9 @@ __all__ = [
     "vision_work",
 ]
 
+# Below this many tokens one thread computes the positions (2 shared cores: 64 documents
+# of 1.7k tokens, 2.3 ms on one thread, 3.9 ms on two).
+_SMALL_INPUT = 1 << 18
 #: ``model_type`` values whose mRoPE rule fastpack computes.
 MROPE_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 #: ``model_type`` values with plain (1-D) positions whose media fastpack concatenates:
@@ -242,10 +245,13 @@ def _positions(config: Any, input_ids: Any, image_grid_thw: Any, video_grid_thw:
     cu = None
     if cu_seqlens is not None:
         cu = np.ascontiguousarray(_array(cu_seqlens), dtype=np.int64)
+    threads = _threads(threads)
+    if threads is None and len(ids) < _SMALL_INPUT:
+        threads = 1  # a batch's worth: waking the pool costs more than it saves
     flat = _core.rope_index(
         ids, cu, cfg.model_type, cfg.image_token_id,
         -1 if cfg.video_token_id is None else cfg.video_token_id, cfg.spatial_merge_size,
-        cfg.tokens_per_second, images, videos, seconds, f32, text_row, _threads(threads),
+        cfg.tokens_per_second, images, videos, seconds, f32, text_row, threads,
     )
     return flat.reshape(4 if text_row else 3, len(ids))
 

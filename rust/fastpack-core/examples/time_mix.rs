@@ -14,7 +14,7 @@ fn main() {
     let mut opts = PackOptions::new(8192);
     opts.overlong = Overlong::Drop;
     let all = [
-        Limit { name: "patches", values: &p, cap: std::env::var("PCAP").ok().and_then(|v| v.parse().ok()).unwrap_or(16384) },
+        Limit { name: "patches", values: &p, cap: std::env::var("PCAP").ok().and_then(|v| v.parse().ok()).unwrap_or(32768) },
         Limit { name: "images", values: &im, cap: 16 },
     ];
     let limits = if std::env::var("K1").is_ok() { &all[..1] } else { &all[..] };
