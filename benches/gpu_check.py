@@ -658,7 +658,7 @@ def check_vlm(torch: Any, cfg: dict[str, Any], device: Any, dtype: Any) -> dict[
             row["ok"] = worst <= v["tol"]
             labels = batch["labels"].to(device)
 
-            def packed_step() -> Any:
+            def packed_step(inputs: dict[str, Any] = inputs, labels: Any = labels) -> Any:
                 out = model(**inputs, labels=labels)
                 out.loss.backward()
                 return out.loss
@@ -667,7 +667,7 @@ def check_vlm(torch: Any, cfg: dict[str, Any], device: Any, dtype: Any) -> dict[
             padded = PackedCollator(v["max_len"], backend="padded", model_config=model.config)
             pinputs = to_device(padded(docs))
 
-            def padded_step() -> Any:
+            def padded_step(pinputs: dict[str, Any] = pinputs) -> Any:
                 out = model(**pinputs)
                 out.loss.backward()
                 return out.loss

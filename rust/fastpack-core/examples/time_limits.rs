@@ -24,7 +24,11 @@ fn main() {
     let (mut one, mut two) = (f64::MAX, f64::MAX);
     for _ in 0..15 {
         let t = std::time::Instant::now();
-        let a = if std::env::var("ONLY").is_ok() { pack_two_level(&l[..10], &opts, &Levels::default()).unwrap() } else { pack_two_level(&l, &opts, &Levels::default()).unwrap() };
+        let a = if std::env::var("ONLY").is_ok() {
+            pack_two_level(&l[..10], &opts, &Levels::default()).unwrap()
+        } else {
+            pack_two_level(&l, &opts, &Levels::default()).unwrap()
+        };
         one = one.min(t.elapsed().as_secs_f64());
         let t = std::time::Instant::now();
         let b = pack_limited(&l, &opts, &Levels::default(), &limits).unwrap();

@@ -14,7 +14,11 @@ fn main() {
     let mut opts = PackOptions::new(8192);
     opts.overlong = Overlong::Drop;
     let all = [
-        Limit { name: "patches", values: &p, cap: std::env::var("PCAP").ok().and_then(|v| v.parse().ok()).unwrap_or(32768) },
+        Limit {
+            name: "patches",
+            values: &p,
+            cap: std::env::var("PCAP").ok().and_then(|v| v.parse().ok()).unwrap_or(32768),
+        },
         Limit { name: "images", values: &im, cap: 16 },
     ];
     let limits = if std::env::var("K1").is_ok() { &all[..1] } else { &all[..] };
@@ -22,7 +26,12 @@ fn main() {
     let reps = std::env::var("REPS").ok().and_then(|v| v.parse().ok()).unwrap_or(15);
     for _ in 0..reps {
         let t = std::time::Instant::now();
-        let a = pack_two_level(&l[..if std::env::var("ONLY").is_ok() { 10 } else { l.len() }], &opts, &Levels::default()).unwrap();
+        let a = pack_two_level(
+            &l[..if std::env::var("ONLY").is_ok() { 10 } else { l.len() }],
+            &opts,
+            &Levels::default(),
+        )
+        .unwrap();
         one = one.min(t.elapsed().as_secs_f64());
         let t = std::time::Instant::now();
         let b = pack_limited(&l, &opts, &Levels::default(), limits).unwrap();

@@ -39,7 +39,8 @@ pub enum Family {
 }
 
 impl Family {
-    pub const NAMES: &'static str = "\"qwen2_vl\", \"qwen2_5_vl\", \"qwen3_vl\" or \"qwen3_vl_moe\"";
+    pub const NAMES: &'static str =
+        "\"qwen2_vl\", \"qwen2_5_vl\", \"qwen3_vl\" or \"qwen3_vl_moe\"";
 
     pub fn parse(model_type: &str) -> Result<Self> {
         match model_type {
@@ -153,9 +154,8 @@ fn grids(cfg: &RopeConfig, media: &Media<'_>) -> Result<Units> {
         let mut out = memory::try_with_capacity(flat.len() / 3, "media grids")?;
         for (k, g) in flat.chunks_exact(3).enumerate() {
             let (t, h, w) = (g[0], g[1], g[2]);
-            let bad = |why: String| {
-                Error::invalid(what, format!("grid {k} is ({t}, {h}, {w}): {why}"))
-            };
+            let bad =
+                |why: String| Error::invalid(what, format!("grid {k} is ({t}, {h}, {w}): {why}"));
             if [t, h, w].iter().any(|&v| !(1..=MEDIA_LIMIT).contains(&v)) {
                 return Err(bad(format!("each of t, h, w must be in 1..={MEDIA_LIMIT}")));
             }
@@ -413,10 +413,10 @@ pub fn rope_index_many(
         let used = r?;
         // The counts said where the next document's grids start; each document must
         // have used exactly the grids up to there.
-        let end = starts.get(d + 1).copied().unwrap_or(Cursor {
-            image: units.images.len(),
-            video: units.videos.len(),
-        });
+        let end = starts
+            .get(d + 1)
+            .copied()
+            .unwrap_or(Cursor { image: units.images.len(), video: units.videos.len() });
         if used.image != end.image || used.video != end.video {
             return Err(Error::invalid(
                 "input_ids",
@@ -543,7 +543,12 @@ fn round_div(a: f64, b: f64) -> f64 {
 ///                         video: VideoRule::PerFrame };
 /// assert_eq!(media_grid(480, 640, None, &rule).unwrap(), [1, 34, 46]);
 /// ```
-pub fn media_grid(height: u64, width: u64, frames: Option<u64>, rule: &ResizeRule) -> Result<[u64; 3]> {
+pub fn media_grid(
+    height: u64,
+    width: u64,
+    frames: Option<u64>,
+    rule: &ResizeRule,
+) -> Result<[u64; 3]> {
     let (patch, merge) = (rule.patch_size as u64, rule.merge_size as u64);
     if patch == 0 || merge == 0 || rule.temporal_patch_size == 0 {
         return Err(Error::invalid(
@@ -719,8 +724,7 @@ mod tests {
     fn many_equals_one_by_one() {
         let c = cfg(Family::Qwen25Vl);
         // doc 0: text + image(1,2,4) ; doc 1: video (2,2,2) + text ; doc 2: text only
-        let docs: Vec<Vec<i64>> =
-            vec![vec![1, 9, 9, 3], vec![8, 8, 5, 6], vec![4, 4, 4]];
+        let docs: Vec<Vec<i64>> = vec![vec![1, 9, 9, 3], vec![8, 8, 5, 6], vec![4, 4, 4]];
         let images = [1, 2, 4];
         let videos = [2, 2, 2];
         let seconds = [0.75];
@@ -776,7 +780,10 @@ mod tests {
         let e = rope_index_many(&c, &ids, &[0, 5], &media, false).unwrap_err().to_string();
         assert!(e.contains("document 0"), "{e}");
         let e = rope_index(&c, &[1, 2], &media).unwrap_err().to_string();
-        assert!(e.starts_with("image_grid_thw: 1 image grid(s) given, but the placeholders use 0"), "{e}");
+        assert!(
+            e.starts_with("image_grid_thw: 1 image grid(s) given, but the placeholders use 0"),
+            "{e}"
+        );
     }
 
     #[test]

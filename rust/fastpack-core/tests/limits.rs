@@ -75,7 +75,8 @@ fn check(case: &Case, out: &TwoLevelPlan) {
         let tokens: u64 = plan.seqlens[segs.clone()].iter().map(|&n| n as u64).sum();
         assert!(tokens <= case.max_len, "a pack over max_len");
         for (values, &cap) in case.values.iter().zip(&case.caps) {
-            let used: u64 = plan.sample_ids[segs.clone()].iter().map(|&s| values[s as usize] as u64).sum();
+            let used: u64 =
+                plan.sample_ids[segs.clone()].iter().map(|&s| values[s as usize] as u64).sum();
             assert!(used <= cap, "a pack over a budget: {used} > {cap}");
         }
         for k in segs {
@@ -122,7 +123,8 @@ fn check_rule(case: &Case, out: &TwoLevelPlan, best: bool) {
             pack_of[plan.sample_ids[k] as usize] = q;
         }
     }
-    let mut items: Vec<usize> = (0..case.lengths.len()).filter(|&i| pack_of[i] != usize::MAX).collect();
+    let mut items: Vec<usize> =
+        (0..case.lengths.len()).filter(|&i| pack_of[i] != usize::MAX).collect();
     items.sort_by_key(|&i| (std::cmp::Reverse(case.lengths[i]), i));
     // Per plan pack: (opened at, token room, budget rooms), once opened.
     let mut open: Vec<Option<(usize, u64, Vec<u64>)>> = vec![None; plan.num_packs()];
@@ -132,12 +134,8 @@ fn check_rule(case: &Case, out: &TwoLevelPlan, best: bool) {
         let fits = |p: &(usize, u64, Vec<u64>)| {
             p.1 >= len && case.values.iter().zip(&p.2).all(|(v, &room)| v[i] as u64 <= room)
         };
-        let feasible: Vec<(usize, u64)> = open
-            .iter()
-            .flatten()
-            .filter(|p| fits(p))
-            .map(|p| (p.0, p.1))
-            .collect();
+        let feasible: Vec<(usize, u64)> =
+            open.iter().flatten().filter(|p| fits(p)).map(|p| (p.0, p.1)).collect();
         let q = pack_of[i];
         match &open[q] {
             None => {

@@ -2,7 +2,9 @@
 //! released.
 
 use fastpack_core::pool;
-use fastpack_core::vlm::{self as core, Family, Media, ResizeRule, RopeConfig, TimeMath, VideoRule};
+use fastpack_core::vlm::{
+    self as core, Family, Media, ResizeRule, RopeConfig, TimeMath, VideoRule,
+};
 use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1};
 use pyo3::prelude::*;
 
@@ -58,9 +60,10 @@ pub fn rope_index<'py>(
         .map_err(|_| fastpack_error("input_ids: expected a contiguous array"))?;
     let seconds = match &second_per_grid_ts {
         None => None,
-        Some(a) => Some(a.as_slice().map_err(|_| {
-            fastpack_error("second_per_grid_ts: expected a contiguous array")
-        })?),
+        Some(a) => Some(
+            a.as_slice()
+                .map_err(|_| fastpack_error("second_per_grid_ts: expected a contiguous array"))?,
+        ),
     };
     let media = Media {
         image_grid_thw: slice(&image_grid_thw, "image_grid_thw")?,
@@ -116,7 +119,8 @@ pub fn media_grids<'py>(
         max_pixels,
         video: if temporal { VideoRule::Temporal } else { VideoRule::PerFrame },
     };
-    let h = heights.as_slice().map_err(|_| fastpack_error("heights: expected a contiguous array"))?;
+    let h =
+        heights.as_slice().map_err(|_| fastpack_error("heights: expected a contiguous array"))?;
     let w = widths.as_slice().map_err(|_| fastpack_error("widths: expected a contiguous array"))?;
     let f = match &frames {
         None => None,

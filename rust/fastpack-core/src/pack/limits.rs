@@ -147,13 +147,13 @@ pub(crate) fn screen<L: Length>(
         .map(|c| {
             let (lo, hi) = (c * CHUNK, ((c + 1) * CHUNK).min(lengths.len()));
             let (mut negative, mut over, mut count) = (None, None, 0u64);
-            for i in lo..hi {
+            for (i, len) in lengths.iter().enumerate().take(hi).skip(lo) {
                 let mut is_over = false;
                 for (d, l) in limits.iter().enumerate() {
                     let v = l.values[i];
                     if v < 0 {
                         negative = negative.or(Some((i, d)));
-                    } else if v as u64 > l.cap && !is_over && lengths[i].to_u64() != Some(0) {
+                    } else if v as u64 > l.cap && !is_over && len.to_u64() != Some(0) {
                         is_over = true;
                         over = over.or(Some((i, d)));
                     }
@@ -232,9 +232,10 @@ impl<'a> Needs<'a> {
     #[inline(always)]
     pub(crate) fn write(&self, pos: usize, id: u32) -> bool {
         let k = self.limits.len();
-        self.limits.iter().enumerate().all(|(d, l)| {
-            self.slots.try_set(pos * k + d, l.values[id as usize] as u32)
-        })
+        self.limits
+            .iter()
+            .enumerate()
+            .all(|(d, l)| self.slots.try_set(pos * k + d, l.values[id as usize] as u32))
     }
 }
 
@@ -311,7 +312,7 @@ fn place_k<const K: usize, const L: usize>(
     let mut pack_of = memory::try_zeroed::<u32>(items, "the placement")?;
     // Shards own disjoint positions (each its share of every length): the writes go
     // through slots, each position once.
-    let placed: Vec<Result<(u32, [(u64, u64); K])>> = {
+    let placed: Vec<Result<Placed<K>>> = {
         let slots = Slots::new(&mut pack_of);
         let need = |pos: usize| -> [u32; K] {
             let mut n = [0u32; K];
@@ -345,6 +346,9 @@ fn place_k<const K: usize, const L: usize>(
     Ok(LimitedRuns { pack_of, shard_packs, fills })
 }
 
+/// A shard's packs and, per budget, (sum, fullest pack).
+type Placed<const K: usize> = (u32, [(u64, u64); K]);
+
 /// One shard under the rule `fit`: each position's pack into `pack_of`; returns the
 /// shard's packs and each budget's (sum, fullest pack).
 fn place_shard<const K: usize, F: Fit<K>>(
@@ -374,7 +378,7 @@ fn place_shard<const K: usize, F: Fit<K>>(
                 pack_of.set(pos, pack);
                 pos += 1;
             }
-            fit.put(pack, room, left);
+            fit.put(pack, room, left)?;
         }
     }
     Ok((fit.packs(), fit.fills()))
@@ -389,6 +393,15 @@ fn covers<const K: usize>(have: &[u32; K], need: &[u32; K]) -> bool {
 fn sub<const K: usize>(have: &mut [u32; K], need: &[u32; K]) {
     for d in 0..K {
         have[d] -= need[d];
+    }
+}
+
+/// Adds a pack's use of every budget (its cap less its room) to (sum, fullest pack).
+fn add_fill<const K: usize>(acc: &mut [(u64, u64); K], caps: &[u32; K], left: &[u32; K]) {
+    for ((sum, most), (cap, room)) in acc.iter_mut().zip(caps.iter().zip(left)) {
+        let used = (cap - room) as u64;
+        *sum += used;
+        *most = (*most).max(used);
     }
 }
 
@@ -409,7 +422,7 @@ trait Fit<const K: usize> {
     /// A new, empty pack (taken).
     fn open(&mut self) -> Result<(u32, u32, [u32; K])>;
     /// Puts a taken pack back with its rooms.
-    fn put(&mut self, pack: u32, room: u32, left: [u32; K]);
+    fn put(&mut self, pack: u32, room: u32, left: [u32; K]) -> Result<()>;
     fn packs(&self) -> u32;
     /// Per budget: (sum, fullest pack) over the packs.
     fn fills(&self) -> [(u64, u64); K];
@@ -482,8 +495,8 @@ impl<const K: usize> BestFit<K> {
         }
         let below = &self.levels[k - 1];
         let end = (FAN * (i + 1)).min(below.len());
-        for c in FAN * i..end {
-            if Self::admits(&below[c], need) {
+        for (c, lanes) in below.iter().enumerate().take(end).skip(FAN * i) {
+            if Self::admits(lanes, need) {
                 if let Some(room) = self.descend(k - 1, c, need) {
                     return Some(room);
                 }
@@ -498,8 +511,8 @@ impl<const K: usize> BestFit<K> {
         loop {
             let level = &self.levels[k];
             let end = ((i / FAN + 1) * FAN).min(level.len());
-            for j in i..end {
-                if Self::admits(&level[j], need) {
+            for (j, lanes) in level.iter().enumerate().take(end).skip(i) {
+                if Self::admits(lanes, need) {
                     if let Some(room) = self.descend(k, j, need) {
                         return Some(room);
                     }
@@ -525,9 +538,8 @@ impl<const K: usize> BestFit<K> {
         // The room's maxima stay exact: lowered when the pack taken held one.
         let held = self.levels[0][room];
         if (0..K).any(|d| entry.left[d] + 1 == held[d]) {
-            let lanes = self.lists[room]
-                .iter()
-                .fold([0u32; K], |m, e| lane_max(m, e.left.map(|r| r + 1)));
+            let lanes =
+                self.lists[room].iter().fold([0u32; K], |m, e| lane_max(m, e.left.map(|r| r + 1)));
             self.lower(room, lanes);
         }
         Some(entry)
@@ -586,24 +598,23 @@ impl<const K: usize> Fit<K> for BestFit<K> {
         Ok((self.packs - 1, self.max_len, self.caps))
     }
 
-    fn put(&mut self, pack: u32, room: u32, left: [u32; K]) {
+    fn put(&mut self, pack: u32, room: u32, left: [u32; K]) -> Result<()> {
         if room == 0 {
-            for d in 0..K {
-                let used = (self.caps[d] - left[d]) as u64;
-                self.closed[d].0 += used;
-                self.closed[d].1 = self.closed[d].1.max(used);
-            }
-            return;
+            add_fill(&mut self.closed, &self.caps, &left);
+            return Ok(());
         }
         let r = room as usize;
         let list = &mut self.lists[r];
-        if list.is_empty() {
+        if list.len() == list.capacity() {
+            // Doubling from 4: most rooms hold a few packs, so their lists stay small.
+            memory::try_reserve(list, list.len().max(4), "the budget index")?;
+        }
+        list.push(Entry { pack, left });
+        if list.len() == 1 {
             self.present.insert(r);
         }
-        // Allocation failure here aborts like any Vec growth would; the lists hold one
-        // entry per open pack, at most what the plan itself holds.
-        list.push(Entry { pack, left });
         self.raise(r, left.map(|x| x + 1));
+        Ok(())
     }
 
     fn packs(&self) -> u32 {
@@ -613,11 +624,7 @@ impl<const K: usize> Fit<K> for BestFit<K> {
     fn fills(&self) -> [(u64, u64); K] {
         let mut out = self.closed;
         for entry in self.lists.iter().flatten() {
-            for d in 0..K {
-                let used = (self.caps[d] - entry.left[d]) as u64;
-                out[d].0 += used;
-                out[d].1 = out[d].1.max(used);
-            }
+            add_fill(&mut out, &self.caps, &entry.left);
         }
         out
     }
@@ -708,11 +715,12 @@ impl<const K: usize, const L: usize> Fit<K> for FirstFit<K, L> {
         Ok((self.packs - 1, self.max_len, self.caps))
     }
 
-    fn put(&mut self, pack: u32, room: u32, left: [u32; K]) {
+    fn put(&mut self, pack: u32, room: u32, left: [u32; K]) -> Result<()> {
         let mut lanes = [0u32; L];
         lanes[0] = room;
         lanes[1..].copy_from_slice(&left);
         self.set(pack as usize, lanes);
+        Ok(())
     }
 
     fn packs(&self) -> u32 {
@@ -721,13 +729,11 @@ impl<const K: usize, const L: usize> Fit<K> for FirstFit<K, L> {
 
     fn fills(&self) -> [(u64, u64); K] {
         let mut out = [(0u64, 0u64); K];
-        for p in 0..self.packs as usize {
-            let lanes = self.tree[self.size + p];
-            for d in 0..K {
-                let used = (self.caps[d] - lanes[d + 1]) as u64;
-                out[d].0 += used;
-                out[d].1 = out[d].1.max(used);
-            }
+        let leaves = &self.tree[self.size..self.size + self.packs as usize];
+        for lanes in leaves {
+            let mut left = [0u32; K];
+            left.copy_from_slice(&lanes[1..]);
+            add_fill(&mut out, &self.caps, &left);
         }
         out
     }
@@ -761,9 +767,9 @@ mod tests {
         let mut fit = BestFit::<1>::new(10, [2]).unwrap();
         // Pack 0: room 3 tokens, no room for images; pack 1: room 5, one image left.
         let (p0, _, _) = fit.open().unwrap();
-        fit.put(p0, 3, [0]);
+        fit.put(p0, 3, [0]).unwrap();
         let (p1, _, _) = fit.open().unwrap();
-        fit.put(p1, 5, [1]);
+        fit.put(p1, 5, [1]).unwrap();
         // A 2-token item with an image: pack 0 fits on tokens but not on images.
         assert_eq!(fit.take(2, &[1]).map(|t| t.0), Some(p1));
         // A 2-token text item: pack 0 (the least room).
@@ -776,7 +782,7 @@ mod tests {
         let mut fit = FirstFit::<1, 2>::new(10, [2]);
         for (room, left) in [(6, 0), (2, 2), (8, 1)] {
             let (p, _, _) = fit.open().unwrap();
-            fit.put(p, room, [left]);
+            fit.put(p, room, [left]).unwrap();
         }
         assert_eq!(fit.take(3, &[1]).map(|t| t.0), Some(2));
         assert_eq!(fit.take(3, &[0]).map(|t| t.0), Some(0));

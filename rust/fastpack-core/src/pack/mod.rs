@@ -234,7 +234,8 @@ pub fn pack_limited<L: Length>(
     let start = std::time::Instant::now();
 
     // Items over a budget besides tokens: refused, or dropped (counted) before packing.
-    let screened = if limits.is_empty() { None } else { Some(limits::screen(lengths, limits, opts)?) };
+    let screened =
+        if limits.is_empty() { None } else { Some(limits::screen(lengths, limits, opts)?) };
     let input = match screened.as_ref().and_then(|s| s.kept.as_ref()) {
         Some((kept, ids)) => Input { lengths: kept.as_slice(), ids: Some(ids.as_slice()) },
         None => Input { lengths, ids: None },
