@@ -272,38 +272,38 @@ impl LimitedRuns {
     }
 }
 
-/// Places a best/first-fit bucket under `limits`: `needs` holds each sorted position's
-/// needs (`limits.len()` values each), `range(shard, len)` the sorted positions `(first,
-/// count)` of length `len` in a shard.
-#[allow(clippy::too_many_arguments)]
+/// A best/first-fit bucket to place under `limits`: `needs` holds each sorted position's
+/// needs (`limits.len()` values each); `shards` as the one-budget placement cuts them.
+pub(crate) struct Budgeted<'a> {
+    pub hist: &'a Histogram,
+    pub needs: &'a [u32],
+    pub limits: &'a [Limit<'a>],
+    pub best: bool,
+    pub max_len: u32,
+    pub shards: usize,
+}
+
+/// Places `bucket`; `range(shard, len)` gives the sorted positions `(first, count)` of
+/// length `len` in a shard.
 pub(crate) fn place(
-    hist: &Histogram,
-    needs: &[u32],
-    limits: &[Limit<'_>],
-    best: bool,
-    max_len: u32,
-    shards: usize,
+    bucket: &Budgeted<'_>,
     range: impl Fn(usize, u32) -> (usize, usize) + Sync,
 ) -> Result<LimitedRuns> {
-    match limits.len() {
-        1 => place_k::<1, 2>(hist, needs, limits, best, max_len, shards, &range),
-        2 => place_k::<2, 3>(hist, needs, limits, best, max_len, shards, &range),
-        3 => place_k::<3, 4>(hist, needs, limits, best, max_len, shards, &range),
-        4 => place_k::<4, 5>(hist, needs, limits, best, max_len, shards, &range),
+    match bucket.limits.len() {
+        1 => place_k::<1, 2>(bucket, &range),
+        2 => place_k::<2, 3>(bucket, &range),
+        3 => place_k::<3, 4>(bucket, &range),
+        4 => place_k::<4, 5>(bucket, &range),
         n => Err(Error::invalid("limits", format!("got {n} budgets; expected 1..={MAX_LIMITS}"))),
     }
 }
 
 /// `K` budgets; first fit's tree has `L = K + 1` lanes (tokens first).
 fn place_k<const K: usize, const L: usize>(
-    hist: &Histogram,
-    needs: &[u32],
-    limits: &[Limit<'_>],
-    best: bool,
-    max_len: u32,
-    shards: usize,
+    bucket: &Budgeted<'_>,
     range: &(impl Fn(usize, u32) -> (usize, usize) + Sync),
 ) -> Result<LimitedRuns> {
+    let Budgeted { hist, needs, limits, best, max_len, shards } = *bucket;
     let items = needs.len() / K;
     let mut caps = [0u32; K];
     for d in 0..K {

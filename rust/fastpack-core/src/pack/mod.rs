@@ -332,15 +332,15 @@ pub fn pack_limited<L: Length>(
         for (b, bucket) in buckets.iter().enumerate() {
             let Some(placement) = bucket.placement(None) else { continue };
             let hist = bucket.hist.as_ref().expect("a fit bucket");
-            runs[b] = Some(limits::place(
+            let budgeted = limits::Budgeted {
                 hist,
-                &needs[b],
+                needs: &needs[b],
                 limits,
-                placement.is_best(),
-                bucket.rules.max_len as u32,
-                placement.shards(),
-                |shard, len| placement.range(shard, len),
-            )?);
+                best: placement.is_best(),
+                max_len: bucket.rules.max_len as u32,
+                shards: placement.shards(),
+            };
+            runs[b] = Some(limits::place(&budgeted, |shard, len| placement.range(shard, len))?);
         }
         drop(needs);
         trace!(start, "  placement under the budgets");
