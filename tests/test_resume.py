@@ -64,10 +64,33 @@ def lengths() -> np.ndarray:
     return np.concatenate((rng.integers(2, 30, 58), [70, 90]))
 
 
-def make_dataset(seed: int = 0) -> PackedDataset:
+def make_dataset(seed: int = 0, kind: str = "text") -> PackedDataset:
+    if kind == "vlm":
+        return vlm_dataset(seed)
     rows = [np.full(int(n), i + 1, dtype=np.int64) for i, n in enumerate(lengths())]
     collator = PackedCollator(max_len=MAX_LEN, backend="flash", overlong="split")
     return PackedDataset(rows, collator, group_tokens=2 * MAX_LEN, seed=seed)
+
+
+def vlm_dataset(seed: int = 0) -> PackedDataset:
+    """60 vision-language samples (Qwen2-VL placeholders, 0-3 images each) under an image
+    budget; sample ``i``'s text tokens are ``i + 1``, its placeholders 10^6."""
+    transformers = pytest.importorskip("transformers")
+    image = 10**6
+    config = transformers.Qwen2VLConfig(image_token_id=image, video_token_id=image + 1,
+                                        vision_config={"spatial_merge_size": 2})
+    samples = []
+    for i, n in enumerate(np.minimum(lengths(), 30)):
+        images = i % 4
+        sample: dict[str, Any] = {"input_ids": [i + 1] * int(n) + [image] * (4 * images)}
+        if images:
+            sample["image_grid_thw"] = [[1, 4, 4]] * images
+            sample["pixel_values"] = np.full((16 * images, 3), i, dtype=np.float32)
+        samples.append(sample)
+    collator = PackedCollator(max_len=MAX_LEN, backend="flash", model_config=config,
+                              limits={"images": 4})
+    return PackedDataset([s["input_ids"] for s in samples], collator, media=samples,
+                         group_tokens=2 * MAX_LEN, seed=seed)
 
 
 def make_sampler(ds: PackedDataset, ranks: int, rank: int) -> PackedSampler:
@@ -82,9 +105,9 @@ def decode(batch: dict[str, Any]) -> tuple[int, ...]:
     return tuple((ids[starts] - 1).tolist())
 
 
-def reference(ranks: int, rank: int) -> Run:
+def reference(ranks: int, rank: int, kind: str = "text") -> Run:
     """The uninterrupted run: the sampler's steps, read by ``samples()``."""
-    ds = make_dataset()
+    ds = make_dataset(kind=kind)
     sampler = make_sampler(ds, ranks, rank)
     out: Run = []
     for epoch in range(EPOCHS):
@@ -99,9 +122,9 @@ def stop_at(point: str, per_epoch: int) -> int:
             "between": per_epoch}[point]
 
 
-def check_every_piece_once(runs: list[Run]) -> None:
+def check_every_piece_once(runs: list[Run], kind: str = "text") -> None:
     """Over the ranks, each epoch holds every segment of the plan once."""
-    want = Counter(make_dataset().plan.sample_ids.tolist())
+    want = Counter(make_dataset(kind=kind).plan.sample_ids.tolist())
     for epoch in range(EPOCHS):
         got = Counter(i for run in runs for e, ids in run if e == epoch for i in ids)
         assert got == want, epoch
@@ -235,11 +258,12 @@ def test_a_state_between_epochs_with_either_loop(order: str, convention: str) ->
 
 # ------------------------------------------------------------------ StatefulDataLoader
 def stateful(ranks: int, rank: int, workers: int, stop: int | None,
-             state: dict[str, Any] | None = None) -> tuple[Run, dict[str, Any] | None]:
+             state: dict[str, Any] | None = None,
+             kind: str = "text") -> tuple[Run, dict[str, Any] | None]:
     """A loop over a StatefulDataLoader: the checkpoint is ``loader.state_dict()`` and the
     loop's own epoch counter (the next epoch once an epoch has ended)."""
     sdl = pytest.importorskip("torchdata.stateful_dataloader")
-    ds = make_dataset()
+    ds = make_dataset(kind=kind)
     sampler = make_sampler(ds, ranks, rank)
     loader = sdl.StatefulDataLoader(ds, batch_size=None, sampler=sampler,
                                     num_workers=workers,
@@ -283,6 +307,30 @@ def test_stateful_dataloader(workers: int, point: str, ranks: int) -> None:
         assert head + tail == want
         runs.append(head + tail)
     check_every_piece_once(runs)
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_vision_language_dataset_resumes_exactly(workers: int, ranks: int) -> None:
+    """The same matrix row for a vision-language PackedDataset (media, an image budget, the
+    sampler's vision work in its balance): resumed mid-epoch, every step as uninterrupted;
+    each batch's media are its samples'."""
+    runs = []
+    for rank in range(ranks):
+        want = reference(ranks, rank, "vlm")
+        stop = stop_at("middle", len(want) // EPOCHS)
+        head, state = stateful(ranks, rank, workers, stop, kind="vlm")
+        assert state is not None and len(head) == stop
+        tail, _ = stateful(ranks, rank, workers, None, state, kind="vlm")
+        assert head + tail == want
+        runs.append(head + tail)
+    check_every_piece_once(runs, "vlm")
+    ds = make_dataset(kind="vlm")
+    batch = ds[0]
+    ids = decode(batch)
+    assert batch["pixel_values"][:, 0].unique().tolist() == sorted(
+        {i for i in ids if i % 4})
+    assert batch["position_ids"].shape[0] == 4
 
 
 # ------------------------------------------------------------------ another plan
