@@ -1,4 +1,6 @@
-//! Times packing 10^6 multimodal items with tokens only and with two more budgets.
+//! Times packing 10^6 multimodal items with tokens only and with two more budgets (the
+//! minimum of 15 calls each): `cargo run --release --example time_limits`; `ONLY=1` times the
+//! budgets alone, for a profiler.
 use fastpack_core::{pack_limited, pack_two_level, Levels, Limit, PackOptions};
 fn main() {
     let n = 1_000_000usize;
