@@ -33,26 +33,30 @@ CP_MODES = ("zigzag", "contiguous", "ulysses")
 MAX_CP_SIZE = 1 << 16
 
 
-def check_cp(cp_size: Any, mode: Any, pad_multiple: Any, *,
-             names: tuple[str, str, str] = ("cp_size", "mode", "pad_multiple")) -> tuple[int, str, int]:
+def check_cp(
+    cp_size: Any, mode: Any, pad_multiple: Any, *,
+    names: tuple[str, str, str] = ("cp_size", "mode", "pad_multiple"),
+) -> tuple[int, str, int]:
     """The CP options checked, errors naming the arguments as the caller spells them."""
     cp = _int_arg(names[0], cp_size, minimum=1, maximum=MAX_CP_SIZE)
     mode = _choice(names[1], mode, CP_MODES)
     multiple = _int_arg(names[2], pad_multiple, minimum=1, maximum=1 << 30)
-    divisor = (2 * cp if mode == "zigzag" else cp) * multiple
-    if divisor > 1 << 30:
+    if divisor(cp, mode, multiple) > 1 << 30:
         raise FastpackError(
             f"{names[2]}: got {multiple}; with {names[0]}={cp} and {names[1]}={mode!r} lengths "
-            f"would be padded to multiples of {divisor}, more than 2^30; expected a smaller "
-            f"multiple"
+            f"would be padded to multiples of {divisor(cp, mode, multiple)}, more than 2^30; "
+            f"expected a smaller multiple"
         )
     return cp, mode, multiple
 
 
 def divisor(cp_size: int, mode: str, pad_multiple: int) -> int:
-    """What padded lengths are multiples of: each sequence's (zigzag, ``2·cp·pad_multiple``)
-    or the row's (contiguous and Ulysses, ``cp·pad_multiple``)."""
-    return (2 * cp_size if mode == "zigzag" else cp_size) * pad_multiple
+    """What padded lengths are multiples of: each sequence's (zigzag:
+    ``2·cp·pad_multiple``; ``pad_multiple`` at ``cp_size=1``, where nothing is cut) or the
+    row's (contiguous and Ulysses: ``cp·pad_multiple``)."""
+    if mode == "zigzag":
+        return (2 * cp_size if cp_size > 1 else 1) * pad_multiple
+    return cp_size * pad_multiple
 
 
 def as_cu_seqlens(value: Any, name: str = "cu_seqlens") -> np.ndarray:

@@ -8,13 +8,16 @@ from __future__ import annotations
 import weakref
 from collections import deque
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 
+from .._context_parallel import CP_MODES
 from .._errors import FastpackError, FastpackTypeError
+from .._plan import _choice
 from .attention import KERNELS, Kernel, varlen_attention
 from .collator import LOSS_MASK_KEYS, PackedCollator
+from .context_parallel import CP_KERNELS, context_parallel_attention
 from .data import PackedDataset, first_item
 from .loss import WEIGHTINGS, packed_loss
 from .sampler import BALANCES, PackedSampler, Step
@@ -25,7 +28,13 @@ __all__ = [
 ]
 
 
-def register_hf_attention(name: str = "fastpack_varlen", *, kernel: Kernel = "auto") -> str:
+def register_hf_attention(
+    name: str | None = None,
+    *,
+    kernel: str = "auto",
+    context_parallel_group: Any = None,
+    mode: str | None = None,
+) -> str:
     """Registers :func:`varlen_attention` as a Hugging Face attention implementation.
 
     Load or switch the model with ``attn_implementation=name``. It computes exactly what
@@ -50,7 +59,21 @@ def register_hf_attention(name: str = "fastpack_varlen", *, kernel: Kernel = "au
     once per layer.
 
     ``kernel`` is :func:`varlen_attention`'s (``"auto"``: the fastest that runs; name one
-    to force it, say to compare kernels under one model). Returns ``name``."""
+    to force it, say to compare kernels under one model). Returns ``name`` (default
+    ``"fastpack_varlen"``).
+
+    **Context parallelism**: with ``context_parallel_group`` (the process group of the ranks
+    that share one packed row) it registers
+    :func:`~fastpack.torch.context_parallel_attention` instead, for batches that
+    :func:`~fastpack.torch.shard_for_context_parallel` made with the same ``mode``
+    (``"zigzag"`` by default, ``"contiguous"`` or ``"ulysses"``); ``kernel`` is one of
+    :data:`~fastpack.torch.CP_KERNELS`, and ``name`` defaults to ``"fastpack_cp_<mode>"``.
+    An unsharded batch raises there, and a sharded one raises in every attention that is
+    not a context-parallel one of its mode."""
+    if context_parallel_group is not None or mode is not None:
+        return _register_context_parallel(name, kernel, context_parallel_group, mode)
+    if name is None:
+        name = "fastpack_varlen"
     if not isinstance(name, str) or not name:
         raise FastpackTypeError(
             f"name: expected a non-empty string (the attn_implementation to register), got "
@@ -63,6 +86,9 @@ def register_hf_attention(name: str = "fastpack_varlen", *, kernel: Kernel = "au
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
+    chosen = cast(Kernel, kernel)
+    registered: str = name
+
     def fastpack_varlen(
         module: torch.nn.Module,
         query: torch.Tensor,
@@ -73,17 +99,117 @@ def register_hf_attention(name: str = "fastpack_varlen", *, kernel: Kernel = "au
         dropout: float = 0.0,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
-        return _attention(name, kernel, module, query, key, value, attention_mask, scaling,
-                          dropout, kwargs)
+        return _attention(registered, chosen, module, query, key, value, attention_mask,
+                          scaling, dropout, kwargs)
 
     AttentionInterface.register(name, fastpack_varlen)
     ALL_MASK_ATTENTION_FUNCTIONS.register(name, _fastpack_mask)
     _REGISTERED.add(name)
+    _CONTEXT_PARALLEL.pop(name, None)
     return name
 
 
 #: The attn_implementation names :func:`register_hf_attention` registered.
 _REGISTERED: set[str] = set()
+#: Those registered for context parallelism: name -> (group, mode).
+_CONTEXT_PARALLEL: dict[str, tuple[Any, str]] = {}
+
+
+def _register_context_parallel(name: str | None, kernel: Any, group: Any,
+                               mode: str | None) -> str:
+    if group is None:
+        raise FastpackError(
+            f"mode: {mode!r} applies to context parallelism; pass context_parallel_group= "
+            f"(the process group of the ranks that share a packed row)"
+        )
+    if not isinstance(group, torch.distributed.ProcessGroup):
+        raise FastpackTypeError(
+            f"context_parallel_group: expected a torch.distributed.ProcessGroup, got "
+            f"{type(group).__name__}"
+        )
+    mode = _choice("mode", "zigzag" if mode is None else mode, CP_MODES)
+    if not isinstance(kernel, str) or kernel not in CP_KERNELS:
+        raise FastpackError(
+            f"kernel: expected one of {', '.join(map(repr, CP_KERNELS))} with "
+            f"context_parallel_group, got {kernel!r}"
+        )
+    if name is None:
+        name = f"fastpack_cp_{mode}"
+    if not isinstance(name, str) or not name:
+        raise FastpackTypeError(
+            f"name: expected a non-empty string (the attn_implementation to register), got "
+            f"{type(name).__name__} {name!r}"
+        )
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    def fastpack_context_parallel(
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Any,
+        scaling: float | None = None,
+        dropout: float = 0.0,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        return _cp_attention(name, kernel, group, mode, module, query, key, value,
+                             attention_mask, scaling, dropout, kwargs)
+
+    AttentionInterface.register(name, fastpack_context_parallel)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(name, _fastpack_mask)
+    _REGISTERED.add(name)
+    _CONTEXT_PARALLEL[name] = (group, mode)
+    return name
+
+
+def _cp_attention(
+    name: str,
+    kernel: str,
+    group: Any,
+    mode: str,
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any,
+    scaling: float | None,
+    dropout: float,
+    kwargs: dict[str, Any],
+) -> tuple[torch.Tensor, None]:
+    if "cp_size" not in kwargs:
+        raise FastpackError(
+            f"{name}: the batch is not sharded for context parallelism (no cp_size); pass "
+            f"fastpack.torch.shard_for_context_parallel(batch, cp_size, cp_rank, "
+            f"mode={mode!r}) to the model"
+        )
+    if kwargs["cp_mode"] != mode:
+        raise FastpackError(f"{name}: the batch was sharded with mode={kwargs['cp_mode']!r}, "
+                            f"this attention was registered for mode={mode!r}")
+    causal = kwargs.get("is_causal")
+    if causal is None:
+        causal = getattr(module, "is_causal", True)
+    rows, heads, width, dim = query.shape
+    if not causal or rows != 1 or attention_mask is not None or key.shape[2] != width:
+        raise FastpackError(
+            f"{name}: context parallelism takes one causal packed row with no "
+            f"attention_mask and no KV cache (got {rows} rows, causal={causal}, "
+            f"attention_mask {type(attention_mask).__name__}, {key.shape[2]} keys for "
+            f"{width} queries); pass the batch of shard_for_context_parallel"
+        )
+    if dropout and module.training:
+        raise FastpackError(f"{name}: attention dropout {dropout} is not supported with "
+                            f"context parallelism; set the model's attention dropout to 0")
+    device = query.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        query, key, value = (t.to(dtype) for t in (query, key, value))
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+    out = context_parallel_attention(
+        q, k, v, kwargs, group, kernel=kernel, softmax_scale=scaling,
+        sliding_window=kwargs.get("sliding_window"), softcap=kwargs.get("softcap"),
+    )
+    return out[None], None
 
 
 def _fastpack_mask(
@@ -211,6 +337,12 @@ def _attention(
     dropout: float,
     kwargs: dict[str, Any],
 ) -> tuple[torch.Tensor, None]:
+    if "cp_size" in kwargs:
+        raise FastpackError(
+            f"{name}: a context-parallel batch (cp_mode={kwargs.get('cp_mode')!r}, "
+            f"cp_size={kwargs['cp_size']}) holds one rank's tokens; it needs the attention "
+            f"register_hf_attention(context_parallel_group=group, mode=...) registers"
+        )
     window = kwargs.pop("sliding_window", None)
     softcap = kwargs.pop("softcap", None)
     causal = kwargs.pop("is_causal", None)
@@ -449,7 +581,11 @@ def check_model_batch(model: Any, batch: dict[str, Any]) -> None:
       or with ``use_cache`` on, on a Hugging Face implementation: it then skips the
       per-sequence mask;
     * rows of packed sequences without ``cu_seq_lens_q`` for ``flash_attention_*``, which
-      reads the boundaries from the positions of a single row only.
+      reads the boundaries from the positions of a single row only;
+    * a context-parallel batch (:func:`~fastpack.torch.shard_for_context_parallel`) for
+      anything but a context-parallel attention of its mode
+      (``register_hf_attention(context_parallel_group=..., mode=...)``) — every other
+      attention would attend within one rank's tokens — and an unsharded batch for one.
     """
     if not isinstance(batch, dict):
         raise FastpackTypeError(f"batch: expected a dict, got {type(batch).__name__}")
@@ -464,6 +600,23 @@ def check_model_batch(model: Any, batch: dict[str, Any]) -> None:
         raise FastpackError(f"batch: {what} with attn_implementation={impl!r} "
                             f"({type(config).__name__}) would not compute the unpacked "
                             f"model; {fix}")
+
+    sharded = "cp_size" in batch
+    if sharded or impl in _CONTEXT_PARALLEL:
+        registered = _CONTEXT_PARALLEL.get(impl)
+        if not sharded:
+            mode = registered[1] if registered else "zigzag"
+            refuse("a batch not sharded for context parallelism",
+                   f"pass fastpack.torch.shard_for_context_parallel(batch, cp_size, "
+                   f"cp_rank, mode={mode!r})")
+        elif registered is None:
+            refuse(f"a context-parallel batch (cp_mode={batch.get('cp_mode')!r}, one rank's "
+                   f"tokens)", "use register_hf_attention(context_parallel_group=group, "
+                   f"mode={batch.get('cp_mode')!r}) as the attn_implementation")
+        elif registered[1] != batch.get("cp_mode"):
+            refuse(f"a context-parallel batch sharded with mode={batch.get('cp_mode')!r}",
+                   f"shard with mode={registered[1]!r}, the attention's")
+        return
 
     if mask is not None and getattr(mask, "ndim", len(getattr(mask, "shape", ()))) == 4:
         from torch.nn.attention.flex_attention import BlockMask

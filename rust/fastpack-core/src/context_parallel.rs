@@ -106,16 +106,24 @@ impl CpSpec {
         }
     }
 
+    /// Whether sequences are cut into `2·cp` chunks: zigzag on more than one rank (one
+    /// rank holds every token in order, whatever the mode, as TE and NeMo-RL do at cp = 1).
+    pub fn chunked(&self) -> bool {
+        self.mode == CpMode::Zigzag && self.cp_size > 1
+    }
+
     /// Chunks a padded sequence (zigzag) or the padded stream is cut into.
     fn chunks(&self) -> u64 {
         match self.mode {
-            CpMode::Zigzag => 2 * self.cp_size,
+            CpMode::Zigzag if self.cp_size > 1 => 2 * self.cp_size,
+            CpMode::Zigzag => 1,
             CpMode::Contiguous | CpMode::Ulysses => self.cp_size,
         }
     }
 
-    /// What padded lengths are multiples of: each sequence's (`2·cp·pad_multiple`, zigzag)
-    /// or the stream's (`cp·pad_multiple`, contiguous and Ulysses).
+    /// What padded lengths are multiples of: each sequence's (zigzag: `2·cp·pad_multiple`,
+    /// or `pad_multiple` on one rank) or the stream's (`cp·pad_multiple`, contiguous and
+    /// Ulysses).
     pub fn divisor(&self) -> u64 {
         self.chunks() * self.pad_multiple
     }
@@ -302,7 +310,7 @@ fn fill_tokens(
 ) {
     let cp = layout.spec.cp_size as i64;
     let padded = &layout.cu_seqlens_padded;
-    let zigzag = layout.spec.mode == CpMode::Zigzag;
+    let zigzag = layout.spec.chunked();
     // A local token's place, compared with cu_seqlens_padded to find its sequence: zigzag
     // walks each sequence's local share (cu_seqlens_padded / cp, the same offsets on every
     // rank) scaled back by cp; the other modes walk the rank's slice of the stream.
@@ -356,10 +364,12 @@ pub struct RankAttention {
     pub max_seqlen_k: i32,
     /// The sequence each run belongs to (int64 [R]).
     pub run_sequences: Vec<i64>,
-    /// Contiguous and Ulysses: llama3's `local_k_slice` — the keys of every run, one range
-    /// of the padded stream (all-gathered K/V in rank order are the stream).
+    /// Contiguous and Ulysses (and zigzag on one rank): llama3's `local_k_slice` — the
+    /// keys of every run, one range of the padded stream (all-gathered K/V in rank order
+    /// are the stream).
     pub local_k_slice: Option<(i64, i64)>,
-    /// Zigzag: for each run's keys, its row in K/V all-gathered in rank order
+    /// Zigzag on more than one rank: for each run's keys, its row in K/V all-gathered in
+    /// rank order
     /// (`rank · padded_total/cp + local index`); int64 [cu_seqlens_k[-1]].
     pub k_index: Option<Vec<i64>>,
 }
@@ -367,9 +377,10 @@ pub struct RankAttention {
 /// [`RankAttention`] of `rank` (see its fields for the contracts matched).
 pub fn rank_attention(layout: &StreamLayout, rank: u64) -> Result<RankAttention> {
     check_rank(layout, rank)?;
-    match layout.spec.mode {
-        CpMode::Zigzag => zigzag_attention(layout, rank as i64),
-        CpMode::Contiguous | CpMode::Ulysses => contiguous_attention(layout, rank as i64),
+    if layout.spec.chunked() {
+        zigzag_attention(layout, rank as i64)
+    } else {
+        contiguous_attention(layout, rank as i64)
     }
 }
 
@@ -524,7 +535,7 @@ fn add_work(
     let cp = spec.cp_size as i64;
     let share = padded_total / cp;
     for (start, padded_len, len) in sequences {
-        if spec.mode == CpMode::Zigzag {
+        if spec.chunked() {
             let c = padded_len / (2 * cp);
             for (r, w) in work.iter_mut().enumerate() {
                 let r = r as i64;
@@ -758,8 +769,10 @@ mod tests {
                 let plen = (padded[s + 1] - padded[s]) as i64;
                 prop_assert!(plen >= len as i64);
                 if mode == CpMode::Zigzag {
-                    prop_assert_eq!(plen % (2 * cp * pm) as i64, 0);
-                    prop_assert!(plen - (len as i64) < (2 * cp * pm) as i64);
+                    let d = if cp > 1 { 2 * cp * pm } else { pm } as i64;
+                    prop_assert_eq!(layout.spec.divisor() as i64, d);
+                    prop_assert_eq!(plen % d, 0);
+                    prop_assert!(plen - (len as i64) < d);
                 } else if s + 1 < lengths.len() {
                     prop_assert_eq!(plen, len as i64);
                 }
@@ -769,7 +782,7 @@ mod tests {
             for r in 0..cp {
                 let t = rank_tokens(&layout, r).unwrap();
                 prop_assert_eq!(t.indices.len() as i64, total / cp as i64);
-                if mode == CpMode::Zigzag {
+                if layout.spec.chunked() {
                     prop_assert_eq!(&t.indices, &te_indices(padded, cp as i64, r as i64));
                 } else {
                     let lo = r as i64 * total / cp as i64;
@@ -805,7 +818,7 @@ mod tests {
             for r in 0..cp {
                 let a = rank_attention(&layout, r).unwrap();
                 let t = rank_tokens(&layout, r).unwrap();
-                if mode != CpMode::Zigzag && total > 0 {
+                if !layout.spec.chunked() && total > 0 {
                     let (q, k, mq, mk, slice) = llama3(padded, r as i64, cp as i64);
                     prop_assert_eq!(&a.cu_seqlens_q, &q);
                     prop_assert_eq!(&a.cu_seqlens_k, &k);
