@@ -311,3 +311,48 @@ def test_model_loss_and_gradients(mode: str, family: str, weighting: str) -> Non
         total = sum(g["grads"][name] for g in got)
         scale = max(float(grad.abs().max()), 1e-3)
         assert float((total - grad).abs().max()) <= tolerance * scale, name
+
+
+# ------------------------------------------------------------------ CP-aware plans
+
+
+@settings(max_examples=120, deadline=None)
+@given(lengths=st.lists(st.integers(0, 70), max_size=30), max_len=st.integers(6, 64),
+       cp=st.integers(1, 4), multiple=st.integers(1, 2), mode=st.sampled_from(MODES),
+       overlong=st.sampled_from(["split", "truncate", "drop"]),
+       strategy=st.sampled_from(fastpack.STRATEGIES), reserve=st.integers(0, 1))
+def test_plans_fit_max_len_once_padded(lengths: list[int], max_len: int, cp: int,
+                                       multiple: int, mode: str, overlong: str,
+                                       strategy: str, reserve: int) -> None:
+    """No pack exceeds ``max_len`` once padded as its row's layout pads it; the plan's
+    segments are real tokens (every token once, or counted as dropped / truncated) and
+    ``pad_tokens`` is the layouts' padding."""
+    d = fastpack.cp_layout([0], cp, mode=mode, pad_multiple=multiple).divisor
+    kwargs = dict(strategy=strategy, overlong=overlong, reserve=reserve, cp_size=cp,
+                  cp_mode=mode, pad_multiple=multiple)
+    if max_len // d * d <= reserve:
+        with pytest.raises(FastpackError, match="^pad_multiple: with cp_size="):
+            fastpack.pack(lengths, max_len, **kwargs)  # type: ignore[arg-type]
+        return
+    plan = fastpack.pack(lengths, max_len, **kwargs)  # type: ignore[arg-type]
+    assert (plan.cp_size, plan.cp_mode, plan.pad_multiple, plan.max_len) == (cp, mode, multiple,
+                                                                             max_len)
+    pads = 0
+    for p in range(plan.num_packs):
+        layout = fastpack.cp_layout(plan.cu_seqlens(p), cp, mode=mode, pad_multiple=multiple)
+        assert layout.padded_total <= max_len
+        pads += layout.pad_tokens
+    assert pads == plan.pad_tokens
+    ext = [n + reserve for n in lengths if n]
+    assert sum(ext) == (plan.total_tokens + plan.truncated_tokens + plan.dropped_tokens
+                        + reserve * plan.dropped_sequences)
+    assert plan.total_tokens == int(plan.seqlens.sum())
+    pieces: dict[int, list[tuple[int, int]]] = {}
+    for i, a, n in zip(plan.sample_ids.tolist(), plan.starts.tolist(), plan.seqlens.tolist()):
+        assert n > 0
+        pieces.setdefault(i, []).append((a, n))
+    for i, parts in pieces.items():
+        parts.sort()
+        assert parts[0][0] == 0
+        assert all(a + n == b for (a, n), (b, _) in zip(parts, parts[1:]))
+        assert parts[-1][0] + parts[-1][1] <= lengths[i] + reserve

@@ -11,13 +11,16 @@ docs/context_parallel.md says which array is which contract's.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from . import _core
 from ._errors import FastpackError, FastpackTypeError
 from ._plan import _choice, _int_arg, _threads
+
+if TYPE_CHECKING:
+    from ._plan import Plan
 
 __all__ = ["CP_MODES", "CPLayout", "RankLayout", "cp_layout"]
 
@@ -258,3 +261,87 @@ def cp_layout(
     return CPLayout(cp_size=cp, mode=mode, pad_multiple=multiple, cu_seqlens=cu,
                     cu_seqlens_padded=_readonly(padded),
                     work=_readonly(work.astype(np.int64)), threads=_threads(threads))
+
+
+def pack_for_context_parallel(
+    lengths: np.ndarray,
+    max_len: int,
+    *,
+    strategy: str,
+    overlong: str,
+    reserve: int,
+    seed: int | None,
+    threads: int | None,
+    long_max_len: int | None,
+    group_tokens: int | None,
+    cp_size: Any,
+    cp_mode: Any,
+    pad_multiple: Any,
+) -> Plan:
+    """:func:`fastpack.pack` for context parallelism (its arguments checked, ``lengths`` a
+    native integer array): the existing core plans the padded lengths under caps rounded
+    down to the padding divisor, and the real lengths are mapped back.
+
+    Zigzag pads every (reserve-extended) sequence to ``roundup(len, d)``; with the caps
+    multiples of ``d``, every piece of a split (or wrapped) sequence starts at a multiple
+    of ``d`` below its real end, so its real length is ``min(seqlen, len - start)`` and no
+    piece is all padding. The contiguous modes pad a pack's end only: planning under
+    ``floor(max_len / d) · d`` leaves room for it."""
+    from ._plan import Plan
+
+    cp, mode, multiple = check_cp(cp_size, cp_mode, pad_multiple,
+                                  names=("cp_size", "cp_mode", "pad_multiple"))
+    d = divisor(cp, mode, multiple)
+    what = "every sequence" if mode == "zigzag" else "every pack"
+    setting = f"cp_size={cp}, cp_mode={mode!r} and pad_multiple={multiple}"
+
+    def fit(cap: int, name: str) -> int:
+        eff = cap // d * d
+        if eff <= reserve:
+            raise FastpackError(
+                f"pad_multiple: with {setting}, {what} is padded to a multiple of {d} "
+                f"tokens, so a padded pack exceeds {name} ({cap}) unless it holds at most "
+                f"{eff}{f' (reserve={reserve})' if reserve else ''} tokens; expected a smaller "
+                f"pad_multiple or cp_size, or a larger {name}"
+            )
+        return eff
+
+    cap = fit(max_len, "max_len")
+    long_cap = None if long_max_len is None else fit(long_max_len, "long_max_len")
+    if long_cap is not None and long_cap <= cap:
+        raise FastpackError(
+            f"long_max_len: {long_max_len} holds {long_cap} tokens once padded to multiples "
+            f"of {d} ({setting}), no more than max_len's {cap}; expected a larger long_max_len"
+        )
+    real = lengths.astype(np.int64, copy=False)
+    extended = np.where(real > 0, real + reserve, 0)
+    top = cap if long_cap is None else long_cap
+    over = extended > top
+    if over.any() and overlong == "error" and strategy != "wrapped":
+        i = int(np.argmax(over))
+        raise FastpackError(
+            f"lengths: {int(over.sum())} sequence(s) longer than {top} tokens (first at index "
+            f"{i}, length {int(real[i])}{f' + reserve {reserve}' if reserve else ''}): "
+            f"{'long_max_len' if long_cap else 'max_len'} ({long_max_len or max_len}) holds "
+            f"{top} once {what} is padded to a multiple of {d} ({setting}); pass "
+            f'overlong="truncate", "split" or "drop", or raise the cap'
+        )
+    zigzag = mode == "zigzag"
+    planned = np.where(real > 0, -(-extended // d) * d - reserve, 0) if zigzag else lengths
+    fields = _core.pack(np.ascontiguousarray(planned), cap, strategy, overlong, reserve, seed,
+                        threads, None, long_cap, group_tokens)
+    if zigzag:
+        kept = extended[fields["sample_ids"]] - fields["starts"]
+        fields["seqlens"] = np.minimum(fields["seqlens"], kept).astype(np.int32)
+        lost = over & (strategy != "wrapped")
+        if overlong == "drop":
+            fields["dropped_tokens"] = int(real[lost].sum())
+        elif overlong == "truncate":
+            fields["truncated_tokens"] = int((extended[lost] - top).sum())
+    if fields.get("pack_caps") is not None:
+        assert long_max_len is not None
+        fields["pack_caps"] = np.where(fields["pack_caps"] == cap, max_len,
+                                       long_max_len).astype(np.int32)
+        fields["long_max_len"] = long_max_len
+    fields.update(max_len=max_len, cp_size=cp, cp_mode=mode, pad_multiple=multiple)
+    return Plan(fields)  # every metric from the real seqlens, against the real caps

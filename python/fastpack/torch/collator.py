@@ -256,24 +256,29 @@ class PackedCollator:
         seed: int = 0,
         long_max_len: int | None = None,
         group_tokens: int | None = None,
+        cp_size: int | None = None,
+        cp_mode: str = "zigzag",
+        pad_multiple: int = 1,
     ) -> Plan:
         """The plan this collator uses for samples of these lengths (a whole dataset):
         ``strategy`` whatever ``shuffle`` is; ``shuffle``/``seed`` shuffle the packs
-        (``long_max_len`` and ``group_tokens``: see :func:`fastpack.pack`). With the padded
+        (``long_max_len``, ``group_tokens`` and the context-parallel ``cp_size``,
+        ``cp_mode``, ``pad_multiple``: see :func:`fastpack.pack`). With the padded
         backend every sample is its own pack, in input order or shuffled by ``seed``."""
         shuffle = _bool_arg("shuffle", shuffle)
         seed = _int_arg("seed", seed, minimum=0, maximum=2**64 - 1)
         if self.backend == "padded":
-            if long_max_len is not None or group_tokens is not None:
+            if long_max_len is not None or group_tokens is not None or cp_size is not None:
                 raise FastpackError(
-                    "long_max_len/group_tokens: do not apply to backend='padded' (one sample "
-                    "per row)"
+                    "long_max_len/group_tokens/cp_size: do not apply to backend='padded' (one "
+                    "sample per row)"
                 )
             return _one_per_pack(np.asarray(lengths, dtype=np.int64), self.max_len,
                                  self.reserve, self.overlong, seed if shuffle else None)
         return pack(lengths, self.max_len, strategy=self.strategy, overlong=self.overlong,
                     reserve=self.reserve, shuffle=shuffle, seed=seed, threads=self.threads,
-                    long_max_len=long_max_len, group_tokens=group_tokens)
+                    long_max_len=long_max_len, group_tokens=group_tokens, cp_size=cp_size,
+                    cp_mode=cp_mode, pad_multiple=pad_multiple)
 
     def batch(
         self,

@@ -49,6 +49,11 @@ class StepTable:
     step's batch will hold (loss masks, ``labels``, separators and split pieces included);
     ``sequences`` the segments with at least one target. All int64 [N].
     ``segment_targets`` (uint32 [S]) is the same count per segment, for steps cut smaller.
+
+    A plan made for context parallelism (``cp_size``) adds, for the step's row sharded
+    as :func:`~fastpack.torch.shard_for_context_parallel` shards it, ``padded_tokens``
+    (int64 [N]) and ``cp_work`` (int64 [N, cp]): the (query, key) pairs each CP rank's
+    attention computes (:attr:`fastpack.CPLayout.work`); ``None`` otherwise.
     """
 
     pack_offsets: np.ndarray
@@ -58,6 +63,8 @@ class StepTable:
     targets: np.ndarray
     sequences: np.ndarray
     segment_targets: np.ndarray
+    padded_tokens: np.ndarray | None = None
+    cp_work: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -90,6 +97,11 @@ class PackedDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
         group_tokens: a step is one group of the two-level plan: packs of ``max_len``
             bin-packed under this token budget, so every step carries nearly the same
             tokens (see :func:`fastpack.pack`). At least ``long_max_len`` (or ``max_len``).
+        cp_size, cp_mode, pad_multiple: plan for context parallelism (see
+            :func:`fastpack.pack`): every pack fits ``max_len`` once padded for a CP group
+            of ``cp_size`` ranks; a :class:`PackedSampler` then balances each rank's
+            attention work. Every CP rank of a data-parallel rank gets the same step and
+            shards it (:func:`~fastpack.torch.shard_for_context_parallel`).
         long_max_len: a second bucket for sequences over ``max_len``, packed into packs of
             this cap (never mixed with short ones in a pack or a group).
         plan: a precomputed plan over ``tokens`` (default: packed here); its groups are
@@ -118,6 +130,9 @@ class PackedDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
         plan: Plan | None = None,
         shuffle: bool = True,
         seed: int = 0,
+        cp_size: int | None = None,
+        cp_mode: str = "zigzag",
+        pad_multiple: int = 1,
     ) -> None:
         if not isinstance(collator, PackedCollator):
             raise FastpackTypeError(
@@ -136,13 +151,15 @@ class PackedDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
         if plan is None:
             plan = collator.plan(
                 self.tokens.lengths, shuffle=shuffle, seed=seed, long_max_len=long_max_len,
-                group_tokens=group_tokens,
+                group_tokens=group_tokens, cp_size=cp_size, cp_mode=cp_mode,
+                pad_multiple=pad_multiple,
             )
         elif not isinstance(plan, Plan):
             raise FastpackTypeError(f"plan: expected a fastpack.Plan, got {type(plan).__name__}")
         else:
             for name, value, have in (("group_tokens", group_tokens, plan.group_tokens),
-                                      ("long_max_len", long_max_len, plan.long_max_len)):
+                                      ("long_max_len", long_max_len, plan.long_max_len),
+                                      ("cp_size", cp_size, plan.cp_size)):
                 if value is not None and value != have:
                     raise FastpackError(
                         f"{name}: got {value}, but the given plan was made with {have}; "
@@ -280,15 +297,30 @@ def step_table(plan: Plan, step_pack_offsets: np.ndarray, per_segment: np.ndarra
     segments = np.asarray(plan.pack_offsets, dtype=np.int64)[step_pack_offsets]
     per_segment = np.ascontiguousarray(per_segment, dtype=np.uint32)
     tokens, squared, targets, sequences = _core.step_sums(plan.seqlens, per_segment, segments)
+    padded = work = None
+    if plan.cp_size is not None:
+        padded, work = cp_terms(plan, plan.seqlens, segments)
     table = StepTable(
         pack_offsets=step_pack_offsets, segment_offsets=segments, tokens=tokens,
         squared_tokens=squared, targets=targets, sequences=sequences,
-        segment_targets=per_segment,
+        segment_targets=per_segment, padded_tokens=padded, cp_work=work,
     )
     for array in (table.segment_offsets, table.tokens, table.squared_tokens,
-                  table.targets, table.sequences, table.segment_targets):
-        array.flags.writeable = False
+                  table.targets, table.sequences, table.segment_targets, padded, work):
+        if array is not None:
+            array.flags.writeable = False
     return table
+
+
+def cp_terms(plan: Plan, seqlens: np.ndarray,
+             offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Padded tokens (int64 [N]) and each CP rank's attention work (int64 [N, cp]) of the
+    rows ``offsets[i]:offsets[i+1]`` of ``seqlens``, for the plan's CP group."""
+    assert plan.cp_size is not None and plan.cp_mode is not None
+    _, padded, work = _core.cp_streams(
+        np.ascontiguousarray(seqlens, dtype=np.int32), np.ascontiguousarray(offsets, np.int64),
+        plan.cp_size, plan.cp_mode, plan.pad_multiple or 1)
+    return padded, work.astype(np.int64).reshape(len(padded), plan.cp_size)
 
 
 def _sub_plan(plan: Plan, p0: int, p1: int, lo: int, hi: int) -> Plan:
@@ -324,7 +356,8 @@ def _sub_plan(plan: Plan, p0: int, p1: int, lo: int, hi: int) -> Plan:
     fields.update(
         sample_ids=plan.sample_ids[lo:hi], starts=plan.starts[lo:hi], seqlens=seqlens,
         pack_offsets=offsets - lo, total_tokens=total, buckets=buckets,
-        long_max_len=plan.long_max_len, pack_caps=caps,
+        long_max_len=plan.long_max_len, pack_caps=caps, cp_size=plan.cp_size,
+        cp_mode=plan.cp_mode, pad_multiple=plan.pad_multiple,
     )
     return Plan(_with_metrics(fields))
 

@@ -17,7 +17,11 @@ from .._errors import FastpackError, FastpackTypeError
 from .._plan import _choice
 from .attention import KERNELS, Kernel, varlen_attention
 from .collator import LOSS_MASK_KEYS, PackedCollator
-from .context_parallel import CP_KERNELS, context_parallel_attention
+from .context_parallel import (
+    CP_KERNELS,
+    context_parallel_attention,
+    shard_for_context_parallel,
+)
 from .data import PackedDataset, first_item
 from .loss import WEIGHTINGS, packed_loss
 from .sampler import BALANCES, PackedSampler, Step
@@ -687,7 +691,15 @@ class PackedTrainerMixin:
       non-empty steps on every rank. Its ``num_replicas``/``rank`` are the data-parallel
       group's: ``world_size // tp_size`` replicas, the ``tp_size`` tensor-parallel ranks
       of a replica (consecutive processes, accelerate's mesh order) sharing its steps;
-      context / sequence parallelism (``cp_size``/``sp_size`` > 1) raise.
+      accelerate's context / sequence parallelism (``cp_size``/``sp_size`` > 1) raise.
+    * **Context parallelism** (fastpack's): when the model's attention is
+      ``register_hf_attention(context_parallel_group=group, mode=...)``, the plan is made
+      for that group (every pack fits ``max_len`` once padded), the ``cp · tp``
+      consecutive processes of a data-parallel rank share its steps (``group`` must be
+      those ranks), and every micro-batch is sharded for this rank
+      (:func:`~fastpack.torch.shard_for_context_parallel`) before the forward. The loss
+      is scaled by ``dp · cp`` (DDP averages the gradients of all of them; the CP ranks'
+      add up to the step's), which is the Trainer's own ``num_processes // tp_size``.
       ``accumulation_steps`` is ``gradient_accumulation_steps``,
       the seed ``data_seed`` (else ``seed``), ``hidden_size`` the model's. Accelerate's
       own sharding is bypassed: it would re-split steps that are already per rank.
@@ -715,6 +727,8 @@ class PackedTrainerMixin:
         weighting: ``"token"`` (default) or ``"sequence"`` (see :func:`packed_loss`).
         balance: ``"flops"`` (default), ``"tokens"`` or ``None`` (see PackedSampler).
         hidden_size: the cost model's ``h`` (default: ``model.config.hidden_size``).
+        pad_multiple: context parallelism's padding multiple (see
+            :func:`fastpack.cp_layout`).
     """
 
     def __init__(
@@ -725,6 +739,7 @@ class PackedTrainerMixin:
         weighting: str = "token",
         balance: str | None = "flops",
         hidden_size: int | None = None,
+        pad_multiple: int = 1,
         **kwargs: Any,
     ) -> None:
         if weighting not in WEIGHTINGS:
@@ -739,7 +754,7 @@ class PackedTrainerMixin:
         self.fastpack_weighting = weighting
         self._fastpack_options: dict[str, Any] = {
             "group_tokens": group_tokens, "packs_per_batch": packs_per_batch,
-            "balance": balance, "hidden_size": hidden_size,
+            "balance": balance, "hidden_size": hidden_size, "pad_multiple": pad_multiple,
         }
         self._fastpack_dataset: PackedDataset | None = None
         self._fastpack_sampler: PackedSampler | None = None
@@ -759,24 +774,43 @@ class PackedTrainerMixin:
             )
         self.loss_is_scaled_for_ga = True  # each micro-step carries its step's normaliser
         self._fastpack_checked: set[Any] = set()
+        self._fastpack_cp = self._context_parallel()
         self.data_parallel_size, self.data_parallel_rank = self._data_parallel()
 
     def _parallel_size(self, method: str) -> int:
         get = getattr(self, method, None)
         return int(get()) if callable(get) else 1
 
+    def _context_parallel(self) -> tuple[Any, str, int, int] | None:
+        """``(group, mode, size, rank)`` when the model's attention is a context-parallel
+        one (``register_hf_attention(context_parallel_group=...)``), else ``None``."""
+        impl = getattr(_config_of(self.model), "_attn_implementation", None)  # type: ignore[attr-defined]
+        if impl not in _CONTEXT_PARALLEL:
+            return None
+        group, mode = _CONTEXT_PARALLEL[impl]
+        dist = torch.distributed
+        return group, mode, dist.get_world_size(group), dist.get_rank(group)
+
+    @property
+    def context_parallel_size(self) -> int:
+        """Ranks that share each step (1 without context parallelism)."""
+        return 1 if self._fastpack_cp is None else self._fastpack_cp[2]
+
     def _data_parallel(self) -> tuple[int, int]:
         """``(size, rank)`` of this process's data-parallel group. Tensor-parallel ranks
         share a batch: accelerate's canonical mesh (dp_replicate, dp_shard, cp, sp, tp)
-        puts tp innermost, so the ``tp_size`` consecutive processes form one replica."""
+        puts tp innermost, so the ``tp_size`` consecutive processes form one replica;
+        fastpack's context parallelism (the model's attention) puts cp around it, so
+        ``cp · tp`` consecutive processes share each step."""
         args: Any = self.args  # type: ignore[attr-defined]
         for method, setting in (("get_cp_size", "cp_size"), ("get_sp_size", "sp_size")):
             size = self._parallel_size(method)
             if size > 1:
                 raise FastpackError(
-                    f"{setting}: {size}; PackedTrainerMixin does not support context or "
-                    f"sequence parallelism (it would split packed rows across ranks without "
-                    f"their sequence boundaries); set parallelism_config's {setting} to 1"
+                    f"{setting}: {size}; PackedTrainerMixin does not support accelerate's "
+                    f"context or sequence parallelism (it would split packed rows across ranks "
+                    f"without their sequence boundaries); set parallelism_config's {setting} "
+                    f"to 1 and use fastpack's: register_hf_attention(context_parallel_group=...)"
                 )
         if hasattr(self, "get_tp_size"):
             tp = self._parallel_size("get_tp_size")
@@ -792,7 +826,25 @@ class PackedTrainerMixin:
             raise FastpackError(
                 f"tp_size: {tp} does not divide the world size {world}; expected a divisor"
             )
-        return world // tp, int(args.process_index) // tp
+        cp = self.context_parallel_size
+        if world % (tp * cp):
+            raise FastpackError(
+                f"context_parallel_group: {cp} ranks (times tp_size {tp}) do not divide the "
+                f"world size {world}"
+            )
+        index = int(args.process_index)
+        if self._fastpack_cp is not None:
+            group, _, _, cp_rank = self._fastpack_cp
+            first = index // (cp * tp) * cp * tp + index % tp
+            want = [first + c * tp for c in range(cp)]
+            have = sorted(torch.distributed.get_process_group_ranks(group))
+            if have != want or want[cp_rank] != index:
+                raise FastpackError(
+                    f"context_parallel_group: process {index} is in the group of ranks "
+                    f"{have}; PackedTrainerMixin expects ranks {want} (the cp · tp = {cp * tp} "
+                    f"consecutive processes of one data-parallel rank, tp innermost)"
+                )
+        return world // (tp * cp), index // (tp * cp)
 
     # ------------------------------------------------------------------- data
     @property
@@ -848,9 +900,12 @@ class PackedTrainerMixin:
         if group is None and packs is None:
             group = 4 * collator.max_len
         args: Any = self.args  # type: ignore[attr-defined]
+        cp = self._fastpack_cp
         return PackedDataset(
             data, collator, labels="labels" if "labels" in columns else None,
             loss_mask=mask or None, group_tokens=group, packs_per_batch=packs, seed=args.seed,
+            cp_size=None if cp is None else cp[2], cp_mode="zigzag" if cp is None else cp[1],
+            pad_multiple=options["pad_multiple"],
         )
 
     def get_train_dataloader(self) -> torch.utils.data.DataLoader:  # type: ignore[type-arg]
@@ -892,6 +947,10 @@ class PackedTrainerMixin:
         return_outputs: bool = False,
         num_items_in_batch: torch.Tensor | int | None = None,
     ) -> Any:
+        if self._fastpack_cp is not None:  # this rank's share of the step's row
+            _, mode, size, rank = self._fastpack_cp
+            inputs = shard_for_context_parallel(
+                inputs, size, rank, mode, pad_multiple=self._fastpack_options["pad_multiple"])
         steps = {k: inputs[k] for k in STEP_KEYS if k in inputs}
         inputs = {k: v for k, v in inputs.items() if k not in STEP_KEYS}
         self._check_format(model, inputs)
@@ -905,9 +964,11 @@ class PackedTrainerMixin:
         outputs = model(**{k: v for k, v in inputs.items() if k != "labels"})
         loss = packed_loss(outputs.logits, {**inputs, **steps},
                            weighting=self.fastpack_weighting)  # type: ignore[arg-type]
-        # DDP / FSDP average gradients over the data-parallel replicas; the normaliser
-        # counts all of them (the Trainer's own loss scales by num_processes // tp_size).
-        loss = loss * self.data_parallel_size
+        # DDP / FSDP average gradients over every process but the tensor-parallel copies
+        # (the data-parallel replicas and their CP ranks, whose gradients add up to the
+        # step's); the normaliser counts all of them (the Trainer's own loss scales by
+        # num_processes // tp_size, the same number).
+        loss = loss * self.data_parallel_size * self.context_parallel_size
         return (loss, outputs) if return_outputs else loss
 
     def _check_format(self, model: torch.nn.Module, inputs: dict[str, Any]) -> None:

@@ -509,8 +509,10 @@ fn causal_work(a: i64, b: i64, len: i64) -> u64 {
 }
 
 /// Attention work of every rank of one stream: the (query, key) pairs its real queries
-/// attend to, causally (`[cp]`). Zigzag gives every rank the same within a chunk's
-/// worth; contiguous gives the last ranks the long sequences' ends.
+/// attend to, causally (`[cp]`), in units of all heads. Zigzag gives every rank the same
+/// within a chunk's worth; contiguous gives the last ranks the long sequences' ends;
+/// Ulysses gives every rank every pair for `1/cp` of the heads (the remainder of the
+/// division to the first ranks, so the ranks' work adds up to the stream's).
 pub fn stream_work(layout: &StreamLayout) -> Vec<u64> {
     let cp = layout.spec.cp_size as usize;
     let mut work = vec![0u64; cp];
@@ -534,6 +536,13 @@ fn add_work(
 ) {
     let cp = spec.cp_size as i64;
     let share = padded_total / cp;
+    if spec.mode == CpMode::Ulysses {
+        let total: u64 = sequences.map(|(_, _, len)| causal_work(0, len, len)).sum();
+        for (r, w) in work.iter_mut().enumerate() {
+            *w += total / cp as u64 + u64::from((r as u64) < total % cp as u64);
+        }
+        return;
+    }
     for (start, padded_len, len) in sequences {
         if spec.chunked() {
             let c = padded_len / (2 * cp);
