@@ -184,11 +184,19 @@ class CPLayout:
         return _int_arg("cp_rank", rank, minimum=0, maximum=self.cp_size - 1,
                         why=f" (cp_size is {self.cp_size})")
 
+    @property
+    def _workers(self) -> int | None:
+        # A rank's share of one row is small: below 2^17 tokens the calling thread alone
+        # is faster than waking a pool (the arrays are the same on any number).
+        if self.threads is None and self.local_tokens < 1 << 17:
+            return 1
+        return self.threads
+
     def _rank_tokens(self, rank: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         r = self._rank(rank)
         if r not in self._tokens:
             arrays = _core.cp_rank_tokens(self.cu_seqlens, self.cp_size, self.mode,
-                                          self.pad_multiple, r, self.threads)
+                                          self.pad_multiple, r, self._workers)
             self._tokens[r] = tuple(_readonly(a) for a in arrays)  # type: ignore[assignment]
         return self._tokens[r]
 
@@ -216,7 +224,7 @@ class CPLayout:
         r = self._rank(rank)
         if r not in self._local:
             d = _core.cp_rank_attention(self.cu_seqlens, self.cp_size, self.mode,
-                                        self.pad_multiple, r)
+                                        self.pad_multiple, r, self._workers)
             k_slice = d["local_k_slice"]
             k_index = d["k_index"]
             self._local[r] = RankLayout(

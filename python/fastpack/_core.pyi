@@ -63,7 +63,12 @@ def cp_rank_tokens(
     threads: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]: ...
 def cp_rank_attention(
-    cu_seqlens: np.ndarray, cp_size: int, mode: str, pad_multiple: int, rank: int
+    cu_seqlens: np.ndarray,
+    cp_size: int,
+    mode: str,
+    pad_multiple: int,
+    rank: int,
+    threads: int | None = None,
 ) -> dict[str, Any]: ...
 def cp_streams(
     seqlens: np.ndarray,

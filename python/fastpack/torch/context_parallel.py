@@ -261,7 +261,7 @@ def _shard(batch: Mapping[str, Any], layout: CPLayout, rank: int, ids: torch.Ten
 
 
 def _group_size(group: Any) -> int:
-    return 1 if group is None else torch.distributed.get_world_size(group)
+    return 1 if group is None else int(group.size())
 
 
 class _AllGather(torch.autograd.Function):
@@ -498,17 +498,17 @@ def context_parallel_attention(
     mode, size, rank = meta["mode"], meta["size"], meta["rank"]
     if mode == "ulysses":
         _check_heads(q.shape[1], k.shape[1], size)
+    chosen = _resolve(kernel, q, mode, window, cap)
     if group is None and size != 1:
         raise FastpackError(f"group: None, but the batch was sharded for cp_size={size}; "
                             f"pass the context-parallel process group")
     if group is not None:
-        g_size, g_rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+        g_size, g_rank = int(group.size()), int(group.rank())
         if (g_size, g_rank) != (size, rank):
             raise FastpackError(
                 f"group: this process is rank {g_rank} of a group of {g_size}, but the batch "
                 f"was sharded for cp_rank={rank} of cp_size={size}"
             )
-    chosen = _resolve(kernel, q, mode, window, cap)
     if mode == "ulysses":
         return _ulysses(q, k, v, batch, group, size, chosen, softmax_scale, window, cap)
     device = q.device

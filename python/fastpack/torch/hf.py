@@ -788,8 +788,7 @@ class PackedTrainerMixin:
         if impl not in _CONTEXT_PARALLEL:
             return None
         group, mode = _CONTEXT_PARALLEL[impl]
-        dist = torch.distributed
-        return group, mode, dist.get_world_size(group), dist.get_rank(group)
+        return group, mode, int(group.size()), int(group.rank())
 
     @property
     def context_parallel_size(self) -> int:

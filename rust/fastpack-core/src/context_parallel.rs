@@ -34,7 +34,14 @@
 use rayon::prelude::*;
 
 use crate::error::{Error, Result};
-use crate::memory::{try_with_capacity, try_zeroed};
+use crate::memory::{try_filled, try_with_capacity, Word};
+
+/// `n` zeros for an output that is written in full: a plain fill (a fresh zeroed mapping,
+/// `memory::try_zeroed`'s choice for buffers mostly never written, costs more page
+/// faults than the fill saves here).
+fn try_filled_zero<T: Word>(n: usize, what: &'static str) -> Result<Vec<T>> {
+    try_filled(n, T::default(), what)
+}
 
 /// How a stream is split across the ranks of a CP group (see the module docs).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -130,9 +137,10 @@ impl CpSpec {
 
     /// The padded length of a sequence of `len` tokens inside a stream (zigzag rounds it
     /// up; the other modes pad only the stream's end).
+    #[inline(always)]
     pub fn sequence_padded(&self, len: u64) -> u64 {
         match self.mode {
-            CpMode::Zigzag => len.div_ceil(self.divisor()) * self.divisor(),
+            CpMode::Zigzag => round_up(len, self.divisor()),
             CpMode::Contiguous | CpMode::Ulysses => len,
         }
     }
@@ -141,8 +149,19 @@ impl CpSpec {
     pub fn stream_padded(&self, total: u64) -> u64 {
         match self.mode {
             CpMode::Zigzag => total,
-            CpMode::Contiguous | CpMode::Ulysses => total.div_ceil(self.divisor()) * self.divisor(),
+            CpMode::Contiguous | CpMode::Ulysses => round_up(total, self.divisor()),
         }
+    }
+}
+
+/// `x` rounded up to a multiple of `d` (a mask when `d` is a power of two, as CP groups
+/// and their multiples usually are).
+#[inline(always)]
+fn round_up(x: u64, d: u64) -> u64 {
+    if d.is_power_of_two() {
+        (x + d - 1) & !(d - 1)
+    } else {
+        x.div_ceil(d) * d
     }
 }
 
@@ -284,9 +303,9 @@ pub fn rank_tokens(layout: &StreamLayout, rank: u64) -> Result<RankTokens> {
     check_rank(layout, rank)?;
     let n = layout.local_tokens() as usize;
     let mut out = RankTokens {
-        indices: try_zeroed(n, "indices")?,
-        positions: try_zeroed(n, "positions")?,
-        sources: try_zeroed(n, "sources")?,
+        indices: try_filled_zero(n, "indices")?,
+        positions: try_filled_zero(n, "positions")?,
+        sources: try_filled_zero(n, "sources")?,
     };
     out.indices
         .par_chunks_mut(TOKEN_BLOCK)
@@ -299,7 +318,8 @@ pub fn rank_tokens(layout: &StreamLayout, rank: u64) -> Result<RankTokens> {
     Ok(out)
 }
 
-/// Writes local tokens `first..first + indices.len()` of `rank`.
+/// Writes local tokens `first..first + indices.len()` of `rank`, a run (consecutive
+/// stream positions of one sequence) at a time.
 fn fill_tokens(
     layout: &StreamLayout,
     rank: i64,
@@ -311,41 +331,49 @@ fn fill_tokens(
     let cp = layout.spec.cp_size as i64;
     let padded = &layout.cu_seqlens_padded;
     let zigzag = layout.spec.chunked();
-    // A local token's place, compared with cu_seqlens_padded to find its sequence: zigzag
-    // walks each sequence's local share (cu_seqlens_padded / cp, the same offsets on every
-    // rank) scaled back by cp; the other modes walk the rank's slice of the stream.
+    // Zigzag walks each sequence's local share (cu_seqlens_padded / cp, the same offsets
+    // on every rank); the other modes walk the rank's slice of the stream.
     let base = if zigzag { 0 } else { rank * layout.local_tokens() };
-    let place = |j: i64| if zigzag { j * cp } else { base + j };
-    let first = first as i64;
-    // The last sequence starting at or before the first token (empty ones are skipped, as
-    // the next start is then past it too).
-    let mut seq = padded.partition_point(|&s| s as i64 <= place(first)) - 1;
-    for (k, ((index, position), source)) in
-        indices.iter_mut().zip(positions.iter_mut()).zip(sources.iter_mut()).enumerate()
-    {
-        let j = first + k as i64;
-        while padded[seq + 1] as i64 <= place(j) {
+    let scale = if zigzag { cp } else { 1 };
+    let (mut j, end) = (first as i64, (first + indices.len()) as i64);
+    // The last sequence starting at or before the first token (an empty one is skipped:
+    // the next start is past the token too).
+    let mut seq = padded.partition_point(|&s| s as i64 <= (base + j) * scale) - 1;
+    let mut k = 0usize;
+    while j < end {
+        while padded[seq + 1] as i64 <= (base + j) * scale {
             seq += 1;
         }
         let start = layout.padded_start(seq);
-        let p = if zigzag {
+        // This run: `count` tokens from stream position `p`.
+        let (p, count) = if zigzag {
             let c = layout.padded_len(seq) / (2 * cp);
             let o = j - start / cp;
             if o < c {
-                start + rank * c + o
+                (start + rank * c + o, (c - o).min(end - j))
             } else {
-                start + (2 * cp - 1 - rank) * c + (o - c)
+                (start + (2 * cp - 1 - rank) * c + (o - c), (2 * c - o).min(end - j))
             }
         } else {
-            base + j
+            let p = base + j;
+            (p, (padded[seq + 1] as i64 - p).min(end - j))
         };
-        *index = p;
-        *position = p - start;
-        *source = if *position < layout.len(seq) {
-            layout.cu_seqlens[seq] as i64 + *position
-        } else {
-            -1
-        };
+        let real = (start + layout.len(seq) - p).clamp(0, count) as usize;
+        let n = count as usize;
+        let source = layout.cu_seqlens[seq] as i64 - start;
+        for (i, ((index, position), src)) in indices[k..k + n]
+            .iter_mut()
+            .zip(&mut positions[k..k + n])
+            .zip(&mut sources[k..k + n])
+            .enumerate()
+        {
+            let at = p + i as i64;
+            *index = at;
+            *position = at - start;
+            *src = if i < real { at + source } else { -1 };
+        }
+        j += count;
+        k += n;
     }
 }
 
@@ -463,7 +491,7 @@ fn zigzag_attention(layout: &StreamLayout, rank: i64) -> Result<RankAttention> {
     // q = (p - start) / c, lives on rank q (first half) or 2cp - 1 - q (second half), at
     // that rank's local offset start / cp (+ c in the second half).
     let local = layout.local_tokens();
-    let mut k_index: Vec<i64> = try_zeroed(k_acc as usize, "k_index")?;
+    let mut k_index: Vec<i64> = try_filled_zero(k_acc as usize, "k_index")?;
     let mut rest: &mut [i64] = &mut k_index;
     let mut pieces = Vec::with_capacity(n);
     for seq in 0..n {
@@ -474,15 +502,18 @@ fn zigzag_attention(layout: &StreamLayout, rank: i64) -> Result<RankAttention> {
     }
     pieces.par_iter_mut().with_min_len(64).for_each(|(seq, out)| {
         let (seq, c) = (*seq, chunk(*seq));
-        let start = layout.padded_start(seq);
-        let mut i = 0;
+        let share = layout.padded_start(seq) / cp;
+        let mut rows = out.chunks_exact_mut(c.max(1) as usize);
         for keys in key_counts {
-            for o in 0..keys * c {
-                let q = o / c;
-                let (owner, within) =
-                    if q < cp { (q, o - q * c) } else { (2 * cp - 1 - q, c + o - q * c) };
-                out[i] = owner * local + start / cp + within;
-                i += 1;
+            for q in 0..keys {
+                // Chunk q of the sequence: its rank's first (q < cp) or second half.
+                let row =
+                    if q < cp { q * local + share } else { (2 * cp - 1 - q) * local + share + c };
+                if let Some(run) = rows.next() {
+                    for (i, slot) in run.iter_mut().enumerate() {
+                        *slot = row + i as i64;
+                    }
+                }
             }
         }
     });
@@ -504,8 +535,13 @@ fn causal_work(a: i64, b: i64, len: i64) -> u64 {
     if b <= a {
         return 0;
     }
-    let tri = |x: i64| (x as u128 * (x as u128 + 1) / 2) as u64;
     tri(b) - tri(a)
+}
+
+/// `x (x + 1) / 2` for `0 <= x < 2^31` (cu_seqlens are int32): fits a u64.
+fn tri(x: i64) -> u64 {
+    let x = x as u64;
+    x * (x + 1) / 2
 }
 
 /// Attention work of every rank of one stream: the (query, key) pairs its real queries
@@ -527,7 +563,8 @@ pub fn stream_work(layout: &StreamLayout) -> Vec<u64> {
 }
 
 /// Adds each rank's work over sequences given as `(padded start, padded length, real
-/// length)` of a stream of `padded_total` tokens.
+/// length)`, in stream order, of a stream of `padded_total` tokens. No division per
+/// sequence: a plan's streams hold millions of them.
 fn add_work(
     spec: CpSpec,
     sequences: impl Iterator<Item = (i64, i64, i64)>,
@@ -535,29 +572,78 @@ fn add_work(
     work: &mut [u64],
 ) {
     let cp = spec.cp_size as i64;
-    let share = padded_total / cp;
     if spec.mode == CpMode::Ulysses {
-        let total: u64 = sequences.map(|(_, _, len)| causal_work(0, len, len)).sum();
+        let total: u64 = sequences.map(|(_, _, len)| tri(len)).sum();
         for (r, w) in work.iter_mut().enumerate() {
             *w += total / cp as u64 + u64::from((r as u64) < total % cp as u64);
         }
         return;
     }
-    for (start, padded_len, len) in sequences {
-        if spec.chunked() {
-            let c = padded_len / (2 * cp);
-            for (r, w) in work.iter_mut().enumerate() {
-                let r = r as i64;
-                *w += causal_work(r * c, (r + 1) * c, len)
-                    + causal_work((2 * cp - 1 - r) * c, (2 * cp - r) * c, len);
+    if spec.chunked() {
+        // A sequence with no pad gives every rank 2cp·c² + c pairs (chunks r and
+        // 2cp-1-r): that common part is summed once; each sequence then takes off, from
+        // the top chunk down, what its pad removes.
+        let chunks = Chunks::new(2 * cp);
+        let mut common = 0u64;
+        for (_, padded_len, len) in sequences {
+            let c = chunks.of(padded_len);
+            common += (2 * cp * c * c + c) as u64;
+            let mut q = 2 * cp - 1;
+            while q >= 0 && (q + 1) * c > len {
+                let (lo, hi) = (q * c, (q + 1) * c);
+                let owner = if q < cp { q } else { 2 * cp - 1 - q } as usize;
+                // Wrapping: the common part comes last, so the sum is exact.
+                work[owner] =
+                    work[owner].wrapping_sub(tri(hi) - tri(lo) - causal_work(lo, hi, len));
+                q -= 1;
             }
-        } else if share > 0 {
-            let end = start + len;
-            let (first, last) = (start / share, ((end - 1).max(start) / share).min(cp - 1));
-            for r in first..=last {
-                let (lo, hi) = (r * share, (r + 1) * share);
-                work[r as usize] += causal_work(lo.max(start) - start, hi.min(end) - start, len);
-            }
+        }
+        for w in work.iter_mut() {
+            *w = w.wrapping_add(common);
+        }
+        return;
+    }
+    // Contiguous: rank r holds [r·share, (r+1)·share); a cursor follows the sequences.
+    let share = padded_total / cp;
+    if share == 0 {
+        return;
+    }
+    let mut r = 0i64;
+    for (start, _, len) in sequences {
+        while r + 1 < cp && (r + 1) * share <= start {
+            r += 1;
+        }
+        let end = start + len;
+        if end <= (r + 1) * share {
+            work[r as usize] += tri(len); // the usual case: one rank holds it all
+            continue;
+        }
+        let mut k = r;
+        while k < cp && k * share < end {
+            let (lo, hi) = (k * share, (k + 1) * share);
+            work[k as usize] += causal_work(lo.max(start) - start, hi.min(end) - start, len);
+            k += 1;
+        }
+    }
+}
+
+/// Division by a group's chunk count (`2·cp`), a shift when it is a power of two.
+struct Chunks {
+    count: i64,
+    shift: Option<u32>,
+}
+
+impl Chunks {
+    fn new(count: i64) -> Self {
+        let shift = (count as u64).is_power_of_two().then(|| count.trailing_zeros());
+        Chunks { count, shift }
+    }
+    /// The chunk length of a padded sequence of `padded_len` tokens (a multiple of it).
+    #[inline(always)]
+    fn of(&self, padded_len: i64) -> i64 {
+        match self.shift {
+            Some(s) => padded_len >> s,
+            None => padded_len / self.count,
         }
     }
 }
@@ -592,9 +678,9 @@ pub fn streams_layout(seqlens: &[i32], offsets: &[i64], spec: CpSpec) -> Result<
     let streams = offsets.len() - 1;
     let cp = spec.cp_size as usize;
     let mut out = StreamsLayout {
-        seqlens_padded: try_zeroed(seqlens.len(), "seqlens_padded")?,
-        padded_tokens: try_zeroed(streams, "padded_tokens")?,
-        work: try_zeroed(streams * cp, "work")?,
+        seqlens_padded: try_filled_zero(seqlens.len(), "seqlens_padded")?,
+        padded_tokens: try_filled_zero(streams, "padded_tokens")?,
+        work: try_filled_zero(streams * cp, "work")?,
     };
     // Blocks of streams own disjoint ranges of every output.
     let mut blocks = Vec::with_capacity(streams.div_ceil(STREAM_BLOCK));
@@ -618,7 +704,7 @@ pub fn streams_layout(seqlens: &[i32], offsets: &[i64], spec: CpSpec) -> Result<
             for (p, &l) in padded.iter_mut().zip(lens) {
                 let len = spec.sequence_padded(l as u64);
                 acc += len;
-                *p = fit_i32(len, spec)?;
+                *p = len as i32; // checked below: no segment is longer than its stream
             }
             let stream = spec.stream_padded(acc);
             fit_i32(stream, spec)?;
@@ -861,6 +947,15 @@ mod tests {
             let work = stream_work(&layout);
             let all: u64 = lengths.iter().map(|&l| l as u64 * (l as u64 + 1) / 2).sum();
             prop_assert_eq!(work.iter().sum::<u64>(), all);
+            for r in 0..cp {
+                // A rank's work: its real queries' positions + 1 (the keys each sees);
+                // Ulysses: every pair, for 1/cp of the heads.
+                let t = rank_tokens(&layout, r).unwrap();
+                let mine: u64 = t.sources.iter().zip(&t.positions)
+                    .filter(|(&s, _)| s >= 0).map(|(_, &p)| p as u64 + 1).sum();
+                let want = if mode == CpMode::Ulysses { all / cp + u64::from(r < all % cp) } else { mine };
+                prop_assert_eq!(work[r as usize], want);
+            }
         }
 
         /// Many streams at once equal each stream alone, on any number of threads.

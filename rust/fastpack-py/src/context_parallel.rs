@@ -85,6 +85,7 @@ pub fn cp_rank_tokens<'py>(
 /// `cp_rank_attention(cu_seqlens, cp_size, mode, pad_multiple, rank)`: a dict of the
 /// rank's runs and keys (see `RankAttention`).
 #[pyfunction]
+#[pyo3(signature = (cu_seqlens, cp_size, mode, pad_multiple, rank, threads=None))]
 pub fn cp_rank_attention<'py>(
     py: Python<'py>,
     cu_seqlens: PyReadonlyArray1<'py, i32>,
@@ -92,12 +93,13 @@ pub fn cp_rank_attention<'py>(
     mode: &str,
     pad_multiple: u64,
     rank: u64,
+    threads: Option<usize>,
 ) -> PyResult<Bound<'py, PyDict>> {
     let spec = spec(cp_size, mode, pad_multiple)?;
     let cu = contiguous("cu_seqlens", &cu_seqlens)?;
     let a = py
         .detach(|| {
-            pool::install(None, || guarded(|| core::rank_attention(&layout(cu, spec)?, rank)))
+            pool::install(threads, || guarded(|| core::rank_attention(&layout(cu, spec)?, rank)))
         })
         .map_err(to_py)?
         .map_err(to_py)?;
