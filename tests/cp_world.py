@@ -9,11 +9,13 @@ matrix's CP rows and the model-gradient cases; a world of 4 runs the attention c
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import tempfile
 import warnings
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,6 +54,8 @@ class Case:
     window: int | None = None
     softcap: float | None = None
     dim: int = 8
+    #: "flash": the flash-attn path, its kernel replaced by :func:`flash_on_cpu`.
+    kernel: str = "auto"
 
     @property
     def cu_seqlens(self) -> np.ndarray:
@@ -68,7 +72,47 @@ CASES = [
 ] + [
     Case(f"{mode}-window-softcap", ROWS["mixed"], mode, "fp64", window=4, softcap=0.5)
     for mode in MODES
-] + [Case(f"{mode}-window", ROWS["one"], mode, "fp64", window=5) for mode in MODES]
+] + [Case(f"{mode}-window", ROWS["one"], mode, "fp64", window=5) for mode in MODES] + [
+    Case(f"flash-{mode}-{row}", ROWS[row], mode, "fp64", kernel="flash")
+    for mode in ("zigzag", "contiguous") for row in ROWS
+] + [Case(f"flash-{mode}-window-softcap", ROWS["mixed"], mode, "fp64", window=4, softcap=0.5,
+          kernel="flash") for mode in ("zigzag", "contiguous")]
+
+
+def flash_on_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                 cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                 dropout_p: float = 0.0, softmax_scale: float | None = None,
+                 causal: bool = False, window_size: tuple[int, int] = (-1, -1),
+                 softcap: float = 0.0) -> torch.Tensor:
+    """flash_attn_varlen_func's contract (flash-attn >= 2.1), written out in float64: a
+    sequence with more keys than queries has its causal mask and window aligned to the
+    bottom-right corner (query i sits at key position i + sk - sq)."""
+    assert cu_seqlens_q.dtype == cu_seqlens_k.dtype == torch.int32 and dropout_p == 0.0
+    qs, ks = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    assert max_seqlen_q >= max(np.diff(qs), default=0)
+    assert max_seqlen_k >= max(np.diff(ks), default=0)
+    groups = q.shape[1] // k.shape[1]
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    outs = []
+    for a, b, c, d in zip(qs[:-1], qs[1:], ks[:-1], ks[1:]):
+        sq, sk = b - a, d - c
+        if not sq:
+            continue
+        qi = q[a:b].double().transpose(0, 1)
+        ki = k[c:d].double().transpose(0, 1).repeat_interleave(groups, 0)
+        vi = v[c:d].double().transpose(0, 1).repeat_interleave(groups, 0)
+        scores = qi @ ki.transpose(-1, -2) * scale
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+        i = torch.arange(sq)[:, None] + (sk - sq)
+        j = torch.arange(sk)[None, :]
+        keep = torch.ones(sq, sk, dtype=torch.bool)
+        if causal:
+            keep &= j <= i
+        if window_size[0] >= 0:
+            keep &= j >= i - window_size[0]
+        outs.append((scores.masked_fill(~keep, float("-inf")).softmax(-1) @ vi).transpose(0, 1))
+    return torch.cat(outs).to(q.dtype)
 
 
 def inputs(case: Case) -> tuple[torch.Tensor, ...]:
@@ -114,13 +158,29 @@ def attention_rank(case: Case, rank: int, size: int, group: Any) -> dict[str, to
         return x.requires_grad_()
 
     ql, kl, vl = local_of(q), local_of(k), local_of(v)
-    out = context_parallel_attention(ql, kl, vl, local, group, sliding_window=case.window,
-                                     softcap=case.softcap)
+    with flash_stand_in(case.kernel == "flash"):
+        out = context_parallel_attention(ql, kl, vl, local, group, kernel=case.kernel,
+                                         sliding_window=case.window, softcap=case.softcap)
     grad = dout[take].clone()
     grad[pad] = 0
     out.backward(grad)
     return {"source": source, "out": out.detach(), "dq": ql.grad, "dk": kl.grad,
             "dv": vl.grad}
+
+
+@contextlib.contextmanager
+def flash_stand_in(active: bool) -> Iterator[None]:
+    """The flash-attn path on the CPU: its kernel is :func:`flash_on_cpu`."""
+    import fastpack.torch.context_parallel as module
+
+    saved = module._flash, module._kernel_reason
+    if active:
+        module._flash = lambda: flash_on_cpu  # type: ignore[assignment]
+        module._kernel_reason = lambda kernel, q: None
+    try:
+        yield
+    finally:
+        module._flash, module._kernel_reason = saved  # type: ignore[assignment]
 
 
 def assemble(pieces: list[dict[str, torch.Tensor]], key: str,

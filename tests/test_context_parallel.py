@@ -356,3 +356,30 @@ def test_plans_fit_max_len_once_padded(lengths: list[int], max_len: int, cp: int
         assert parts[0][0] == 0
         assert all(a + n == b for (a, n), (b, _) in zip(parts, parts[1:]))
         assert parts[-1][0] + parts[-1][1] <= lengths[i] + reserve
+
+
+def test_gpu_check_context_parallel_section_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """benches/gpu_check.py's CP section on the CPU, its flash-attn path on a stand-in of
+    flash_attn_varlen_func's contract (bottom-right causal over each run's keys): every
+    emulated rank of cp = 2 and 4, both kernels, within the section's own bound."""
+    import importlib.util
+    from pathlib import Path
+
+    import fastpack.torch.context_parallel as cpm
+
+    path = Path(__file__).resolve().parents[1] / "benches" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check", path)
+    assert spec is not None and spec.loader is not None
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    monkeypatch.setattr(cpm, "_flash", lambda: cp_world.flash_on_cpu)
+    monkeypatch.setattr(cpm, "_kernel_reason", lambda kernel, q: None if kernel != "ring"
+                        else "not on the CPU")
+    cfg = gpu_check.make_config(cpu_smoke=True)
+    cfg["check_heads"] = [(4, 2)]
+    cfg["iters"], cfg["warmup"], cfg["cp_long"] = 1, 0, [30, 7, 1]
+    report = gpu_check.check_context_parallel(torch, gpu_check.load_attention_module(), cfg,
+                                              torch.device("cpu"), torch.float32)
+    assert report["ok"], report
+    assert {r["kernel"] for r in report["kernels"]} == {"flash", "sdpa"}
+    assert len(report["kernels"]) == 8

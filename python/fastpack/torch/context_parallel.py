@@ -53,7 +53,10 @@ from .attention import (
     varlen_attention,
 )
 
-__all__ = ["CP_KERNELS", "CP_KEYS", "context_parallel_attention", "shard_for_context_parallel"]
+__all__ = [
+    "CP_KERNELS", "CP_KEYS", "attend_gathered", "context_parallel_attention",
+    "shard_for_context_parallel",
+]
 
 #: ``"auto"`` picks the first that runs: ``"ring"`` (ring-flash-attn, CUDA, fp16/bf16;
 #: zigzag and contiguous), ``"flash"`` (flash-attn varlen over the all-gathered keys, CUDA,
@@ -511,44 +514,58 @@ def context_parallel_attention(
             )
     if mode == "ulysses":
         return _ulysses(q, k, v, batch, group, size, chosen, softmax_scale, window, cap)
-    device = q.device
-    cu_q = torch.as_tensor(batch["cp_cu_seqlens_q"]).to(device=device, dtype=torch.int32)
-    cu_k = torch.as_tensor(batch["cp_cu_seqlens_k"]).to(device=device, dtype=torch.int32)
-    max_q, max_k = int(batch["cp_max_seqlen_q"]), int(batch["cp_max_seqlen_k"])
     if chosen == "ring":
-        return _ring_attention(q, k, v, batch, group, size, mode, cu_q, cu_k, max_q, max_k,
-                               softmax_scale)
+        return _ring_attention(q, k, v, batch, group, size, mode, softmax_scale)
     keys, values = _AllGather.apply(k, group), _AllGather.apply(v, group)
+    return attend_gathered(q, keys, values, batch, chosen, softmax_scale, window, cap)
+
+
+def attend_gathered(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                    batch: Mapping[str, Any], kernel: str, scale: float | None,
+                    window: int | None, softcap: float | None) -> torch.Tensor:
+    """One rank's attention once K and V of every rank are gathered in rank order (the
+    zigzag and contiguous modes' local step, with kernel ``"flash"`` or ``"sdpa"``): each
+    run's keys are taken from them (a slice, or ``cp_k_index``) and the run's queries
+    attend to them, causally aligned to the keys' end."""
+    device = q.device
     if batch.get("cp_local_k_slice") is not None:  # contiguous, or zigzag on one rank
         k_slice = batch["cp_local_k_slice"]
         keys, values = keys[k_slice], values[k_slice]
     else:
         index = torch.as_tensor(batch["cp_k_index"]).to(device)
         keys, values = keys.index_select(0, index), values.index_select(0, index)
-    if chosen == "flash":
+    cu_q = torch.as_tensor(batch["cp_cu_seqlens_q"]).to(device=device, dtype=torch.int32)
+    cu_k = torch.as_tensor(batch["cp_cu_seqlens_k"]).to(device=device, dtype=torch.int32)
+    if kernel == "flash":
         kwargs: dict[str, Any] = {}
         if window is not None:
             kwargs["window_size"] = (window - 1, 0)  # inclusive, as flash-attn counts
-        if cap is not None:
-            kwargs["softcap"] = cap
+        if softcap is not None:
+            kwargs["softcap"] = softcap
+        # flash-attn (>= 2.1) aligns causal masks and windows to the bottom right when a
+        # sequence has more keys than queries: a run's queries are its keys' last ones.
         out: torch.Tensor = _flash()(
-            q, keys.contiguous(), values.contiguous(), cu_q, cu_k, max_q, max_k,
-            dropout_p=0.0, softmax_scale=softmax_scale, causal=True, **kwargs,
+            q, keys.contiguous(), values.contiguous(), cu_q, cu_k,
+            int(batch["cp_max_seqlen_q"]), int(batch["cp_max_seqlen_k"]), dropout_p=0.0,
+            softmax_scale=scale, causal=True, **kwargs,
         )
         return out
-    return _runs_sdpa(q, keys, values, cu_q.tolist(), cu_k.tolist(), softmax_scale, window, cap)
+    return _runs_sdpa(q, keys, values, cu_q.tolist(), cu_k.tolist(), scale, window, softcap)
 
 
 def _ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     batch: Mapping[str, Any], group: Any, size: int, mode: str,
-                    cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int,
                     scale: float | None) -> torch.Tensor:
     ring = _ring()
-    if mode == "contiguous":
+    if mode == "contiguous" or batch.get("cp_local_k_slice") is not None:
+        # ring-flash-attn's llama3 arrays are the batch's (heads_k_stride: every key/value
+        # head in one all-gather, the fastest when memory allows).
+        cu_q, cu_k = (torch.as_tensor(batch[key]).to(q.device, torch.int32)
+                      for key in ("cp_cu_seqlens_q", "cp_cu_seqlens_k"))
         out: torch.Tensor = ring.llama3_flash_attn_varlen_func(
-            q, k, v, cu_q, cu_k, max_q, max_k, heads_k_stride=k.shape[1],
-            local_k_slice=batch["cp_local_k_slice"], softmax_scale=scale, causal=True,
-            group=group,
+            q, k, v, cu_q, cu_k, int(batch["cp_max_seqlen_q"]), int(batch["cp_max_seqlen_k"]),
+            heads_k_stride=k.shape[1], local_k_slice=batch["cp_local_k_slice"],
+            softmax_scale=scale, causal=True, group=group,
         )
         return out
     # Zigzag: ring-flash-attn reads each sequence's local share (both chunks) as one
