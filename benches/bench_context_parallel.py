@@ -35,6 +35,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -137,8 +138,8 @@ def bench_one_pack(reps: int) -> list[str]:
         for mode in MODES:
             layout = fastpack.cp_layout(cu, cp, mode=mode)
             nbytes = core_all_ranks(cu, cp, mode)
-            t = median_time(lambda: core_all_ranks(cu, cp, mode), reps)
-            api = median_time(lambda: python_all_ranks(cu, cp, mode), reps)
+            t = median_time(partial(core_all_ranks, cu, cp, mode), reps)
+            api = median_time(partial(python_all_ranks, cu, cp, mode), reps)
             floor = copy_floor(nbytes, reps)
             peers = ["", ""]
             if mode == "zigzag":
@@ -146,9 +147,9 @@ def bench_one_pack(reps: int) -> list[str]:
                 want = [layout.indices(r) for r in range(cp)]
                 got = numpy_zigzag(padded, cp)
                 assert all(np.array_equal(a, b) for a, b in zip(want, got))
-                peers[0] = f"{median_time(lambda: numpy_zigzag(padded, cp), reps) * 1e3:.2f} ms"
+                peers[0] = f"{median_time(partial(numpy_zigzag, padded, cp), reps) * 1e3:.2f} ms"
                 pt = torch.from_numpy(padded)
-                peers[1] = f"{median_time(lambda: torch_zigzag(pt, cp), reps) * 1e3:.2f} ms"
+                peers[1] = f"{median_time(partial(torch_zigzag, pt, cp), reps) * 1e3:.2f} ms"
             rows.append(f"| {cp} | {mode} | {layout.pad_tokens:,} | {nbytes / 2**20:.2f} MiB | "
                         f"{t * 1e3:.3f} ms | {floor * 1e3:.3f} ms | {t / floor:.2f}x | "
                         f"{api * 1e3:.3f} ms | {peers[0]} | {peers[1]} |")
@@ -163,14 +164,13 @@ def bench_plan(n: int, reps: int) -> list[str]:
     plain = median_time(lambda: fastpack.pack(lengths, 4096), max(3, reps // 2))
     for cp in (2, 8):
         for mode in ("zigzag", "contiguous"):
-            def run() -> tuple[np.ndarray, ...]:
-                return _core.cp_streams(plan.seqlens, plan.pack_offsets, cp, mode, 1)  # type: ignore[no-any-return]
+            run = partial(_core.cp_streams, plan.seqlens, plan.pack_offsets, cp, mode, 1)
             out = run()
             nbytes = sum(a.nbytes for a in out)
             t = median_time(run, reps)
             floor = copy_floor(nbytes, reps)
             cp_plan = fastpack.pack(lengths, 4096, cp_size=cp, cp_mode=mode)
-            t_pack = median_time(lambda: fastpack.pack(lengths, 4096, cp_size=cp, cp_mode=mode),
+            t_pack = median_time(partial(fastpack.pack, lengths, 4096, cp_size=cp, cp_mode=mode),
                                  max(3, reps // 2))
             rows.append(f"| {cp} | {mode} | {plan.num_segments:,} | {plan.num_packs:,} | "
                         f"{cp_plan.pad_tokens:,} | {nbytes / 2**20:.1f} MiB | {t * 1e3:.1f} ms | "

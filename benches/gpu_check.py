@@ -49,6 +49,7 @@ Exit status 1 when a correctness check fails.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -754,8 +755,8 @@ def check_context_parallel(
     report["timing"].append({"cp": 1, "kernel": single, "ms": round(one, 2)})
     for mode in ("zigzag", "contiguous"):
         for cp in (2, 4):
-            ms = timed(torch, lambda: emulate_cp(torch, long, case, cp, mode, kernel, device),
-                       device, cfg["iters"], cfg["warmup"])
+            ms = timed(torch, functools.partial(emulate_cp, torch, long, case, cp, mode, kernel,
+                                                 device), device, cfg["iters"], cfg["warmup"])
             work = fastpack.cp_layout(cumulative(long), cp, mode=mode).work
             report["timing"].append({
                 "cp": cp, "mode": mode, "kernel": kernel, "all_ranks_ms": round(ms, 2),
