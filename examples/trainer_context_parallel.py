@@ -75,7 +75,9 @@ def main() -> None:
         name = register_hf_attention(context_parallel_group=groups[rank // a.cp], mode=mode)
         trainer = PackedTrainer(
             model=tiny_model(family, name), args=args, train_dataset=sft_data(),
-            data_collator=PackedCollator(max_len=MAX_LEN, backend="flash"),
+            # Packs planned for the group: each fits MAX_LEN once padded for it.
+            data_collator=PackedCollator(max_len=MAX_LEN, backend="flash", cp_size=a.cp,
+                                         cp_mode=mode),
             group_tokens=GROUP_TOKENS,
         )
         result = trainer.train()

@@ -124,6 +124,25 @@ PACK = [
         r"^group_tokens: got 2147483648"),
     Row("group_tokens-str", _pack([1, 2], 100, group_tokens="4096"), T,
         r"^group_tokens: expected an integer, got str"),
+    # The options object (fastpack.PackOptions) and the keywords that stand for it.
+    Row("option-misspelt", _pack(stratgy="ffd"), T,
+        r"^stratgy: not an option of pack\(\); did you mean 'strategy'\? it takes lengths, "
+        r"max_len, options, threads, strategy"),
+    Row("max_len-missing", lambda: fastpack.pack([3, 5]), T,
+        r"^max_len: missing \(the tokens per pack\); pass it, or options="),
+    Row("options-not-PackOptions", lambda: fastpack.pack([3, 5], options={"max_len": 8}), T,
+        r"^options: expected a fastpack\.PackOptions, got dict"),
+    Row("options-and-keyword-disagree",
+        lambda: fastpack.pack([3, 5], options=fastpack.PackOptions(8, strategy="ffd"),
+                              strategy="bfd"), E,
+        r"^strategy: got strategy='bfd' and options with strategy='ffd'; pass it once"),
+    Row("PackOptions-reserve", lambda: fastpack.PackOptions(8, reserve=8), E,
+        r"^reserve: got 8; expected an integer in 0\.\.=7: fewer tokens than max_len \(8\)"),
+    Row("PackOptions-replace-misspelt", lambda: fastpack.PackOptions(8).replace(sede=1), T,
+        r"^sede: not an option of PackOptions\(\); did you mean 'seed'\?"),
+    Row("stream-group_tokens", lambda: fastpack.StreamPacker(8, group_tokens=16), E,
+        r"^group_tokens: got 16; groups of packs need the whole plan, and a stream is packed "
+        r"a window at a time"),
 ]
 
 def _plan_of(**change: Any) -> Callable[[], Any]:
@@ -415,6 +434,11 @@ def _torch_rows() -> list[Row]:
         Row("collator-return_num_items", collator(return_num_items=None), T,
             r"^return_num_items: expected a bool"),
         Row("collator-threads", collator(threads=0), E, r"^threads: got 0"),
+        Row("collator-plan-option", collator(group_tokens=64), E,
+            r"^group_tokens: got 64; orders, buckets or groups the packs of a whole plan, not "
+            r"of one batch; pass it to PackedDataset"),
+        Row("collator-reserve-without-separator", collator(reserve=1), E,
+            r"^reserve: got 1 reserved slots but no separator_id to write into them"),
         Row("format-backend", lambda: BatchFormat(backend="xformers"), E, r"^backend: unknown"),
         # PackedCollator.__call__: the batch itself.
         Row("batch-empty", collate(), E, r"^features: got an empty batch"),
@@ -453,6 +477,15 @@ def _torch_rows() -> list[Row]:
         Row("dataset-plan-not-a-plan", dataset(plan=[0, 1]), T, r"^plan: "),
         Row("dataset-plan-of-other-data", dataset(plan=fastpack.pack([1, 2, 3], 8)), E,
             r"^plan: "),
+        Row("dataset-strategy-not-the-collators", dataset(strategy="ffd"), E,
+            r"^strategy: got 'ffd', but the collator plans with 'bfd'; set it once, on the "
+            r"collator \(PackedCollator\(\.\.\., strategy='ffd'\)\), and leave it out here"),
+        Row("dataset-plan-other-max_len", dataset(plan=fastpack.pack([3, 2], 16)), E,
+            r"^max_len: got 8, but the given plan was made with 16; pass max_len=8 when "
+            r"planning"),
+        Row("dataset-plan-other-group_tokens",
+            dataset(plan=fastpack.pack([3, 2], 8, group_tokens=16), group_tokens=32), E,
+            r"^group_tokens: got 32, but the given plan was made with 16"),
         Row("first_item-two", lambda: first_item([1, 2]), E,
             r"^first_item: got 2 items; a PackedDataset item is a whole batch"),
         # varlen_attention.
@@ -559,6 +592,12 @@ CONTEXT_PARALLEL = [
         r"'llama3'"),
     Row("pack-cp-long-max-len", _pack([3, 5], 8, cp_size=2, long_max_len=10), E,
         r"^long_max_len: 10 holds 8 tokens once padded to multiples of 4"),
+    Row("pack-cp-mode-without-size", _pack(cp_mode="ulysses"), E,
+        r"^cp_mode: got 'ulysses' without cp_size; pass cp_size"),
+    Row("pack-pad-multiple-without-size", _pack(pad_multiple=8), E,
+        r"^pad_multiple: got 8 without cp_size; pass cp_size"),
+    Row("pack-cp-size-zero", _pack(cp_size=0), E, r"^cp_size: got 0; expected an integer in "
+        r"1\.\.=65536"),
 ]
 
 
@@ -608,6 +647,9 @@ def _context_parallel_torch_rows() -> list[Row]:
     name = register_hf_attention("fastpack_cp_errors", context_parallel_group=group)
     plain = register_hf_attention()
     return [
+        Row("collator-padded-cp", lambda: PackedCollator(max_len=16, backend="padded",
+                                                         cp_size=2), E,
+            r"^cp_size: 2 does not apply to backend='padded' \(one sample per row\)"),
         Row("shard-no-cu-seq-lens", shard(PackedCollator(max_len=16)([{"input_ids": [1, 2]}])),
             E, r"^batch: no 'cu_seq_lens_q' \(keys: .*\); context parallelism shards one flat "
             r"packed row with its sequence boundaries: PackedCollator\(backend='flash'\)"),

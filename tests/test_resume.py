@@ -77,9 +77,9 @@ CP, CP_MODE = 2, "zigzag"
 
 def make_dataset(seed: int = 0, cp: bool = False) -> PackedDataset:
     rows = [np.full(int(n), i + 1, dtype=np.int64) for i, n in enumerate(lengths())]
-    collator = PackedCollator(max_len=MAX_LEN, backend="flash", overlong="split")
-    return PackedDataset(rows, collator, group_tokens=2 * MAX_LEN, seed=seed,
-                         cp_size=CP if cp else None, cp_mode=CP_MODE)
+    collator = PackedCollator(max_len=MAX_LEN, backend="flash", overlong="split",
+                              cp_size=CP if cp else None)
+    return PackedDataset(rows, collator, group_tokens=2 * MAX_LEN, seed=seed)
 
 
 def make_sampler(ds: PackedDataset, ranks: int, rank: int) -> PackedSampler:

@@ -44,14 +44,14 @@ def example() -> Any:
 
 
 def reference_step(ex: Any, weighting: str, *, model: Any = None, replicas: int = WORLD,
-                   **plan: Any) -> dict[str, Any]:
+                   **packing: Any) -> dict[str, Any]:
     """The example's first optimizer step as one SGD step on one padded batch of the
     samples its schedule gives step 0 (all ``replicas`` data-parallel ranks, all
-    accumulation micro-steps); ``plan``: the dataset's context-parallel options."""
+    accumulation micro-steps); ``packing``: the collator's context-parallel options."""
     data = ex.sft_data()
-    ds = PackedDataset(data, PackedCollator(max_len=ex.MAX_LEN, backend="flash"),
+    ds = PackedDataset(data, PackedCollator(max_len=ex.MAX_LEN, backend="flash", **packing),
                        loss_mask="completion_mask", group_tokens=ex.GROUP_TOKENS,
-                       seed=ex.COMMON["seed"], **plan)
+                       seed=ex.COMMON["seed"])
     k = ex.COMMON["gradient_accumulation_steps"]
     schedule = PackedSampler(ds, num_replicas=replicas, rank=0, seed=ex.COMMON["seed"],
                              hidden_size=32, accumulation_steps=k).schedule(0)

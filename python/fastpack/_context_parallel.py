@@ -16,25 +16,15 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import _core
+from ._checks import _choice, _int_arg, _threads
 from ._errors import FastpackError, FastpackTypeError
-from ._plan import _choice, _int_arg, _threads
+from ._options import CP_MODES, MAX_CP_SIZE, cp_divisor
 
 if TYPE_CHECKING:
+    from ._options import PackOptions
     from ._plan import Plan
 
 __all__ = ["CP_MODES", "CPLayout", "RankLayout", "cp_layout"]
-
-#: ``"zigzag"``: every sequence padded to a multiple of ``2·cp·pad_multiple`` and cut into
-#: ``2·cp`` chunks, rank ``r`` holding chunks ``r`` and ``2·cp−1−r`` (TransformerEngine's
-#: THD layout: the same causal work on every rank). ``"contiguous"``: the row padded to a
-#: multiple of ``cp·pad_multiple`` and cut into ``cp`` slices (ring-flash-attn's llama3
-#: layout: no per-sequence pad, uneven work). ``"ulysses"``: the contiguous slices, heads
-#: exchanged around attention by an all-to-all.
-CP_MODES = ("zigzag", "contiguous", "ulysses")
-
-#: The largest ``cp_size`` (the core's limit).
-MAX_CP_SIZE = 1 << 16
-
 
 def check_cp(
     cp_size: Any, mode: Any, pad_multiple: Any, *,
@@ -44,22 +34,13 @@ def check_cp(
     cp = _int_arg(names[0], cp_size, minimum=1, maximum=MAX_CP_SIZE)
     mode = _choice(names[1], mode, CP_MODES)
     multiple = _int_arg(names[2], pad_multiple, minimum=1, maximum=1 << 30)
-    if divisor(cp, mode, multiple) > 1 << 30:
+    if cp_divisor(cp, mode, multiple) > 1 << 30:
         raise FastpackError(
             f"{names[2]}: got {multiple}; with {names[0]}={cp} and {names[1]}={mode!r} lengths "
-            f"would be padded to multiples of {divisor(cp, mode, multiple)}, more than 2^30; "
+            f"would be padded to multiples of {cp_divisor(cp, mode, multiple)}, more than 2^30; "
             f"expected a smaller multiple"
         )
     return cp, mode, multiple
-
-
-def divisor(cp_size: int, mode: str, pad_multiple: int) -> int:
-    """What padded lengths are multiples of: each sequence's (zigzag:
-    ``2·cp·pad_multiple``; ``pad_multiple`` at ``cp_size=1``, where nothing is cut) or the
-    row's (contiguous and Ulysses: ``cp·pad_multiple``)."""
-    if mode == "zigzag":
-        return (2 * cp_size if cp_size > 1 else 1) * pad_multiple
-    return cp_size * pad_multiple
 
 
 def as_cu_seqlens(value: Any, name: str = "cu_seqlens") -> np.ndarray:
@@ -167,8 +148,8 @@ class CPLayout:
 
     @property
     def divisor(self) -> int:
-        """What padded lengths are multiples of (see :func:`divisor`)."""
-        return divisor(self.cp_size, self.mode, self.pad_multiple)
+        """What padded lengths are multiples of (:func:`fastpack._options.cp_divisor`)."""
+        return cp_divisor(self.cp_size, self.mode, self.pad_multiple)
 
     @property
     def max_seqlen_padded(self) -> int:
@@ -271,24 +252,12 @@ def cp_layout(
                     work=_readonly(work.astype(np.int64)), threads=_threads(threads))
 
 
-def pack_for_context_parallel(
-    lengths: np.ndarray,
-    max_len: int,
-    *,
-    strategy: str,
-    overlong: str,
-    reserve: int,
-    seed: int | None,
-    threads: int | None,
-    long_max_len: int | None,
-    group_tokens: int | None,
-    cp_size: Any,
-    cp_mode: Any,
-    pad_multiple: Any,
-) -> Plan:
-    """:func:`fastpack.pack` for context parallelism (its arguments checked, ``lengths`` a
-    native integer array): the existing core plans the padded lengths under caps rounded
-    down to the padding divisor, and the real lengths are mapped back.
+def pack_for_context_parallel(lengths: np.ndarray, options: PackOptions,
+                              threads: int | None) -> Plan:
+    """:func:`fastpack.pack` with ``options.cp_size`` (``lengths`` a native integer array;
+    the options checked, so every cap holds at least one padded sequence): the existing
+    core plans the padded lengths under caps rounded down to the padding divisor, and the
+    real lengths are mapped back.
 
     Zigzag pads every (reserve-extended) sequence to ``roundup(len, d)``; with the caps
     multiples of ``d``, every piece of a split (or wrapped) sequence starts at a multiple
@@ -297,59 +266,45 @@ def pack_for_context_parallel(
     ``floor(max_len / d) · d`` leaves room for it."""
     from ._plan import Plan
 
-    cp, mode, multiple = check_cp(cp_size, cp_mode, pad_multiple,
-                                  names=("cp_size", "cp_mode", "pad_multiple"))
-    d = divisor(cp, mode, multiple)
-    what = "every sequence" if mode == "zigzag" else "every pack"
-    setting = f"cp_size={cp}, cp_mode={mode!r} and pad_multiple={multiple}"
-
-    def fit(cap: int, name: str) -> int:
-        eff = cap // d * d
-        if eff <= reserve:
-            raise FastpackError(
-                f"pad_multiple: with {setting}, {what} is padded to a multiple of {d} "
-                f"tokens, so a padded pack exceeds {name} ({cap}) unless it holds at most "
-                f"{eff}{f' (reserve={reserve})' if reserve else ''} tokens; expected a smaller "
-                f"pad_multiple or cp_size, or a larger {name}"
-            )
-        return eff
-
-    cap = fit(max_len, "max_len")
-    long_cap = None if long_max_len is None else fit(long_max_len, "long_max_len")
-    if long_cap is not None and long_cap <= cap:
-        raise FastpackError(
-            f"long_max_len: {long_max_len} holds {long_cap} tokens once padded to multiples "
-            f"of {d} ({setting}), no more than max_len's {cap}; expected a larger long_max_len"
-        )
+    o = options
+    assert o.cp_size is not None
+    d = cp_divisor(o.cp_size, o.cp_mode, o.pad_multiple)
+    cap = o.max_len // d * d
+    long_cap = None if o.long_max_len is None else o.long_max_len // d * d
     real = lengths.astype(np.int64, copy=False)
-    extended = np.where(real > 0, real + reserve, 0)
+    extended = np.where(real > 0, real + o.reserve, 0)
     top = cap if long_cap is None else long_cap
     over = extended > top
-    if over.any() and overlong == "error" and strategy != "wrapped":
+    if over.any() and o.overlong == "error" and o.strategy != "wrapped":
         i = int(np.argmax(over))
+        what = "every sequence" if o.cp_mode == "zigzag" else "every pack"
         raise FastpackError(
             f"lengths: {int(over.sum())} sequence(s) longer than {top} tokens (first at index "
-            f"{i}, length {int(real[i])}{f' + reserve {reserve}' if reserve else ''}): "
-            f"{'long_max_len' if long_cap else 'max_len'} ({long_max_len or max_len}) holds "
-            f"{top} once {what} is padded to a multiple of {d} ({setting}); pass "
+            f"{i}, length {int(real[i])}{f' + reserve {o.reserve}' if o.reserve else ''}): "
+            f"{'long_max_len' if long_cap else 'max_len'} ({o.long_max_len or o.max_len}) "
+            f"holds {top} once {what} is padded to a multiple of {d} (cp_size={o.cp_size}, "
+            f"cp_mode={o.cp_mode!r}, pad_multiple={o.pad_multiple}); pass "
             f'overlong="truncate", "split" or "drop", or raise the cap'
         )
-    zigzag = mode == "zigzag"
-    planned = np.where(real > 0, -(-extended // d) * d - reserve, 0) if zigzag else lengths
-    fields = _core.pack(np.ascontiguousarray(planned), cap, strategy, overlong, reserve, seed,
-                        threads, None, long_cap, group_tokens)
+    zigzag = o.cp_mode == "zigzag"
+    planned = np.where(real > 0, -(-extended // d) * d - o.reserve, 0) if zigzag else lengths
+    fields = _core.pack(np.ascontiguousarray(planned), cap, o.strategy, o.overlong, o.reserve,
+                        o.seed if o.shuffle else None, threads, None, long_cap, o.group_tokens)
     if zigzag:
         kept = extended[fields["sample_ids"]] - fields["starts"]
         fields["seqlens"] = np.minimum(fields["seqlens"], kept).astype(np.int32)
-        lost = over & (strategy != "wrapped")
-        if overlong == "drop":
+        lost = over & (o.strategy != "wrapped")
+        if o.overlong == "drop":
             fields["dropped_tokens"] = int(real[lost].sum())
-        elif overlong == "truncate":
+        elif o.overlong == "truncate":
             fields["truncated_tokens"] = int((extended[lost] - top).sum())
     if fields.get("pack_caps") is not None:
-        assert long_max_len is not None
-        fields["pack_caps"] = np.where(fields["pack_caps"] == cap, max_len,
-                                       long_max_len).astype(np.int32)
-        fields["long_max_len"] = long_max_len
-    fields.update(max_len=max_len, cp_size=cp, cp_mode=mode, pad_multiple=multiple)
-    return Plan(fields)  # every metric from the real seqlens, against the real caps
+        assert o.long_max_len is not None
+        fields["pack_caps"] = np.where(fields["pack_caps"] == cap, o.max_len,
+                                       o.long_max_len).astype(np.int32)
+        fields["long_max_len"] = o.long_max_len
+    fields.update(max_len=o.max_len, cp_size=o.cp_size, cp_mode=o.cp_mode,
+                  pad_multiple=o.pad_multiple, shuffle=o.shuffle, seed=o.seed)
+    plan = Plan(fields)  # every metric from the real seqlens, against the real caps
+    plan._options = o
+    return plan

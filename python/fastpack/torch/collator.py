@@ -4,26 +4,28 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from .. import _core
+from .._checks import _bool_arg, _choice, _int_arg, _threads
 from .._errors import FastpackError, FastpackTypeError
 from .._materialize import TokenData, _from_rows, materialize
-from .._plan import (
-    MAX_LEN_LIMIT,
-    OVERLONG_POLICIES,
-    STRATEGIES,
-    Plan,
-    _bool_arg,
-    _choice,
-    _int_arg,
-    _threads,
-    pack,
+from .._options import (
+    PLAN_OPTIONS,
+    PackArgs,
+    PackOptions,
+    WithOptions,
+    layered,
+    with_separator,
 )
+from .._plan import Plan, pack
 from .formats import BACKENDS, MASK_MODES, RETURN_TENSORS, BatchFormat
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["LOSS_MASK_KEYS", "PackedCollator"]
 
@@ -34,9 +36,15 @@ LOSS_MASK_KEYS = ("assistant_masks", "completion_mask", "loss_mask")
 #: labels and loss masks are packed; ``attention_mask`` (all ones: an unpadded sample) and
 #: ``position_ids`` (``0..n-1``) are checked and rebuilt per pack.
 KNOWN_KEYS = ("input_ids", "labels", *LOSS_MASK_KEYS, "attention_mask", "position_ids")
+#: The plan options a collator refuses: one batch is packed on its own, in order.
+_PER_PLAN = {
+    name: "orders, buckets or groups the packs of a whole plan, not of one batch; pass it to "
+          "PackedDataset (or collator.plan())"
+    for name in PLAN_OPTIONS
+}
 
 
-class PackedCollator:
+class PackedCollator(WithOptions):
     """Pack a list of samples into one batch for ``model(**batch)``.
 
     Args:
@@ -52,10 +60,13 @@ class PackedCollator:
         fixed_cu_seqlens: flash: pad ``cu_seq_lens_q/k`` to this many entries by
             repeating the last value (empty trailing sequences), for CUDA graphs.
         return_tensors: ``"pt"`` (torch, via ``torch.from_numpy``: no copy) or ``"np"``.
-        separator_id: insert this token after every sample (reserved by the plan);
-            ``train_separators`` makes it a target.
-        strategy, overlong: passed to :func:`fastpack.pack` (``overlong`` decides what
-            happens to a sample longer than ``max_len``: ``"error"`` by default).
+        separator_id: insert this token after every sample (one slot reserved by the plan
+            unless ``reserve`` says more); ``train_separators`` makes it a target.
+        options, **kwargs: the packing options of every batch (:class:`fastpack.PackOptions`
+            as in :func:`fastpack.pack`: ``strategy``; ``overlong``, what happens to a
+            sample longer than ``max_len``, ``"error"`` by default; ``reserve``). The
+            options of a whole plan (``shuffle``, ``seed``, ``long_max_len``,
+            ``group_tokens``) go to :class:`PackedDataset` or :meth:`plan`.
         loss_mask_key: per-sample key of a 0/1 loss mask (default: the first of
             :data:`LOSS_MASK_KEYS` present); ``False`` to ignore masks.
         mask_dtype: dtype of the additive eager mask (match the model's dtype).
@@ -81,7 +92,7 @@ class PackedCollator:
 
     def __init__(
         self,
-        max_len: int,
+        max_len: int | None = None,
         backend: str = "sdpa",
         *,
         mask: str = "position_ids",
@@ -92,18 +103,20 @@ class PackedCollator:
         separator_id: int | None = None,
         train_separators: bool = False,
         pad_id: int = 0,
-        strategy: str = "bfd",
-        overlong: str = "error",
+        options: PackOptions | None = None,
         loss_mask_key: str | bool | None = None,
         mask_dtype: torch.dtype = torch.float32,
         return_seq_idx: bool = False,
         return_num_items: bool = False,
         threads: int | None = None,
         ignore_keys: Sequence[str] = (),
+        **kwargs: Unpack[PackArgs],
     ) -> None:
         # Every option is checked here, so a mistake fails where the collator is built,
         # not at the first batch.
-        self.max_len = _int_arg("max_len", max_len, minimum=1, maximum=MAX_LEN_LIMIT)
+        #: The packing options of every batch (and the base of a dataset's).
+        self.options = with_separator(PackedCollator, options, max_len, kwargs, separator_id,
+                                      refuse=_PER_PLAN)
         self.backend = _choice("backend", backend, BACKENDS)
         self.mask = _choice("mask", mask, MASK_MODES)
         self.pad_to_multiple_of = None if pad_to_multiple_of is None else _int_arg(
@@ -117,12 +130,15 @@ class PackedCollator:
         )
         self.train_separators = _bool_arg("train_separators", train_separators)
         self.pad_id = _int_arg("pad_id", pad_id, minimum=-(2**63), maximum=2**63 - 1)
-        self.strategy = _choice("strategy", strategy, STRATEGIES)
-        self.overlong = _choice("overlong", overlong, OVERLONG_POLICIES)
         if self.backend == "padded" and self.overlong in ("split", "drop"):
             raise FastpackError(
                 f"overlong: {self.overlong!r} does not apply to backend='padded' (one sample "
                 f"per row); expected 'error' or 'truncate'"
+            )
+        if self.backend == "padded" and self.options.cp_size is not None:
+            raise FastpackError(
+                f"cp_size: {self.options.cp_size} does not apply to backend='padded' (one "
+                f"sample per row); context parallelism shards packed rows: backend='flash'"
             )
         if not (loss_mask_key is None or loss_mask_key is False or isinstance(loss_mask_key, str)):
             raise FastpackTypeError(
@@ -148,10 +164,12 @@ class PackedCollator:
             fixed_cu_seqlens=fixed_cu_seqlens, mask_dtype=mask_dtype,
             return_seq_idx=return_seq_idx, return_num_items=return_num_items,
         )
-
-    @property
-    def reserve(self) -> int:
-        return 0 if self.separator_id is None else 1
+        # One batch keeps its samples in order on the flat layout, where bin packing could
+        # only reorder them (the padded backend has its own planner).
+        self._batch_options = self.options.replace(
+            strategy="next_fit" if self.layout == "flat" else self.options.strategy,
+            shuffle=False,
+        )
 
     @property
     def layout(self) -> str:
@@ -197,13 +215,9 @@ class PackedCollator:
             self._column(features, key), mask=True, name=key
         )
         if self.backend == "padded":
-            plan = self.plan(lengths)
+            plan = self.plan(lengths, shuffle=False)
         else:
-            # One flat row holds every pack end to end: bin packing would only reorder the
-            # samples, so keep their order.
-            strategy = "next_fit" if self.layout == "flat" else self.strategy
-            plan = pack(lengths, self.max_len, strategy=strategy, overlong=self.overlong,
-                        reserve=self.reserve, shuffle=False, threads=self.threads)
+            plan = pack(lengths, options=self._batch_options, threads=self.threads)
         return self.batch(plan, tokens, None, labels=labels, loss_mask=loss_mask)
 
     def check_keys(self, sample: Mapping[str, Any], index: int, length: int) -> None:
@@ -249,36 +263,25 @@ class PackedCollator:
         return next((k for k in LOSS_MASK_KEYS if any(k in f for f in features)), None)
 
     def plan(
-        self,
-        lengths: Any,
-        *,
-        shuffle: bool = False,
-        seed: int = 0,
-        long_max_len: int | None = None,
-        group_tokens: int | None = None,
-        cp_size: int | None = None,
-        cp_mode: str = "zigzag",
-        pad_multiple: int = 1,
+        self, lengths: Any, *, options: PackOptions | None = None, **kwargs: Unpack[PackArgs]
     ) -> Plan:
-        """The plan this collator uses for samples of these lengths (a whole dataset):
-        ``strategy`` whatever ``shuffle`` is; ``shuffle``/``seed`` shuffle the packs
-        (``long_max_len``, ``group_tokens`` and the context-parallel ``cp_size``,
-        ``cp_mode``, ``pad_multiple``: see :func:`fastpack.pack`). With the padded
-        backend every sample is its own pack, in input order or shuffled by ``seed``."""
-        shuffle = _bool_arg("shuffle", shuffle)
-        seed = _int_arg("seed", seed, minimum=0, maximum=2**64 - 1)
+        """The plan this collator uses for samples of these lengths (a whole dataset): its
+        per-batch options (``strategy`` whatever ``shuffle`` is), with the plan options
+        given here (``shuffle``, ``seed``, ``long_max_len``, ``group_tokens``: see
+        :func:`fastpack.pack`; shuffled with seed 0 by default). With the padded backend
+        every sample is its own pack, in input order or shuffled by ``seed``."""
+        opts, _ = layered(PackedCollator.plan, self.options, options, kwargs)
+        return self._plan(lengths, opts)
+
+    def _plan(self, lengths: Any, options: PackOptions) -> Plan:
         if self.backend == "padded":
-            if long_max_len is not None or group_tokens is not None or cp_size is not None:
+            if options.long_max_len is not None or options.group_tokens is not None:
                 raise FastpackError(
-                    "long_max_len/group_tokens/cp_size: do not apply to backend='padded' (one "
-                    "sample per row)"
+                    "long_max_len/group_tokens: do not apply to backend='padded' (one sample "
+                    "per row)"
                 )
-            return _one_per_pack(np.asarray(lengths, dtype=np.int64), self.max_len,
-                                 self.reserve, self.overlong, seed if shuffle else None)
-        return pack(lengths, self.max_len, strategy=self.strategy, overlong=self.overlong,
-                    reserve=self.reserve, shuffle=shuffle, seed=seed, threads=self.threads,
-                    long_max_len=long_max_len, group_tokens=group_tokens, cp_size=cp_size,
-                    cp_mode=cp_mode, pad_multiple=pad_multiple)
+            return _one_per_pack(np.asarray(lengths, dtype=np.int64), options)
+        return pack(lengths, options=options, threads=self.threads)
 
     def batch(
         self,
@@ -297,6 +300,16 @@ class PackedCollator:
             pad_id=self.pad_id, threads=self.threads,
         )
         return self.format(rows)
+
+
+def as_collator(value: Any) -> PackedCollator:
+    """``value`` if it is a :class:`PackedCollator` (what a dataset packs with), else the
+    one error for it."""
+    if not isinstance(value, PackedCollator):
+        raise FastpackTypeError(
+            f"collator: expected a fastpack.torch.PackedCollator, got {type(value).__name__}"
+        )
+    return value
 
 
 def _per_token(value: Any, length: int) -> bool:
@@ -331,10 +344,11 @@ def _check_unpacked(sample: Mapping[str, Any], index: int, length: int,
             )
 
 
-def _one_per_pack(lengths: np.ndarray, max_len: int, reserve: int, overlong: str,
-                  seed: int | None = None) -> Plan:
-    """A plan with every sample in its own pack (the padded baseline), in order or, with a
-    ``seed``, shuffled."""
+def _one_per_pack(lengths: np.ndarray, options: PackOptions) -> Plan:
+    """A plan with every sample in its own pack (the padded baseline), in order or, with
+    ``options.shuffle``, shuffled by ``options.seed``."""
+    max_len, reserve, overlong = options.max_len, options.reserve, options.overlong
+    seed = options.seed if options.shuffle else None
     extended = lengths + reserve
     over = extended > max_len
     if over.any() and overlong == "error":
@@ -370,4 +384,5 @@ def _one_per_pack(lengths: np.ndarray, max_len: int, reserve: int, overlong: str
         "truncated_sequences": int(over.sum()),
         "truncated_tokens": int((extended - np.minimum(extended, max_len)).sum()),
         "split_sequences": 0, "total_tokens": total,
+        "shuffle": options.shuffle, "seed": options.seed,
     })

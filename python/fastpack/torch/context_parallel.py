@@ -41,9 +41,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from .._checks import _choice, _int_arg
 from .._context_parallel import CP_MODES, CPLayout, check_cp, cp_layout
 from .._errors import FastpackError, FastpackTypeError
-from .._plan import _choice
 from .attention import (
     _check_qkv,
     _check_window_options,
@@ -150,7 +150,6 @@ def shard_for_context_parallel(
             f"of cp_size={batch['cp_size']}); shard the full batch once on every rank"
         )
     cp, mode, multiple = check_cp(cp_size, mode, pad_multiple)
-    from .._plan import _int_arg
 
     rank = _int_arg("cp_rank", cp_rank, minimum=0, maximum=cp - 1, why=f" (cp_size is {cp})")
     pad_id = _int_arg("pad_id", pad_id, minimum=-(2**63), maximum=2**63 - 1)

@@ -7,18 +7,23 @@ import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from .. import _core
+from .._checks import _int_arg
 from .._errors import FastpackError, FastpackTypeError
-from .._materialize import Ragged, TokenData, as_ragged
-from .._plan import Plan, _int_arg, _with_metrics
+from .._materialize import Ragged, TokenData, _is_dataset, as_ragged
+from .._options import PackArgs, PackOptions, WithOptions, check_plan, layered
+from .._plan import Plan
 from .._targets import segment_targets
-from .collator import PackedCollator
+from .collator import PackedCollator, as_collator
 from .step import Step
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["PackedDataset", "StepTable", "first_item"]
 
@@ -70,7 +75,7 @@ class StepTable:
         return len(self.tokens)
 
 
-class PackedDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
+class PackedDataset(torch.utils.data.Dataset, WithOptions):  # type: ignore[type-arg]
     """A whole dataset packed once; item ``i`` is step ``i``: a ready batch (formatted by
     ``collator``) of one group of the plan (``group_tokens``) or of ``packs_per_batch``
     packs.
@@ -94,19 +99,23 @@ class PackedDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
             ``datasets.Dataset``).
         packs_per_batch: a step is this many packs (rows), in plan order (default 1
             without ``group_tokens``).
-        group_tokens: a step is one group of the two-level plan: packs of ``max_len``
-            bin-packed under this token budget, so every step carries nearly the same
-            tokens (see :func:`fastpack.pack`). At least ``long_max_len`` (or ``max_len``).
-        cp_size, cp_mode, pad_multiple: plan for context parallelism (see
-            :func:`fastpack.pack`): every pack fits ``max_len`` once padded for a CP group
-            of ``cp_size`` ranks; a :class:`PackedSampler` then balances each rank's
-            attention work. Every CP rank of a data-parallel rank gets the same step and
-            shards it (:func:`~fastpack.torch.shard_for_context_parallel`).
-        long_max_len: a second bucket for sequences over ``max_len``, packed into packs of
-            this cap (never mixed with short ones in a pack or a group).
         plan: a precomputed plan over ``tokens`` (default: packed here); its groups are
-            the steps unless ``packs_per_batch`` is given.
-        shuffle, seed: shuffle the packs (groups) of the plan, once.
+            the steps unless ``packs_per_batch`` is given. It must have been made with the
+            options given here and the collator's ``max_len`` and ``reserve``
+            (``plan.options`` is compared).
+        options, **kwargs: the options of the whole plan (:class:`fastpack.PackOptions`):
+            ``group_tokens`` (a step is one group of the two-level plan: packs bin-packed
+            under this token budget, so every step carries nearly the same tokens; at
+            least ``long_max_len``, or ``max_len``), ``long_max_len`` (a second bucket for
+            sequences over ``max_len``, never mixed with short ones in a pack or a group),
+            ``shuffle`` and ``seed`` (shuffle the packs, or groups, of the plan, once). The
+            per-batch options are the collator's: given here, they must equal them.
+
+    Context parallelism: a collator with ``cp_size`` (and ``cp_mode``, ``pad_multiple``)
+    plans every pack to fit ``max_len`` once padded for the CP group; every CP rank of a
+    data-parallel rank gets the same step and shards it
+    (:func:`~fastpack.torch.shard_for_context_parallel`), and a :class:`PackedSampler`
+    balances each step's busiest CP rank.
 
     An item is an ``int`` (step ``i``) or a :class:`fastpack.torch.Step` from a
     :class:`~fastpack.torch.PackedSampler`, which may name a smaller piece of a step and
@@ -125,46 +134,30 @@ class PackedDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
         labels: TokenData | str | None = None,
         loss_mask: TokenData | str | None = None,
         packs_per_batch: int | None = None,
-        group_tokens: int | None = None,
-        long_max_len: int | None = None,
         plan: Plan | None = None,
-        shuffle: bool = True,
-        seed: int = 0,
-        cp_size: int | None = None,
-        cp_mode: str = "zigzag",
-        pad_multiple: int = 1,
+        options: PackOptions | None = None,
+        **kwargs: Unpack[PackArgs],
     ) -> None:
-        if not isinstance(collator, PackedCollator):
-            raise FastpackTypeError(
-                f"collator: expected a PackedCollator, got {type(collator).__name__}"
-            )
+        as_collator(collator)
         dataset = tokens if _is_dataset(tokens) else None
         self.tokens: Ragged = as_ragged(tokens)
         self.labels = _resolve(labels, dataset, mask=False)
         self.loss_mask = _resolve(loss_mask, dataset, mask=True)
         self.collator = collator
-        if packs_per_batch is not None and group_tokens is not None:
+        #: The packing options: the collator's per-batch ones and the plan options given.
+        self.options, stated = layered(PackedDataset, collator.options, options, kwargs)
+        if packs_per_batch is not None and self.options.group_tokens is not None:
             raise FastpackError(
                 "packs_per_batch, group_tokens: pass one: a fixed number of packs per step, "
                 "or a token budget per step"
             )
         if plan is None:
-            plan = collator.plan(
-                self.tokens.lengths, shuffle=shuffle, seed=seed, long_max_len=long_max_len,
-                group_tokens=group_tokens, cp_size=cp_size, cp_mode=cp_mode,
-                pad_multiple=pad_multiple,
-            )
+            plan = collator._plan(self.tokens.lengths, self.options)
         elif not isinstance(plan, Plan):
             raise FastpackTypeError(f"plan: expected a fastpack.Plan, got {type(plan).__name__}")
         else:
-            for name, value, have in (("group_tokens", group_tokens, plan.group_tokens),
-                                      ("long_max_len", long_max_len, plan.long_max_len),
-                                      ("cp_size", cp_size, plan.cp_size)):
-                if value is not None and value != have:
-                    raise FastpackError(
-                        f"{name}: got {value}, but the given plan was made with {have}; "
-                        f"pass {name} to fastpack.pack() when planning"
-                    )
+            # What building the batches reads from the plan, and what the caller stated.
+            check_plan(plan.options, self.options, {"max_len", "reserve"} | stated)
         if plan.num_sequences != len(self.tokens):
             raise FastpackError(
                 f"plan: made from {plan.num_sequences} lengths, but the token data has "
@@ -356,13 +349,12 @@ def _sub_plan(plan: Plan, p0: int, p1: int, lo: int, hi: int) -> Plan:
     fields.update(
         sample_ids=plan.sample_ids[lo:hi], starts=plan.starts[lo:hi], seqlens=seqlens,
         pack_offsets=offsets - lo, total_tokens=total, buckets=buckets,
-        long_max_len=plan.long_max_len, pack_caps=caps, cp_size=plan.cp_size,
-        cp_mode=plan.cp_mode, pad_multiple=plan.pad_multiple,
+        long_max_len=plan.long_max_len, pack_caps=caps, shuffle=plan.options.shuffle,
+        seed=plan.options.seed, cp_size=plan.cp_size, cp_mode=plan.cp_mode,
+        pad_multiple=plan.pad_multiple,
     )
-    return Plan(_with_metrics(fields))
+    return Plan(fields)
 
-def _is_dataset(obj: Any) -> bool:
-    return type(obj).__module__.startswith("datasets") and hasattr(obj, "column_names")
 
 
 def _resolve(data: Any, dataset: Any, *, mask: bool) -> Ragged | None:

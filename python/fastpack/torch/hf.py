@@ -12,9 +12,9 @@ from typing import Any, cast
 
 import torch
 
+from .._checks import _choice
 from .._context_parallel import CP_MODES
 from .._errors import FastpackError, FastpackTypeError
-from .._plan import _choice
 from .attention import KERNELS, Kernel, varlen_attention
 from .collator import LOSS_MASK_KEYS, PackedCollator
 from .context_parallel import (
@@ -693,8 +693,9 @@ class PackedTrainerMixin:
       of a replica (consecutive processes, accelerate's mesh order) sharing its steps;
       accelerate's context / sequence parallelism (``cp_size``/``sp_size`` > 1) raise.
     * **Context parallelism** (fastpack's): when the model's attention is
-      ``register_hf_attention(context_parallel_group=group, mode=...)``, the plan is made
-      for that group (every pack fits ``max_len`` once padded), the ``cp · tp``
+      ``register_hf_attention(context_parallel_group=group, mode=...)``, the collator
+      must pack for that group (``PackedCollator(..., cp_size=, cp_mode=)``: every pack
+      fits ``max_len`` once padded, checked), the ``cp · tp``
       consecutive processes of a data-parallel rank share its steps (``group`` must be
       those ranks), and every micro-batch is sharded for this rank
       (:func:`~fastpack.torch.shard_for_context_parallel`) before the forward. The loss
@@ -727,8 +728,6 @@ class PackedTrainerMixin:
         weighting: ``"token"`` (default) or ``"sequence"`` (see :func:`packed_loss`).
         balance: ``"flops"`` (default), ``"tokens"`` or ``None`` (see PackedSampler).
         hidden_size: the cost model's ``h`` (default: ``model.config.hidden_size``).
-        pad_multiple: context parallelism's padding multiple (see
-            :func:`fastpack.cp_layout`).
     """
 
     def __init__(
@@ -739,7 +738,6 @@ class PackedTrainerMixin:
         weighting: str = "token",
         balance: str | None = "flops",
         hidden_size: int | None = None,
-        pad_multiple: int = 1,
         **kwargs: Any,
     ) -> None:
         if weighting not in WEIGHTINGS:
@@ -754,7 +752,7 @@ class PackedTrainerMixin:
         self.fastpack_weighting = weighting
         self._fastpack_options: dict[str, Any] = {
             "group_tokens": group_tokens, "packs_per_batch": packs_per_batch,
-            "balance": balance, "hidden_size": hidden_size, "pad_multiple": pad_multiple,
+            "balance": balance, "hidden_size": hidden_size,
         }
         self._fastpack_dataset: PackedDataset | None = None
         self._fastpack_sampler: PackedSampler | None = None
@@ -851,6 +849,7 @@ class PackedTrainerMixin:
         """The packed training set (built from ``train_dataset`` on first use)."""
         if self._fastpack_dataset is None:
             self._fastpack_dataset = self._build_packed_dataset()
+            self._check_context_parallel(self._fastpack_dataset)
         return self._fastpack_dataset
 
     @property
@@ -899,13 +898,27 @@ class PackedTrainerMixin:
         if group is None and packs is None:
             group = 4 * collator.max_len
         args: Any = self.args  # type: ignore[attr-defined]
-        cp = self._fastpack_cp
         return PackedDataset(
             data, collator, labels="labels" if "labels" in columns else None,
             loss_mask=mask or None, group_tokens=group, packs_per_batch=packs, seed=args.seed,
-            cp_size=None if cp is None else cp[2], cp_mode="zigzag" if cp is None else cp[1],
-            pad_multiple=options["pad_multiple"],
         )
+
+    def _check_context_parallel(self, dataset: PackedDataset) -> None:
+        """The packing options must be the model's CP group's (every pack fits max_len once
+        padded for it) — or no CP at all when the model's attention is not a CP one."""
+        cp = self._fastpack_cp
+        have = (dataset.options.cp_size, dataset.options.cp_mode)
+        want = (None, "zigzag") if cp is None else (cp[2], cp[1])
+        if have != want and not (cp is None and have[0] is None):
+            if cp is None:
+                model, fix = "not context-parallel", "leave cp_size out"
+            else:
+                model = f"context-parallel over {want[0]} ranks, mode {want[1]!r}"
+                fix = f"build it with PackedCollator(..., cp_size={want[0]}, cp_mode={want[1]!r})"
+            raise FastpackError(
+                f"data_collator: packs for cp_size={have[0]}, cp_mode={have[1]!r}, but the "
+                f"model's attention is {model}; {fix}"
+            )
 
     def get_train_dataloader(self) -> torch.utils.data.DataLoader:  # type: ignore[type-arg]
         args: Any = self.args  # type: ignore[attr-defined]
@@ -949,7 +962,8 @@ class PackedTrainerMixin:
         if self._fastpack_cp is not None:  # this rank's share of the step's row
             _, mode, size, rank = self._fastpack_cp
             inputs = shard_for_context_parallel(
-                inputs, size, rank, mode, pad_multiple=self._fastpack_options["pad_multiple"])
+                inputs, size, rank, mode,
+                pad_multiple=self.packed_dataset.options.pad_multiple)
         steps = {k: inputs[k] for k in STEP_KEYS if k in inputs}
         inputs = {k: v for k, v in inputs.items() if k not in STEP_KEYS}
         self._check_format(model, inputs)

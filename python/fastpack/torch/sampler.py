@@ -30,8 +30,8 @@ import numpy as np
 import torch
 
 from .. import _core
+from .._checks import _int_arg
 from .._errors import FastpackError, FastpackTypeError
-from .._plan import _int_arg
 from .data import PackedDataset, StepTable, cp_terms
 from .step import Step
 
