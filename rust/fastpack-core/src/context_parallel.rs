@@ -36,9 +36,9 @@ use rayon::prelude::*;
 use crate::error::{Error, Result};
 use crate::memory::{try_filled, try_with_capacity, Word};
 
-/// `n` zeros for an output that is written in full: a plain fill (a fresh zeroed mapping,
-/// `memory::try_zeroed`'s choice for buffers mostly never written, costs more page
-/// faults than the fill saves here).
+/// `n` zeros for an output that is written in full: a filled allocation (a fresh zeroed
+/// mapping, `memory::try_zeroed`'s choice for buffers mostly never written, costs more
+/// page faults than the fill saves here).
 fn try_filled_zero<T: Word>(n: usize, what: &'static str) -> Result<Vec<T>> {
     try_filled(n, T::default(), what)
 }
