@@ -6,7 +6,8 @@ optimizer step exactly that of one unpacked batch of the same samples.
 
 Four processes are dp = 2 replicas × cp = 2 ranks (ranks 0-1 share one step, 2-3 the
 other). It trains one step per run — a tiny Llama with zigzag, a tiny Qwen2 with the
-contiguous layout, a tiny Llama with Ulysses — on the CPU (gloo); on GPUs drop
+contiguous layout, a tiny Llama with Ulysses (the model's own loss), a tiny Qwen2 with
+zigzag and every sequence weighing the same (``packed_loss``) — on the CPU (gloo); on GPUs drop
 ``use_cpu`` and ``ddp_backend`` and keep the rest (fastpack's CP attention uses
 ring-flash-attn or flash-attn there when installed). tests/test_trainer_context_parallel.py
 runs it and checks the weights against one process's unpacked step.
@@ -33,9 +34,12 @@ from fastpack.torch import (  # noqa: E402
     register_hf_attention,
 )
 
-#: run name: (model family, CP mode)
-RUNS = {"llama-zigzag": ("llama", "zigzag"), "qwen2-contiguous": ("qwen2", "contiguous"),
-        "llama-ulysses": ("llama", "ulysses")}
+#: run name: (model family, CP mode, loss weighting: the model's own token loss, or
+#: fastpack's packed_loss weighing every sequence the same)
+RUNS = {"llama-zigzag": ("llama", "zigzag", "token"),
+        "qwen2-contiguous": ("qwen2", "contiguous", "token"),
+        "llama-ulysses": ("llama", "ulysses", "token"),
+        "qwen2-zigzag-sequence": ("qwen2", "zigzag", "sequence")}
 MAX_LEN = 64
 GROUP_TOKENS = 128  # two packs per step: one row of up to 128 tokens, split over the CP group
 
@@ -66,7 +70,7 @@ def main() -> None:
 
     groups: list[Any] = []
     for run in a.runs.split(","):
-        family, mode = RUNS[run]
+        family, mode, weighting = RUNS[run]
         args = TrainingArguments(output_dir=str(Path(a.out) / run), **COMMON)
         world, rank = args.world_size, args.process_index  # starts torch.distributed
         if not groups:  # every process makes every group, in one order
@@ -78,7 +82,7 @@ def main() -> None:
             # Packs planned for the group: each fits MAX_LEN once padded for it.
             data_collator=PackedCollator(max_len=MAX_LEN, backend="flash", cp_size=a.cp,
                                          cp_mode=mode),
-            group_tokens=GROUP_TOKENS,
+            group_tokens=GROUP_TOKENS, weighting=weighting,
         )
         result = trainer.train()
         sampler = trainer.packed_sampler

@@ -383,3 +383,37 @@ def test_gpu_check_context_parallel_section_on_cpu(monkeypatch: pytest.MonkeyPat
     assert report["ok"], report
     assert {r["kernel"] for r in report["kernels"]} == {"flash", "sdpa"}
     assert len(report["kernels"]) == 8
+
+
+@pytest.mark.parametrize("mode", ["zigzag", "contiguous"])
+def test_the_sampler_balances_the_busiest_cp_rank(mode: str) -> None:
+    """With a plan made for CP, every micro-step's cost is its busiest CP rank's
+    (``6·h·padded/cp + 2·max_r work_r``, from the layout of the step's row) and
+    ``Schedule.cp_imbalance`` is that row's layout's; the data-parallel ranks that run
+    together are balanced in that cost."""
+    from fastpack.torch import PackedDataset, PackedSampler
+
+    rng = np.random.default_rng(1)
+    rows = [rng.integers(1, 50, int(n)) for n in rng.integers(1, 700, 300)]
+    collator = PackedCollator(max_len=1024, backend="flash", cp_size=4, cp_mode=mode)
+    ds = PackedDataset(rows, collator, group_tokens=2048)
+    schedule = PackedSampler(ds, num_replicas=3, rank=0, hidden_size=64).schedule(0)
+    cost, imbalance = schedule.cost, schedule.cp_imbalance()
+    for g in range(len(schedule)):
+        for r in range(3):
+            lo, hi = int(schedule.lo[g, r]), int(schedule.hi[g, r])
+            cu = np.concatenate(([0], np.cumsum(ds.plan.seqlens[lo:hi])))
+            layout = fastpack.cp_layout(cu, 4, mode=mode)
+            want = 6 * 64 * layout.padded_total / 4 + 2 * int(layout.work.max())
+            assert cost[g, r] == pytest.approx(want)
+            assert imbalance[g, r] == pytest.approx(layout.imbalance())
+    spread = cost.max(axis=1) / cost.mean(axis=1)
+    unbalanced = PackedSampler(ds, num_replicas=3, rank=0, hidden_size=64,
+                               balance=None).schedule(0)
+    assert np.median(spread) < np.median(unbalanced.cost.max(axis=1)
+                                         / unbalanced.cost.mean(axis=1))
+    # Zigzag leaves only a short sequence's pad chunk uneven; contiguous, whole documents.
+    if mode == "contiguous":
+        assert np.median(imbalance) > 1.05 and imbalance.max() > 1.3
+    else:
+        assert np.median(imbalance) < 1.05

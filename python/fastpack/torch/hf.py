@@ -830,7 +830,7 @@ class PackedTrainerMixin:
                 f"world size {world}"
             )
         index = int(args.process_index)
-        if self._fastpack_cp is not None:
+        if self._fastpack_cp is not None and cp > 1:
             group, _, _, cp_rank = self._fastpack_cp
             first = index // (cp * tp) * cp * tp + index % tp
             want = [first + c * tp for c in range(cp)]
