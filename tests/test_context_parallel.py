@@ -182,6 +182,16 @@ def test_shards_reassemble_the_row(lengths: list[int], cp: int, mode: str) -> No
     shifted = torch.full_like(labels, -100)
     for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
         shifted[a : b - 1] = labels[a + 1 : b]
+    # A row whose labels are the tokens themselves (no -100 at sequence starts): the shift
+    # still stops at every sequence's end.
+    own = shard_for_context_parallel({**batch, "labels": ids[None].clone()}, cp, 0, mode)
+    own_layout = fastpack.cp_layout(batch["cu_seq_lens_q"], cp, mode=mode)
+    src = torch.from_numpy(own_layout.sources(0).copy())
+    ends = torch.zeros_like(ids, dtype=torch.bool)
+    ends[cu[1:] - 1] = True
+    want = torch.where(ends, -100, torch.roll(ids, -1))[src.clamp(min=0)]
+    want[src < 0] = -100
+    assert torch.equal(own["shift_labels"][0], want)
     got = {k: torch.full_like(ids, -7) for k in ("input_ids", "labels", "shift_labels",
                                                "position_ids")}
     for rank in range(cp):
@@ -407,6 +417,13 @@ def test_the_sampler_balances_the_busiest_cp_rank(mode: str) -> None:
             want = 6 * 64 * layout.padded_total / 4 + 2 * int(layout.work.max())
             assert cost[g, r] == pytest.approx(want)
             assert imbalance[g, r] == pytest.approx(layout.imbalance())
+    # The steps that run together are neighbours in that cost: no other step's cost lies
+    # strictly between a global step's cheapest and dearest.
+    micro = schedule.micro_cost
+    for row in schedule.layout:
+        lo, hi = micro[row].min(), micro[row].max()
+        inside = np.flatnonzero((micro > lo) & (micro < hi))
+        assert set(inside.tolist()) <= set(row.tolist())
     spread = cost.max(axis=1) / cost.mean(axis=1)
     unbalanced = PackedSampler(ds, num_replicas=3, rank=0, hidden_size=64,
                                balance=None).schedule(0)
