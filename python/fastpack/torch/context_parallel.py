@@ -48,7 +48,7 @@ from .attention import (
     _check_qkv,
     _check_window_options,
     _repeat_kv,
-    _sdpa_has_enable_gqa,
+    _sdpa_gqa,
     _softcapped_attention,
     varlen_attention,
 )
@@ -386,13 +386,7 @@ def _runs_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     (``is_causal`` where queries and keys coincide) or a few masked calls over blocks of
     queries, each mask at most :data:`_MASK_BUDGET` entries."""
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    groups = q.shape[1] // keys.shape[1]
-    gqa: dict[str, Any] = {}
-    if groups > 1:
-        if _sdpa_has_enable_gqa() and softcap is None:
-            gqa["enable_gqa"] = True
-        else:
-            keys, values = _repeat_kv(keys, values, groups, dim=1)
+    keys, values, gqa = _sdpa_gqa(q, keys, values, softcap)
     q_sizes = [b - a for a, b in zip(cu_q[:-1], cu_q[1:])]
     k_sizes = [b - a for a, b in zip(cu_k[:-1], cu_k[1:])]
     q_parts = q.transpose(0, 1).unsqueeze(0).split(q_sizes, dim=2)
