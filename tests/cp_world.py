@@ -234,7 +234,7 @@ MODEL_CELLS = [(mode, family, dtype) for mode in MODES
 #: takes its cross-entropy in fp32 whatever the model's dtype.
 WEIGHTINGS = ("token", "sequence", "model")
 #: (mode, family): fp64 loss and gradients of the local batch, every weighting.
-GRAD_CELLS = [(mode, family) for mode in MODES for family in ("llama", "gemma2")]
+GRAD_CELLS = [(mode, "llama") for mode in MODES]
 
 
 def num_sequences(batch: dict[str, Any]) -> int:
