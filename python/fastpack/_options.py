@@ -63,9 +63,10 @@ if TYPE_CHECKING:
     from typing_extensions import Unpack
 
 __all__ = [
-    "GROUP_TOKENS_LIMIT", "LIMIT_CAP", "MAX_LEN_LIMIT", "MAX_LIMITS", "OVERLONG_POLICIES",
-    "PLAN_OPTIONS", "STRATEGIES", "PackArgs", "PackOptions", "WithOptions", "check_plan",
-    "layered", "resolve", "separator_reserve", "with_separator",
+    "CP_MODES", "GROUP_TOKENS_LIMIT", "LIMIT_CAP", "MAX_CP_SIZE", "MAX_LEN_LIMIT", "MAX_LIMITS",
+    "OVERLONG_POLICIES", "PLAN_OPTIONS", "STRATEGIES", "cp_divisor",
+    "PackArgs", "PackOptions", "WithOptions", "check_plan", "layered", "resolve",
+    "separator_reserve", "with_separator",
 ]
 
 STRATEGIES = ("bfd", "ffd", "next_fit", "wrapped")
@@ -77,6 +78,28 @@ GROUP_TOKENS_LIMIT = 2**31 - 1
 # Budgets besides tokens (the core's MAX_LIMITS and LIMIT_CAP).
 MAX_LIMITS = 4
 LIMIT_CAP = 2**32 - 2
+
+#: Context parallelism's modes (see :func:`fastpack.cp_layout`). ``"zigzag"``: every
+#: sequence padded to a multiple of ``2·cp·pad_multiple`` and cut into ``2·cp`` chunks,
+#: rank ``r`` holding chunks ``r`` and ``2·cp−1−r`` (TransformerEngine's THD layout: the
+#: same causal work on every rank). ``"contiguous"``: the row padded to a multiple of
+#: ``cp·pad_multiple`` and cut into ``cp`` slices (ring-flash-attn's llama3 layout: no
+#: per-sequence pad, uneven work). ``"ulysses"``: the contiguous slices, heads exchanged
+#: around attention by an all-to-all.
+CP_MODES = ("zigzag", "contiguous", "ulysses")
+#: The largest context-parallel group (the core's limit).
+MAX_CP_SIZE = 1 << 16
+
+
+def cp_divisor(cp_size: int, mode: str, pad_multiple: int) -> int:
+    """What context parallelism's padded lengths are multiples of (the core's
+    ``CpSpec::divisor``): each sequence's (zigzag: ``2·cp·pad_multiple``; ``pad_multiple``
+    at ``cp_size=1``, where nothing is cut) or the row's (contiguous and Ulysses:
+    ``cp·pad_multiple``)."""
+    if mode == "zigzag":
+        return (2 * cp_size if cp_size > 1 else 1) * pad_multiple
+    return cp_size * pad_multiple
+
 
 #: Options about a whole plan's packs (their order, buckets and groups), not about how
 #: one batch of samples is packed: a dataset takes them, a collator refuses them.
@@ -121,6 +144,17 @@ class PackOptions:
     #: Two-level packing: the packs are bin-packed, by their tokens, into groups of at
     #: most this many (at least the largest pack cap): one group per step.
     group_tokens: int | None = None
+    #: Context parallelism: plan for a group of this many ranks that share each packed row
+    #: (see :func:`fastpack.cp_layout`); every pack fits ``max_len`` once padded for it.
+    cp_size: int | None = None
+    #: ``"zigzag"`` (every sequence padded to a multiple of ``2·cp_size·pad_multiple``),
+    #: ``"contiguous"`` or ``"ulysses"`` (the row padded to a multiple of
+    #: ``cp_size·pad_multiple``); needs ``cp_size``.
+    cp_mode: str = "zigzag"
+    #: Each rank's share of a sequence (zigzag) or of the row is a multiple of this too: the
+    #: tensor-parallel size with sequence parallelism, an FP8 kernel's divisor (NeMo-RL's
+    #: rules); needs ``cp_size``.
+    pad_multiple: int = 1
     #: Budgets besides tokens, ``{name: cap}`` (at most 4; held as ``((name, cap), ...)``):
     #: no pack holds more than ``cap`` of one. Each sequence's use comes with the data:
     #: ``pack(lengths, limits={name: (values, cap)})``, or a collator's or dataset's
@@ -207,6 +241,54 @@ def _check_group_tokens(o: PackOptions, value: Any) -> int | None:
     )
 
 
+def _check_cp_size(o: PackOptions, value: Any) -> int | None:
+    if value is None:
+        return None
+    return _int_arg("cp_size", value, minimum=1, maximum=MAX_CP_SIZE)
+
+
+def _check_cp_mode(o: PackOptions, value: Any) -> str:
+    mode = _choice("cp_mode", value, CP_MODES)
+    if o.cp_size is None and mode != "zigzag":
+        raise FastpackError(f"cp_mode: got {mode!r} without cp_size; pass cp_size (the ranks "
+                            f"of the context-parallel group) or leave cp_mode out")
+    return mode
+
+
+def _check_pad_multiple(o: PackOptions, value: Any) -> int:
+    multiple = _int_arg("pad_multiple", value, minimum=1, maximum=1 << 30)
+    if o.cp_size is None:
+        if multiple != 1:
+            raise FastpackError(f"pad_multiple: got {multiple} without cp_size; pass cp_size "
+                                f"(context parallelism pads) or leave pad_multiple out")
+        return multiple
+    d = cp_divisor(o.cp_size, o.cp_mode, multiple)
+    setting = f"cp_size={o.cp_size}, cp_mode={o.cp_mode!r} and pad_multiple={multiple}"
+    if d > 1 << 30:
+        raise FastpackError(f"pad_multiple: got {multiple}; with {setting} lengths would be "
+                            f"padded to multiples of {d}, more than 2^30")
+    what = "every sequence" if o.cp_mode == "zigzag" else "every pack"
+    caps = [("max_len", o.max_len)]
+    if o.long_max_len is not None:
+        caps.append(("long_max_len", o.long_max_len))
+    for name, cap in caps:
+        held = cap // d * d
+        if held <= o.reserve:
+            raise FastpackError(
+                f"pad_multiple: with {setting}, {what} is padded to a multiple of {d} tokens, "
+                f"so a padded pack exceeds {name} ({cap}) unless it holds at most {held}"
+                f"{f' (reserve={o.reserve})' if o.reserve else ''} tokens; expected a smaller "
+                f"pad_multiple or cp_size, or a larger {name}"
+            )
+    if o.long_max_len is not None and o.long_max_len // d <= o.max_len // d:
+        raise FastpackError(
+            f"long_max_len: {o.long_max_len} holds {o.long_max_len // d * d} tokens once padded "
+            f"to multiples of {d} ({setting}), no more than max_len's {o.max_len // d * d}; "
+            f"expected a larger long_max_len"
+        )
+    return multiple
+
+
 def _check_limits(o: PackOptions, value: Any) -> tuple[tuple[str, int], ...] | None:
     if value is None:
         return None
@@ -241,6 +323,12 @@ def _check_limits(o: PackOptions, value: Any) -> tuple[tuple[str, int], ...] | N
             f"limits: overlong={o.overlong!r} would cut a sequence, and the media it holds "
             f"with it; with budgets besides tokens use 'error' or 'drop'"
         )
+    if o.cp_size is not None:
+        raise FastpackError(
+            f"limits: budgets besides tokens are not planned together with cp_size="
+            f"{o.cp_size} (the context-parallel plan pads the tokens and knows nothing of the "
+            f"media); pass one of them"
+        )
     return tuple(out)
 
 
@@ -254,6 +342,9 @@ _CHECKS: dict[str, Callable[[PackOptions, Any], Any]] = {
     "seed": lambda o, v: _int_arg("seed", v, minimum=0, maximum=2**64 - 1),
     "long_max_len": _check_long_max_len,
     "group_tokens": _check_group_tokens,
+    "cp_size": _check_cp_size,
+    "cp_mode": _check_cp_mode,
+    "pad_multiple": _check_pad_multiple,
     "limits": _check_limits,
 }
 
@@ -272,6 +363,9 @@ class _Args(TypedDict, total=False):
     seed: int
     long_max_len: int | None
     group_tokens: int | None
+    cp_size: int | None
+    cp_mode: str
+    pad_multiple: int
     #: ``{name: cap}``; ``pack`` also takes ``{name: (values, cap)}``.
     limits: Mapping[str, Any] | tuple[tuple[str, int], ...] | None
 

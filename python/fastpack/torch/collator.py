@@ -147,6 +147,11 @@ class PackedCollator(WithOptions):
                 f"overlong: {self.overlong!r} does not apply to backend='padded' (one sample "
                 f"per row); expected 'error' or 'truncate'"
             )
+        if self.backend == "padded" and self.options.cp_size is not None:
+            raise FastpackError(
+                f"cp_size: {self.options.cp_size} does not apply to backend='padded' (one "
+                f"sample per row); context parallelism shards packed rows: backend='flash'"
+            )
         if not (loss_mask_key is None or loss_mask_key is False or isinstance(loss_mask_key, str)):
             raise FastpackTypeError(
                 f"loss_mask_key: expected a key (str), None (the first of {LOSS_MASK_KEYS} "
@@ -179,6 +184,14 @@ class PackedCollator(WithOptions):
                     f"mask: 'explicit' with backend='flex' makes a flex BlockMask, and Hugging "
                     f"Face runs {self.vlm.model_type} without flex attention; use "
                     f"backend='flash' or 'sdpa'"
+                )
+            if self.options.cp_size is not None:
+                raise FastpackError(
+                    f"cp_size: {self.options.cp_size} with model_config "
+                    f"({self.vlm.model_type}): vision-language batches are not sharded for "
+                    f"context parallelism (shard_for_context_parallel would split the image "
+                    f"placeholders and the mRoPE positions across ranks, not the media); pass "
+                    f"one of model_config and cp_size"
                 )
             placeholders = {self.vlm.image_token_id, self.vlm.video_token_id} - {None}
             for name, token in (("pad_id", self.pad_id), ("separator_id", self.separator_id)):
