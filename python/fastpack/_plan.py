@@ -204,6 +204,7 @@ def _readonly(array: np.ndarray) -> np.ndarray:
 _ARRAYS: dict[str, type[np.signedinteger[Any]]] = {
     "sample_ids": np.int64, "starts": np.int64, "seqlens": np.int32, "pack_offsets": np.int64,
     "pack_caps": np.int32, "group_offsets": np.int64, "group_fills": np.int64,
+    "parents": np.int64, "path_sample_ids": np.int64, "path_ends": np.int64,
 }
 
 
@@ -257,7 +258,8 @@ def _with_metrics(fields: dict[str, Any]) -> dict[str, Any]:
         if fields.get(name) is not None:
             fields[name] = _plan_array(name, fields[name])
     segments = len(fields["seqlens"])
-    for name in ("sample_ids", "starts"):
+    for name in ("sample_ids", "starts", *(("parents",) if fields.get("parents") is not None
+                                           else ())):
         if len(fields[name]) != segments:
             raise FastpackError(
                 f"{name}: has {len(fields[name])} entries; seqlens has {segments} (one per "
@@ -323,6 +325,15 @@ class Plan:
 
     Every metric (``lower_bound``, ``efficiency``, the buckets' and the groups') is computed
     by the core with the plan; a *fill* is the number of tokens a pack or group holds.
+
+    A plan of shared-prefix trees (:func:`fastpack.pack_trees`) adds ``parents`` (int64
+    [S]: the segment whose tokens precede this one in its sample, ``-1`` for a root; a
+    segment's ``starts`` is then its first token's position in its sample, where it
+    continues its parent) and its *paths*: sample ``path_sample_ids[j]`` ends at segment
+    ``path_ends[j]`` (int64 [M], ascending), and is the segments from a root to there.
+    Every kept sample is exactly one path; a shared segment is in several.
+    ``sample_tokens`` counts the tokens of the kept samples in full (what packing them
+    without sharing would compute), ``total_tokens`` the tokens the plan computes.
     """
 
     _FIELDS = (
@@ -333,7 +344,7 @@ class Plan:
     )
     _OPTIONAL = (
         "long_max_len", "group_tokens", "group_offsets", "group_fills", "group_lower_bound",
-        "group_efficiency",
+        "group_efficiency", "parents", "path_sample_ids", "path_ends", "sample_tokens",
     )
 
     __slots__ = (*_FIELDS, *_OPTIONAL, "buckets", "_pack_caps")
@@ -371,6 +382,11 @@ class Plan:
     group_lower_bound: int | None
     #: ``total_tokens / (num_groups * group_tokens)``, or None without groups.
     group_efficiency: float | None
+    #: Trees (see the class docs): each segment's parent, or None for a plan of sequences.
+    parents: np.ndarray | None
+    path_sample_ids: np.ndarray | None
+    path_ends: np.ndarray | None
+    sample_tokens: int | None
     buckets: tuple[Bucket, ...]
     _pack_caps: np.ndarray | None
 
@@ -528,6 +544,12 @@ class Plan:
                         f"({self.truncated_sequences:,} sequences)")
         if self.split_sequences:
             lost.append(f"split {self.split_sequences:,} sequences (no token lost)")
+        if self.sample_tokens is not None:
+            ratio = self.sample_tokens / self.total_tokens if self.total_tokens else 1.0
+            lines.append(
+                f"shared prefixes: {self.sample_tokens:,} sample tokens computed as "
+                f"{self.total_tokens:,} ({ratio:.2f}x fewer)"
+            )
         if self.empty_sequences:
             lost.append(f"skipped {self.empty_sequences:,} empty sequences")
         if lost:

@@ -18,6 +18,7 @@ from .collator import LOSS_MASK_KEYS, PackedCollator
 from .data import PackedDataset, first_item
 from .loss import WEIGHTINGS, packed_loss
 from .sampler import BALANCES, PackedSampler, Step
+from .tree import is_tree_batch, tree_attention, tree_layout
 
 __all__ = [
     "PackedTrainerMixin", "StepBatches", "StepLoader", "check_model_batch",
@@ -220,6 +221,9 @@ def _attention(
     kv_len = key.shape[2]
     cu_seqlens = kwargs.get("cu_seq_lens_q")
     position_ids = kwargs.get("position_ids")
+    if kwargs.get("tree_parents") is not None:
+        return _tree(name, kernel, module, query, key, value, kwargs, scaling, dropout, causal,
+                     window, softcap)
     if cu_seqlens is not None:
         cu_k = kwargs.get("cu_seq_lens_k")
         if cu_k is not None and cu_k is not cu_seqlens and not torch.equal(
@@ -322,6 +326,48 @@ def _packed(
     if validate and isinstance(cu_seqlens, torch.Tensor):
         _CU_CHECKED.remember(cu_seqlens, shape)
     return out.reshape(rows, width, heads, dim), None  # as Hugging Face's sdpa returns
+
+
+def _tree(
+    name: str,
+    kernel: Kernel,
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kwargs: dict[str, Any],
+    scaling: float | None,
+    dropout: float,
+    causal: bool,
+    window: int | None,
+    softcap: float | None,
+) -> tuple[torch.Tensor, None]:
+    """A tree batch (``share_prefix=True``): each token over its path and its own past."""
+    rows, heads, width, dim = query.shape
+    if rows != 1 or key.shape[2] != width:
+        raise FastpackError(
+            f"{name}: a tree batch is one row with no KV cache; got {rows} rows and "
+            f"{key.shape[2]} keys for {width} queries (pass use_cache=False)"
+        )
+    if not causal:
+        raise FastpackError(f"{name}: a tree batch needs causal attention (a decoder)")
+    if dropout and module.training:
+        raise FastpackError(
+            f"{name}: attention dropout {dropout} is not supported on packed batches; "
+            f"set the model's attention dropout to 0"
+        )
+    device = query.device.type
+    if torch.is_autocast_enabled(device):  # as SDPA does under autocast
+        dtype = torch.get_autocast_dtype(device)
+        query, key, value = (t.to(dtype) for t in (query, key, value))
+    positions = kwargs.get("position_ids")
+    layout = tree_layout(kwargs["tree_cu_seqlens"], kwargs["tree_parents"], width, positions)
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (T, heads, D)
+    out = tree_attention(
+        q, k, v, layout, softmax_scale=scaling, kernel=kernel, sliding_window=window,
+        softcap=softcap, positions=positions,
+    )
+    return out.reshape(1, width, heads, dim), None
 
 
 def _with_window(
