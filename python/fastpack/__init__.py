@@ -18,6 +18,7 @@ from ._gather import gather
 from ._materialize import IGNORE_INDEX, Ragged, as_ragged, loss_mask_from_spans, materialize
 from ._plan import OVERLONG_POLICIES, STRATEGIES, Bucket, Plan, pack
 from ._stream import StreamPacker, StreamStats
+from ._tree import pack_trees, tree_rows
 
 
 def __getattr__(name: str) -> object:
@@ -56,4 +57,6 @@ __all__ = [
     "loss_mask_from_spans",
     "materialize",
     "pack",
+    "pack_trees",
+    "tree_rows",
 ]

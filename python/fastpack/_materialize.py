@@ -558,6 +558,12 @@ def materialize(
     """
     if not isinstance(plan, Plan):
         raise FastpackTypeError(f"plan: expected a fastpack.Plan, got {type(plan).__name__}")
+    if plan.parents is not None:
+        raise FastpackError(
+            "plan: a plan of shared-prefix trees has no per-token labels (a shared token has "
+            "one next token per child); build its batch with fastpack.tree_rows or "
+            "PackedCollator(share_prefix=True)"
+        )
     layout = _choice("layout", layout, LAYOUTS)
     multiple = 1 if pad_to_multiple_of is None else _int_arg(
         "pad_to_multiple_of", pad_to_multiple_of, minimum=1, maximum=2**31 - 1

@@ -32,7 +32,10 @@ from ._plan import (
     pack,
 )
 
-__all__ = ["TREE_OVERLONG", "group_codes", "pack_trees", "preference_samples", "tree_rows"]
+__all__ = [
+    "TREE_OVERLONG", "group_codes", "pack_trees", "path_targets", "preference_samples",
+    "tree_rows",
+]
 
 #: The over-long policies a tree plan takes: a sample is kept whole, cut to ``max_len`` or
 #: dropped (a piece of a split sample could not attend to the pieces before it).
@@ -152,8 +155,9 @@ def pack_trees(
     return Plan(fields)
 
 
-def check_tree_plan(plan: Plan, name: str = "plan") -> None:
-    """Raises unless ``plan`` is a plan of trees (from :func:`pack_trees`)."""
+def check_tree_plan(plan: Plan, name: str = "plan") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(parents, path_sample_ids, path_ends)`` of ``plan``; raises unless it is a plan of
+    trees (from :func:`pack_trees`)."""
     if not isinstance(plan, Plan):
         raise FastpackTypeError(f"{name}: expected a fastpack.Plan, got {type(plan).__name__}")
     if plan.parents is None or plan.path_sample_ids is None or plan.path_ends is None:
@@ -161,6 +165,36 @@ def check_tree_plan(plan: Plan, name: str = "plan") -> None:
             f"{name}: not a plan of shared-prefix trees (no parents); make it with "
             f"fastpack.pack_trees"
         )
+    return plan.parents, plan.path_sample_ids, plan.path_ends
+
+
+def path_targets(
+    plan: Plan,
+    tokens: Any,
+    *,
+    labels: Any = None,
+    loss_mask: Any = None,
+    threads: int | None = None,
+) -> np.ndarray:
+    """Targets of every path of a tree plan (uint32 [M]): what :func:`tree_rows` lists for
+    each sample, counted in one parallel pass in Rust without building a batch (labels and
+    mask read in place)."""
+    parents, path_sample_ids, path_ends = check_tree_plan(plan)
+    token_data = as_ragged(tokens, name="tokens")
+    if plan.num_sequences != len(token_data):
+        raise FastpackError(
+            f"plan: made from {plan.num_sequences} samples, but the token data has "
+            f"{len(token_data)}"
+        )
+    label_data = None if labels is None else as_ragged(labels, name="labels")
+    mask_data = None if loss_mask is None else as_ragged(loss_mask, mask=True, name="loss_mask")
+    result: np.ndarray = _core.tree_path_targets(
+        plan.sample_ids, plan.starts, plan.seqlens, plan.pack_offsets, parents,
+        path_sample_ids, path_ends, token_data.column,
+        None if label_data is None else label_data.column,
+        None if mask_data is None else mask_data.column, _threads(threads),
+    )
+    return result
 
 
 def tree_rows(
@@ -193,8 +227,8 @@ def tree_rows(
     first token of each of its children, so a logit may serve several targets, each
     counted once with its own label.
     """
-    check_tree_plan(plan)
-    from ._materialize import _packs, _is_dataset
+    parents, path_sample_ids, path_ends = check_tree_plan(plan)
+    from ._materialize import _is_dataset, _packs
 
     multiple = 1 if pad_to_multiple_of is None else _int_arg(
         "pad_to_multiple_of", pad_to_multiple_of, minimum=1, maximum=2**31 - 1
@@ -211,11 +245,11 @@ def tree_rows(
     rows = _core.materialize(
         plan.sample_ids, plan.starts, plan.seqlens, plan.pack_offsets, 0, plan.strategy,
         "error", chosen, token_data.column, None, None, None, False, "flat", pad_to,
-        multiple, pad_id, threads, plan.parents,
+        multiple, pad_id, threads, parents,
     )
     tree = _core.tree_rows(
-        plan.sample_ids, plan.starts, plan.seqlens, plan.pack_offsets, plan.parents,
-        plan.path_sample_ids, plan.path_ends, chosen, token_data.column,
+        plan.sample_ids, plan.starts, plan.seqlens, plan.pack_offsets, parents,
+        path_sample_ids, path_ends, chosen, token_data.column,
         None if label_data is None else label_data.column,
         None if mask_data is None else mask_data.column, threads,
     )

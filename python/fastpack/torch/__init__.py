@@ -20,6 +20,9 @@ Its modules are its layers:
   fastest kernel available (flash-attn, ``torch.nn.attention.varlen``, flex, SDPA).
 - :mod:`~fastpack.torch.loss` — :func:`packed_loss`: the loss of a packed batch normalised
   over its whole optimizer step (all micro-steps, all ranks), per token or per sequence.
+- :mod:`~fastpack.torch.tree` — tree batches (``share_prefix=True``: shared prefixes
+  computed once), their attention and :func:`per_sample` / :func:`token_logprobs`: every
+  sample's values, plain batch or tree.
 - :mod:`~fastpack.torch.hf` — Hugging Face integration (:func:`register_hf_attention`,
   :func:`check_model_batch`, :class:`PackedTrainerMixin` for the ``Trainer`` / TRL
   ``SFTTrainer`` on many ranks).
@@ -39,6 +42,7 @@ from .hf import PackedTrainerMixin, check_model_batch, register_hf_attention
 from .loss import WEIGHTINGS, packed_loss
 from .sampler import PackedSampler, Schedule, Step
 from .stream import SHARDINGS, PackedIterableDataset
+from .tree import per_sample, token_logprobs
 
 __all__ = [
     "BACKENDS",
@@ -58,6 +62,8 @@ __all__ = [
     "check_model_batch",
     "first_item",
     "packed_loss",
+    "per_sample",
     "register_hf_attention",
+    "token_logprobs",
     "varlen_attention",
 ]

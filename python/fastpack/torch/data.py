@@ -17,7 +17,8 @@ from .._errors import FastpackError, FastpackTypeError
 from .._materialize import Ragged, TokenData, as_ragged
 from .._plan import Plan, _int_arg, _with_metrics
 from .._targets import segment_targets
-from .collator import PackedCollator
+from .._tree import group_codes, pack_trees, path_targets
+from .collator import GROUP_KEY, PackedCollator
 from .step import Step
 
 __all__ = ["PackedDataset", "StepTable", "first_item"]
@@ -49,6 +50,13 @@ class StepTable:
     step's batch will hold (loss masks, ``labels``, separators and split pieces included);
     ``sequences`` the segments with at least one target. All int64 [N].
     ``segment_targets`` (uint32 [S]) is the same count per segment, for steps cut smaller.
+
+    A plan of trees (``share_prefix=True``) counts by its samples (its paths): a sample's
+    targets and its sequence are counted at its last segment (``segment_targets``,
+    ``segment_sequences``), and ``squared_tokens`` is attention's work, a segment of ``l``
+    tokens after a path of ``a`` costing ``l² + 2·a·l`` (``segment_work``): a tree of a
+    prompt of ``P`` tokens and responses ``Rᵢ`` costs ``P² + Σ(Rᵢ² + 2·P·Rᵢ)``. A step
+    of it is cut only at ``cuts`` (its trees' first segments), never inside a tree.
     """
 
     pack_offsets: np.ndarray
@@ -58,6 +66,9 @@ class StepTable:
     targets: np.ndarray
     sequences: np.ndarray
     segment_targets: np.ndarray
+    segment_work: np.ndarray | None = None
+    segment_sequences: np.ndarray | None = None
+    cuts: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -95,6 +106,11 @@ class PackedDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
         plan: a precomputed plan over ``tokens`` (default: packed here); its groups are
             the steps unless ``packs_per_batch`` is given.
         shuffle, seed: shuffle the packs (groups) of the plan, once.
+        groups: with a collator made with ``share_prefix=True``: one value per sample (or,
+            with a ``datasets.Dataset``, a column name); samples of one value share their
+            longest common prefix. Default: the dataset's ``group`` column when it has one,
+            else a trie over all samples. The plan is then :func:`fastpack.pack_trees`'s:
+            a tree is never cut across steps or ranks.
 
     An item is an ``int`` (step ``i``) or a :class:`fastpack.torch.Step` from a
     :class:`~fastpack.torch.PackedSampler`, which may name a smaller piece of a step and
@@ -118,12 +134,13 @@ class PackedDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
         plan: Plan | None = None,
         shuffle: bool = True,
         seed: int = 0,
+        groups: Any = None,
     ) -> None:
         if not isinstance(collator, PackedCollator):
             raise FastpackTypeError(
                 f"collator: expected a PackedCollator, got {type(collator).__name__}"
             )
-        dataset = tokens if _is_dataset(tokens) else None
+        dataset: Any = tokens if _is_dataset(tokens) else None
         self.tokens: Ragged = as_ragged(tokens)
         self.labels = _resolve(labels, dataset, mask=False)
         self.loss_mask = _resolve(loss_mask, dataset, mask=True)
@@ -133,7 +150,33 @@ class PackedDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
                 "packs_per_batch, group_tokens: pass one: a fixed number of packs per step, "
                 "or a token budget per step"
             )
-        if plan is None:
+        if groups is not None and not collator.share_prefix:
+            raise FastpackError(
+                "groups: apply with a collator made with share_prefix=True (they say which "
+                "samples share a prefix)"
+            )
+        if plan is None and collator.share_prefix:
+            if long_max_len is not None:
+                raise FastpackError(
+                    "long_max_len: does not apply with share_prefix=True (trees larger than "
+                    "max_len are split, their prefix repeated); raise max_len instead"
+                )
+            if isinstance(groups, str) or (groups is None and dataset is not None
+                                           and GROUP_KEY in dataset.column_names):
+                column = GROUP_KEY if groups is None else groups
+                if dataset is None or column not in dataset.column_names:
+                    raise FastpackError(
+                        f"groups: {column!r} names a column, which needs a datasets.Dataset "
+                        f"with it as tokens"
+                    )
+                groups = dataset[column]
+            codes = None if groups is None else group_codes(groups, len(self.tokens))
+            plan = pack_trees(
+                self.tokens, collator.max_len, groups=codes, strategy=collator.strategy,
+                overlong=collator.overlong, shuffle=shuffle, seed=seed,
+                group_tokens=group_tokens, threads=collator.threads,
+            )
+        elif plan is None:
             plan = collator.plan(
                 self.tokens.lengths, shuffle=shuffle, seed=seed, long_max_len=long_max_len,
                 group_tokens=group_tokens,
@@ -148,6 +191,12 @@ class PackedDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
                         f"{name}: got {value}, but the given plan was made with {have}; "
                         f"pass {name} to fastpack.pack() when planning"
                     )
+        if (plan.parents is not None) != collator.share_prefix:
+            raise FastpackError(
+                "plan: a plan of shared-prefix trees (fastpack.pack_trees) goes with a "
+                "collator made with share_prefix=True, and a plan of sequences with one "
+                "without it"
+            )
         if plan.num_sequences != len(self.tokens):
             raise FastpackError(
                 f"plan: made from {plan.num_sequences} lengths, but the token data has "
@@ -185,6 +234,10 @@ class PackedDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
     def steps(self) -> StepTable:
         """The per-step arrays (computed once, on first use: one parallel pass in Rust over
         the labels or token ids and the loss mask)."""
+        if self.plan.parents is not None:
+            per_path = path_targets(self.plan, self.tokens, labels=self.labels,
+                                    loss_mask=self.loss_mask, threads=self.collator.threads)
+            return tree_step_table(self.plan, self.step_pack_offsets, per_path)
         per_segment = segment_targets(
             self.plan, self.tokens, labels=self.labels, loss_mask=self.loss_mask,
             separator_id=self.collator.separator_id,
@@ -211,13 +264,17 @@ class PackedDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
                 h.update(array.view(np.uint8).data)
             return h.hexdigest()[:16]
 
-        return {
+        fingerprint = {
             "num_steps": len(self), "num_packs": plan.num_packs,
             "num_segments": plan.num_segments, "num_sequences": plan.num_sequences,
             "steps": digest(self.step_pack_offsets, plan.pack_offsets),
             "sample_ids": digest(plan.sample_ids),
             "segments": digest(plan.starts, plan.seqlens),
         }
+        if plan.parents is not None:
+            assert plan.path_sample_ids is not None and plan.path_ends is not None
+            fingerprint["trees"] = digest(plan.parents, plan.path_sample_ids, plan.path_ends)
+        return fingerprint
 
     def _segments(self, index: int | Step) -> tuple[int, int, int, int]:
         """The packs ``p0:p1`` and segments ``lo:hi`` of step (or sampler ``Step``)
@@ -248,12 +305,19 @@ class PackedDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
     def samples(self, index: int | Step) -> np.ndarray:
         """The sample ids (indices into ``tokens``, int64, read-only) that step ``index``
         holds, one per segment in the order of the batch's sequences: a sample split into
-        pieces appears once per piece it has in the step. ``index`` is an ``int`` or a
-        :class:`~fastpack.torch.Step` from a :class:`PackedSampler` (then only the piece
-        of the step it names). Reads the plan only, builds no batch: log it, or check that
-        a resumed run sees every sample once."""
+        pieces appears once per piece it has in the step. In a plan of trees, the samples
+        whose paths end in the step, ascending (the batch's ``sample_ids``). ``index`` is an
+        ``int`` or a :class:`~fastpack.torch.Step` from a :class:`PackedSampler` (then only
+        the piece of the step it names). Reads the plan only, builds no batch: log it, or
+        check that a resumed run sees every sample once."""
         _, _, lo, hi = self._segments(index)
-        return self.plan.sample_ids[lo:hi]
+        plan = self.plan
+        if plan.path_ends is not None and plan.path_sample_ids is not None:
+            a, b = np.searchsorted(plan.path_ends, (lo, hi))
+            ids = np.sort(plan.path_sample_ids[a:b])
+            ids.flags.writeable = False
+            return ids
+        return plan.sample_ids[lo:hi]
 
     def __getitem__(self, index: int | Step) -> dict[str, Any]:
         step = index if isinstance(index, Step) else None
@@ -287,6 +351,36 @@ def step_table(plan: Plan, step_pack_offsets: np.ndarray, per_segment: np.ndarra
     )
     for array in (table.segment_offsets, table.tokens, table.squared_tokens,
                   table.targets, table.sequences, table.segment_targets):
+        array.flags.writeable = False
+    return table
+
+
+def tree_step_table(plan: Plan, step_pack_offsets: np.ndarray, per_path: np.ndarray
+                    ) -> StepTable:
+    """The :class:`StepTable` of a plan of trees, given the targets of every path (from
+    :func:`fastpack._tree.path_targets`): each sample counted at its last segment."""
+    assert plan.parents is not None and plan.path_ends is not None
+    count = plan.num_segments
+    ends = np.asarray(plan.path_ends, dtype=np.int64)
+    per_path = np.asarray(per_path, dtype=np.int64)
+    per_segment = np.bincount(ends, weights=per_path, minlength=count).astype(np.uint32)
+    sequences = np.bincount(ends[per_path > 0], minlength=count).astype(np.uint32)
+    seqlens = np.asarray(plan.seqlens, dtype=np.int64)
+    work = seqlens * seqlens + 2 * np.asarray(plan.starts, dtype=np.int64) * seqlens
+    segments = np.asarray(plan.pack_offsets, dtype=np.int64)[step_pack_offsets]
+
+    def sums(values: np.ndarray) -> np.ndarray:
+        cumulative = np.concatenate(([0], np.cumsum(values, dtype=np.int64)))
+        return np.diff(cumulative[segments])
+
+    cuts = np.append(np.flatnonzero(np.asarray(plan.parents) < 0), count).astype(np.int64)
+    table = StepTable(
+        pack_offsets=step_pack_offsets, segment_offsets=segments, tokens=sums(seqlens),
+        squared_tokens=sums(work), targets=sums(per_segment), sequences=sums(sequences),
+        segment_targets=per_segment, segment_work=work, segment_sequences=sequences, cuts=cuts,
+    )
+    for array in (table.segment_offsets, table.tokens, table.squared_tokens, table.targets,
+                  table.sequences, table.segment_targets, work, sequences, cuts):
         array.flags.writeable = False
     return table
 
@@ -326,7 +420,29 @@ def _sub_plan(plan: Plan, p0: int, p1: int, lo: int, hi: int) -> Plan:
         pack_offsets=offsets - lo, total_tokens=total, buckets=buckets,
         long_max_len=plan.long_max_len, pack_caps=caps,
     )
+    if plan.parents is not None:
+        fields.update(_sub_trees(plan, lo, hi))
     return Plan(_with_metrics(fields))
+
+
+def _sub_trees(plan: Plan, lo: int, hi: int) -> dict[str, Any]:
+    """The tree arrays of segments ``lo:hi`` (whole trees: a cut inside one raises)."""
+    assert plan.parents is not None and plan.path_ends is not None
+    assert plan.path_sample_ids is not None
+    parents = np.asarray(plan.parents[lo:hi], dtype=np.int64)
+    if len(parents) and (parents[0] >= 0 or np.any((parents >= 0) & (parents < lo))):
+        raise FastpackError(
+            f"segments: {lo}..{hi} cuts through a tree (a segment's parent lies outside); a "
+            f"plan of trees is cut only where a tree begins"
+        )
+    a, b = (int(x) for x in np.searchsorted(plan.path_ends, (lo, hi)))
+    ends = np.asarray(plan.path_ends[a:b], dtype=np.int64)
+    return {
+        "parents": np.where(parents >= 0, parents - lo, -1),
+        "path_sample_ids": plan.path_sample_ids[a:b], "path_ends": ends - lo,
+        "sample_tokens": int((np.asarray(plan.starts)[ends]
+                              + np.asarray(plan.seqlens)[ends]).sum()),
+    }
 
 def _is_dataset(obj: Any) -> bool:
     return type(obj).__module__.startswith("datasets") and hasattr(obj, "column_names")

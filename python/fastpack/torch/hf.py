@@ -495,7 +495,10 @@ def check_model_batch(model: Any, batch: dict[str, Any]) -> None:
       or with ``use_cache`` on, on a Hugging Face implementation: it then skips the
       per-sequence mask;
     * rows of packed sequences without ``cu_seq_lens_q`` for ``flash_attention_*``, which
-      reads the boundaries from the positions of a single row only.
+      reads the boundaries from the positions of a single row only;
+    * a tree batch (``share_prefix=True``) for anything but fastpack's attention and
+      ``"flex_attention"`` (and for flex, on sliding-window layers whose window is shorter
+      than a path: the batch's ``BlockMask`` has no window).
     """
     if not isinstance(batch, dict):
         raise FastpackTypeError(f"batch: expected a dict, got {type(batch).__name__}")
@@ -510,6 +513,20 @@ def check_model_batch(model: Any, batch: dict[str, Any]) -> None:
         raise FastpackError(f"batch: {what} with attn_implementation={impl!r} "
                             f"({type(config).__name__}) would not compute the unpacked "
                             f"model; {fix}")
+
+    if is_tree_batch(batch):
+        if ours:
+            return
+        if impl != "flex_attention":
+            refuse("a tree batch (share_prefix=True)",
+                   "use attn_implementation=register_hf_attention() or 'flex_attention'")
+        longest = int(torch.as_tensor(positions).max()) + 1 if positions is not None else 0
+        if window is not None and longest > window:
+            refuse(f"a tree batch with paths of {longest} tokens on sliding-window layers "
+                   f"(sliding_window={window}: Hugging Face's flex attention uses the "
+                   f"batch's BlockMask as it is)",
+                   "use attn_implementation=register_hf_attention(), which honours the window")
+        return
 
     if mask is not None and getattr(mask, "ndim", len(getattr(mask, "shape", ()))) == 4:
         from torch.nn.attention.flex_attention import BlockMask
@@ -790,7 +807,10 @@ class PackedTrainerMixin:
         self._check_format(model, inputs)
         parent: Any = super()
         accepts = bool(getattr(self, "model_accepts_loss_kwargs", False))
-        if not steps or (self.fastpack_weighting == "token" and accepts):
+        # A tree batch has no labels (a shared token has several next tokens): its loss is
+        # packed_loss over its target map.
+        tree = is_tree_batch(inputs)
+        if not tree and (not steps or (self.fastpack_weighting == "token" and accepts)):
             if steps and num_items_in_batch is None:
                 num_items_in_batch = steps["num_items_in_batch"]
             return parent.compute_loss(model, inputs, return_outputs=return_outputs,

@@ -120,6 +120,12 @@ class PackedIterableDataset(torch.utils.data.IterableDataset):  # type: ignore[t
         if collator.backend == "padded":
             raise FastpackError("collator: backend='padded' does not pack; use a plain "
                                 "DataLoader with the collator as collate_fn")
+        if collator.share_prefix:
+            raise FastpackError(
+                "collator: share_prefix=True is not supported on a stream (its trees span "
+                "the whole window, and a window's plan is not a tree plan); use a "
+                "PackedDataset, or the collator as a DataLoader's collate_fn"
+            )
         if isinstance(source, (str, bytes, Mapping)) or not (
             hasattr(source, "__iter__") or callable(source)
         ):
@@ -465,7 +471,7 @@ class _Pass:
         assert tokens is not None
         return self.ds.collator.batch(
             rnd.plan, tokens, packs, labels=ragged("labels"),
-            loss_mask=ragged(self._mask_key(), mask=True),
+            loss_mask=ragged(self._mask_key(), mask=True), sample_ids=rnd.origins,
         )
 
     def state_dict(self) -> dict[str, Any]:

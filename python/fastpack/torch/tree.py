@@ -92,7 +92,7 @@ class TreeLayout:
         count = len(parents)
         #: Per segment: its ancestors' segments, from the root.
         self.ancestors: list[tuple[int, ...]] = []
-        for s, p in enumerate(parents):
+        for p in parents:
             self.ancestors.append(() if p < 0 else (*self.ancestors[p], p))
         #: Per segment: the row position where its subtree ends.
         self.ends = list(bounds[1:])
@@ -128,7 +128,7 @@ class TreeLayout:
         """int32 [T]: the subtree end of every token's segment."""
         key = ("ends", device)
         if key not in self._device:
-            lengths = np.diff(np.asarray(self.bounds, dtype=np.int64))
+            lengths = np.diff(np.asarray(self.bounds, dtype=np.int64)).astype(np.int64)
             ends = np.repeat(np.asarray(self.ends, dtype=np.int32), lengths)
             self._device[key] = torch.from_numpy(ends).to(device)
         value: torch.Tensor = self._device[key]
@@ -257,7 +257,8 @@ class _Cache:
 
     def put(self, parents: Any, key: Any, layout: TreeLayout) -> None:
         if isinstance(parents, torch.Tensor):
-            self._ref, self._key, self.layout = weakref.ref(parents), (key, parents._version), layout
+            self._ref, self._key = weakref.ref(parents), (key, parents._version)
+            self.layout = layout
 
 
 _LAYOUTS = _Cache()
