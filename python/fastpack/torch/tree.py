@@ -30,6 +30,7 @@ which :func:`per_sample` reads.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
@@ -312,23 +313,25 @@ def _tree_block_tables(
     return padded, kv_num, kv_idx, full_num, full_idx
 
 
+def _tree_mask(ends: torch.Tensor, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> torch.Tensor:
+    return (kv_idx <= q_idx) & (q_idx < ends[kv_idx])
+
+
+def _windowed_tree_mask(ends: torch.Tensor, positions: torch.Tensor, window: int, b: Any,
+                        h: Any, q_idx: Any, kv_idx: Any) -> torch.Tensor:
+    seen = (kv_idx <= q_idx) & (q_idx < ends[kv_idx])
+    return seen & (positions[q_idx] - positions[kv_idx] < window)
+
+
 def _tree_mask_mod(
     ends: torch.Tensor, positions: torch.Tensor | None, window: int | None
 ) -> Callable[..., torch.Tensor]:
+    # Partials of module functions, not closures: a batch's BlockMask pickles, so a
+    # DataLoader worker can send it.
     if window is not None:
         assert positions is not None
-        w = window
-
-        def windowed_tree_mask(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> torch.Tensor:
-            seen = (kv_idx <= q_idx) & (q_idx < ends[kv_idx])
-            return seen & (positions[q_idx] - positions[kv_idx] < w)
-
-        return windowed_tree_mask
-
-    def tree_mask(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> torch.Tensor:
-        return (kv_idx <= q_idx) & (q_idx < ends[kv_idx])
-
-    return tree_mask
+        return functools.partial(_windowed_tree_mask, ends, positions, window)
+    return functools.partial(_tree_mask, ends)
 
 
 def tree_block_mask(
