@@ -39,11 +39,9 @@ import numpy as np
 import torch
 
 from .._errors import FastpackError, FastpackTypeError
+from . import attention as _attention
 from .attention import (
     _FLEX_BLOCK_SIZE,
-    _compiled_flex_attention,
-    _flash_varlen_func,
-    _flex_unavailable_reason,
     _repeat_kv,
     _sdpa_has_enable_gqa,
     _signature_params,
@@ -393,7 +391,7 @@ def tree_batch(rows: Mapping[str, Any], *, return_num_items: bool = False) -> di
 def _flex_tree_unavailable(q: torch.Tensor) -> str | None:
     if q.device.type != "cuda":
         return f"it needs CUDA tensors, got device {q.device.type!r}"
-    return _flex_unavailable_reason()
+    return _attention._flex_unavailable_reason()
 
 
 def _flash_tree_unavailable(q: torch.Tensor) -> str | None:
@@ -401,13 +399,19 @@ def _flash_tree_unavailable(q: torch.Tensor) -> str | None:
         return f"it needs CUDA tensors, got device {q.device.type!r}"
     if q.dtype not in (torch.float16, torch.bfloat16):
         return f"it needs float16 or bfloat16 inputs, got {q.dtype}"
-    if _flash_varlen_func() is None:
+    if _attention._flash_varlen_func() is None:
         return "the flash-attn package is not installed (pip install flash-attn)"
     return None
 
 
+#: Why each CUDA kernel of a tree cannot run on inputs like ``q`` (None: it can).
+_TREE_REASONS: dict[str, Callable[[torch.Tensor], str | None]] = {
+    "flash": _flash_tree_unavailable, "flex": _flex_tree_unavailable,
+}
+
+
 def _tree_kernel(kernel: str, q: torch.Tensor) -> str:
-    reasons = {"flash": _flash_tree_unavailable, "flex": _flex_tree_unavailable}
+    reasons = _TREE_REASONS
     if kernel == "auto":
         for name in ("flash", "flex"):
             if reasons[name](q) is None:
@@ -510,7 +514,7 @@ def _tree_flash(
     tokens (the row as it is), key run ``s`` its path's keys then its own; flash-attn
     aligns a causal mask bottom-right when a key run is longer than its query run, so each
     query sees the path and its own past."""
-    fn = _flash_varlen_func()
+    fn = _attention._flash_varlen_func()
     assert fn is not None
     index, cu_k, longest_q, longest_k = layout.gathered(q.device)
     cu_q = torch.as_tensor(layout.bounds, dtype=torch.int32).to(q.device)
@@ -546,7 +550,7 @@ def _tree_flex(
     if softcap is not None:
         kwargs["score_mod"] = _softcap_score_mod(softcap)
     q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-    out: torch.Tensor = _compiled_flex_attention()(
+    out: torch.Tensor = _attention._compiled_flex_attention()(
         q4, k4, v4, block_mask=block_mask, scale=scale, **kwargs
     )
     return out[0].transpose(0, 1)

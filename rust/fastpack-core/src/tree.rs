@@ -30,7 +30,7 @@
 //! let chunk = ListChunk { offsets: Ints::I64(&[0, 5, 9, 11]), values };
 //! let tokens = Column::new("input_ids", vec![chunk], None).unwrap();
 //! let items = build(&tokens, Some(&[0, 0, 1]), &TreeOptions::new(16)).unwrap();
-//! assert_eq!(items.item_costs, [7, 2]); // 3 + 2 + 1 tokens instead of 5 + 4, then 2
+//! assert_eq!(items.item_costs, [6, 2]); // 3 + 2 + 1 tokens instead of 5 + 4, then 2
 //! assert_eq!(items.seqlens, [3, 2, 1, 2]);
 //! assert_eq!(items.parents, [-1, 0, 0, -1]);
 //! assert_eq!(items.starts, [0, 3, 3, 0]); // positions continue from the prefix
