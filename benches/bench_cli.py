@@ -6,6 +6,13 @@ workers). Writes benches/results/cli.md.
     python benches/bench_cli.py billion          # 10^9 lengths, planned in 10 shards
     python benches/bench_cli.py ray              # files -> shards, local vs Ray, 10^5..10^7
     python benches/bench_cli.py all
+    python benches/bench_cli.py compare BASELINE # `fastpack pack` of this tree vs another
+
+``compare`` runs the command of this tree and of BASELINE (a ``python/`` folder of another
+fastpack, e.g. ``git archive main python`` unpacked with this tree's built ``_core`` copied
+in) on the same corpora, alternately, in one run: local and ``--ray``, 10^5 and 10^6
+documents (``BENCH_SIZES=100000,1000000``, ``BENCH_PATHS=local,ray``), ``BENCH_REPEATS``
+runs each (3).
 """
 
 from __future__ import annotations
@@ -13,6 +20,8 @@ from __future__ import annotations
 import json
 import os
 import platform
+import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -69,7 +78,7 @@ def reset_peak() -> None:
 def _sharded_packs(lengths: np.ndarray, k: int, config: object) -> int:
     """Packs of the sharded plan (``sharded_plan`` without laying the plans end to end,
     which only costs memory here)."""
-    from fastpack._sharded import plan_shard, shard_of
+    from fastpack._offline.plan import plan_shard, shard_of
 
     shards = shard_of(np.arange(len(lengths), dtype=np.int64), k)
     order = np.argsort(shards, kind="stable")
@@ -82,12 +91,12 @@ def _sharded_packs(lengths: np.ndarray, k: int, config: object) -> int:
 
 
 def bench_sharded() -> list[str]:
-    from fastpack._sharded import PlanConfig
+    from fastpack._offline.plan import PlanConfig
 
     lines = ["## Sharded plans: extra packs over one global plan", "",
              "Each document goes to plan shard `hash(key) % K`; each shard is packed on its "
              "own (best-fit decreasing) and the plans are laid end to end "
-             "(`fastpack._sharded.sharded_plan`, what `--plan-shards K` and "
+             "(`fastpack._offline.plan.sharded_plan`, what `--plan-shards K` and "
              "`fastpack.ray.pack_dataset(plan_shards=K)` compute). Max len 4,096.", "",
              "| data | N | K | docs per shard | global packs | sharded packs | extra packs | "
              "extra / global | lower bound |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -115,7 +124,7 @@ def bench_sharded() -> list[str]:
 def bench_billion() -> list[str]:
     """10^9 lengths planned in 10 shards of 10^8, one at a time (what 10 workers do in
     parallel); lengths are generated per shard, outside the timing."""
-    from fastpack._sharded import PlanConfig, plan_shard
+    from fastpack._offline.plan import PlanConfig, plan_shard
 
     lines = ["## A plan over 10^9 lengths, in shards", "",
              "10 plan shards of 10^8 lengths each, planned one after another in one process "
@@ -178,7 +187,7 @@ workers = int(sys.argv[1])
 ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False,
          logging_level=logging.WARNING)
 ray.data.DataContext.get_current().enable_progress_bars = False
-from fastpack._offline import PackSettings
+from fastpack._offline.settings import PackSettings
 from fastpack.ray import pack_files
 settings = PackSettings(max_len=1024, shuffle=True, seed=0)
 start = time.perf_counter()
@@ -189,7 +198,8 @@ print(json.dumps({"seconds": time.perf_counter() - start, "phases": report["seco
 
 _LOCAL_RUN = """
 import json, sys, time
-from fastpack._offline import PackSettings, pack_corpus
+from fastpack._offline.driver import pack_corpus
+from fastpack._offline.settings import PackSettings
 settings = PackSettings(max_len=1024, shuffle=True, seed=0)
 start = time.perf_counter()
 report = pack_corpus([sys.argv[1]], sys.argv[2], settings, quiet=True, plot=False)
@@ -249,9 +259,78 @@ def bench_ray(sizes: tuple[int, ...] = (10**5, 10**6, 10**7)) -> list[str]:
     return lines
 
 
+def _command(pythonpath: str | None, args: list[str]) -> tuple[float, float, dict]:
+    """Wall and CPU seconds (user + system, every thread) of ``fastpack pack ARGS`` in a
+    fresh process (``pythonpath``: the fastpack it imports, None: this tree's), and its
+    report. CPU time hardly moves with what else the shared machine runs."""
+    env = dict(os.environ)
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "fastpack", "pack", *args, "-q", "--no-plot"],
+                   check=True, env=env, capture_output=True)
+    seconds = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+    report = json.loads((Path(args[args.index("-o") + 1]) / "report.json").read_text())
+    return seconds, cpu, report
+
+
+def bench_compare(baseline: str) -> list[str]:
+    sizes = [int(v) for v in os.environ.get("BENCH_SIZES", "100000,1000000").split(",")]
+    repeats = int(os.environ.get("BENCH_REPEATS", "3"))
+    paths = os.environ.get("BENCH_PATHS", "local,ray").split(",")
+    lines = ["## `fastpack pack`: this tree against a baseline", "",
+             f"The same corpora as above (`--max-len 1024`, shuffled), packed by this tree and "
+             f"by `{baseline}` in turn, {repeats} fresh processes each (medians); wall = the "
+             "whole process (start, imports, `ray.init`), passes = lengths + plan + gather "
+             "from report.json, CPU = user + system seconds of the command's process and its "
+             "threads (for Ray, not its workers'). Ray: a local cluster of all cores "
+             "(`--ray=local`). Every run's shards are checked byte-identical across the two "
+             "trees.", "",
+             "| documents | path | wall: baseline | this tree | ratio | passes: baseline | "
+             "this tree | ratio | CPU: baseline | this tree | ratio |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for n in sizes:
+        with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
+            root = Path(tmp)
+            (root / "in").mkdir()
+            _corpus(root / "in", n, max(2, n // 250_000))
+            for path, extra in (("local", []), ("Ray", ["--ray=local"])):
+                if path.lower() not in paths:
+                    continue
+                wall: dict[str, list[float]] = {"base": [], "this": []}
+                passes: dict[str, list[float]] = {"base": [], "this": []}
+                cpus: dict[str, list[float]] = {"base": [], "this": []}
+                for r in range(repeats):
+                    for tree in ("base", "this") if r % 2 == 0 else ("this", "base"):
+                        out = root / f"{tree}-{path}"
+                        shutil.rmtree(out, ignore_errors=True)
+                        seconds, cpu, report = _command(
+                            baseline if tree == "base" else None,
+                            [str(root / "in"), "-o", str(out), "--max-len", "1024", *extra])
+                        wall[tree].append(seconds)
+                        cpus[tree].append(cpu)
+                        passes[tree].append(sum(report["seconds"].values()))
+                    assert _same_shards(root / f"base-{path}", root / f"this-{path}")
+                w = {k: float(np.median(v)) for k, v in wall.items()}
+                p = {k: float(np.median(v)) for k, v in passes.items()}
+                c = {k: float(np.median(v)) for k, v in cpus.items()}
+                lines.append(f"| {n:.0e} | {path} | {w['base']:.2f} s | {w['this']:.2f} s | "
+                             f"{w['this'] / w['base']:.3f} | {p['base']:.2f} s | "
+                             f"{p['this']:.2f} s | {p['this'] / p['base']:.3f} | "
+                             f"{c['base']:.2f} s | {c['this']:.2f} s | "
+                             f"{c['this'] / c['base']:.3f} |")
+                print(lines[-1], flush=True)
+    return lines
+
+
 def main() -> None:
     what = sys.argv[1] if len(sys.argv) > 1 else "all"
     sections = {"sharded": bench_sharded, "billion": bench_billion, "ray": bench_ray}
+    if what == "compare":
+        sections = {"compare": lambda: bench_compare(sys.argv[2])}
     chosen = list(sections) if what == "all" else [what]
     path = RESULTS / "cli.md"
     existing = path.read_text() if path.exists() else ""

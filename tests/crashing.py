@@ -24,11 +24,11 @@ def crash_after(shards: int, *args: str, timeout: float = 300,
 def _run(shards: int, args: list[str]) -> None:
     import pyarrow.parquet as pq
 
-    from fastpack import _offline
+    from fastpack._offline import outdir
     from fastpack.cli import main
 
     done = 0
-    record = _offline.OutputDir.record
+    record = outdir.OutputDir.record
 
     def counting_record(self: Any, shard: int, entry: dict[str, Any]) -> None:
         nonlocal done
@@ -43,7 +43,7 @@ def _run(shards: int, args: list[str]) -> None:
             sys.stderr.flush()
             os.kill(os.getpid(), signal.SIGKILL)
 
-    _offline.OutputDir.record = counting_record  # type: ignore[method-assign]
+    outdir.OutputDir.record = counting_record  # type: ignore[method-assign]
     pq.ParquetWriter.write_batch = dying_write_batch  # type: ignore[method-assign]
     main(args)
 

@@ -23,8 +23,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import fastpack
-from fastpack._offline import PackSettings, pack_corpus
-from fastpack._sharded import file_keys, sharded_plan
+from fastpack._offline.driver import pack_corpus
+from fastpack._offline.plan import file_keys, sharded_plan
+from fastpack._offline.settings import PackSettings
 from fastpack.cli import main
 
 # The base install (CI runs these tests in a venv of the wheel alone) has neither datasets
@@ -267,8 +268,8 @@ def test_resume_rewrites_a_shard_that_no_longer_matches_its_checksum(tmp_path):
     (out_dir / "manifest.json").unlink()
     state = out_dir / ".fastpack"
     state.mkdir()
-    from fastpack._offline import OutputDir
-    from fastpack._sources import expand_inputs
+    from fastpack._offline.outdir import OutputDir
+    from fastpack._offline.sources import expand_inputs
 
     run = OutputDir(out_dir, s, expand_inputs(paths), True)
     run.write_json(state / "state.json", run.state())
@@ -468,7 +469,7 @@ def test_sharded_plan_is_the_shards_plans_laid_end_to_end():
     config = PackSettings(max_len=512, overlong="split", shuffle=True).plan_config
     keys = np.arange(len(lengths), dtype=np.int64) * 3 + 11
     plan, counts = sharded_plan(lengths, 4, config, keys=keys)
-    from fastpack._sharded import plan_shard, shard_of
+    from fastpack._offline.plan import plan_shard, shard_of
 
     shard = shard_of(keys, 4)
     assert sorted(np.bincount(shard)) == sorted(np.bincount(shard, minlength=4))
@@ -687,12 +688,12 @@ def test_without_matplotlib_the_picture_is_skipped_or_refused_before_work(tmp_pa
 
 @needs_matplotlib
 def test_a_picture_that_fails_never_costs_the_manifest(tmp_path, monkeypatch):
-    import fastpack._stats
+    import fastpack._offline.stats
 
     def broken(*_args, **_kwargs):
         raise RuntimeError("no fonts")
 
-    monkeypatch.setattr(fastpack._stats, "plot_report", broken)
+    monkeypatch.setattr(fastpack._offline.stats, "plot_report", broken)
     paths, docs = corpus(tmp_path, [[5, 9, 30]], ["a.parquet"])
     report = pack_corpus(paths, tmp_path / "out", PackSettings(max_len=32), quiet=True)
     assert report["picture"] == "report.png not written: RuntimeError: no fonts"
@@ -735,7 +736,7 @@ def test_plan_shards_take_any_seed(tmp_path, seed):
 
 
 def test_shard_seeds_are_unchanged_where_the_old_mixing_did_not_overflow():
-    from fastpack._sharded import mix64, shard_seed
+    from fastpack._offline.plan import mix64, shard_seed
 
     for seed, shard in [(0, 0), (9, 3), (2**40, 7)]:
         old = int(mix64(np.array([seed * 1_000_003 + shard], dtype=np.uint64))[0]

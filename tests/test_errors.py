@@ -124,6 +124,25 @@ PACK = [
         r"^group_tokens: got 2147483648"),
     Row("group_tokens-str", _pack([1, 2], 100, group_tokens="4096"), T,
         r"^group_tokens: expected an integer, got str"),
+    # The options object (fastpack.PackOptions) and the keywords that stand for it.
+    Row("option-misspelt", _pack(stratgy="ffd"), T,
+        r"^stratgy: not an option of pack\(\); did you mean 'strategy'\? it takes lengths, "
+        r"max_len, options, threads, strategy"),
+    Row("max_len-missing", lambda: fastpack.pack([3, 5]), T,
+        r"^max_len: missing \(the tokens per pack\); pass it, or options="),
+    Row("options-not-PackOptions", lambda: fastpack.pack([3, 5], options={"max_len": 8}), T,
+        r"^options: expected a fastpack\.PackOptions, got dict"),
+    Row("options-and-keyword-disagree",
+        lambda: fastpack.pack([3, 5], options=fastpack.PackOptions(8, strategy="ffd"),
+                              strategy="bfd"), E,
+        r"^strategy: got strategy='bfd' and options with strategy='ffd'; pass it once"),
+    Row("PackOptions-reserve", lambda: fastpack.PackOptions(8, reserve=8), E,
+        r"^reserve: got 8; expected an integer in 0\.\.=7: fewer tokens than max_len \(8\)"),
+    Row("PackOptions-replace-misspelt", lambda: fastpack.PackOptions(8).replace(sede=1), T,
+        r"^sede: not an option of PackOptions\(\); did you mean 'seed'\?"),
+    Row("stream-group_tokens", lambda: fastpack.StreamPacker(8, group_tokens=16), E,
+        r"^group_tokens: got 16; groups of packs need the whole plan, and a stream is packed "
+        r"a window at a time"),
 ]
 
 def _plan_of(**change: Any) -> Callable[[], Any]:
@@ -415,6 +434,11 @@ def _torch_rows() -> list[Row]:
         Row("collator-return_num_items", collator(return_num_items=None), T,
             r"^return_num_items: expected a bool"),
         Row("collator-threads", collator(threads=0), E, r"^threads: got 0"),
+        Row("collator-plan-option", collator(group_tokens=64), E,
+            r"^group_tokens: got 64; orders, buckets or groups the packs of a whole plan, not "
+            r"of one batch; pass it to PackedDataset"),
+        Row("collator-reserve-without-separator", collator(reserve=1), E,
+            r"^reserve: got 1 reserved slots but no separator_id to write into them"),
         Row("format-backend", lambda: BatchFormat(backend="xformers"), E, r"^backend: unknown"),
         # PackedCollator.__call__: the batch itself.
         Row("batch-empty", collate(), E, r"^features: got an empty batch"),
@@ -453,6 +477,15 @@ def _torch_rows() -> list[Row]:
         Row("dataset-plan-not-a-plan", dataset(plan=[0, 1]), T, r"^plan: "),
         Row("dataset-plan-of-other-data", dataset(plan=fastpack.pack([1, 2, 3], 8)), E,
             r"^plan: "),
+        Row("dataset-strategy-not-the-collators", dataset(strategy="ffd"), E,
+            r"^strategy: got 'ffd', but the collator plans with 'bfd'; set it once, on the "
+            r"collator \(PackedCollator\(\.\.\., strategy='ffd'\)\), and leave it out here"),
+        Row("dataset-plan-other-max_len", dataset(plan=fastpack.pack([3, 2], 16)), E,
+            r"^max_len: got 8, but the given plan was made with 16; pass max_len=8 when "
+            r"planning"),
+        Row("dataset-plan-other-group_tokens",
+            dataset(plan=fastpack.pack([3, 2], 8, group_tokens=16), group_tokens=32), E,
+            r"^group_tokens: got 32, but the given plan was made with 16"),
         Row("first_item-two", lambda: first_item([1, 2]), E,
             r"^first_item: got 2 items; a PackedDataset item is a whole batch"),
         # varlen_attention.
@@ -547,6 +580,18 @@ def _tree_rows() -> list[Row]:
 
     batch = PackedCollator(16, backend="flash", share_prefix=True)(
         [{"input_ids": r, "group": 0} for r in rows])
+    try:
+        import datasets
+
+        from fastpack.hf import pack_dataset
+
+        hf_rows = [Row("share-prefix-not-for-pack-dataset",
+                       lambda: pack_dataset(datasets.Dataset.from_dict({"input_ids": rows}), 8,
+                                            share_prefix=True), E,
+                       r"^share_prefix: got True; its rows are packs of whole sequences, which "
+                       r"cannot hold trees")]
+    except ImportError:
+        hf_rows = []
     logits = torch.zeros(1, batch["input_ids"].shape[1], 8)
     q = torch.zeros(5, 2, 4)
     layout = check_tree(batch["tree_cu_seqlens"], batch["tree_parents"], 5)
@@ -561,17 +606,25 @@ def _tree_rows() -> list[Row]:
         Row("share-prefix-not-bool", tree_collator(backend="flash", share_prefix=1), T,
             r"^share_prefix: expected a bool, got int 1"),
         Row("share-prefix-separator", tree_collator(backend="flash", separator_id=2), E,
-            r"^separator_id: 2 does not apply with share_prefix=True"),
+            r"^share_prefix: True does not take reserve=1 \(slots after every sample, as a "
+            r"separator_id reserves: a tree's samples end inside it; put the separator in the "
+            r"samples' tokens\)"),
         Row("share-prefix-numpy", tree_collator(backend="flash", return_tensors="np"), E,
             r"^return_tensors: 'np' does not apply with share_prefix=True .* expected 'pt'"),
         Row("share-prefix-seq-idx", tree_collator(backend="flash", return_seq_idx=True), E,
             r"^return_seq_idx: True does not apply with share_prefix=True"),
         Row("share-prefix-split", tree_collator(backend="flash", overlong="split"), E,
-            r"^overlong: 'split' does not apply with share_prefix=True \(a piece of a sample "
-            r"could not attend to the pieces before it\); expected one of 'error', 'truncate', "
-            r"'drop'"),
+            r"^share_prefix: True does not take overlong='split' \(a piece of a sample could "
+            r"not attend to the pieces before it; use 'error', 'truncate' or 'drop'\)"),
         Row("share-prefix-wrapped", tree_collator(backend="flex", strategy="wrapped"), E,
-            r"^strategy: 'wrapped' cuts through trees"),
+            r"^share_prefix: True does not take strategy='wrapped' \(it cuts every max_len "
+            r"tokens, through trees"),
+        Row("share-prefix-not-for-pack", lambda: fastpack.pack([3, 2], 8, share_prefix=True),
+            E, r"^share_prefix: got True; trees are found from the samples' tokens, and pack\(\) "
+               r"plans lengths; use fastpack\.pack_trees"),
+        Row("share-prefix-collator-plan",
+            lambda: PackedCollator(8, backend="flash", share_prefix=True).plan([3, 2]), E,
+            r"^share_prefix: True plans the samples' tokens, not their lengths"),
         Row("share-prefix-group-on-some", tree_collate({"input_ids": [1, 2], "group": 0},
                                                        {"input_ids": [1, 3]}), E,
             r"^features: sample 1 has no 'group' \(1 of 2 samples lack it\)"),
@@ -601,9 +654,9 @@ def _tree_rows() -> list[Row]:
         Row("trees-groups-count", lambda: fastpack.pack_trees(rows, 8, groups=[0]), E,
             r"^groups: got 1 values for 2 samples; expected one per sample"),
         Row("trees-wrapped", lambda: fastpack.pack_trees(rows, 8, strategy="wrapped"), E,
-            r"^strategy: 'wrapped' cuts every max_len tokens, through trees"),
+            r"^share_prefix: True does not take strategy='wrapped'"),
         Row("trees-split", lambda: fastpack.pack_trees(rows, 8, overlong="split"), E,
-            r"^overlong: unknown value 'split'; expected one of 'error', 'truncate', 'drop'"),
+            r"^share_prefix: True does not take overlong='split'"),
         Row("trees-materialize", lambda: fastpack.materialize(tree_plan, rows), E,
             r"^plan: a plan of shared-prefix trees has no per-token labels"),
         Row("trees-gather", lambda: fastpack.gather(tree_plan, {}), E,
@@ -621,15 +674,15 @@ def _tree_rows() -> list[Row]:
         Row("dataset-trees-long-max-len",
             lambda: PackedDataset(rows, PackedCollator(8, backend="flash", share_prefix=True),
                                   long_max_len=16), E,
-            r"^long_max_len: does not apply with share_prefix=True"),
+            r"^share_prefix: True does not take long_max_len=16 \(a tree larger than max_len "
+            r"is split, its prefix repeated; raise max_len instead\)"),
         Row("dataset-tree-plan-plain-collator",
             lambda: PackedDataset(rows, PackedCollator(8), plan=tree_plan), E,
-            r"^plan: a plan of shared-prefix trees \(fastpack\.pack_trees\) goes with a "
-            r"collator made with share_prefix=True"),
+            r"^share_prefix: got False, but the given plan was made with True"),
         Row("stream-share-prefix",
             lambda: PackedIterableDataset(
                 [{"input_ids": [1, 2]}], PackedCollator(8, backend="flash", share_prefix=True)),
-            E, r"^collator: share_prefix=True is not supported on a stream"),
+            E, r"^share_prefix: got True; a stream is packed a window at a time"),
         Row("per-sample-no-samples", lambda: per_sample(logits, {"input_ids": batch["input_ids"]}),
             E, r"^batch: no 'sample_tokens'; per_sample and token_logprobs read the samples"),
         Row("per-sample-shape", lambda: per_sample(torch.zeros(3, 2), batch), E,
@@ -659,6 +712,7 @@ def _tree_rows() -> list[Row]:
                r"parent 0\)"),
         Row("tree-positions-jump", lambda: check_tree([0, 4], [-1], 4, [0, 1, 3, 4]), E,
             r"^position_ids: position 3 at row position 2 does not follow 1 inside its segment"),
+        *hf_rows,
     ]
 
 

@@ -242,7 +242,7 @@ def test_separators_go_to_the_token_column_and_fills_fit_their_types() -> None:
     assert pack_dataset(ds, 8, strategy="next_fit")["labels"] == [[5, 6, 7]]
     with pytest.raises(FastpackError, match="fill: -100 for column 'labels'"):
         pack_dataset(ds, 8, reserve=1, separator_id=2)
-    with pytest.raises(FastpackError, match="separator_id: reserve=1"):
+    with pytest.raises(FastpackError, match="reserve: got 1 reserved slots but no separator_id"):
         pack_dataset(ds, 8, reserve=1)
 
 

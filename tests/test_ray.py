@@ -17,7 +17,8 @@ from click.testing import CliRunner  # noqa: E402
 from corpus import check_output, corpus, documents, shard_bytes  # noqa: E402
 from crashing import crash_after  # noqa: E402
 
-from fastpack._offline import PackSettings, pack_corpus  # noqa: E402
+from fastpack._offline.driver import pack_corpus  # noqa: E402
+from fastpack._offline.settings import PackSettings  # noqa: E402
 from fastpack.cli import main  # noqa: E402
 
 

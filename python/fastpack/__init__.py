@@ -16,6 +16,7 @@ from ._errors import FastpackError, FastpackTypeError
 from ._examples import example_lengths
 from ._gather import gather
 from ._materialize import IGNORE_INDEX, Ragged, as_ragged, loss_mask_from_spans, materialize
+from ._options import PackOptions
 from ._plan import OVERLONG_POLICIES, STRATEGIES, Bucket, Plan, pack
 from ._stream import StreamPacker, StreamStats
 from ._tree import pack_trees, tree_rows
@@ -46,6 +47,7 @@ __all__ = [
     "FastpackError",
     "FastpackTypeError",
     "IGNORE_INDEX",
+    "PackOptions",
     "Plan",
     "Ragged",
     "StreamPacker",

@@ -10,8 +10,9 @@ import numpy as np
 
 from . import _core
 from ._arrow import list_columns
+from ._checks import _int_arg, _threads
 from ._errors import FastpackError, FastpackTypeError
-from ._plan import PackIndex, Plan, _int_arg
+from ._plan import PackIndex, Plan
 
 __all__ = ["DEFAULT_BATCH_TOKENS", "Batches", "gather", "prepare"]
 
@@ -25,12 +26,6 @@ IGNORE_INDEX = -100
 #: What a plan's reserved slots (separators) hold in the usual columns, unless `fill`
 #: says otherwise; any other column gets 0.
 DEFAULT_FILLS: dict[str, int] = {"labels": IGNORE_INDEX, "attention_mask": 1}
-
-
-def _packs(plan: Plan, packs: PackIndex | None) -> np.ndarray:
-    if packs is None:
-        return np.arange(plan.num_packs, dtype=np.int64)
-    return plan._packs(packs)
 
 
 def fill_bytes(name: str, value: Any, dtype: np.dtype, type_name: Any = None) -> bytes:
@@ -166,8 +161,7 @@ def prepare(
     import pyarrow as pa
 
     batch_tokens = _int_arg("batch_tokens", batch_tokens, minimum=1, maximum=_MAX_BATCH_TOKENS)
-    if threads is not None:
-        threads = _int_arg("threads", threads, minimum=1, maximum=4096)
+    threads = _threads(threads)
     names = [h.name for h in handles]
     taken = {"seq_lengths"} | ({"position_ids"} if position_ids else set())
     clash = [n for n in names if n in taken]
@@ -192,7 +186,7 @@ def prepare(
         _fill_bytes(n, fills.get(n, DEFAULT_FILLS.get(n, 0)), t) if plan.reserve else b""
         for n, t in zip(names, types)
     ]
-    chosen = _packs(plan, packs)
+    chosen = plan._packs(packs)
     pack_tokens = _core.pack_tokens(plan.seqlens, plan.pack_offsets, chosen)
     out_types = [_output_type(t) for t in types]
     schema = pa.schema(

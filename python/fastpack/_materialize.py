@@ -17,8 +17,9 @@ import numpy as np
 
 from . import _core
 from ._arrow import _aligned, dataset_parts, list_column
+from ._checks import _bool_arg, _choice, _int_arg, _threads
 from ._errors import FastpackError, FastpackTypeError
-from ._plan import PackIndex, Plan, _bool_arg, _choice, _int_arg, _threads, as_lengths
+from ._plan import PackIndex, Plan, as_lengths
 
 __all__ = ["IGNORE_INDEX", "Ragged", "as_ragged", "loss_mask_from_spans", "materialize"]
 
@@ -498,12 +499,6 @@ def loss_mask_from_spans(lengths: Any, spans: Sequence[Sequence[tuple[int, int]]
     return Ragged(values, offsets, mask=True)
 
 
-def _packs(plan: Plan, packs: PackIndex | None) -> np.ndarray:
-    if packs is None:
-        return np.arange(plan.num_packs, dtype=np.int64)
-    return plan._packs(packs)
-
-
 def materialize(
     plan: Plan,
     tokens: TokenData,
@@ -582,7 +577,7 @@ def materialize(
     mask_data = _side(loss_mask, dataset, mask=True, name="loss_mask")
     out: dict[str, Any] = _core.materialize(
         plan.sample_ids, plan.starts, plan.seqlens, plan.pack_offsets, plan.reserve,
-        plan.strategy, plan.overlong, _packs(plan, packs), token_data.column,
+        plan.strategy, plan.overlong, plan._packs(packs), token_data.column,
         None if label_data is None else label_data.column,
         None if mask_data is None else mask_data.column,
         separator_id, bool(train_separators), layout, pad_to, multiple, int(pad_id), threads,
@@ -594,6 +589,8 @@ def materialize(
 
 
 def _is_dataset(obj: Any) -> bool:
+    """A ``datasets.Dataset`` (or one of its dict-like kin), known without importing
+    ``datasets``: the one test of it (``materialize``, ``PackedDataset``)."""
     return type(obj).__module__.startswith("datasets") and hasattr(obj, "column_names")
 
 

@@ -4,21 +4,24 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Union
 
 import numpy as np
 
 from . import _core
+from ._checks import _int_arg, _threads
 from ._errors import FastpackError, FastpackTypeError
+from ._options import OVERLONG_POLICIES, STRATEGIES, PackArgs, PackOptions, resolve
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["OVERLONG_POLICIES", "STRATEGIES", "Bucket", "Plan", "pack"]
 
-STRATEGIES = ("bfd", "ffd", "next_fit", "wrapped")
 # Below this many sequences one thread (the calling one) is as fast as two and skips
 # waking the pool (medians, 2 cores: 3*10^4 SFT-like lengths 0.31 ms on 1 thread, 0.64 ms
 # on 2; from about 10^5 both distributions gain from 2 threads: 3*10^5 2.2 vs 1.9 ms).
 _SMALL_INPUT = 1 << 17
-OVERLONG_POLICIES = ("error", "truncate", "split", "drop")
 
 # Dtypes the core reads in place; anything else integral is converted once to int64.
 _NATIVE_DTYPES = frozenset(
@@ -27,48 +30,6 @@ _NATIVE_DTYPES = frozenset(
 )
 
 PackIndex = Union[int, slice, range, Sequence[int], np.ndarray]
-
-# A group flattens into one varlen row whose cu_seqlens are int32.
-GROUP_TOKENS_LIMIT = 2**31 - 1
-# The fit strategies keep an index over every capacity 0..=max_len (the core's limit).
-MAX_LEN_LIMIT = 2**24
-
-
-def _int_arg(
-    name: str, value: Any, *, minimum: int, maximum: int | None = None, why: str = ""
-) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise FastpackTypeError(
-            f"{name}: expected an integer, got {type(value).__name__} {value!r}"
-        )
-    value = int(value)
-    if value < minimum or (maximum is not None and value > maximum):
-        accepted = f">= {minimum}" if maximum is None else f"in {minimum}..={maximum}"
-        raise FastpackError(f"{name}: got {value}; expected an integer {accepted}{why}")
-    return value
-
-
-def _threads(threads: Any) -> int | None:
-    return None if threads is None else _int_arg("threads", threads, minimum=1, maximum=4096)
-
-
-def _bool_arg(name: str, value: Any) -> bool:
-    if not isinstance(value, (bool, np.bool_)):
-        raise FastpackTypeError(f"{name}: expected a bool, got {type(value).__name__} {value!r}")
-    return bool(value)
-
-
-def _choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
-    if not isinstance(value, str):
-        raise FastpackTypeError(
-            f"{name}: expected one of {', '.join(map(repr, choices))}, got "
-            f"{type(value).__name__} {value!r}"
-        )
-    if value not in choices:
-        raise FastpackError(
-            f"{name}: unknown value {value!r}; expected one of {', '.join(map(repr, choices))}"
-        )
-    return value
 
 
 # What a user who passed token rows instead of their lengths is told.
@@ -347,7 +308,7 @@ class Plan:
         "group_efficiency", "parents", "path_sample_ids", "path_ends", "sample_tokens",
     )
 
-    __slots__ = (*_FIELDS, *_OPTIONAL, "buckets", "_pack_caps")
+    __slots__ = (*_FIELDS, *_OPTIONAL, "buckets", "_pack_caps", "_options", "_order")
 
     sample_ids: np.ndarray
     starts: np.ndarray
@@ -389,18 +350,27 @@ class Plan:
     sample_tokens: int | None
     buckets: tuple[Bucket, ...]
     _pack_caps: np.ndarray | None
+    _options: PackOptions | None
+    #: ``(shuffle, seed)`` of a plan assembled from its fields.
+    _order: tuple[bool, int]
 
     def __init__(self, fields: dict[str, Any]) -> None:
         """A plan from its fields (the arrays and counts above). Every metric is computed
         by the core from the arrays, after checking them (see ``_with_metrics``); metrics
         in ``fields`` are not read."""
-        self._set(_with_metrics(fields))
+        fields = _with_metrics(fields)
+        self._set(fields)
+        self._options = None
+        self._order = (bool(fields.get("shuffle", False)), int(fields.get("seed", 0)))
 
     @classmethod
-    def _from_core(cls, fields: dict[str, Any]) -> Plan:
-        """The plan the core made: its arrays and metrics are taken as they are."""
+    def _from_core(cls, fields: dict[str, Any], options: PackOptions | None = None) -> Plan:
+        """The plan the core made (with ``options``): its arrays and metrics are taken as
+        they are."""
         plan = cls.__new__(cls)
         plan._set(fields)
+        plan._options = options
+        plan._order = (False, 0) if options is None else (options.shuffle, options.seed)
         return plan
 
     def _set(self, fields: dict[str, Any]) -> None:
@@ -416,6 +386,23 @@ class Plan:
         self.buckets = tuple(
             Bucket(name=names[i], **b) for i, b in enumerate(fields.get("buckets", ()))
         )
+
+    @property
+    def options(self) -> PackOptions:
+        """The :class:`fastpack.PackOptions` the plan was made with; two plans made with
+        equal options (on any number of threads) from equal lengths are equal. A plan
+        assembled from its arrays (``Plan(fields)``) has the options its fields record;
+        its ``shuffle`` and ``seed`` are ``fields["shuffle"]``/``fields["seed"]`` when
+        given, else ``False`` and 0 (its packs are in the order given)."""
+        if self._options is None:
+            shuffle, seed = self._order
+            self._options = PackOptions(
+                self.max_len, strategy=self.strategy, overlong=self.overlong,
+                reserve=self.reserve, shuffle=shuffle, seed=seed,
+                long_max_len=self.long_max_len, group_tokens=self.group_tokens,
+                share_prefix=self.parents is not None,
+            )
+        return self._options
 
     @property
     def num_packs(self) -> int:
@@ -468,8 +455,12 @@ class Plan:
         cumulative = np.concatenate(([0], np.cumsum(self.seqlens, dtype=np.int64)))
         return np.diff(cumulative[self.pack_offsets])
 
-    def _packs(self, packs: PackIndex) -> np.ndarray:
+    def _packs(self, packs: PackIndex | None) -> np.ndarray:
+        """Pack indices as int64 (``None``: every pack, in plan order): the one reading of
+        a ``packs`` argument (``cu_seqlens``, ``materialize``, ``gather``)."""
         n = self.num_packs
+        if packs is None:
+            return np.arange(n, dtype=np.int64)
         if isinstance(packs, (bool, np.bool_)):
             raise FastpackTypeError("packs: expected an int, slice, range or array of ints")
         if isinstance(packs, (int, np.integer)):
@@ -568,18 +559,20 @@ class Plan:
         )
 
 
+#: The options :func:`pack` cannot honour (it plans lengths).
+PACK_REFUSES = {
+    "share_prefix": "trees are found from the samples' tokens, and pack() plans lengths; "
+                    "use fastpack.pack_trees(tokens, ...)",
+}
+
+
 def pack(
     lengths: Any,
-    max_len: int,
+    max_len: int | None = None,
     *,
-    strategy: str = "bfd",
-    overlong: str = "error",
-    reserve: int = 0,
-    shuffle: bool = True,
-    seed: int = 0,
+    options: PackOptions | None = None,
     threads: int | None = None,
-    long_max_len: int | None = None,
-    group_tokens: int | None = None,
+    **kwargs: Unpack[PackArgs],
 ) -> Plan:
     """Pack sequences of the given token ``lengths`` into packs of at most ``max_len``.
 
@@ -590,60 +583,46 @@ def pack(
             float16/bfloat16 ones, which cannot hold every length, are refused). Whole-number
             floats are accepted. Token rows instead of lengths are refused, saying so.
         max_len: tokens per pack.
-        strategy: ``"bfd"`` best-fit decreasing (fewest packs), ``"ffd"`` first-fit
-            decreasing, ``"next_fit"`` (keeps input order), ``"wrapped"`` (concatenate and
-            cut every ``max_len`` tokens; ``overlong`` does not apply).
-        overlong: what to do with a sequence longer than ``max_len - reserve``:
-            ``"error"`` (raise, giving how many and the first index), ``"truncate"``,
-            ``"split"`` into pieces each packed on its own, or ``"drop"``. Every dropped
-            or truncated token is counted in the plan.
-        reserve: tokens to reserve after every sequence (say an EOS inserted later), so no
-            pack overflows once they are added. ``seqlens`` include them.
-        shuffle: shuffle the pack order (default; the same order for the same ``seed``).
-            ``shuffle=False`` keeps the packs as placed: roughly sorted by size for
-            ``"bfd"``/``"ffd"`` (which hurts training), in input order for the others.
-        seed: the shuffle's seed (0 to 2**64 - 1).
+        options: a :class:`fastpack.PackOptions`, instead of (or agreeing with) ``max_len``
+            and the keywords.
         threads: worker threads (default: ``RAYON_NUM_THREADS`` or all cores; one for
             fewer than 2^17 lengths). ``threads=1`` runs on the calling thread. The plan
             does not depend on it.
-        long_max_len: a second, long bucket: sequences longer than ``max_len - reserve``
-            are packed separately into packs of ``long_max_len`` (``overlong`` then applies
-            against ``long_max_len``), so no pack mixes short and long sequences. See
-            ``Plan.pack_caps`` and ``Plan.buckets``.
-        group_tokens: two-level packing: bin-pack the packs, by their tokens, into groups of
-            at most ``group_tokens`` (at least the largest pack cap), so every group (a step
-            or micro-batch) carries nearly the same number of tokens. See
-            ``Plan.group_offsets``, ``Plan.group_fills`` and ``Plan.group_cu_seqlens``.
+        **kwargs: the other packing options, as keywords (see :class:`fastpack.PackOptions`):
+
+            - ``strategy``: ``"bfd"`` best-fit decreasing (fewest packs), ``"ffd"``
+              first-fit decreasing, ``"next_fit"`` (keeps input order), ``"wrapped"``
+              (concatenate and cut every ``max_len`` tokens; ``overlong`` does not apply).
+            - ``overlong``: what to do with a sequence longer than ``max_len - reserve``:
+              ``"error"`` (raise, giving how many and the first index), ``"truncate"``,
+              ``"split"`` into pieces each packed on its own, or ``"drop"``. Every dropped
+              or truncated token is counted in the plan.
+            - ``reserve``: tokens to reserve after every sequence (say an EOS inserted
+              later), so no pack overflows once they are added. ``seqlens`` include them.
+            - ``shuffle``: shuffle the pack order (default; the same order for the same
+              ``seed``). ``shuffle=False`` keeps the packs as placed: roughly sorted by
+              size for ``"bfd"``/``"ffd"`` (which hurts training), in input order for the
+              others.
+            - ``seed``: the shuffle's seed (0 to 2**64 - 1).
+            - ``long_max_len``: a second, long bucket: sequences longer than ``max_len -
+              reserve`` are packed separately into packs of ``long_max_len`` (``overlong``
+              then applies against ``long_max_len``), so no pack mixes short and long
+              sequences. See ``Plan.pack_caps`` and ``Plan.buckets``.
+            - ``group_tokens``: two-level packing: bin-pack the packs, by their tokens, into
+              groups of at most ``group_tokens`` (at least the largest pack cap), so every
+              group (a step or micro-batch) carries nearly the same number of tokens. See
+              ``Plan.group_offsets``, ``Plan.group_fills`` and ``Plan.group_cu_seqlens``.
 
     Sequences of length 0 are skipped and counted in ``empty_sequences``.
     """
     array = as_lengths(lengths)
-    max_len = _int_arg("max_len", max_len, minimum=1, maximum=MAX_LEN_LIMIT)
-    strategy = _choice("strategy", strategy, STRATEGIES)
-    overlong = _choice("overlong", overlong, OVERLONG_POLICIES)
-    reserve = _int_arg(
-        "reserve", reserve, minimum=0, maximum=max_len - 1,
-        why=f": fewer tokens than max_len ({max_len}) so that a sequence fits",
-    )
-    seed = _int_arg("seed", seed, minimum=0, maximum=2**64 - 1)
+    opts = resolve(pack, options, max_len, kwargs, refuse=PACK_REFUSES)
     threads = _threads(threads)
-    shuffle = _bool_arg("shuffle", shuffle)
-    if long_max_len is not None:
-        long_max_len = _int_arg(
-            "long_max_len", long_max_len, minimum=max_len + 1, maximum=MAX_LEN_LIMIT,
-            why=f", above max_len ({max_len})",
-        )
-    if group_tokens is not None:
-        cap_name, cap = ("long_max_len", long_max_len) if long_max_len else ("max_len", max_len)
-        group_tokens = _int_arg(
-            "group_tokens", group_tokens, minimum=cap, maximum=GROUP_TOKENS_LIMIT,
-            why=f": at least {cap_name} ({cap}) so every pack fits a group, and int32 "
-            "cu_seqlens",
-        )
     if threads is None and len(array) < _SMALL_INPUT:
         threads = 1  # waking a pool costs more than it saves here; the plan is the same
     fields = _core.pack(
-        array, max_len, strategy, overlong, reserve, seed if shuffle else None, threads,
-        None, long_max_len, group_tokens,
+        array, opts.max_len, opts.strategy, opts.overlong, opts.reserve,
+        opts.seed if opts.shuffle else None, threads, None, opts.long_max_len,
+        opts.group_tokens,
     )
-    return Plan._from_core(fields)
+    return Plan._from_core(fields, opts)

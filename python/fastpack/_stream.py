@@ -24,14 +24,19 @@ import functools
 import logging
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from . import _core
+from ._checks import _int_arg, _threads
 from ._errors import FastpackError, FastpackTypeError
 from ._gather import DEFAULT_FILLS, fill_bytes
-from ._plan import OVERLONG_POLICIES, STRATEGIES, Plan, _choice, _int_arg, pack
+from ._options import PackArgs, PackOptions, WithOptions, resolve, with_separator
+from ._plan import Plan, pack
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["Gathered", "Round", "StreamPacker", "StreamStats", "pack_iterable_dataset"]
 
@@ -45,6 +50,8 @@ CARRY_SHARE = 0.5
 #: A sample is carried at most this many times; then its pack is emitted as it is, so no
 #: sample waits more than about ``MAX_CARRIES * buffer_size`` samples.
 MAX_CARRIES = 8
+#: Samples per window unless ``buffer_size`` says otherwise.
+DEFAULT_BUFFER_SIZE = 10_000
 #: The state format; bumped when it changes.
 STATE_VERSION = 1
 
@@ -52,6 +59,16 @@ STATE_VERSION = 1
 Column = tuple[np.ndarray, np.ndarray]
 
 _ORDERED = ("next_fit", "wrapped")
+
+#: The packing options a stream cannot honour, and why (see ``_options.resolve``).
+STREAM_REFUSES = {
+    "group_tokens": "groups of packs need the whole plan, and a stream is packed a window "
+                    "at a time; plan the whole dataset (fastpack.pack, a datasets.Dataset) "
+                    "for groups, or use None",
+    "share_prefix": "a stream is packed a window at a time, as rows of whole sequences; "
+                    "plan the whole dataset (a PackedDataset) for trees, or use the "
+                    "collator as a DataLoader's collate_fn",
+}
 
 
 @dataclass
@@ -209,7 +226,7 @@ class Gathered:
 LENGTH_COLUMN = "input_ids"
 
 
-class StreamPacker:
+class StreamPacker(WithOptions):
     """Packs a stream a window at a time; torch-free.
 
     Feed it windows of new samples with :meth:`push` (at most :attr:`room` rows; fewer,
@@ -219,15 +236,17 @@ class StreamPacker:
     several), or is counted in :attr:`stats` as empty, dropped or truncated.
 
     Args:
-        max_len, strategy, overlong, reserve, long_max_len, threads: as in
-            :func:`fastpack.pack` (``overlong="error"`` names the sample's stream index).
+        max_len, options, **kwargs: the packing options (:class:`fastpack.PackOptions`),
+            as in :func:`fastpack.pack` (``overlong="error"`` names the sample's stream
+            index); ``shuffle`` shuffles the packs each window emits (with ``seed`` and the
+            round index), a window's packs otherwise come roughly sorted by size.
+            ``group_tokens`` raises: groups need the whole plan.
         buffer_size: samples per window (the memory bound). Larger windows pack closer
             to the offline plan: about 99.4% of capacity at 10^2 samples on SFT-like
             lengths, 99.98% at 10^3, 99.99% at 10^4.
-        shuffle: shuffle the packs each window emits (with ``seed`` and the round
-            index); a window's packs otherwise come roughly sorted by size.
         packs_multiple: each round emits a multiple of this many packs (but the last),
             so batches of that many packs never straddle two windows.
+        threads: worker threads, as in :func:`fastpack.pack`.
 
     Which packs wait: with ``"bfd"``/``"ffd"``, those filled below ``CARRY_FILL`` of
     their cap, least filled first, up to ``CARRY_SHARE`` of the window, and never a
@@ -238,40 +257,21 @@ class StreamPacker:
 
     def __init__(
         self,
-        max_len: int,
+        max_len: int | None = None,
         *,
-        buffer_size: int = 10_000,
-        strategy: str = "bfd",
-        overlong: str = "error",
-        reserve: int = 0,
-        long_max_len: int | None = None,
-        shuffle: bool = True,
-        seed: int = 0,
+        options: PackOptions | None = None,
+        buffer_size: int = DEFAULT_BUFFER_SIZE,
         packs_multiple: int = 1,
         threads: int | None = None,
+        **kwargs: Unpack[PackArgs],
     ) -> None:
-        self.max_len = _int_arg("max_len", max_len, minimum=1)
+        #: The packing options (checked once, here).
+        self.options = resolve(StreamPacker, options, max_len, kwargs, refuse=STREAM_REFUSES)
+        # Each window is planned unshuffled: its emitted packs are shuffled in push().
+        self._window = self.options.replace(shuffle=False, seed=0)
         self.buffer_size = _int_arg("buffer_size", buffer_size, minimum=1)
-        self.strategy = _choice("strategy", strategy, STRATEGIES)
-        self.overlong = _choice("overlong", overlong, OVERLONG_POLICIES)
-        self.reserve = _int_arg(
-            "reserve", reserve, minimum=0, maximum=self.max_len - 1,
-            why=f" (less than max_len = {self.max_len})",
-        )
-        if long_max_len is not None:
-            long_max_len = _int_arg(
-                "long_max_len", long_max_len, minimum=self.max_len + 1,
-                why=f" (more than max_len = {self.max_len})",
-            )
-        self.long_max_len = long_max_len
-        if not isinstance(shuffle, (bool, np.bool_)):
-            raise FastpackTypeError(f"shuffle: expected a bool, got {type(shuffle).__name__}")
-        self.shuffle = bool(shuffle)
-        self.seed = _int_arg("seed", seed, minimum=0, maximum=2**64 - 1)
         self.packs_multiple = _int_arg("packs_multiple", packs_multiple, minimum=1)
-        self.threads = None if threads is None else _int_arg(
-            "threads", threads, minimum=1, maximum=4096
-        )
+        self.threads = _threads(threads)
         self.stats = StreamStats()
         self.current: Round | None = None
         self._next_origin = 0
@@ -337,15 +337,12 @@ class StreamPacker:
             ages = np.concatenate([carried[3], np.zeros(n, dtype=np.int32)])
         else:
             window, row_starts, ages = new, np.zeros(n, dtype=np.int64), np.zeros(n, np.int32)
-        plan = pack(
-            _row_lengths(window[LENGTH_COLUMN]), self.max_len, strategy=self.strategy,
-            overlong=self.overlong, reserve=self.reserve, threads=self.threads,
-            long_max_len=self.long_max_len, shuffle=False,  # emitted packs are shuffled below
-        )
+        plan = pack(_row_lengths(window[LENGTH_COLUMN]), options=self._window,
+                    threads=self.threads)
         index = 0 if previous is None else previous.index + 1
         emit, carry = self._select(plan, window, row_starts, ages, final)
-        if self.shuffle and len(emit) > 1:
-            rng = np.random.default_rng(np.random.SeedSequence([self.seed, index]))
+        if self.options.shuffle and len(emit) > 1:
+            rng = np.random.default_rng(np.random.SeedSequence([self.options.seed, index]))
             emit = emit[rng.permutation(len(emit))]
         rnd = Round(index, window, origins, row_starts, ages, plan, emit, carry, final)
         if n:
@@ -357,11 +354,12 @@ class StreamPacker:
     def _check_overlong(self, lengths: np.ndarray, origins: np.ndarray) -> None:
         if self.overlong != "error" or self.strategy == "wrapped":
             return
-        cap = self.long_max_len or self.max_len
+        long_max_len = self.options.long_max_len
+        cap = long_max_len or self.max_len
         over = lengths + self.reserve > cap
         if over.any():
             i = int(np.argmax(over))
-            name = "long_max_len" if self.long_max_len else "max_len"
+            name = "long_max_len" if long_max_len else "max_len"
             raise FastpackError(
                 f"input_ids: sample {int(origins[i])} of the stream has {int(lengths[i])} "
                 f"tokens, more than {name} - reserve = {cap - self.reserve}; pass "
@@ -494,8 +492,10 @@ class StreamPacker:
                 f"{type(state).__name__} of version {version!r})"
             )
         saved, mine = dict(state["options"]), self._options()
-        if saved != mine:
-            diff = {k: (saved.get(k), v) for k, v in mine.items() if saved.get(k) != v}
+        # Compared over this packer's options: an option added since the state was saved
+        # compares with None, its value when unused.
+        diff = {k: (saved.get(k), v) for k, v in mine.items() if saved.get(k) != v}
+        if diff:
             raise FastpackError(
                 "state: saved with other options; (saved, now): "
                 + ", ".join(f"{k}={a!r}/{b!r}" for k, (a, b) in diff.items())
@@ -517,12 +517,8 @@ class StreamPacker:
         )
 
     def _options(self) -> dict[str, Any]:
-        return {
-            "max_len": self.max_len, "buffer_size": self.buffer_size, "strategy": self.strategy,
-            "overlong": self.overlong, "reserve": self.reserve,
-            "long_max_len": self.long_max_len, "shuffle": self.shuffle, "seed": self.seed,
-            "packs_multiple": self.packs_multiple,
-        }
+        return {**asdict(self.options), "buffer_size": self.buffer_size,
+                "packs_multiple": self.packs_multiple}
 
 
 # ---------------------------------------------------------------------- columns
@@ -678,23 +674,19 @@ def _stream_seed(*parts: int) -> int:
 
 def pack_iterable_dataset(
     dataset: Any,
-    max_len: int,
+    max_len: int | None = None,
     *,
-    strategy: str = "bfd",
-    overlong: str = "error",
-    reserve: int | None = None,
+    options: PackOptions | None = None,
     separator_id: int | None = None,
-    shuffle: bool = True,
-    seed: int = 0,
-    group_tokens: int | None = None,
-    long_max_len: int | None = None,
     columns: Sequence[str] | None = None,
     threads: int | None = None,
-    buffer_size: int = 10_000,
+    buffer_size: int = DEFAULT_BUFFER_SIZE,
+    **kwargs: Unpack[PackArgs],
 ) -> Any:
     """Pack a ``datasets.IterableDataset`` lazily: a packed ``IterableDataset`` with one
     row per pack, as ``fastpack.hf.pack_dataset`` gives for a ``Dataset`` (which calls
-    this for streams).
+    this for streams). The packing options (``max_len``, ``options`` and the keywords
+    of :class:`fastpack.PackOptions`) are :func:`fastpack.pack`'s.
 
     Every per-token list column (``columns``: default, every list-of-numbers column but
     ``seq_lengths`` and ``position_ids``; ``input_ids`` gives the lengths) is packed,
@@ -732,22 +724,13 @@ def pack_iterable_dataset(
         raise FastpackTypeError(
             f"dataset: expected a datasets.IterableDataset, got {type(dataset).__name__}"
         )
-    if group_tokens is not None:
-        raise FastpackError(
-            f"group_tokens: got {group_tokens!r}; groups of packs need the whole plan, and a "
-            "stream is packed a window at a time; pack a datasets.Dataset for groups, or "
-            "use None"
-        )
-    reserve = _separator_reserve(reserve, separator_id)
+    opts = with_separator(pack_iterable_dataset, options, max_len, kwargs, separator_id,
+                          refuse=STREAM_REFUSES)
     if separator_id is not None:
         separator_id = _int_arg("separator_id", separator_id, minimum=-(2**63),
                                 maximum=2**63 - 1)
-    options: dict[str, Any] = dict(
-        max_len=max_len, buffer_size=buffer_size, strategy=strategy, overlong=overlong,
-        reserve=reserve, long_max_len=long_max_len, shuffle=shuffle, seed=seed,
-        threads=threads,
-    )
-    StreamPacker(**options)  # checks every option now, not in a worker later
+    # Checks every other argument now, not in a worker later.
+    StreamPacker(options=opts, buffer_size=buffer_size, threads=threads)
     if columns is not None:
         if isinstance(columns, str) or not isinstance(columns, Sequence):
             raise FastpackTypeError(f"columns: expected a list of column names, got "
@@ -774,8 +757,8 @@ def pack_iterable_dataset(
     source = dataset
     n_shards = max(source.num_shards, 1)
     generate = functools.partial(
-        _packed_tables, source=source, num_shards=n_shards, options=options,
-        columns=columns, separator_id=separator_id,
+        _packed_tables, source=source, num_shards=n_shards, options=opts,
+        buffer_size=buffer_size, threads=threads, columns=columns, separator_id=separator_id,
     )
     from datasets.iterable_dataset import ArrowExamplesIterable
 
@@ -786,24 +769,6 @@ def pack_iterable_dataset(
 
 #: Columns that the gather writes from the plan, never packed from the input.
 _WRITTEN = ("seq_lengths", "position_ids")
-
-
-def _separator_reserve(reserve: int | None, separator_id: int | None) -> int:
-    """The reserved slots per sequence: a separator needs at least one (one unless
-    ``reserve`` says more), and slots need a separator to hold."""
-    if reserve is not None:
-        reserve = _int_arg("reserve", reserve, minimum=0)
-    if separator_id is None:
-        if reserve:
-            raise FastpackError(f"reserve: got {reserve} reserved slots but no separator_id "
-                                "to write into them; pass separator_id")
-        return 0
-    if reserve == 0:
-        raise FastpackError(
-            f"reserve: 0 with separator_id={separator_id!r}; a separator needs a reserved "
-            "slot after every sequence: leave reserve out (1 slot) or pass reserve >= 1"
-        )
-    return 1 if reserve is None else reserve
 
 
 def _list_columns(features: Any, columns: Sequence[str] | None) -> list[str]:
@@ -837,15 +802,16 @@ def _list_columns(features: Any, columns: Sequence[str] | None) -> list[str]:
 
 
 def _packed_tables(
-    shards: list[int], *, source: Any, num_shards: int, options: dict[str, Any],
-    columns: list[str] | None, separator_id: int | None,
+    shards: list[int], *, source: Any, num_shards: int, options: PackOptions,
+    buffer_size: int, threads: int | None, columns: list[str] | None,
+    separator_id: int | None,
 ) -> Iterator[tuple[str, Any]]:
     """The packed Arrow tables of source shards ``shards``, one table per pack (so a
     resumed iteration skips exactly the packs already yielded)."""
     for shard in shards:
         part = source.shard(num_shards=num_shards, index=shard) if num_shards > 1 else source
-        opts = dict(options, seed=_stream_seed(options["seed"], shard))
-        packer = StreamPacker(**opts)
+        packer = StreamPacker(options=options.replace(seed=_stream_seed(options.seed, shard)),
+                              buffer_size=buffer_size, threads=threads)
         for i, table in enumerate(_pack_shard(part, packer, columns, separator_id)):
             yield f"{shard}_{i}", table
         _report(packer.stats, shard)

@@ -13,33 +13,21 @@ larger than ``max_len`` is split into items that each repeat its prefix.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from . import _core
+from ._checks import _bool_arg, _int_arg, _threads
 from ._errors import FastpackError, FastpackTypeError
-from ._materialize import TokenData, _from_rows, _side, as_ragged
-from ._plan import (
-    MAX_LEN_LIMIT,
-    STRATEGIES,
-    PackIndex,
-    Plan,
-    _bool_arg,
-    _choice,
-    _int_arg,
-    _threads,
-    pack,
-)
+from ._materialize import TokenData, _from_rows, _is_dataset, _side, as_ragged
+from ._options import PackArgs, PackOptions, resolve
+from ._plan import PackIndex, Plan, pack
 
-__all__ = [
-    "TREE_OVERLONG", "group_codes", "pack_trees", "path_targets", "preference_samples",
-    "tree_rows",
-]
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
-#: The over-long policies a tree plan takes: a sample is kept whole, cut to ``max_len`` or
-#: dropped (a piece of a split sample could not attend to the pieces before it).
-TREE_OVERLONG = ("error", "truncate", "drop")
+__all__ = ["group_codes", "pack_trees", "path_targets", "preference_samples", "tree_rows"]
 
 
 def group_codes(groups: Any, count: int) -> np.ndarray:
@@ -76,16 +64,13 @@ def group_codes(groups: Any, count: int) -> np.ndarray:
 
 def pack_trees(
     tokens: TokenData,
-    max_len: int,
+    max_len: int | None = None,
     *,
     groups: Any = None,
-    strategy: str = "bfd",
-    overlong: str = "error",
-    shuffle: bool = True,
-    seed: int = 0,
-    group_tokens: int | None = None,
     split: bool = True,
+    options: PackOptions | None = None,
     threads: int | None = None,
+    **kwargs: Unpack[PackArgs],
 ) -> Plan:
     """Plan ``tokens`` as shared-prefix trees packed into packs of at most ``max_len``
     distinct tokens.
@@ -97,16 +82,16 @@ def pack_trees(
         groups: one value per sample (say the prompt id of each rollout): samples with one
             value share their longest common prefix (nothing, if they share nothing). None:
             a trie over all samples shares every common prefix.
-        strategy: how the trees are packed (:func:`fastpack.pack`'s; ``"wrapped"`` would
-            cut trees, so it is refused).
-        overlong: a sample longer than ``max_len``: ``"error"``, ``"truncate"`` (keep its
-            first ``max_len`` tokens) or ``"drop"``; every such token is counted in the
-            plan.
-        shuffle, seed, group_tokens: as in :func:`fastpack.pack` (packs shuffled, packs
-            grouped under a token budget).
         split: a tree larger than ``max_len`` becomes several items, each repeating its
             prefix (the prefix charged again). False: such a tree raises (preference
             pairs, which stay in one pack).
+        options, **kwargs: the packing options (:class:`fastpack.PackOptions`, as in
+            :func:`fastpack.pack`): ``strategy`` packs the trees (``"wrapped"``, which
+            cuts through them, is refused), ``overlong`` is what happens to a sample
+            longer than ``max_len`` (``"error"``, ``"truncate"`` to its first ``max_len``
+            tokens, or ``"drop"``, every such token counted; ``"split"`` is refused),
+            ``shuffle``, ``seed`` and ``group_tokens`` order and group the packs. The plan
+            shares prefixes whatever ``share_prefix`` says (its options record True).
         threads: worker threads; the plan does not depend on it.
 
     Returns:
@@ -114,23 +99,17 @@ def pack_trees(
         ``sample_tokens`` (see its docs). Its metrics count distinct tokens.
     """
     data = as_ragged(tokens, name="tokens")
-    max_len = _int_arg("max_len", max_len, minimum=1, maximum=MAX_LEN_LIMIT)
-    strategy = _choice("strategy", strategy, STRATEGIES)
-    if strategy == "wrapped":
-        raise FastpackError(
-            "strategy: 'wrapped' cuts every max_len tokens, through trees; expected 'bfd', "
-            "'ffd' or 'next_fit' with shared prefixes"
-        )
-    overlong = _choice("overlong", overlong, TREE_OVERLONG)
-    shuffle = _bool_arg("shuffle", shuffle)
-    seed = _int_arg("seed", seed, minimum=0, maximum=2**64 - 1)
+    opts = resolve(pack_trees, options, max_len, kwargs)
+    if not opts.share_prefix:
+        opts = opts.replace(share_prefix=True)  # checks what a tree cannot take
     split = _bool_arg("split", split)
     threads = _threads(threads)
     codes = None if groups is None else group_codes(groups, len(data))
-    items = _core.tree_items(data.column, codes, max_len, overlong, split, threads)
-    costs = items["item_costs"]
-    packed = pack(costs, max_len, strategy=strategy, shuffle=shuffle, seed=seed,
-                  threads=threads, group_tokens=group_tokens)
+    items = _core.tree_items(data.column, codes, opts.max_len, opts.overlong, split, threads)
+    # Each item (a tree, or part of one) fits max_len: pack() never cuts it.
+    packed = pack(items["item_costs"], options=opts.replace(share_prefix=False,
+                                                            overlong="error"),
+                  threads=threads)
     tree = _core.tree_expand(
         items["sample_ids"], items["starts"], items["seqlens"], items["parents"],
         items["item_offsets"], items["path_sample_ids"], items["path_ends"],
@@ -139,7 +118,8 @@ def pack_trees(
     kept = int(items["num_sequences"] - items["empty_sequences"] - items["dropped_sequences"])
     fields: dict[str, Any] = {
         **tree,
-        "max_len": max_len, "reserve": 0, "strategy": strategy, "overlong": overlong,
+        "max_len": opts.max_len, "reserve": 0, "strategy": opts.strategy,
+        "overlong": opts.overlong, "shuffle": opts.shuffle, "seed": opts.seed,
         "num_sequences": int(items["num_sequences"]),
         "empty_sequences": int(items["empty_sequences"]),
         "dropped_sequences": int(items["dropped_sequences"]),
@@ -148,7 +128,7 @@ def pack_trees(
         "truncated_tokens": int(items["truncated_tokens"]),
         "split_sequences": 0,
         "sample_tokens": int(items["sample_tokens"]),
-        "buckets": [{"max_len": max_len, "num_sequences": kept}],
+        "buckets": [{"max_len": opts.max_len, "num_sequences": kept}],
         "group_tokens": packed.group_tokens, "group_offsets": packed.group_offsets,
         "long_max_len": None,
     }
@@ -228,7 +208,6 @@ def tree_rows(
     counted once with its own label.
     """
     parents, path_sample_ids, path_ends = check_tree_plan(plan)
-    from ._materialize import _is_dataset, _packs
 
     multiple = 1 if pad_to_multiple_of is None else _int_arg(
         "pad_to_multiple_of", pad_to_multiple_of, minimum=1, maximum=2**31 - 1
@@ -241,7 +220,7 @@ def tree_rows(
     token_data = as_ragged(tokens, name="tokens")
     label_data = _side(labels, dataset, mask=False, name="labels")
     mask_data = _side(loss_mask, dataset, mask=True, name="loss_mask")
-    chosen = _packs(plan, packs)
+    chosen = plan._packs(packs)
     rows = _core.materialize(
         plan.sample_ids, plan.starts, plan.seqlens, plan.pack_offsets, 0, plan.strategy,
         "error", chosen, token_data.column, None, None, None, False, "flat", pad_to,

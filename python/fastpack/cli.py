@@ -50,12 +50,12 @@ MAX_SEED = 2**64 - 1
 
 def _need_plot(plot: bool | None) -> None:
     """--plot where no picture can be drawn: one line and status 2, before any work."""
-    from ._stats import plot_unavailable
+    from ._offline.stats import check_plot
 
-    missing = plot_unavailable() if plot else None
-    if missing:
-        _fail(FastpackError(f"--plot: the picture needs matplotlib: {missing}; or leave "
-                            "--plot out"))
+    try:
+        check_plot(plot, "--plot")
+    except FastpackError as e:
+        _fail(FastpackError(f"{e}; or leave --plot out"))
 
 
 def _check_caps(caps: Sequence[int]) -> None:
@@ -110,7 +110,7 @@ def demo(example: str, max_len: int, batch: int, plot: str | None) -> None:
                              "--batch", str(batch)])
     if plot:
         from ._examples import example_lengths
-        from ._stats import compare, plot_stats
+        from ._offline.stats import compare, plot_stats
 
         lengths = example_lengths(example).astype(np.int64)
         plot_stats(lengths, compare(lengths, [max_len], batch_size=batch), plot)
@@ -149,9 +149,9 @@ def stats(inputs: Sequence[str], caps: list[int], column: str, quiet: bool, batc
     Example:
       fastpack stats data/train-*.parquet --max-len 2048,4096 --plot stats.png
     """
-    from ._offline import scan_lengths
-    from ._sources import expand_inputs
-    from ._stats import compare, length_summary, plot_stats, table_lines
+    from ._offline.scan import scan_lengths
+    from ._offline.sources import expand_inputs
+    from ._offline.stats import compare, length_summary, plot_stats, table_lines
 
     _need_plot(plot is not None)
     _check_caps(caps)
@@ -255,7 +255,9 @@ def pack(inputs: Sequence[str], outdir: str, max_len: int, column: str, quiet: b
     Example:
       fastpack pack data/*.jsonl.zst -o packed/ --max-len 4096 --overlong split
     """
-    from ._offline import PackSettings, pack_corpus, parse_size, summary_lines
+    from ._offline.driver import pack_corpus
+    from ._offline.report import summary_lines
+    from ._offline.settings import PackSettings, parse_size
 
     _need_plot(plot)
     if (text_column is None) != (tokenizer is None):

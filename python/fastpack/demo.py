@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ._examples import EXAMPLES, example_lengths
-from ._plan import MAX_LEN_LIMIT, Plan, pack
+from ._options import MAX_LEN_LIMIT
+from ._plan import Plan, pack
 
 __all__ = ["main"]
 

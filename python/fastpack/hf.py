@@ -10,18 +10,25 @@ dropped token is counted, logged and written into the result's ``info.descriptio
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from . import _core
 from ._arrow import dataset_parts, list_columns, per_token_columns
+from ._checks import _threads
 from ._errors import FastpackError, FastpackTypeError
 from ._gather import DEFAULT_BATCH_TOKENS, prepare
-from ._plan import OVERLONG_POLICIES, STRATEGIES, Plan, _choice, _int_arg, pack
+from ._options import PackOptions, _Args, with_separator
+from ._plan import Plan, pack
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["pack_dataset"]
 
@@ -43,23 +50,19 @@ def _kind(dataset: Any) -> str:
 def pack_dataset(
     dataset: Any,
     max_len: int | None = None,
-    strategy: str = "bfd",
+    strategy: str | None = None,
     *,
     seq_length: int | None = None,
     map_kwargs: Mapping[str, Any] | None = None,
-    overlong: str = "error",
-    reserve: int | None = None,
+    options: PackOptions | None = None,
     separator_id: int | None = None,
-    shuffle: bool = True,
-    seed: int = 0,
-    group_tokens: int | None = None,
-    long_max_len: int | None = None,
     columns: Sequence[str] | None = None,
     position_ids: bool = False,
     threads: int | None = None,
     keep_in_memory: bool = False,
     batch_tokens: int = DEFAULT_BATCH_TOKENS,
     buffer_size: int | None = None,
+    **kwargs: Unpack[_Args],
 ) -> Any:
     """Pack a Hugging Face dataset: one row per pack of at most ``max_len`` tokens.
 
@@ -75,9 +78,9 @@ def pack_dataset(
             ``datasets.IterableDataset`` is packed as a stream in bounded windows, with
             the same rows as the Dataset for a window that holds the whole stream).
         max_len: tokens per pack (TRL's ``seq_length``, also accepted by that name).
-        strategy: ``"bfd"`` (best fit decreasing, the fewest packs), ``"ffd"``,
-            ``"next_fit"`` (keeps row order), ``"wrapped"`` (concatenate and cut every
-            ``max_len`` tokens), or TRL's ``"bfd_split"`` (= ``"bfd"`` with
+        strategy: ``"bfd"`` (best fit decreasing, the fewest packs; the default),
+            ``"ffd"``, ``"next_fit"`` (keeps row order), ``"wrapped"`` (concatenate and cut
+            every ``max_len`` tokens), or TRL's ``"bfd_split"`` (= ``"bfd"`` with
             ``overlong="split"``).
         map_kwargs: TRL's ``Dataset.map`` arguments, where they mean something without a
             ``map``: ``keep_in_memory``, ``cache_file_name`` (where the result is
@@ -85,18 +88,12 @@ def pack_dataset(
             ``load_from_cache_file``, ``desc`` (no effect: the result is always made, no
             progress bar is shown). Any other key raises: ``batch_size``, say, would
             set TRL's packing window, and fastpack plans the whole dataset at once.
-        overlong: rows longer than ``max_len - reserve``: ``"error"`` (raise, naming the
-            first such row), ``"truncate"`` (TRL ``bfd``), ``"split"`` into pieces packed
-            on their own (TRL ``bfd_split``), or ``"drop"``. Lost tokens are counted.
-        reserve, separator_id: slots after every row, filled with ``separator_id`` in
-            ``input_ids`` (-100 in ``labels``, 1 in ``attention_mask``, 0 elsewhere).
-            ``separator_id`` alone reserves one slot; ``reserve=0`` with a separator, or
-            ``reserve`` without one, raises.
-        shuffle, seed: shuffle the packs (the default; ``bfd`` packs otherwise come
-            sorted by fill).
-        group_tokens: two-level packing: packs are ordered in groups of at most this many
-            tokens (a step or micro-batch); the result gets a ``group`` column.
-        long_max_len: a second bucket: rows over ``max_len`` go to packs of this cap.
+        options: a :class:`fastpack.PackOptions`, instead of (or agreeing with)
+            ``max_len``, ``strategy`` and the keywords.
+        separator_id: written into the slots ``reserve`` keeps after every row (-100 in
+            ``labels``, 1 in ``attention_mask``, 0 elsewhere). ``separator_id`` alone
+            reserves one slot; ``reserve=0`` with a separator, or ``reserve`` without one,
+            raises.
         columns: the per-token columns to pack (default: every column holding a list of
             numbers per row, except ``seq_lengths``/``position_ids``; other columns are
             left out). Each must have one value per token of ``input_ids``.
@@ -110,6 +107,14 @@ def pack_dataset(
         batch_tokens: tokens per written record batch: bounds the memory in flight.
         buffer_size: for an ``IterableDataset``, the rows packed together in one window
             (default: the stream packer's).
+        **kwargs: the other packing options (:class:`fastpack.PackOptions`), as in
+            :func:`fastpack.pack`: ``overlong`` (rows longer than ``max_len - reserve``:
+            ``"error"``, raising and naming the first such row; ``"truncate"``, TRL
+            ``bfd``; ``"split"``, TRL ``bfd_split``; or ``"drop"``; lost tokens are
+            counted), ``reserve``, ``shuffle`` and ``seed`` (shuffle the packs: the
+            default; ``bfd`` packs otherwise come sorted by fill), ``group_tokens``
+            (packs ordered in groups of at most this many tokens, with a ``group``
+            column), ``long_max_len`` (rows over ``max_len`` go to packs of this cap).
 
     Returns:
         A ``datasets.Dataset`` (or ``DatasetDict`` / ``IterableDataset``) in the input's
@@ -117,36 +122,43 @@ def pack_dataset(
         (logger ``"fastpack"``: a warning when tokens were truncated or dropped).
     """
     kind = _kind(dataset)
-    max_len = _max_len(max_len, seq_length)
-    strategy, overlong = _strategy(strategy, overlong)  # TRL's names become fastpack's
-    reserve = _reserve(reserve, separator_id)
+    if options is None or max_len is not None or seq_length is not None:
+        max_len = _max_len(max_len, seq_length)
+    options, given = _trl_strategy(strategy, options, dict(kwargs))
+    opts = with_separator(pack_dataset, options, max_len, given, separator_id, refuse={
+        "share_prefix": "its rows are packs of whole sequences, which cannot hold trees; "
+                        "train with PackedDataset(..., PackedCollator(share_prefix=True))",
+    })
     cache_file_name = None
     if map_kwargs is not None:
         keep_in_memory, cache_file_name, threads = _map_kwargs(
             map_kwargs, keep_in_memory, threads
         )
-    options: dict[str, Any] = dict(
-        strategy=strategy, overlong=overlong, reserve=reserve, separator_id=separator_id,
-        shuffle=shuffle, seed=seed, group_tokens=group_tokens, long_max_len=long_max_len,
-        columns=columns, threads=threads,
-    )
+    threads = _threads(threads)
     if kind in ("IterableDataset", "IterableDatasetDict"):
         if cache_file_name is not None:
             raise FastpackError("map_kwargs: 'cache_file_name' applies to a Dataset; a "
                                 "stream is packed as it is read, into no file")
+        stream = functools.partial(
+            _pack_stream, options=opts, separator_id=separator_id, columns=columns,
+            threads=threads, position_ids=position_ids, buffer_size=buffer_size,
+        )
         if kind == "IterableDatasetDict":
             import datasets
 
             return datasets.IterableDatasetDict({
-                split: _pack_stream(ds, max_len, position_ids, buffer_size, options)
-                for split, ds in dataset.items()
+                split: stream(ds) for split, ds in dataset.items()
             })
-        return _pack_stream(dataset, max_len, position_ids, buffer_size, options)
+        return stream(dataset)
     if buffer_size is not None:
         raise FastpackError(
             "buffer_size: applies to a streamed datasets.IterableDataset; a Dataset is "
             "packed whole"
         )
+    one = functools.partial(
+        _pack_one, options=opts, separator_id=separator_id, columns=columns, threads=threads,
+        keep_in_memory=keep_in_memory, batch_tokens=batch_tokens, position_ids=position_ids,
+    )
     if kind == "DatasetDict":
         import datasets
 
@@ -154,9 +166,7 @@ def pack_dataset(
             raise FastpackError("map_kwargs: 'cache_file_name' names one file; a "
                                 "DatasetDict has a result per split")
         return datasets.DatasetDict({
-            split: _pack_one(ds, max_len, keep_in_memory=keep_in_memory,
-                             batch_tokens=batch_tokens, split=str(split),
-                             position_ids=position_ids, cache_file_name=None, **options)
+            split: one(ds, split=str(split), cache_file_name=None)
             for split, ds in dataset.items()
         })
     if kind != "Dataset":
@@ -164,9 +174,7 @@ def pack_dataset(
             f"dataset: expected a datasets.Dataset, DatasetDict or IterableDataset, got "
             f"{type(dataset).__name__}"
         )
-    return _pack_one(dataset, max_len, keep_in_memory=keep_in_memory,
-                     batch_tokens=batch_tokens, split=None, position_ids=position_ids,
-                     cache_file_name=cache_file_name, **options)
+    return one(dataset, split=None, cache_file_name=cache_file_name)
 
 
 def _max_len(max_len: int | None, seq_length: int | None) -> int:
@@ -179,25 +187,6 @@ def _max_len(max_len: int | None, seq_length: int | None) -> int:
     if value is None:
         raise FastpackTypeError("max_len: missing (the tokens per pack; TRL: seq_length)")
     return value
-
-
-def _reserve(reserve: int | None, separator_id: int | None) -> int:
-    """The team rule: a separator needs a slot, and slots need a separator."""
-    if reserve is not None:
-        reserve = _int_arg("reserve", reserve, minimum=0)
-    if separator_id is None:
-        if reserve:
-            raise FastpackError(
-                f"separator_id: reserve={reserve} keeps slots after every row; pass the "
-                "separator token id to write into them"
-            )
-        return 0
-    if reserve == 0:
-        raise FastpackError(
-            f"reserve: 0 with separator_id={separator_id!r}; a separator needs a slot "
-            "after every row: leave reserve out (one slot) or pass reserve >= 1"
-        )
-    return 1 if reserve is None else reserve
 
 
 #: TRL's map_kwargs that mean something here; see pack_dataset.
@@ -223,41 +212,43 @@ def _map_kwargs(map_kwargs: Mapping[str, Any], keep_in_memory: bool,
         cache_file_name = os.fspath(cache_file_name)
     num_proc = map_kwargs.get("num_proc")
     if threads is None and num_proc is not None:
-        threads = _int_arg("map_kwargs['num_proc']", num_proc, minimum=1, maximum=4096)
+        threads = _threads(num_proc, "map_kwargs['num_proc']")
     return keep_in_memory, cache_file_name, threads
 
 
-def _pack_stream(dataset: Any, max_len: int, position_ids: bool, buffer_size: int | None,
-                 options: dict[str, Any]) -> Any:
-    import inspect
+def _pack_stream(dataset: Any, *, options: PackOptions, separator_id: int | None,
+                 columns: Sequence[str] | None, threads: int | None, position_ids: bool,
+                 buffer_size: int | None) -> Any:
+    from ._stream import DEFAULT_BUFFER_SIZE, pack_iterable_dataset
 
-    from ._stream import pack_iterable_dataset
-
-    options = dict(options)
-    if buffer_size is not None:
-        options["buffer_size"] = buffer_size
-    # The stream packer may not take `position_ids` (it then always writes them).
-    takes = "position_ids" in inspect.signature(pack_iterable_dataset).parameters
-    if takes:
-        options["position_ids"] = position_ids
-    packed = pack_iterable_dataset(dataset, max_len, **options)
-    if takes or position_ids:
-        return packed
-    return packed.remove_columns(["position_ids"])
+    packed = pack_iterable_dataset(
+        dataset, options=options, separator_id=separator_id, columns=columns, threads=threads,
+        buffer_size=DEFAULT_BUFFER_SIZE if buffer_size is None else buffer_size,
+    )
+    # The stream always writes position_ids.
+    return packed if position_ids else packed.remove_columns(["position_ids"])
 
 
-def _strategy(strategy: str, overlong: str) -> tuple[str, str]:
+def _trl_strategy(strategy: Any, options: PackOptions | None,
+                  kwargs: dict[str, Any]) -> tuple[PackOptions | None, dict[str, Any]]:
+    """TRL's strategy names as fastpack's options: ``"bfd_split"`` is ``"bfd"`` with
+    ``overlong="split"``; any other name is checked as every strategy is."""
+    if strategy is None:
+        return options, kwargs
     if isinstance(strategy, str) and strategy in TRL_STRATEGIES:
         fp_strategy, policy = TRL_STRATEGIES[strategy]
+        overlong = kwargs.get("overlong", "error" if options is None else options.overlong)
         if overlong not in ("error", policy):
             raise FastpackError(
                 f"overlong: {overlong!r} contradicts strategy={strategy!r} (which splits "
                 f"over-long rows); pass strategy='bfd' with overlong={overlong!r}"
             )
-        return fp_strategy, policy
-    _choice("strategy", strategy, (*STRATEGIES, *TRL_STRATEGIES))
-    _choice("overlong", overlong, OVERLONG_POLICIES)
-    return strategy, overlong
+        kwargs["overlong"] = policy
+        if options is not None:
+            options = options.replace(overlong=policy)
+        strategy = fp_strategy
+    kwargs["strategy"] = strategy
+    return options, kwargs
 
 
 def _choose_columns(dataset: Any, columns: Sequence[str] | None) -> list[str] | None:
@@ -281,16 +272,13 @@ def _choose_columns(dataset: Any, columns: Sequence[str] | None) -> list[str] | 
 
 
 def _pack_one(
-    dataset: Any, max_len: int, *, strategy: str, overlong: str, reserve: int,
-    separator_id: int | None, shuffle: bool, seed: int, group_tokens: int | None,
-    long_max_len: int | None, columns: Sequence[str] | None, threads: int | None,
-    keep_in_memory: bool, batch_tokens: int, split: str | None, position_ids: bool,
-    cache_file_name: str | None,
+    dataset: Any, *, options: PackOptions, separator_id: int | None,
+    columns: Sequence[str] | None, threads: int | None, keep_in_memory: bool,
+    batch_tokens: int, split: str | None, position_ids: bool, cache_file_name: str | None,
 ) -> Any:
     import datasets
     import pyarrow as pa
 
-    strategy, overlong = _strategy(strategy, overlong)
     chosen = _choose_columns(dataset, columns)
     handles, types, skipped = list_columns(dataset, chosen)
     names = [h.name for h in handles]
@@ -299,11 +287,7 @@ def _pack_one(
     order = [first] + [k for k in range(len(handles)) if k != first]
     lengths = _core.column_lengths([handles[k] for k in order], threads)
     try:
-        plan = pack(
-            lengths, max_len, strategy=strategy, overlong=overlong, reserve=reserve,
-            shuffle=shuffle, seed=seed, threads=threads, long_max_len=long_max_len,
-            group_tokens=group_tokens,
-        )
+        plan = pack(lengths, options=options, threads=threads)
     except FastpackError as e:
         message = str(e)
         if message.startswith("lengths: "):  # rows of the dataset, named as such
@@ -331,9 +315,8 @@ def _pack_one(
     from . import __version__
 
     fingerprint = Hasher.hash([
-        "fastpack.hf.pack_dataset", __version__, dataset._fingerprint, max_len, strategy,
-        overlong, reserve, separator_id, shuffle, seed, group_tokens, long_max_len, names,
-        position_ids,
+        "fastpack.hf.pack_dataset", __version__, dataset._fingerprint,
+        dataclasses.astuple(options), separator_id, names, position_ids,
     ])
     if cache_file_name is not None:
         path: str | None = os.path.abspath(cache_file_name)

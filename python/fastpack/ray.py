@@ -32,26 +32,22 @@ import numpy as np
 import pyarrow as pa
 
 from ._errors import FastpackError
-from ._offline import (
-    WRITTEN,
-    OutputDir,
-    PackSettings,
-    PlanStats,
-    check_plot,
+from ._offline.gather import shard_batches
+from ._offline.layout import output_schema, shard_name
+from ._offline.outdir import OutputDir, write_shard
+from ._offline.plan import ROW_BITS, mix64, plan_shard, plan_window, shard_of, sorted_unique
+from ._offline.progress import log
+from ._offline.report import PlanStats, make_report
+from ._offline.scan import (
     column_dtype,
+    default_columns,
     load_tokenizer,
-    output_schema,
-    plan_window,
     resolve_columns,
-    shard_batches,
-    shard_name,
     text_left_out,
     uneven_reason,
-    write_shard,
 )
-from ._progress import log
-from ._sharded import ROW_BITS, mix64, plan_shard, shard_of, sorted_unique
-from ._sources import (
+from ._offline.settings import PackSettings, token_columns
+from ._offline.sources import (
     InputError,
     Source,
     expand_inputs,
@@ -59,6 +55,7 @@ from ._sources import (
     iter_batches,
     list_lengths,
 )
+from ._offline.stats import check_plot
 
 __all__ = ["DOC", "content_keys", "pack_dataset", "pack_files", "read_files"]
 
@@ -202,7 +199,7 @@ def read_files(
     if text_column:
         wanted = {text_column: "text"}
     else:
-        wanted = {c: "tokens" for c in [column, *[c for c in columns if c != column]]}
+        wanted = {c: "tokens" for c in token_columns(column, columns)}
     items = [{"index": k, "source": asdict(s)} for k, s in enumerate(sources)]
     return ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
         _read_file, batch_size=1, batch_format="numpy",
@@ -567,20 +564,12 @@ def _schema_columns(ds: Any, column: str, order: str | None,
     """(named, candidates, left_out) of a dataset, as :func:`resolve_columns` for files:
     with ``columns=None`` every other column of lists of integers is a candidate."""
     if columns is not None:
-        return [column, *[c for c in columns if c != column]], [], {}
+        return token_columns(column, columns), [], {}
     schema = ds.schema()
-    candidates, left_out = [], {}
-    for name, t in zip(schema.names, schema.types) if schema is not None else ():
-        if name in (column, order):
-            continue
-        kind = field_kind(t) if isinstance(t, pa.DataType) else f"holds {t}"
-        if name in WRITTEN:
-            left_out[name] = "written by the packing itself"
-        elif kind == "tokens":
-            candidates.append(name)
-        else:
-            left_out[name] = kind
-    return [column], candidates, left_out
+    kinds = {name: field_kind(t) if isinstance(t, pa.DataType) else f"holds {t}"
+             for name, t in (zip(schema.names, schema.types) if schema is not None else ())}
+    return [column], *default_columns(column, [("the dataset", kinds)],
+                                      skip=[order] if order else [])
 
 
 def pack_dataset(
@@ -667,7 +656,7 @@ def pack_files(
             ray.init(log_to_driver=not quiet)  # no cluster running: a local one
     sources = expand_inputs(inputs)
     out = OutputDir(Path(outdir), settings, sources, quiet)
-    resumed = out.prepare(resume=resume, overwrite=overwrite)
+    out.prepare(resume=resume, overwrite=overwrite)
     candidates: list[str]
     left_out: dict[str, str]
     if settings.text_column:
@@ -685,12 +674,8 @@ def pack_files(
         return {"path": sources[key >> ROW_BITS].path, "row": key & ((1 << ROW_BITS) - 1)}
 
     pipeline = _Pipeline(ds, settings, DOC, quiet, locate, named, candidates, left_out)
-    try:
+    with out.abandoned_on_error():
         pipeline.plan()
-    except BaseException:
-        if not resumed:
-            out.abandon()
-        raise
     out.packing(pipeline.columns)
     done = out.verified_done(pipeline.num_out)
     clock = time.monotonic()
@@ -704,6 +689,9 @@ def pack_files(
     extra = {"ray": {"cpus": int(ray.cluster_resources().get("CPU", 0)),
                      "nodes": len(ray.nodes()), "plan_shards": settings.plan_shards},
              "seconds": {k: round(v, 3) for k, v in pipeline.timings.items()}}
-    return out.finish(pipeline.stats, [entries[i] for i in range(pipeline.num_out)],
-                      pipeline.dtypes, extra, plot=plot, group_offsets=pipeline.group_offsets,
-                      left_out=pipeline.left_out)
+    shards = [entries[i] for i in range(pipeline.num_out)]
+    columns = output_schema(out.settings, pipeline.dtypes).names
+    report = make_report(out, pipeline.stats, shards, columns, extra, plot=plot,
+                         left_out=pipeline.left_out)
+    out.finish(report, shards, columns, pipeline.stats.packs, pipeline.group_offsets)
+    return report

@@ -4,28 +4,30 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from .. import _core
+from .._checks import _bool_arg, _choice, _int_arg, _threads
 from .._errors import FastpackError, FastpackTypeError
 from .._materialize import TokenData, _from_rows, materialize
-from .._plan import (
-    MAX_LEN_LIMIT,
-    OVERLONG_POLICIES,
-    STRATEGIES,
-    Plan,
-    _bool_arg,
-    _choice,
-    _int_arg,
-    _threads,
-    pack,
+from .._options import (
+    PLAN_OPTIONS,
+    PackArgs,
+    PackOptions,
+    WithOptions,
+    layered,
+    with_separator,
 )
-from .._tree import TREE_OVERLONG, group_codes, pack_trees, pair_keys, preference_samples, tree_rows
+from .._plan import Plan, pack
+from .._tree import group_codes, pack_trees, pair_keys, preference_samples, tree_rows
 from .formats import BACKENDS, MASK_MODES, RETURN_TENSORS, BatchFormat
 from .tree import flex_available, tree_batch
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["LOSS_MASK_KEYS", "PackedCollator"]
 
@@ -42,9 +44,15 @@ GROUP_KEY = "group"
 #: The backends that can express a tree batch (``share_prefix=True``): fastpack's
 #: registered attention reads the tree, Hugging Face's flex attention its ``BlockMask``.
 TREE_BACKENDS = ("flash", "flex")
+#: The plan options a collator refuses: one batch is packed on its own, in order.
+_PER_PLAN = {
+    name: "orders, buckets or groups the packs of a whole plan, not of one batch; pass it to "
+          "PackedDataset (or collator.plan())"
+    for name in PLAN_OPTIONS
+}
 
 
-class PackedCollator:
+class PackedCollator(WithOptions):
     """Pack a list of samples into one batch for ``model(**batch)``.
 
     Args:
@@ -60,17 +68,21 @@ class PackedCollator:
         fixed_cu_seqlens: flash: pad ``cu_seq_lens_q/k`` to this many entries by
             repeating the last value (empty trailing sequences), for CUDA graphs.
         return_tensors: ``"pt"`` (torch, via ``torch.from_numpy``: no copy) or ``"np"``.
-        separator_id: insert this token after every sample (reserved by the plan);
-            ``train_separators`` makes it a target.
-        strategy, overlong: passed to :func:`fastpack.pack` (``overlong`` decides what
-            happens to a sample longer than ``max_len``: ``"error"`` by default).
+        separator_id: insert this token after every sample (one slot reserved by the plan
+            unless ``reserve`` says more); ``train_separators`` makes it a target.
+        options, **kwargs: the packing options of every batch (:class:`fastpack.PackOptions`
+            as in :func:`fastpack.pack`: ``strategy``; ``overlong``, what happens to a
+            sample longer than ``max_len``, ``"error"`` by default; ``reserve``). The
+            options of a whole plan (``shuffle``, ``seed``, ``long_max_len``,
+            ``group_tokens``) go to :class:`PackedDataset` or :meth:`plan`.
         loss_mask_key: per-sample key of a 0/1 loss mask (default: the first of
             :data:`LOSS_MASK_KEYS` present); ``False`` to ignore masks.
         mask_dtype: dtype of the additive eager mask (match the model's dtype).
         return_seq_idx: add ``seq_idx`` (int32, segment index per token; Mamba / FLA).
         return_num_items: add ``num_items_in_batch`` (targets in the batch; the Trainer
             computes the same number itself, so this is for plain training loops).
-        share_prefix: compute shared prefixes once: samples with the same ``group`` value
+        share_prefix (an option: a keyword or in ``options``): compute shared prefixes
+            once: samples with the same ``group`` value
             share their longest common token prefix (RL rollouts of one prompt), samples
             without a ``group`` key share every common prefix (a trie: branching
             conversations), and preference pairs (``prompt_ids`` / ``chosen_ids`` /
@@ -100,7 +112,7 @@ class PackedCollator:
 
     def __init__(
         self,
-        max_len: int,
+        max_len: int | None = None,
         backend: str = "sdpa",
         *,
         mask: str = "position_ids",
@@ -111,19 +123,20 @@ class PackedCollator:
         separator_id: int | None = None,
         train_separators: bool = False,
         pad_id: int = 0,
-        strategy: str = "bfd",
-        overlong: str = "error",
+        options: PackOptions | None = None,
         loss_mask_key: str | bool | None = None,
         mask_dtype: torch.dtype = torch.float32,
         return_seq_idx: bool = False,
         return_num_items: bool = False,
         threads: int | None = None,
         ignore_keys: Sequence[str] = (),
-        share_prefix: bool = False,
+        **kwargs: Unpack[PackArgs],
     ) -> None:
         # Every option is checked here, so a mistake fails where the collator is built,
         # not at the first batch.
-        self.max_len = _int_arg("max_len", max_len, minimum=1, maximum=MAX_LEN_LIMIT)
+        #: The packing options of every batch (and the base of a dataset's).
+        self.options = with_separator(PackedCollator, options, max_len, kwargs, separator_id,
+                                      refuse=_PER_PLAN)
         self.backend = _choice("backend", backend, BACKENDS)
         self.mask = _choice("mask", mask, MASK_MODES)
         self.pad_to_multiple_of = None if pad_to_multiple_of is None else _int_arg(
@@ -137,8 +150,6 @@ class PackedCollator:
         )
         self.train_separators = _bool_arg("train_separators", train_separators)
         self.pad_id = _int_arg("pad_id", pad_id, minimum=-(2**63), maximum=2**63 - 1)
-        self.strategy = _choice("strategy", strategy, STRATEGIES)
-        self.overlong = _choice("overlong", overlong, OVERLONG_POLICIES)
         if self.backend == "padded" and self.overlong in ("split", "drop"):
             raise FastpackError(
                 f"overlong: {self.overlong!r} does not apply to backend='padded' (one sample "
@@ -162,8 +173,7 @@ class PackedCollator:
         self._known = frozenset((*KNOWN_KEYS, *([loss_mask_key] if isinstance(
             loss_mask_key, str) else []))) | self.ignore_keys
         self.threads = _threads(threads)
-        self.share_prefix = _bool_arg("share_prefix", share_prefix)
-        if self.share_prefix:
+        if self.options.share_prefix:
             self._check_tree_options(mask, return_tensors, fixed_cu_seqlens, return_seq_idx)
         self.format = BatchFormat(
             backend=self.backend, mask=self.mask,
@@ -171,10 +181,17 @@ class PackedCollator:
             fixed_cu_seqlens=fixed_cu_seqlens, mask_dtype=mask_dtype,
             return_seq_idx=return_seq_idx, return_num_items=return_num_items,
         )
+        # One batch keeps its samples in order on the flat layout, where bin packing could
+        # only reorder them (the padded backend has its own planner).
+        self._batch_options = self.options.replace(
+            strategy="next_fit" if self.layout == "flat" else self.options.strategy,
+            shuffle=False,
+        )
 
     def _check_tree_options(self, mask: str, return_tensors: Any, fixed_cu_seqlens: Any,
                             return_seq_idx: Any) -> None:
-        """Refuses, by name, every option a tree batch cannot honour."""
+        """Refuses, by name, every argument a tree batch cannot honour (the packing
+        options' own, ``overlong`` and the rest, are PackOptions')."""
         if self.backend not in TREE_BACKENDS:
             raise FastpackError(
                 f"share_prefix: backend={self.backend!r} cannot express a tree (its packed "
@@ -184,7 +201,6 @@ class PackedCollator:
             )
         refused = {
             "mask": (mask, "position_ids" if self.backend == "flash" else mask),
-            "separator_id": (self.separator_id, None),
             "return_tensors": (return_tensors, "pt"),
             "fixed_cu_seqlens": (fixed_cu_seqlens, None),
             "return_seq_idx": (return_seq_idx, False),
@@ -196,24 +212,9 @@ class PackedCollator:
                     f"is one torch row whose attention_mask is the tree); expected "
                     f"{accepted!r}"
                 )
-        if self.overlong not in TREE_OVERLONG:
-            raise FastpackError(
-                f"overlong: {self.overlong!r} does not apply with share_prefix=True (a piece "
-                f"of a sample could not attend to the pieces before it); expected one of "
-                f"{', '.join(map(repr, TREE_OVERLONG))}"
-            )
-        if self.strategy == "wrapped":
-            raise FastpackError(
-                "strategy: 'wrapped' cuts through trees; expected 'bfd', 'ffd' or 'next_fit' "
-                "with share_prefix=True"
-            )
         reason = flex_available()
         if reason is not None:
             raise FastpackError(f"share_prefix: needs flex attention's BlockMask; {reason}")
-
-    @property
-    def reserve(self) -> int:
-        return 0 if self.separator_id is None else 1
 
     @property
     def layout(self) -> str:
@@ -264,17 +265,13 @@ class PackedCollator:
             groups = None
             if any(GROUP_KEY in f for f in features):
                 groups = group_codes(self._column(features, GROUP_KEY), len(features))
-            # One flat row holds every pack: keep the trees in the samples' order.
-            plan = pack_trees(tokens, self.max_len, groups=groups, strategy="next_fit",
-                              overlong=self.overlong, shuffle=False, threads=self.threads)
+            # One flat row holds every pack: the trees in the samples' order.
+            plan = pack_trees(tokens, groups=groups, options=self._batch_options,
+                              threads=self.threads)
         elif self.backend == "padded":
-            plan = self.plan(lengths)
+            plan = self.plan(lengths, shuffle=False)
         else:
-            # One flat row holds every pack end to end: bin packing would only reorder the
-            # samples, so keep their order.
-            strategy = "next_fit" if self.layout == "flat" else self.strategy
-            plan = pack(lengths, self.max_len, strategy=strategy, overlong=self.overlong,
-                        reserve=self.reserve, shuffle=False, threads=self.threads)
+            plan = pack(lengths, options=self._batch_options, threads=self.threads)
         return self.batch(plan, tokens, None, labels=labels, loss_mask=loss_mask)
 
     def _pairs(self, features: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -291,8 +288,7 @@ class PackedCollator:
                     f"completions), so pass one or the other"
                 )
         tokens, loss_mask, groups = preference_samples(features)
-        plan = pack_trees(tokens, self.max_len, groups=groups, strategy="next_fit",
-                          overlong=self.overlong, shuffle=False, split=False,
+        plan = pack_trees(tokens, groups=groups, split=False, options=self._batch_options,
                           threads=self.threads)
         return self.batch(plan, tokens, None, loss_mask=loss_mask)
 
@@ -339,31 +335,30 @@ class PackedCollator:
         return next((k for k in LOSS_MASK_KEYS if any(k in f for f in features)), None)
 
     def plan(
-        self,
-        lengths: Any,
-        *,
-        shuffle: bool = False,
-        seed: int = 0,
-        long_max_len: int | None = None,
-        group_tokens: int | None = None,
+        self, lengths: Any, *, options: PackOptions | None = None, **kwargs: Unpack[PackArgs]
     ) -> Plan:
-        """The plan this collator uses for samples of these lengths (a whole dataset):
-        ``strategy`` whatever ``shuffle`` is; ``shuffle``/``seed`` shuffle the packs
-        (``long_max_len`` and ``group_tokens``: see :func:`fastpack.pack`). With the padded
-        backend every sample is its own pack, in input order or shuffled by ``seed``."""
-        shuffle = _bool_arg("shuffle", shuffle)
-        seed = _int_arg("seed", seed, minimum=0, maximum=2**64 - 1)
+        """The plan this collator uses for samples of these lengths (a whole dataset): its
+        per-batch options (``strategy`` whatever ``shuffle`` is), with the plan options
+        given here (``shuffle``, ``seed``, ``long_max_len``, ``group_tokens``: see
+        :func:`fastpack.pack`; shuffled with seed 0 by default). With the padded backend
+        every sample is its own pack, in input order or shuffled by ``seed``."""
+        opts, _ = layered(PackedCollator.plan, self.options, options, kwargs)
+        if opts.share_prefix:
+            raise FastpackError(
+                "share_prefix: True plans the samples' tokens, not their lengths; use "
+                "PackedDataset(tokens, collator) or fastpack.pack_trees(tokens, ...)"
+            )
+        return self._plan(lengths, opts)
+
+    def _plan(self, lengths: Any, options: PackOptions) -> Plan:
         if self.backend == "padded":
-            if long_max_len is not None or group_tokens is not None:
+            if options.long_max_len is not None or options.group_tokens is not None:
                 raise FastpackError(
                     "long_max_len/group_tokens: do not apply to backend='padded' (one sample "
                     "per row)"
                 )
-            return _one_per_pack(np.asarray(lengths, dtype=np.int64), self.max_len,
-                                 self.reserve, self.overlong, seed if shuffle else None)
-        return pack(lengths, self.max_len, strategy=self.strategy, overlong=self.overlong,
-                    reserve=self.reserve, shuffle=shuffle, seed=seed, threads=self.threads,
-                    long_max_len=long_max_len, group_tokens=group_tokens)
+            return _one_per_pack(np.asarray(lengths, dtype=np.int64), options)
+        return pack(lengths, options=options, threads=self.threads)
 
     def batch(
         self,
@@ -411,8 +406,7 @@ def _samples(plan: Plan, packs: Any, rows: dict[str, Any], mapping: np.ndarray |
              ) -> dict[str, np.ndarray]:
     """The samples a plain batch holds, one per segment in row order: their ids, and each
     one's tokens as flattened row positions (a row's padding is in no sample)."""
-    chosen = (np.arange(plan.num_packs, dtype=np.int64) if packs is None
-              else plan._packs(packs))
+    chosen = plan._packs(packs)
     offsets = np.asarray(plan.pack_offsets, dtype=np.int64)
     counts = offsets[chosen + 1] - offsets[chosen]
     segments = (np.repeat(offsets[chosen] - np.cumsum(counts) + counts, counts)
@@ -434,6 +428,16 @@ def _samples(plan: Plan, packs: Any, rows: dict[str, Any], mapping: np.ndarray |
         rows_of = np.repeat(np.arange(len(chosen), dtype=np.int64), fills)
         tokens = rows_of * width + np.arange(total, dtype=np.int64) - np.repeat(starts, fills)
     return {"sample_ids": ids, "sample_tokens": tokens, "sample_offsets": sample_offsets}
+
+
+def as_collator(value: Any) -> PackedCollator:
+    """``value`` if it is a :class:`PackedCollator` (what a dataset packs with), else the
+    one error for it."""
+    if not isinstance(value, PackedCollator):
+        raise FastpackTypeError(
+            f"collator: expected a fastpack.torch.PackedCollator, got {type(value).__name__}"
+        )
+    return value
 
 
 def _per_token(value: Any, length: int) -> bool:
@@ -468,10 +472,11 @@ def _check_unpacked(sample: Mapping[str, Any], index: int, length: int,
             )
 
 
-def _one_per_pack(lengths: np.ndarray, max_len: int, reserve: int, overlong: str,
-                  seed: int | None = None) -> Plan:
-    """A plan with every sample in its own pack (the padded baseline), in order or, with a
-    ``seed``, shuffled."""
+def _one_per_pack(lengths: np.ndarray, options: PackOptions) -> Plan:
+    """A plan with every sample in its own pack (the padded baseline), in order or, with
+    ``options.shuffle``, shuffled by ``options.seed``."""
+    max_len, reserve, overlong = options.max_len, options.reserve, options.overlong
+    seed = options.seed if options.shuffle else None
     extended = lengths + reserve
     over = extended > max_len
     if over.any() and overlong == "error":
@@ -507,4 +512,5 @@ def _one_per_pack(lengths: np.ndarray, max_len: int, reserve: int, overlong: str
         "truncated_sequences": int(over.sum()),
         "truncated_tokens": int((extended - np.minimum(extended, max_len)).sum()),
         "split_sequences": 0, "total_tokens": total,
+        "shuffle": options.shuffle, "seed": options.seed,
     })

@@ -7,19 +7,24 @@ import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from .. import _core
+from .._checks import _int_arg
 from .._errors import FastpackError, FastpackTypeError
-from .._materialize import Ragged, TokenData, as_ragged
-from .._plan import Plan, _int_arg, _with_metrics
+from .._materialize import Ragged, TokenData, _is_dataset, as_ragged
+from .._options import PackArgs, PackOptions, WithOptions, check_plan, layered
+from .._plan import Plan
 from .._targets import segment_targets
 from .._tree import group_codes, pack_trees, path_targets
-from .collator import GROUP_KEY, PackedCollator
+from .collator import GROUP_KEY, PackedCollator, as_collator
 from .step import Step
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["PackedDataset", "StepTable", "first_item"]
 
@@ -74,7 +79,7 @@ class StepTable:
         return len(self.tokens)
 
 
-class PackedDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
+class PackedDataset(torch.utils.data.Dataset, WithOptions):  # type: ignore[type-arg]
     """A whole dataset packed once; item ``i`` is step ``i``: a ready batch (formatted by
     ``collator``) of one group of the plan (``group_tokens``) or of ``packs_per_batch``
     packs.
@@ -98,14 +103,17 @@ class PackedDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
             ``datasets.Dataset``).
         packs_per_batch: a step is this many packs (rows), in plan order (default 1
             without ``group_tokens``).
-        group_tokens: a step is one group of the two-level plan: packs of ``max_len``
-            bin-packed under this token budget, so every step carries nearly the same
-            tokens (see :func:`fastpack.pack`). At least ``long_max_len`` (or ``max_len``).
-        long_max_len: a second bucket for sequences over ``max_len``, packed into packs of
-            this cap (never mixed with short ones in a pack or a group).
         plan: a precomputed plan over ``tokens`` (default: packed here); its groups are
-            the steps unless ``packs_per_batch`` is given.
-        shuffle, seed: shuffle the packs (groups) of the plan, once.
+            the steps unless ``packs_per_batch`` is given. It must have been made with the
+            options given here and the collator's ``max_len``, ``reserve`` and
+            ``share_prefix`` (``plan.options`` is compared).
+        options, **kwargs: the options of the whole plan (:class:`fastpack.PackOptions`):
+            ``group_tokens`` (a step is one group of the two-level plan: packs bin-packed
+            under this token budget, so every step carries nearly the same tokens; at
+            least ``long_max_len``, or ``max_len``), ``long_max_len`` (a second bucket for
+            sequences over ``max_len``, never mixed with short ones in a pack or a group),
+            ``shuffle`` and ``seed`` (shuffle the packs, or groups, of the plan, once). The
+            per-batch options are the collator's: given here, they must equal them.
         groups: with a collator made with ``share_prefix=True``: one value per sample (or,
             with a ``datasets.Dataset``, a column name); samples of one value share their
             longest common prefix. Default: the dataset's ``group`` column when it has one,
@@ -129,74 +137,40 @@ class PackedDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
         labels: TokenData | str | None = None,
         loss_mask: TokenData | str | None = None,
         packs_per_batch: int | None = None,
-        group_tokens: int | None = None,
-        long_max_len: int | None = None,
         plan: Plan | None = None,
-        shuffle: bool = True,
-        seed: int = 0,
+        options: PackOptions | None = None,
         groups: Any = None,
+        **kwargs: Unpack[PackArgs],
     ) -> None:
-        if not isinstance(collator, PackedCollator):
-            raise FastpackTypeError(
-                f"collator: expected a PackedCollator, got {type(collator).__name__}"
-            )
+        as_collator(collator)
         dataset: Any = tokens if _is_dataset(tokens) else None
         self.tokens: Ragged = as_ragged(tokens)
         self.labels = _resolve(labels, dataset, mask=False)
         self.loss_mask = _resolve(loss_mask, dataset, mask=True)
         self.collator = collator
-        if packs_per_batch is not None and group_tokens is not None:
+        #: The packing options: the collator's per-batch ones and the plan options given.
+        self.options, stated = layered(PackedDataset, collator.options, options, kwargs)
+        if packs_per_batch is not None and self.options.group_tokens is not None:
             raise FastpackError(
                 "packs_per_batch, group_tokens: pass one: a fixed number of packs per step, "
                 "or a token budget per step"
             )
-        if groups is not None and not collator.share_prefix:
+        if groups is not None and not self.options.share_prefix:
             raise FastpackError(
                 "groups: apply with a collator made with share_prefix=True (they say which "
                 "samples share a prefix)"
             )
-        if plan is None and collator.share_prefix:
-            if long_max_len is not None:
-                raise FastpackError(
-                    "long_max_len: does not apply with share_prefix=True (trees larger than "
-                    "max_len are split, their prefix repeated); raise max_len instead"
-                )
-            if isinstance(groups, str) or (groups is None and dataset is not None
-                                           and GROUP_KEY in dataset.column_names):
-                column = GROUP_KEY if groups is None else groups
-                if dataset is None or column not in dataset.column_names:
-                    raise FastpackError(
-                        f"groups: {column!r} names a column, which needs a datasets.Dataset "
-                        f"with it as tokens"
-                    )
-                groups = dataset[column]
-            codes = None if groups is None else group_codes(groups, len(self.tokens))
-            plan = pack_trees(
-                self.tokens, collator.max_len, groups=codes, strategy=collator.strategy,
-                overlong=collator.overlong, shuffle=shuffle, seed=seed,
-                group_tokens=group_tokens, threads=collator.threads,
-            )
+        if plan is None and self.options.share_prefix:
+            plan = pack_trees(self.tokens, groups=_groups(groups, dataset, len(self.tokens)),
+                              options=self.options, threads=collator.threads)
         elif plan is None:
-            plan = collator.plan(
-                self.tokens.lengths, shuffle=shuffle, seed=seed, long_max_len=long_max_len,
-                group_tokens=group_tokens,
-            )
+            plan = collator._plan(self.tokens.lengths, self.options)
         elif not isinstance(plan, Plan):
             raise FastpackTypeError(f"plan: expected a fastpack.Plan, got {type(plan).__name__}")
         else:
-            for name, value, have in (("group_tokens", group_tokens, plan.group_tokens),
-                                      ("long_max_len", long_max_len, plan.long_max_len)):
-                if value is not None and value != have:
-                    raise FastpackError(
-                        f"{name}: got {value}, but the given plan was made with {have}; "
-                        f"pass {name} to fastpack.pack() when planning"
-                    )
-        if (plan.parents is not None) != collator.share_prefix:
-            raise FastpackError(
-                "plan: a plan of shared-prefix trees (fastpack.pack_trees) goes with a "
-                "collator made with share_prefix=True, and a plan of sequences with one "
-                "without it"
-            )
+            # What building the batches reads from the plan, and what the caller stated.
+            check_plan(plan.options, self.options,
+                       {"max_len", "reserve", "share_prefix"} | stated)
         if plan.num_sequences != len(self.tokens):
             raise FastpackError(
                 f"plan: made from {plan.num_sequences} lengths, but the token data has "
@@ -418,11 +392,12 @@ def _sub_plan(plan: Plan, p0: int, p1: int, lo: int, hi: int) -> Plan:
     fields.update(
         sample_ids=plan.sample_ids[lo:hi], starts=plan.starts[lo:hi], seqlens=seqlens,
         pack_offsets=offsets - lo, total_tokens=total, buckets=buckets,
-        long_max_len=plan.long_max_len, pack_caps=caps,
+        long_max_len=plan.long_max_len, pack_caps=caps, shuffle=plan.options.shuffle,
+        seed=plan.options.seed,
     )
     if plan.parents is not None:
         fields.update(_sub_trees(plan, lo, hi))
-    return Plan(_with_metrics(fields))
+    return Plan(fields)
 
 
 def _sub_trees(plan: Plan, lo: int, hi: int) -> dict[str, Any]:
@@ -444,8 +419,21 @@ def _sub_trees(plan: Plan, lo: int, hi: int) -> dict[str, Any]:
                               + np.asarray(plan.seqlens)[ends]).sum()),
     }
 
-def _is_dataset(obj: Any) -> bool:
-    return type(obj).__module__.startswith("datasets") and hasattr(obj, "column_names")
+
+def _groups(groups: Any, dataset: Any, count: int) -> np.ndarray | None:
+    """The group codes of a dataset's samples: ``groups`` (values, or a column name of
+    ``dataset``), by default its ``group`` column if it has one, else None (a trie)."""
+    if isinstance(groups, str) or (groups is None and dataset is not None
+                                   and GROUP_KEY in dataset.column_names):
+        column = GROUP_KEY if groups is None else groups
+        if dataset is None or column not in dataset.column_names:
+            raise FastpackError(
+                f"groups: {column!r} names a column, which needs a datasets.Dataset with it "
+                f"as tokens"
+            )
+        groups = dataset[column]
+    return None if groups is None else group_codes(groups, count)
+
 
 
 def _resolve(data: Any, dataset: Any, *, mask: bool) -> Ragged | None:

@@ -24,8 +24,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from .._checks import _bool_arg, _choice, _int_arg
 from .._errors import FastpackError, FastpackTypeError
-from .._plan import _bool_arg, _choice, _int_arg
 
 __all__ = ["BACKENDS", "MASK_MODES", "RETURN_TENSORS", "BatchFormat"]
 

@@ -31,8 +31,8 @@ import numpy as np
 import torch
 
 from .. import _core
+from .._checks import _int_arg
 from .._errors import FastpackError, FastpackTypeError
-from .._plan import _int_arg
 from .data import PackedDataset, StepTable
 from .step import Step
 

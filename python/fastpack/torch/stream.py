@@ -7,16 +7,27 @@ import logging
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from .._checks import _choice, _int_arg
 from .._errors import FastpackError, FastpackTypeError
 from .._materialize import Ragged, _from_rows, _to_numpy
-from .._plan import STRATEGIES, _choice, _int_arg
-from .._stream import LENGTH_COLUMN, StreamPacker, StreamStats, _stream_seed
-from .collator import LOSS_MASK_KEYS, PackedCollator
+from .._options import PackArgs, PackOptions, WithOptions, layered
+from .._stream import (
+    DEFAULT_BUFFER_SIZE,
+    LENGTH_COLUMN,
+    STREAM_REFUSES,
+    StreamPacker,
+    StreamStats,
+    _stream_seed,
+)
+from .collator import LOSS_MASK_KEYS, PackedCollator, as_collator
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["SHARDINGS", "PackedIterableDataset"]
 
@@ -30,7 +41,9 @@ _STATE_VERSION = 1
 logger = logging.getLogger("fastpack")
 
 
-class PackedIterableDataset(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+class PackedIterableDataset(
+    torch.utils.data.IterableDataset, WithOptions  # type: ignore[type-arg]
+):
     """Ready batches from a stream of samples, packed a window at a time.
 
     ``source`` is any iterable of samples — a ``datasets.IterableDataset``, a torch
@@ -76,13 +89,16 @@ class PackedIterableDataset(torch.utils.data.IterableDataset):  # type: ignore[t
         collator: the :class:`PackedCollator` giving ``max_len``, the backend,
             ``overlong``, separators and the batch format.
         buffer_size: samples per window (memory: about this many samples' tokens).
-        strategy: the collator's (``PackedCollator(strategy=...)``: ``"bfd"`` by default,
-            ``"ffd"``, ``"next_fit"`` — keeps the order: the same packs as the offline
-            next fit — or ``"wrapped"``); a different value here raises.
         packs_per_batch: packs (rows) per item; each window emits a multiple of it, so
             only the stream's last batch may have fewer.
-        shuffle: shuffle the packs each window emits (``seed``, the epoch and the shard).
         sharding, rank, world_size: see above.
+        options, **kwargs: the options of the plan (:class:`fastpack.PackOptions`):
+            ``shuffle`` the packs each window emits (``seed``, the epoch and the shard),
+            ``long_max_len`` (``group_tokens`` raises: groups need the whole plan). The
+            per-batch options are the collator's (``PackedCollator(strategy=...)``:
+            ``"bfd"`` by default, ``"ffd"``, ``"next_fit"`` — keeps the order: the same
+            packs as the offline next fit — or ``"wrapped"``); given here, they must
+            equal them.
 
     Keys: whether the batches have ``labels`` and which loss mask they read are fixed
     once per pass — from the source's ``features`` (a ``datasets.IterableDataset``) when
@@ -104,28 +120,18 @@ class PackedIterableDataset(torch.utils.data.IterableDataset):  # type: ignore[t
         source: Any,
         collator: PackedCollator,
         *,
-        buffer_size: int = 10_000,
-        strategy: str | None = None,
+        buffer_size: int = DEFAULT_BUFFER_SIZE,
         packs_per_batch: int = 1,
-        shuffle: bool = True,
-        seed: int = 0,
         sharding: str = "auto",
         rank: int | None = None,
         world_size: int | None = None,
+        options: PackOptions | None = None,
+        **kwargs: Unpack[PackArgs],
     ) -> None:
-        if not isinstance(collator, PackedCollator):
-            raise FastpackTypeError(
-                f"collator: expected a fastpack.torch.PackedCollator, got {type(collator).__name__}"
-            )
+        as_collator(collator)
         if collator.backend == "padded":
             raise FastpackError("collator: backend='padded' does not pack; use a plain "
                                 "DataLoader with the collator as collate_fn")
-        if collator.share_prefix:
-            raise FastpackError(
-                "collator: share_prefix=True is not supported on a stream (its trees span "
-                "the whole window, and a window's plan is not a tree plan); use a "
-                "PackedDataset, or the collator as a DataLoader's collate_fn"
-            )
         if isinstance(source, (str, bytes, Mapping)) or not (
             hasattr(source, "__iter__") or callable(source)
         ):
@@ -135,19 +141,11 @@ class PackedIterableDataset(torch.utils.data.IterableDataset):  # type: ignore[t
             )
         self.source = source
         self.collator = collator
+        #: The packing options: the collator's per-batch ones and the plan options given.
+        self.options, _ = layered(PackedIterableDataset, collator.options, options, kwargs,
+                                  refuse=STREAM_REFUSES)
         self.buffer_size = _int_arg("buffer_size", buffer_size, minimum=1)
-        self.strategy = collator.strategy
-        if strategy is not None and _choice("strategy", strategy, STRATEGIES) != self.strategy:
-            raise FastpackError(
-                f"strategy: got {strategy!r}, but the collator plans with "
-                f"{collator.strategy!r}; set it once, on the collator "
-                f"(PackedCollator(..., strategy={strategy!r})), and leave it out here"
-            )
         self.packs_per_batch = _int_arg("packs_per_batch", packs_per_batch, minimum=1)
-        if not isinstance(shuffle, (bool, np.bool_)):
-            raise FastpackTypeError(f"shuffle: expected a bool, got {type(shuffle).__name__}")
-        self.shuffle = bool(shuffle)
-        self.seed = _int_arg("seed", seed, minimum=0, maximum=2**64 - 1)
         sharding = _choice("sharding", sharding, SHARDINGS)
         if sharding == "auto":
             sharding = "hf" if _is_hf_stream(source) else "stride"
@@ -175,12 +173,10 @@ class PackedIterableDataset(torch.utils.data.IterableDataset):  # type: ignore[t
 
     # ------------------------------------------------------------------ options
     def _packer(self, shard: tuple[int, int]) -> StreamPacker:
-        c = self.collator
+        seed = _stream_seed(self.options.seed, self.epoch, *shard)
         return StreamPacker(
-            c.max_len, buffer_size=self.buffer_size, strategy=self.strategy,
-            overlong=c.overlong, reserve=c.reserve, shuffle=self.shuffle,
-            seed=_stream_seed(self.seed, self.epoch, *shard), packs_multiple=self.packs_per_batch,
-            threads=c.threads,
+            options=self.options.replace(seed=seed), buffer_size=self.buffer_size,
+            packs_multiple=self.packs_per_batch, threads=self.collator.threads,
         )
 
     def set_epoch(self, epoch: int) -> None:

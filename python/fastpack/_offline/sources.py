@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from ._errors import FastpackError
+from .._errors import FastpackError
 
 __all__ = [
     "Batch",

@@ -1,6 +1,8 @@
 """``fastpack stats``: a corpus's length distribution and, for each cap, the rows and
 efficiency of every way to batch it — padding to the cap, padding per batch, length
-bucketing, next-fit and best-fit-decreasing packing — against the lower bound."""
+bucketing, next-fit and best-fit-decreasing packing — against the lower bound. Also the
+pictures (this command's and ``fastpack pack``'s report.png) and the length histogram a
+pack run reports, which merges across machines."""
 
 from __future__ import annotations
 
@@ -9,11 +11,13 @@ from typing import Any
 
 import numpy as np
 
-from ._plan import pack
+from .._errors import FastpackError
+from .._plan import pack
 
 __all__ = [
     "METHODS",
     "LengthHistogram",
+    "check_plot",
     "compare",
     "length_summary",
     "plot_report",
@@ -198,10 +202,17 @@ def plot_unavailable() -> str | None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        from . import DISTRIBUTION
+        from .. import DISTRIBUTION
 
         return f"matplotlib is not installed (pip install '{DISTRIBUTION}[cli]')"
     return None
+
+
+def check_plot(plot: bool | None, name: str = "plot") -> None:
+    """A picture asked for explicitly where none can be drawn: an error before any work."""
+    missing = plot_unavailable() if plot else None
+    if missing:
+        raise FastpackError(f"{name}: the picture needs matplotlib: {missing}")
 
 
 def _figure(ncols: int) -> Any:

@@ -1,4 +1,8 @@
-"""Sharded plans: when one global plan does not fit one machine, documents are dealt to
+"""Pass 2, the plan: one global plan (``fastpack.pack``) over every document's length, or
+a sharded plan, and windows of it (the packs a gather pass or a worker writes, as a plan of
+their own).
+
+Sharded plans: when one global plan does not fit one machine, documents are dealt to
 ``K`` plan shards by a hash of their key, each shard is packed on its own (best fit over
 its own documents) and the plans are laid end to end. Every machine computes the same
 shard of a document from its key alone, so Ray workers and the single-machine path agree.
@@ -11,28 +15,67 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._plan import Plan, pack
+from .._plan import Plan, pack
+from .sources import InputError, Source
+
+if TYPE_CHECKING:
+    from .scan import Scan
+    from .settings import PackSettings
 
 __all__ = [
     "ROW_BITS",
-    "mix64",
-    "shard_seed",
-    "sorted_unique",
     "PlanConfig",
+    "check_overlong",
     "combine_plans",
     "file_keys",
+    "make_plan",
+    "mix64",
     "plan_shard",
+    "plan_window",
     "shard_of",
+    "shard_seed",
     "sharded_plan",
+    "sorted_unique",
 ]
 
 #: A document read from files is keyed ``file_index << ROW_BITS | row``: its place in
 #: fastpack's order, computable by whichever machine reads the row.
 ROW_BITS = 40
+
+
+def make_plan(scan: Scan, settings: PackSettings,
+              sources: Sequence[Source]) -> tuple[Plan, list[int]]:
+    """The plan and the packs of each plan shard (one entry for a global plan)."""
+    check_overlong(scan, settings, sources)
+    if settings.plan_shards > 1:
+        return sharded_plan(scan.lengths, settings.plan_shards, settings.plan_config,
+                            keys=file_keys(scan.file_rows))
+    plan = settings.plan_config.pack(scan.lengths)
+    return plan, [plan.num_packs]
+
+
+def check_overlong(scan: Scan, settings: PackSettings, sources: Sequence[Source]) -> None:
+    """With ``--overlong error``, names the first document longer than the cap."""
+    lengths = scan.lengths
+    if settings.overlong != "error" or settings.strategy == "wrapped" or not lengths.size:
+        return
+    over = np.flatnonzero(lengths > settings.max_cap)
+    if over.size:
+        path, row = scan.locate(int(over[0]), sources)
+        more = f" (and {over.size - 1:,} more over the cap)" if over.size > 1 else ""
+        raise InputError(
+            f"{int(lengths[over[0]]):,} tokens, longer than the cap of {settings.max_cap:,}"
+            f"{more}; pass --overlong split, truncate or drop (or a larger --long-max-len)",
+            path=path, row=row, column=settings.column)
+
+
+# ---------------------------------------------------------------------------------------
+# sharded plans
+
 
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
@@ -165,3 +208,39 @@ def sharded_plan(lengths: np.ndarray, num_shards: int, config: PlanConfig,
         plans.append(plan_shard(lengths[members], s, config))
         maps.append(members.astype(np.int64))
     return combine_plans(plans, maps), [p.num_packs for p in plans]
+
+
+# ---------------------------------------------------------------------------------------
+# windows of a plan
+
+
+def plan_window(plan: Plan, p: int, q: int, sample_ids: np.ndarray | None = None) -> Plan:
+    """Packs ``p:q`` of ``plan`` as a plan of their own: the plan's options (caps, reserve,
+    policies), these packs' segments -- their samples renamed ``sample_ids`` when given
+    (the rows of the data they are gathered from) -- and the counts and metrics of what
+    the window holds (what a plan lost is the whole plan's: a window holds none of it)."""
+    s0, s1 = int(plan.pack_offsets[p]), int(plan.pack_offsets[q])
+    ids = plan.sample_ids[s0:s1] if sample_ids is None else sample_ids
+    seqlens = plan.seqlens[s0:s1]
+    fields: dict[str, Any] = {
+        "sample_ids": np.ascontiguousarray(ids, dtype=np.int64),
+        "starts": plan.starts[s0:s1], "seqlens": seqlens,
+        "pack_offsets": np.asarray(plan.pack_offsets[p:q + 1], dtype=np.int64) - s0,
+        "max_len": plan.max_len, "reserve": plan.reserve, "strategy": plan.strategy,
+        "overlong": plan.overlong, "long_max_len": plan.long_max_len,
+        "num_sequences": len(sorted_unique(plan.sample_ids[s0:s1])),
+        "empty_sequences": 0, "dropped_sequences": 0, "dropped_tokens": 0,
+        "truncated_sequences": 0, "truncated_tokens": 0, "split_sequences": 0,
+        "total_tokens": int(seqlens.sum(dtype=np.int64)) - plan.reserve * (s1 - s0),
+    }
+    if plan.long_max_len is not None:
+        caps = np.asarray(plan.pack_caps[p:q])
+        fields["pack_caps"] = caps
+        # Each bucket's sequences: those with a segment in one of its packs here.
+        cap_of_segment = np.repeat(caps, np.diff(fields["pack_offsets"]))
+        window_ids = plan.sample_ids[s0:s1]
+        fields["buckets"] = [
+            {"num_sequences": len(sorted_unique(window_ids[cap_of_segment == cap]))}
+            for cap in (plan.max_len, plan.long_max_len)
+        ]
+    return Plan(fields)

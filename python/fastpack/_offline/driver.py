@@ -1,0 +1,100 @@
+"""``fastpack pack``: a corpus on disk -> parquet shards of packed rows, in bounded memory.
+:func:`pack_corpus` runs the passes, each a module of this package:
+
+0. :mod:`.outdir` — the output directory is checked and a run started (or an interrupted
+   one resumed: its settings and inputs must be the same). Nothing in it is ever
+   half-written: shards are written atomically and listed in a journal with their sha256;
+   ``manifest.json``, written last, marks the output complete.
+1. :mod:`.scan` — **lengths**: every input (:mod:`.sources`: parquet, JSON lines, Arrow)
+   is read once, as a stream of batches; only each document's length is kept (4 bytes per
+   document), and which columns are packed, in which dtype. With ``--text-column`` this
+   pass tokenizes and spills the ids to parquet, so text is tokenized once.
+2. :mod:`.plan` — **plan**: one global plan (``fastpack.pack``) over all lengths, or a
+   sharded plan (``--plan-shards``: the documents dealt to shards by a hash of their key).
+3. :mod:`.gather` — **gather**: the output's row groups (:mod:`.layout`) are grouped into
+   passes whose documents' tokens fit the memory budget; each pass loads its documents
+   (one pass: read from the inputs; several: spilled to a file per pass by one more read)
+   and gathers their rows in Rust (``fastpack.gather``), shard by shard.
+4. :mod:`.report` — **report**: the plan's numbers, report.json, report.png and the
+   summary: every token dropped, truncated or split is counted, every column left out
+   named.
+
+Memory: about ``33 bytes × documents`` (lengths, plan, pass mask) + ``--memory`` (one
+pass's tokens) + one input batch (``BATCH_BYTES`` of decoded rows, or one parquet row
+group) + one output row group (``ROW_GROUP_TOKENS`` tokens). See docs/cli.md.
+
+``fastpack.ray`` runs the same passes on a Ray cluster with these modules' pieces (the
+settings, the columns to pack, plan windows, the row gather, the output directory and the
+report), byte for byte the same shards. ``fastpack stats`` is the lengths pass and
+:mod:`.stats`. The layers of fastpack and who owns what: docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .gather import gather_passes
+from .layout import output_schema
+from .outdir import OutputDir
+from .plan import make_plan
+from .progress import log
+from .report import PlanStats, make_report
+from .scan import lengths_pass
+from .settings import PackSettings
+from .sources import expand_inputs
+from .stats import check_plot
+
+__all__ = ["pack_corpus"]
+
+
+def pack_corpus(
+    inputs: Sequence[str],
+    outdir: str | os.PathLike[str],
+    settings: PackSettings,
+    *,
+    memory: int | None = None,
+    spill: bool = True,
+    resume: bool = False,
+    overwrite: bool = False,
+    quiet: bool = False,
+    plot: bool | None = None,
+) -> dict[str, Any]:
+    """Packs the documents of ``inputs`` into parquet shards in ``outdir``; returns the
+    report (also written to ``outdir/report.json``).
+
+    ``memory``: bytes of token data one gather pass may hold (default: half the available
+    memory). More passes than one read the inputs once more and ``spill`` each pass's
+    documents to a temporary file (as many bytes as the tokens), or, without ``spill``,
+    read the inputs again for every pass. ``plot``: draw report.png (None: where
+    matplotlib is installed; True: required, checked before any work)."""
+    settings.validate()
+    check_plot(plot)
+    seconds: dict[str, float] = {}
+    clock = time.monotonic()
+    out = OutputDir(Path(outdir), settings, expand_inputs(inputs), quiet)
+    resumed = out.prepare(resume=resume, overwrite=overwrite)
+    with out.abandoned_on_error():
+        scan, read_sources = lengths_pass(out, resumed)
+        out.packing(scan.columns)
+        seconds["lengths"] = time.monotonic() - clock
+        clock = time.monotonic()
+        plan, pack_counts = make_plan(scan, out.settings, read_sources)
+    seconds["plan"] = time.monotonic() - clock
+    log(f"plan: {plan.num_packs:,} packs of {settings.max_len:,} tokens for "
+        f"{len(scan.lengths):,} documents ({seconds['plan']:.2f} s)", quiet=quiet)
+    clock = time.monotonic()
+    entries, passes, budget = gather_passes(out, read_sources, scan, plan, pack_counts,
+                                            memory, spill)
+    seconds["gather"] = time.monotonic() - clock
+    stats = PlanStats.of(plan, scan.lengths, out.settings)
+    columns = output_schema(out.settings, scan.dtypes).names
+    extra = {"passes": passes, "memory_budget": budget, "spilled": spill and passes > 1,
+             "seconds": {k: round(v, 3) for k, v in seconds.items()}}
+    report = make_report(out, stats, entries, columns, extra, plot=plot,
+                         left_out=scan.left_out)
+    out.finish(report, entries, columns, stats.packs, plan.group_offsets)
+    return report

@@ -1,0 +1,315 @@
+"""Pass 1, the lengths: every input file is read once, as a stream of batches, and only
+each document's length is kept (4 bytes per document), with what the output needs to know
+of the columns -- which are packed, the dtype each needs, and why each of the others is
+left out. With ``--text-column`` this pass tokenizes and spills the token ids to a
+temporary parquet file per input, so text is tokenized once; the gather passes then read
+those files."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pyarrow as pa
+
+from .layout import WRITTEN
+from .progress import Progress, log
+from .settings import PackSettings, token_columns
+from .sources import InputError, Source, iter_batches, list_lengths, peek_columns
+
+if TYPE_CHECKING:
+    from .outdir import OutputDir
+
+__all__ = [
+    "Scan",
+    "column_dtype",
+    "default_columns",
+    "lengths_pass",
+    "load_tokenizer",
+    "resolve_columns",
+    "scan_lengths",
+    "text_left_out",
+    "tokenize_inputs",
+    "uneven_reason",
+]
+
+
+@dataclass
+class Scan:
+    """What the lengths pass learns: every document's length, each file's rows, the dtype
+    each packed column takes (the packed columns, in output order) and the columns left
+    out with the reason."""
+
+    lengths: np.ndarray
+    file_rows: list[int]
+    dtypes: dict[str, str]
+    left_out: dict[str, str]
+
+    @property
+    def columns(self) -> list[str]:
+        return list(self.dtypes)
+
+    @property
+    def row_starts(self) -> np.ndarray:
+        return np.concatenate([[0], np.cumsum(self.file_rows, dtype=np.int64)])
+
+    def locate(self, doc: int, sources: Sequence[Source]) -> tuple[str, int]:
+        """(file, row) of a global document index."""
+        starts = self.row_starts
+        f = int(np.searchsorted(starts, doc, side="right")) - 1
+        return sources[f].path, doc - int(starts[f])
+
+    def save(self, out: OutputDir, sources: Sequence[Source]) -> None:
+        """Kept in the state directory, so that a resumed run skips this pass."""
+        np.save(out.state_dir / "lengths.npy", self.lengths)
+        out.write_json(out.state_dir / "scan.json", {
+            "file_rows": self.file_rows, "dtypes": self.dtypes, "left_out": self.left_out,
+            "sources": [asdict(s) for s in sources]})
+
+    @classmethod
+    def saved(cls, out: OutputDir) -> tuple[Scan, list[Source]] | None:
+        """The scan an interrupted run saved, and the files it read, or None."""
+        path = out.state_dir / "scan.json"
+        if not path.exists():
+            return None
+        saved = json.loads(path.read_text())
+        lengths = np.load(out.state_dir / "lengths.npy")
+        return (cls(lengths, saved["file_rows"], saved["dtypes"], saved.get("left_out", {})),
+                [Source(**s) for s in saved["sources"]])
+
+
+def lengths_pass(out: OutputDir, resumed: bool) -> tuple[Scan, list[Source]]:
+    """Pass 1, or its saved result when resuming; returns the scan and the files the
+    gather passes read (the inputs, or for text the tokenized ids)."""
+    settings = out.settings
+    saved = Scan.saved(out) if resumed else None
+    if saved is not None:
+        log(f"resume: lengths of {len(saved[0].lengths):,} documents from the interrupted "
+            "run", quiet=out.quiet)
+        return saved
+    if settings.text_column:
+        sources, scan = tokenize_inputs(out.sources, settings, out.state_dir / "tokens",
+                                        quiet=out.quiet)
+        scan.left_out = text_left_out(out.sources, settings.text_column)
+    else:
+        sources = list(out.sources)
+        named, candidates, left_out = resolve_columns(sources, settings.column,
+                                                      settings.columns)
+        scan = scan_lengths(sources, named, candidates=candidates, left_out=left_out,
+                            quiet=out.quiet)
+    scan.save(out, sources)
+    return scan, sources
+
+
+# ---------------------------------------------------------------------------------------
+# the columns to pack
+
+_NARROW = (pa.int8(), pa.int16(), pa.int32(), pa.uint8(), pa.uint16())
+
+
+def column_dtype(column: pa.ChunkedArray) -> str:
+    """The dtype a packed column needs for these rows: int32 when every value fits (the
+    same whatever the file format: JSON has no integer widths), else int64."""
+    if column.type.value_type in _NARROW:
+        return "int32"
+    import pyarrow.compute as pc
+
+    values = pc.list_flatten(column)
+    if len(values) == 0:
+        return "int32"
+    bounds = pc.min_max(values)
+    lo, hi = bounds["min"].as_py(), bounds["max"].as_py()
+    return "int32" if -(2**31) <= lo and hi < 2**31 else "int64"
+
+
+def resolve_columns(
+    sources: Sequence[Source], column: str, columns: Sequence[str] | None
+) -> tuple[list[str], list[str], dict[str, str]]:
+    """``(named, candidates, left_out)``: the columns to pack for sure (``column`` first,
+    then ``columns``), and with ``columns=None`` every other column that holds lists of
+    integers in every input (packed when the lengths pass finds one value per token) and
+    why each of the rest is left out."""
+    if columns is not None:
+        return token_columns(column, columns), [], {}
+    return [column], *default_columns(column, [(s.path, peek_columns(s)) for s in sources])
+
+
+def default_columns(
+    column: str, inputs: Sequence[tuple[str, dict[str, str]]], skip: Sequence[str] = ()
+) -> tuple[list[str], dict[str, str]]:
+    """``(candidates, left_out)`` when no columns are named: of ``inputs`` (each a name
+    and its columns' kinds, as :func:`~fastpack._offline.sources.peek_columns` gives
+    them), every column but ``column`` and ``skip`` that holds lists of integers in every
+    input is a candidate; each of the others is left out, with the reason."""
+    names = list(dict.fromkeys(n for _, kinds in inputs for n in kinds))
+    candidates, left_out = [], {}
+    for name in names:
+        if name == column or name in skip:
+            continue
+        missing = [path for path, kinds in inputs if name not in kinds]
+        reasons = [kinds[name] for _, kinds in inputs if kinds.get(name, "tokens") != "tokens"]
+        if name in WRITTEN:
+            left_out[name] = "written by the packing itself"
+        elif missing:
+            left_out[name] = f"not in every input (not in {missing[0]})"
+        elif reasons:
+            left_out[name] = reasons[0]
+        else:
+            candidates.append(name)
+    return candidates, left_out
+
+
+def text_left_out(sources: Sequence[Source], text_column: str) -> dict[str, str]:
+    """With ``--text-column`` only the tokenized text is packed: every other column of the
+    inputs is left out, and named."""
+    names = dict.fromkeys(n for s in sources for n in peek_columns(s))
+    return {n: f"not packed with --text-column (only {text_column!r}, tokenized)"
+            for n in names if n != text_column}
+
+
+def uneven_reason(column: str) -> str:
+    return f"not one value per token of {column!r}"
+
+
+def scan_lengths(
+    sources: Sequence[Source], columns: Sequence[str], *, candidates: Sequence[str] = (),
+    left_out: dict[str, str] | None = None, quiet: bool = False
+) -> Scan:
+    """Pass 1: every document's length from the first of ``columns``; the others must have
+    the same length on every row. Each of ``candidates`` is packed too if it has, and
+    otherwise left out (added to ``left_out``)."""
+    parts: list[np.ndarray] = []
+    file_rows: list[int] = []
+    alive = list(candidates)
+    dtypes: dict[str, str] = {c: "int32" for c in [*columns, *alive]}
+    left = dict(left_out or {})
+    with Progress("lengths", sum(s.size for s in sources), unit="B", quiet=quiet) as bar:
+        docs = 0
+        for source in sources:
+            rows, consumed = 0, 0
+            wanted = {c: "tokens" for c in [*columns, *alive]}
+            try:
+                for batch in iter_batches(source, wanted):
+                    table = batch.table
+                    lengths = list_lengths(table.column(columns[0]))
+                    for c in [*columns[1:], *alive]:
+                        other = list_lengths(table.column(c))
+                        bad = np.flatnonzero(other != lengths)
+                        if not bad.size:
+                            continue
+                        if c in alive:  # a list column of another length: not per token
+                            alive.remove(c)
+                            del dtypes[c]
+                            left[c] = uneven_reason(columns[0])
+                            continue
+                        i = int(bad[0])
+                        raise InputError(
+                            f"has {other[i]:,} values where {columns[0]!r} has "
+                            f"{lengths[i]:,} tokens; packed columns need one value per token",
+                            path=source.path, row=batch.row + i, column=c,
+                            line=batch.line(i))
+                    for c in [*columns, *alive]:
+                        value_type = table.column(c).type.value_type
+                        if column_dtype(table.column(c)) == "int64":
+                            dtypes[c] = "int64"
+                        if value_type == pa.uint64():
+                            _check_uint64(table.column(c), source, batch.row, c)
+                    if lengths.size and lengths.max() >= 2**31:
+                        i = int(np.argmax(lengths >= 2**31))
+                        raise InputError(f"{lengths[i]:,} tokens in one document (at most "
+                                         "2^31-1)", path=source.path, row=batch.row + i,
+                                         column=columns[0])
+                    parts.append(lengths.astype(np.int32))
+                    rows += len(lengths)
+                    bar.update(batch.done_bytes - consumed)
+                    consumed = batch.done_bytes
+            except InputError as e:
+                if e.column in alive:
+                    raise InputError(
+                        f"{e} (packed by default: it holds lists of integers; pass --columns "
+                        "to name the per-token columns)") from None
+                raise
+            bar.update(source.size - consumed)
+            file_rows.append(rows)
+            docs += rows
+            bar.set_postfix(f"{docs:,} documents")
+    lengths = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
+    return Scan(lengths, file_rows, dtypes, left)
+
+
+def _check_uint64(column: pa.ChunkedArray, source: Source, row: int, name: str) -> None:
+    import pyarrow.compute as pc
+
+    values = pc.list_flatten(column)
+    if len(values) and pc.max(values).as_py() >= 2**63:
+        raise InputError("holds a token id of 2^63 or more (does not fit in int64)",
+                         path=source.path, row=row, column=name)
+
+
+# ---------------------------------------------------------------------------------------
+# text: tokenized once, in this pass
+
+
+def load_tokenizer(directory: str) -> Any:
+    """A function from a list of texts to their token ids, from a tokenizer saved with
+    ``save_pretrained`` in ``directory`` (transformers if installed, else tokenizers)."""
+    path = Path(directory)
+    if not path.is_dir():
+        raise InputError("no such tokenizer directory; expected a directory written by "
+                         "save_pretrained (tokenizer.json, tokenizer_config.json)",
+                         path=directory)
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        if not (path / "tokenizer.json").exists():
+            raise InputError("no tokenizer.json here (and transformers is not installed)",
+                             path=directory) from None
+        from tokenizers import Tokenizer
+
+        raw = Tokenizer.from_file(str(path / "tokenizer.json"))
+        return lambda texts: [e.ids for e in raw.encode_batch(texts)]
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise InputError(f"not a tokenizer saved with save_pretrained ({e})",
+                         path=directory) from None
+    return lambda texts: tokenizer(texts)["input_ids"]
+
+
+def tokenize_inputs(
+    sources: Sequence[Source], settings: PackSettings, spill: Path, *, quiet: bool = False
+) -> tuple[list[Source], Scan]:
+    """Pass 1 for text: tokenize every document once, spill the ids to parquet (one file
+    per input) and learn the lengths on the way."""
+    import pyarrow.parquet as pq
+
+    assert settings.text_column and settings.tokenizer
+    encode = load_tokenizer(settings.tokenizer)
+    spill.mkdir(parents=True, exist_ok=True)
+    schema = pa.schema([(settings.column, pa.list_(pa.int32()))])
+    parts: list[np.ndarray] = []
+    file_rows: list[int] = []
+    spilled: list[Source] = []
+    with Progress("tokenize", sum(s.size for s in sources), unit="B", quiet=quiet) as bar:
+        for k, source in enumerate(sources):
+            path = spill / f"{k:05d}.parquet"
+            rows, consumed = 0, 0
+            with pq.ParquetWriter(path, schema, compression="zstd") as writer:
+                for batch in iter_batches(source, {settings.text_column: "text"}):
+                    texts = batch.table.column(settings.text_column).to_pylist()
+                    ids = pa.array(encode(texts), type=pa.list_(pa.int32()))
+                    writer.write_table(pa.table({settings.column: ids}))
+                    parts.append(list_lengths(pa.chunked_array([ids])).astype(np.int32))
+                    rows += len(texts)
+                    bar.update(batch.done_bytes - consumed)
+                    consumed = batch.done_bytes
+            bar.update(source.size - consumed)
+            file_rows.append(rows)
+            st = path.stat()
+            spilled.append(Source(str(path), "parquet", None, st.st_size, st.st_mtime_ns))
+    lengths = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
+    return spilled, Scan(lengths, file_rows, {settings.column: "int32"}, {})
