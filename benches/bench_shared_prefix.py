@@ -14,7 +14,10 @@ on GRPO-like data: a prompt of ``P`` tokens with ``G`` responses of ``R`` tokens
    * ``dense tree`` — the same tree batch through Hugging Face's SDPA with a dense
      ``[T, T]`` ancestor mask, as AReaL builds it (peer method, O(T²) memory).
    The three losses (token mean over the responses) are checked equal before timing. The
-   target of issue 17: ``tree ≤ 1.1 × plain × tokens(tree) / tokens(plain)``.
+   target of issue 17: ``tree ≤ 1.1 × plain × tokens(tree) / tokens(plain)``; beside it the
+   same bound with the sampler's cost model, ``6·h·Σl + attention work`` (a sequence of
+   ``l`` tokens: ``l²``; a tree: ``P² + Σ(Rᵢ² + 2·P·Rᵢ)``), since each response still
+   attends to its whole prompt: attention does not shrink with the tokens.
 3. **The tree build in Rust** for 10^6 samples (125,000 prompts × G = 8, prompts of
    100..500 tokens, responses of 20..200, uint16 ids): ``fastpack.pack_trees`` by groups and
    as a trie, beside a per-token Python trie (the approach of AReaL's ``tree.py``, a dict
@@ -125,6 +128,20 @@ def dense_tree_mask(batch: dict[str, Any]) -> torch.Tensor:
     return ((k <= q) & (q < ends[None, :]))[None, None]
 
 
+def cost_ratio(plain: dict[str, Any], tree: dict[str, Any], hidden: int) -> float:
+    """The sampler's cost model (``6·h·Σl + attention work``, per layer and 4h) of the
+    tree batch over the plain one's."""
+    lengths = np.diff(plain["cu_seq_lens_q"].numpy().astype(np.int64))
+    plain_cost = 6 * hidden * lengths.sum() + (lengths * lengths).sum()
+    total = tree["input_ids"].shape[1]
+    layout = check_tree(tree["tree_cu_seqlens"], tree["tree_parents"], total)
+    work = 0
+    for s in range(len(layout.parents)):
+        n = layout.bounds[s + 1] - layout.bounds[s]
+        work += n * n + 2 * layout.path_tokens(s) * n
+    return float((6 * hidden * total + work) / plain_cost)
+
+
 def cpu_ms(fns: dict[str, Callable[[], Any]], reps: int) -> dict[str, float]:
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(reps):
@@ -140,8 +157,9 @@ def step_table(configs: list[tuple[int, int, tuple[int, int], tuple[int, int]]],
     attn = register_hf_attention()
     m = model()
     lines = ["| G | P | R | tokens plain | tokens tree | ratio | plain ms | tree ms | "
-             "dense tree ms | tree ÷ plain | target (1.1 × tokens ratio) | met |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "dense tree ms | tree ÷ plain | 1.1 ÷ tokens ratio | met | cost-model ratio | "
+             "1.1 × cost ratio | met |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for prompts, g, p, r in configs:
         rows, masks, groups = rollouts(prompts, g, p, r, seed=2)
         features = [{"input_ids": x.tolist(), "completion_mask": k.tolist()}
@@ -171,11 +189,13 @@ def step_table(configs: list[tuple[int, int, tuple[int, int], tuple[int, int]]],
         t_tree = tree["input_ids"].shape[1]
         target = 1.1 * t_tree / t_plain
         ratio = times["tree"] / times["plain"]
+        cost = cost_ratio(plain, tree, m.config.hidden_size)
         lines.append(
             f"| {g} | {p[0]}..{p[1] - 1} | {r[0]}..{r[1] - 1} | {t_plain:,} | {t_tree:,} | "
             f"{t_plain / t_tree:.2f}x | {times['plain']:.0f} | {times['tree']:.0f} | "
             f"{times['dense']:.0f} | {ratio:.2f} | {target:.2f} | "
-            f"{'yes' if ratio <= target else 'no'} |"
+            f"{'yes' if ratio <= target else 'no'} | {cost:.2f} | {1.1 * cost:.2f} | "
+            f"{'yes' if ratio <= 1.1 * cost else 'no'} |"
         )
         print(lines[-1], flush=True)
     return lines

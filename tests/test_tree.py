@@ -609,3 +609,39 @@ def test_gpu_check_tree_sections_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None
     model = gpu_check.bench_tree_model(torch, tree, cfg, device, dtype)
     assert [r["kernel"] for r in model["rows"]] == ["flash", "flex", "sdpa"]
     assert all(r.get("ok") for r in model["rows"]), model["rows"]
+
+
+def test_the_sampler_balances_a_trees_attention_work() -> None:
+    """A step's cost counts each shared token once (Σl) and attention's work as the
+    unpacked model does it: a prompt of P tokens and responses Rᵢ cost P² + Σ(Rᵢ² + 2·P·Rᵢ);
+    its targets and sequences are the samples'."""
+    prompt, responses = list(range(1, 11)), [[20] * 3, [30] * 5, [40]]
+    rows = [prompt + r for r in responses]
+    masks = [[0] * 10 + [1] * len(r) for r in responses]
+    ds = PackedDataset(rows, PackedCollator(64, backend="flash", share_prefix=True),
+                       loss_mask=masks, groups=[0, 0, 0])
+    table = ds.steps
+    assert table.tokens.tolist() == [10 + 3 + 5 + 1]
+    assert table.squared_tokens.tolist() == [10**2 + sum(r * r + 2 * 10 * r for r in (3, 5, 1))]
+    assert table.targets.tolist() == [3 + 5 + 1] and table.sequences.tolist() == [3]
+    plain = PackedDataset(rows, PackedCollator(64, backend="flash"), loss_mask=masks)
+    # Unpacked, the prompt's own attention is computed G times: (G - 1)·P² more.
+    assert plain.steps.squared_tokens.tolist() == [sum((10 + r) ** 2 for r in (3, 5, 1))]
+    assert plain.steps.squared_tokens[0] - table.squared_tokens[0] == 2 * 10**2
+
+
+def test_a_step_is_never_cut_inside_a_tree() -> None:
+    """Three steps of one tree each do not divide among 2 ranks, and a tree cannot be cut
+    (its responses need their prompt): the sampler says so, or drops the remainder."""
+    samples = grpo(3, 3, (20, 30), (5, 9), 11)
+    ds = PackedDataset([s["input_ids"] for s in samples],
+                       PackedCollator(64, backend="flash", share_prefix=True),
+                       groups=[s["group"] for s in samples], packs_per_batch=1)
+    assert len(ds) == 3 and (ds.plan.parents < 0).sum() == 3
+    assert ds.plan.num_segments == 3 * 4  # segments enough to cut, were trees not whole
+    with pytest.raises(FastpackError, match=r"hold only 3 trees, too few to cut"):
+        PackedSampler(ds, num_replicas=2, rank=0).schedule(0)
+    kept = [ds[step]["sample_ids"].tolist()
+            for r in range(2) for step in PackedSampler(ds, num_replicas=2, rank=r,
+                                                        drop_last=True)]
+    assert len(kept) == 2 and all(len(ids) == 3 for ids in kept)

@@ -505,7 +505,8 @@ def _pool(
     if not len(feasible):
         raise FastpackError(
             f"num_replicas: {n} steps do not divide among {ranks} ranks and hold only "
-            f"{int(available[-1])} sequences, too few to cut the remainder into "
+            f"{int(available[-1])} {'sequences' if table.cuts is None else 'trees'}, too few "
+            f"to cut the remainder into "
             f"{ranks} non-empty steps per global step; pass drop_last=True (drops "
             f"{remainder} step(s), counted) or use fewer ranks"
         )
