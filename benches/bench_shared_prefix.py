@@ -157,7 +157,7 @@ def step_table(configs: list[tuple[int, int, tuple[int, int], tuple[int, int]]],
     attn = register_hf_attention()
     m = model()
     lines = ["| G | P | R | tokens plain | tokens tree | ratio | plain ms | tree ms | "
-             "dense tree ms | tree ÷ plain | 1.1 ÷ tokens ratio | met | cost-model ratio | "
+             "dense tree ms | tree ÷ plain | 1.1 × tokens tree ÷ plain | met | cost-model ratio | "
              "1.1 × cost ratio | met |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for prompts, g, p, r in configs:
