@@ -645,3 +645,28 @@ def test_a_step_is_never_cut_inside_a_tree() -> None:
             for r in range(2) for step in PackedSampler(ds, num_replicas=2, rank=r,
                                                         drop_last=True)]
     assert len(kept) == 2 and all(len(ids) == 3 for ids in kept)
+
+
+def test_a_state_saved_over_other_trees_does_not_load() -> None:
+    """A sampler's state records the trees (their parents and paths): resuming it over the
+    same samples shared another way (two prompts' rollouts in one group, which share
+    nothing, or no sharing at all) raises, naming what differs."""
+    samples = grpo(4, 3, (6, 12), (2, 6), 13)
+    rows = [s["input_ids"] for s in samples]
+    groups = [s["group"] for s in samples]
+    collator = PackedCollator(64, backend="flash", share_prefix=True)
+    one_step = {"packs_per_batch": 100}  # every plan one step: the plans are compared
+    sampler = PackedSampler(PackedDataset(rows, collator, groups=groups, **one_step))
+    next(iter(sampler))
+    state = sampler.state_dict()
+    PackedSampler(PackedDataset(rows, collator, groups=groups, **one_step)).load_state_dict(
+        state)
+    merged = [int(g.split("-")[1]) // 2 for g in groups]
+    plain = PackedCollator(64, backend="flash")
+    for other, message in (
+        (PackedDataset(rows, collator, groups=merged, **one_step),
+         r"another plan.*the trees: which"),
+        (PackedDataset(rows, plain, **one_step), r"another plan"),
+    ):
+        with pytest.raises(FastpackError, match=message):
+            PackedSampler(other).load_state_dict(state)

@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import _core
-from ._checks import _bool_arg, _int_arg, _threads
+from ._checks import _bool_arg, _threads
 from ._errors import FastpackError, FastpackTypeError
-from ._materialize import TokenData, _from_rows, _is_dataset, _side, as_ragged
+from ._materialize import TokenData, _from_rows, as_ragged, padding, token_sources
 from ._options import PackArgs, PackOptions, resolve
 from ._plan import PackIndex, Plan, pack
 
@@ -208,18 +208,9 @@ def tree_rows(
     counted once with its own label.
     """
     parents, path_sample_ids, path_ends = check_tree_plan(plan)
-
-    multiple = 1 if pad_to_multiple_of is None else _int_arg(
-        "pad_to_multiple_of", pad_to_multiple_of, minimum=1, maximum=2**31 - 1
-    )
-    if pad_to is not None:
-        pad_to = _int_arg("pad_to", pad_to, minimum=0, maximum=2**63 - 1)
-    pad_id = _int_arg("pad_id", pad_id, minimum=-(2**63), maximum=2**63 - 1)
+    pad_to, multiple, pad_id = padding(pad_to, pad_to_multiple_of, pad_id)
     threads = _threads(threads)
-    dataset = tokens if _is_dataset(tokens) else None
-    token_data = as_ragged(tokens, name="tokens")
-    label_data = _side(labels, dataset, mask=False, name="labels")
-    mask_data = _side(loss_mask, dataset, mask=True, name="loss_mask")
+    token_data, label_data, mask_data = token_sources(tokens, labels, loss_mask)
     chosen = plan._packs(packs)
     rows = _core.materialize(
         plan.sample_ids, plan.starts, plan.seqlens, plan.pack_offsets, 0, plan.strategy,
@@ -233,10 +224,10 @@ def tree_rows(
         None if mask_data is None else mask_data.column, threads,
     )
     cu = rows["cu_seqlens"]
-    padding = len(cu) - 1 - len(tree["parents"])
+    pad_segments = len(cu) - 1 - len(tree["parents"])
     parents = tree.pop("parents")
-    if padding:
-        parents = np.concatenate([parents, np.full(padding, -1, dtype=np.int32)])
+    if pad_segments:
+        parents = np.concatenate([parents, np.full(pad_segments, -1, dtype=np.int32)])
     width = int(rows["width"])
     return {
         "input_ids": rows["input_ids"].reshape(1, width),

@@ -430,15 +430,29 @@ def _document_block_tables(
         touch &= starts[:, None] - lasts[None, :] < sliding_window
         full &= lasts[:, None] - starts[None, :] < sliding_window
     partial = touch & ~full
+    return (doc_id, *_kv_blocks(partial), *_kv_blocks(full))
 
-    def ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        num = dense.sum(dim=-1, dtype=torch.int32)
-        idx = torch.argsort(dense.to(torch.int8), dim=-1, descending=True, stable=True)
-        return num[None, None], idx.to(torch.int32)[None, None]
 
-    kv_num, kv_idx = ordered(partial)
-    full_num, full_idx = ordered(full)
-    return doc_id, kv_num, kv_idx, full_num, full_idx
+def _kv_blocks(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(num_blocks, indices)`` of ``BlockMask.from_kv_blocks`` (``[1, 1, nb]`` and
+    ``[1, 1, nb, nb]``, int32) from a ``[nb, nb]`` bool table of query × key blocks."""
+    num = dense.sum(dim=-1, dtype=torch.int32)
+    idx = torch.argsort(dense.to(torch.int8), dim=-1, descending=True, stable=True)
+    return num[None, None], idx.to(torch.int32)[None, None]
+
+
+def _from_kv_blocks(tables: Sequence[torch.Tensor], total_tokens: int,
+                    mask_mod: Callable[..., torch.Tensor]) -> Any:
+    """A ``BlockMask`` of ``total_tokens`` from its tables (partial then full blocks, as
+    :func:`_kv_blocks` gives them) and ``mask_mod`` for the partial ones."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    kwargs: dict[str, Any] = {}
+    if "seq_lengths" in _signature_params(BlockMask.from_kv_blocks):
+        kwargs["seq_lengths"] = (total_tokens, total_tokens)
+    kv_num, kv_idx, full_num, full_idx = tables
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx,
+                                    BLOCK_SIZE=_FLEX_BLOCK_SIZE, mask_mod=mask_mod, **kwargs)
 
 
 def _document_mask_mod(
@@ -474,23 +488,11 @@ def _document_mask_mod(
 def _document_block_mask(
     cu: torch.Tensor, total_tokens: int, causal: bool, sliding_window: int | None = None
 ) -> Any:
-    from torch.nn.attention.flex_attention import BlockMask
-
-    doc_id, kv_num, kv_idx, full_num, full_idx = _document_block_tables(
+    doc_id, *tables = _document_block_tables(
         cu, total_tokens, _FLEX_BLOCK_SIZE, causal, sliding_window
     )
-    kwargs: dict[str, Any] = {}
-    if "seq_lengths" in _signature_params(BlockMask.from_kv_blocks):
-        kwargs["seq_lengths"] = (total_tokens, total_tokens)
-    return BlockMask.from_kv_blocks(
-        kv_num,
-        kv_idx,
-        full_num,
-        full_idx,
-        BLOCK_SIZE=_FLEX_BLOCK_SIZE,
-        mask_mod=_document_mask_mod(doc_id, causal, sliding_window),
-        **kwargs,
-    )
+    return _from_kv_blocks(tables, total_tokens,
+                           _document_mask_mod(doc_id, causal, sliding_window))
 
 
 def _softcap_score_mod(softcap: float) -> Callable[..., torch.Tensor]:

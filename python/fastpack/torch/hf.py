@@ -285,6 +285,24 @@ def _attention(
                   softcap, kwargs)
 
 
+def _packed_inputs(
+    name: str, module: torch.nn.Module, dropout: float, query: torch.Tensor,
+    key: torch.Tensor, value: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v of a packed batch (per sequence or a tree): dropout refused (it would be
+    dropped), cast to the autocast dtype as SDPA does under autocast."""
+    if dropout and module.training:
+        raise FastpackError(
+            f"{name}: attention dropout {dropout} is not supported on packed batches; "
+            f"set the model's attention dropout to 0"
+        )
+    device = query.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        query, key, value = (t.to(dtype) for t in (query, key, value))
+    return query, key, value
+
+
 def _packed(
     name: str,
     kernel: Kernel,
@@ -301,15 +319,7 @@ def _packed(
     softcap: float | None,
     validate: bool = True,
 ) -> tuple[torch.Tensor, None]:
-    if dropout and module.training:
-        raise FastpackError(
-            f"{name}: attention dropout {dropout} is not supported on packed batches; "
-            f"set the model's attention dropout to 0"
-        )
-    device = query.device.type
-    if torch.is_autocast_enabled(device):  # as SDPA does under autocast
-        dtype = torch.get_autocast_dtype(device)
-        query, key, value = (t.to(dtype) for t in (query, key, value))
+    query, key, value = _packed_inputs(name, module, dropout, query, key, value)
     rows, heads, width, dim = query.shape
     shape = (rows * width, max_len)
     validate = validate and not (
@@ -351,15 +361,7 @@ def _tree(
         )
     if not causal:
         raise FastpackError(f"{name}: a tree batch needs causal attention (a decoder)")
-    if dropout and module.training:
-        raise FastpackError(
-            f"{name}: attention dropout {dropout} is not supported on packed batches; "
-            f"set the model's attention dropout to 0"
-        )
-    device = query.device.type
-    if torch.is_autocast_enabled(device):  # as SDPA does under autocast
-        dtype = torch.get_autocast_dtype(device)
-        query, key, value = (t.to(dtype) for t in (query, key, value))
+    query, key, value = _packed_inputs(name, module, dropout, query, key, value)
     positions = kwargs.get("position_ids")
     layout = tree_layout(kwargs["tree_cu_seqlens"], kwargs["tree_parents"], width, positions)
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (T, heads, D)

@@ -335,6 +335,8 @@ _PLAN_PARTS = {
                   "lengths)",
     "segments": "the segments' offsets and lengths (max_len, overlong, reserve or data "
                 "lengths)",
+    "trees": "the trees: which segments continue which, and which samples they train "
+             "(share_prefix, the groups or the data's tokens)",
 }
 
 

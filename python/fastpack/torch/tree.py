@@ -42,6 +42,8 @@ from .._errors import FastpackError, FastpackTypeError
 from . import attention as _attention
 from .attention import (
     _FLEX_BLOCK_SIZE,
+    _from_kv_blocks,
+    _kv_blocks,
     _repeat_kv,
     _sdpa_has_enable_gqa,
     _signature_params,
@@ -299,16 +301,7 @@ def _tree_block_tables(
     full &= complete[:, None] & complete[None, :]
     if windowed:
         full &= False
-    partial = touch & ~full
-
-    def ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        num = dense.sum(dim=-1, dtype=torch.int32)
-        idx = torch.argsort(dense.to(torch.int8), dim=-1, descending=True, stable=True)
-        return num[None, None], idx.to(torch.int32)[None, None]
-
-    kv_num, kv_idx = ordered(partial)
-    full_num, full_idx = ordered(full)
-    return padded, kv_num, kv_idx, full_num, full_idx
+    return (padded, *_kv_blocks(touch & ~full), *_kv_blocks(full))
 
 
 def _tree_mask(ends: torch.Tensor, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> torch.Tensor:
@@ -343,11 +336,9 @@ def tree_block_mask(
     tables of size ``(T/128)^2`` and a ``mask_mod`` over one subtree end per token. With
     ``sliding_window`` (which needs ``positions``), a key is also within the window of
     the query's position."""
-    from torch.nn.attention.flex_attention import BlockMask
-
     device = torch.device(device)
     total = layout.total
-    ends, kv_num, kv_idx, full_num, full_idx = _tree_block_tables(
+    ends, *tables = _tree_block_tables(
         layout.token_ends(device), total, _FLEX_BLOCK_SIZE, sliding_window is not None
     )
     pos = None
@@ -356,13 +347,7 @@ def tree_block_mask(
             raise FastpackError("tree_block_mask: a sliding window needs the positions")
         pos = torch.zeros(len(ends), dtype=torch.int64, device=device)
         pos[:total] = positions.reshape(-1).to(device=device, dtype=torch.int64)
-    kwargs: dict[str, Any] = {}
-    if "seq_lengths" in _signature_params(BlockMask.from_kv_blocks):
-        kwargs["seq_lengths"] = (total, total)
-    return BlockMask.from_kv_blocks(
-        kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=_FLEX_BLOCK_SIZE,
-        mask_mod=_tree_mask_mod(ends, pos, sliding_window), **kwargs,
-    )
+    return _from_kv_blocks(tables, total, _tree_mask_mod(ends, pos, sliding_window))
 
 
 # ------------------------------------------------------------------------- the batch

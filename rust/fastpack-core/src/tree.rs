@@ -44,7 +44,7 @@ use crate::column::{check_row_len, Column, Dtype, Native, Values};
 use crate::error::{Error, Result};
 use crate::materialize::{PlanRef, Sources, IGNORE_INDEX};
 use crate::memory;
-use crate::plan::{Overlong, MAX_ITEMS, MAX_LEN_LIMIT};
+use crate::plan::{Overlong, MAX_ITEMS};
 
 const NONE: u32 = u32::MAX;
 /// The virtual root above every tree.
@@ -143,12 +143,7 @@ impl<'a> From<&'a Items> for ItemsRef<'a> {
 /// does not depend on the thread count (run it inside [`crate::pool::install`]).
 pub fn build(tokens: &Column<'_>, groups: Option<&[i64]>, opts: &TreeOptions) -> Result<Items> {
     tokens.require_integers("tokens")?;
-    if opts.max_len == 0 || opts.max_len > MAX_LEN_LIMIT {
-        return Err(Error::invalid(
-            "max_len",
-            format!("got {}; expected an integer in 1..={MAX_LEN_LIMIT}", opts.max_len),
-        ));
-    }
+    crate::PackOptions::new(opts.max_len).validate()?; // the one check of max_len
     if opts.overlong == Overlong::Split {
         return Err(Error::invalid(
             "overlong",

@@ -107,6 +107,20 @@ type PlanArrays<'py> = (
     PyReadonlyArray1<'py, i64>,
 );
 
+/// The token data a tree's targets are read from, as the core takes it.
+fn sources<'a>(
+    py: Python<'_>,
+    tokens: &'a PyRef<'_, ListColumn>,
+    labels: &'a Option<PyRef<'_, ListColumn>>,
+    loss_mask: &'a Option<PyRef<'_, ListColumn>>,
+) -> PyResult<Sources<'a>> {
+    Ok(Sources {
+        tokens: tokens.column(py)?,
+        labels: labels.as_ref().map(|c| c.column(py)).transpose()?,
+        loss_mask: loss_mask.as_ref().map(|c| c.column(py)).transpose()?,
+    })
+}
+
 fn tree_ref<'a>(arrays: &'a PlanArrays<'_>) -> PyResult<TreeRef<'a>> {
     let (sample_ids, starts, seqlens, pack_offsets, parents, path_sample_ids, path_ends) = arrays;
     Ok(TreeRef {
@@ -149,11 +163,7 @@ pub fn tree_path_targets<'py>(
 ) -> PyResult<Bound<'py, PyArray1<u32>>> {
     let arrays = (sample_ids, starts, seqlens, pack_offsets, parents, path_sample_ids, path_ends);
     let tree = tree_ref(&arrays)?;
-    let sources = Sources {
-        tokens: tokens.column(py)?,
-        labels: labels.as_ref().map(|c| c.column(py)).transpose()?,
-        loss_mask: loss_mask.as_ref().map(|c| c.column(py)).transpose()?,
-    };
+    let sources = sources(py, &tokens, &labels, &loss_mask)?;
     let counts = py
         .detach(|| pool::install(threads, || guarded(|| core::path_targets(&tree, &sources))))
         .map_err(to_py)?
@@ -187,11 +197,7 @@ pub fn tree_rows<'py>(
 ) -> PyResult<Bound<'py, PyDict>> {
     let arrays = (sample_ids, starts, seqlens, pack_offsets, parents, path_sample_ids, path_ends);
     let tree = tree_ref(&arrays)?;
-    let sources = Sources {
-        tokens: tokens.column(py)?,
-        labels: labels.as_ref().map(|c| c.column(py)).transpose()?,
-        loss_mask: loss_mask.as_ref().map(|c| c.column(py)).transpose()?,
-    };
+    let sources = sources(py, &tokens, &labels, &loss_mask)?;
     let packs = packs.as_slice()?;
     let out = py
         .detach(|| pool::install(threads, || guarded(|| core::rows(&tree, &sources, packs))))
