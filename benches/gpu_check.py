@@ -23,7 +23,21 @@ Without CUDA (and without --cpu-smoke) it prints "skipped: no CUDA" and exits 0.
    (attn_implementation="sdpa", attention_mask) vs. one packed row through the shipped
    ``fastpack.torch.register_hf_attention(kernel=...)``, per kernel; the packed loss
    against the padded loss.
-5. Tree batches (``share_prefix=True``, fastpack.torch.tree): GRPO-like rollouts (a long
+5. Context parallelism (``fastpack.cp_layout``, ``context_parallel_attention``):
+   a. the layouts against the libraries' own, where installed: TransformerEngine's
+      ``tex.thd_get_partitioned_indices`` (zigzag indices) and ring-flash-attn's
+      ``llama3_flash_attn_prepare_cu_seqlens`` (contiguous local arrays), cp = 2, 4, 8;
+   b. the zigzag and contiguous local attention on this GPU, every rank of cp = 2 and 4
+      emulated in this process (K/V gathered by concatenation, their gradients summed
+      over the ranks as the reduce-scatter does): flash-attn varlen (bottom-right causal
+      over each run's keys) and the SDPA loop, bf16, against the fp32 reference, output
+      and dq/dk/dv, with the same pass rule as section 1;
+   c. on a long row, the time of all emulated ranks one after another (fwd+bwd) beside
+      cp = 1, with the busiest rank's share of the attention work (zigzag: 1/cp);
+   d. with 2 or more GPUs: a real NCCL world of min(4, GPUs) ranks running
+      ``context_parallel_attention`` with every kernel that runs (ring-flash-attn,
+      flash-attn, SDPA) in every mode, against the fp32 reference.
+6. Tree batches (``share_prefix=True``, fastpack.torch.tree): GRPO-like rollouts (a long
    prompt, responses crossing flex's 128-token blocks) and a branching chat from the
    collator; ``tree_attention`` with flash-attn over the gathered paths (causal aligned
    bottom-right) and compiled flex with the tree's BlockMask, against the per-segment
@@ -45,6 +59,7 @@ Exit status 1 when a correctness check fails.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -561,7 +576,231 @@ def bench_model(
 # --------------------------------------------------------------------------- main
 
 
-# ------------------------------------------------------------------- 5. tree batches
+# ------------------------------------------------------- 5. context parallelism
+
+
+def _cp_local(torch: Any, layout: Any, rank: int, full: Any, device: Any) -> tuple[Any, Any]:
+    """A rank's rows of ``full`` (zeros on pads) and its pad mask."""
+    source = torch.as_tensor(layout.sources(rank).copy(), device=device)
+    pad = source < 0
+    local = full.detach()[source.clamp(min=0)].clone()
+    local[pad] = 0
+    return local, pad
+
+
+def _cp_case(torch: Any, cfg: dict[str, Any], lengths: Sequence[int], hq: int, hkv: int,
+             device: Any, dtype: Any) -> dict[str, Any]:
+    gen = torch.Generator(device="cpu").manual_seed(hq * 100 + hkv)
+    total, dim = sum(lengths), cfg["head_dim"]
+    qkv = [torch.randn(total, h, dim, generator=gen).to(device, dtype) for h in (hq, hkv, hkv)]
+    grad_out = torch.randn(total, hq, dim, generator=gen).to(device, dtype)
+    leaves = [t.detach().clone().requires_grad_(True) for t in qkv]
+    ref = reference_fp32(torch, *leaves, lengths, True)
+    ref.backward(grad_out.float())
+    return {"qkv": qkv, "grad_out": grad_out, "ref": ref.detach(),
+            "ref_grads": [x.grad for x in leaves]}
+
+
+def emulate_cp(torch: Any, lengths: Sequence[int], case: dict[str, Any], cp: int, mode: str,
+               kernel: str, device: Any) -> list[Any]:
+    """Every rank of a CP group in this process: each rank's queries attend over K/V
+    gathered from every rank (concatenated in rank order); gradients of a rank's K/V are
+    what the reduce-scatter would return it. Returns the assembled (out, dq, dk, dv) of
+    the real tokens."""
+    import fastpack
+    from fastpack.torch import shard_for_context_parallel
+    from fastpack.torch.context_parallel import attend_gathered
+
+    cu = cumulative(lengths)
+    layout = fastpack.cp_layout(cu, cp, mode=mode)
+    batch = {"input_ids": torch.zeros(1, cu[-1], dtype=torch.long),
+             "cu_seq_lens_q": torch.tensor(cu, dtype=torch.int32)}
+    locals_, pads = [], []
+    for r in range(cp):
+        parts = [_cp_local(torch, layout, r, t, device) for t in case["qkv"]]
+        locals_.append([p[0].requires_grad_(True) for p in parts])
+        pads.append(parts[0][1])
+    keys = torch.cat([loc[1] for loc in locals_])
+    values = torch.cat([loc[2] for loc in locals_])
+    outs = []
+    for r in range(cp):
+        shard = shard_for_context_parallel(batch, cp, r, mode)
+        shard = {k: (v.to(device) if hasattr(v, "to") else v) for k, v in shard.items()}
+        outs.append(attend_gathered(locals_[r][0], keys, values, shard, kernel, None, None,
+                                    None))
+    grads = []
+    for r in range(cp):
+        g, _ = _cp_local(torch, layout, r, case["grad_out"], device)
+        grads.append(g)
+    torch.autograd.backward(outs, grads)
+    result = []
+    for which in range(4):
+        full = torch.zeros_like(case["qkv"][0 if which < 2 else 1], dtype=torch.float32)
+        for r in range(cp):
+            source = torch.as_tensor(layout.sources(r).copy(), device=device)
+            real = source >= 0
+            piece = outs[r] if which == 0 else locals_[r][which - 1].grad
+            full[source[real]] = piece[real].float()
+        result.append(full)
+    return result
+
+
+def _cp_world_rank(rank: int, size: int, port: int, lengths: list[int], heads: tuple[int, int],
+                   dim: int, out: str) -> None:
+    import torch
+
+    import fastpack
+    from fastpack.torch import context_parallel_attention, shard_for_context_parallel
+    from fastpack.torch.context_parallel import _kernel_reason
+
+    torch.cuda.set_device(rank)
+    torch.distributed.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}",
+                                         rank=rank, world_size=size)
+    device, dtype = torch.device("cuda", rank), torch.bfloat16
+    case = _cp_case(torch, {"head_dim": dim}, lengths, *heads, device, dtype)
+    cu = cumulative(lengths)
+    batch = {"input_ids": torch.zeros(1, cu[-1], dtype=torch.long),
+             "cu_seq_lens_q": torch.tensor(cu, dtype=torch.int32)}
+    rows = []
+    for mode in fastpack.CP_MODES:
+        layout = fastpack.cp_layout(cu, size, mode=mode)
+        shard = {k: (v.to(device) if hasattr(v, "to") else v)
+                 for k, v in shard_for_context_parallel(batch, size, rank, mode).items()}
+        for kernel in ("ring", "flash", "sdpa"):
+            if mode == "ulysses" and kernel == "ring":
+                continue
+            if _kernel_reason(kernel, case["qkv"][0]) is not None:
+                continue
+            parts = [_cp_local(torch, layout, rank, t, device) for t in case["qkv"]]
+            leaves = [p[0].requires_grad_(True) for p in parts]
+            try:
+                o = context_parallel_attention(*leaves, shard, torch.distributed.group.WORLD,
+                                               kernel=kernel)
+                g, _ = _cp_local(torch, layout, rank, case["grad_out"], device)
+                o.backward(g)
+            except Exception as exc:  # reported, not raised: the other kernels still run
+                rows.append({"mode": mode, "kernel": kernel, "error": repr(exc)[:300]})
+                continue
+            source = torch.as_tensor(layout.sources(rank).copy(), device=device)
+            real = source >= 0
+            errs = []
+            for piece, ref in ((o, case["ref"]), *zip((x.grad for x in leaves),
+                                                       case["ref_grads"])):
+                full = torch.zeros_like(ref)
+                full[source[real]] = piece[real].float()
+                torch.distributed.all_reduce(full)
+                errs.append(rel_err(full, ref))
+            rows.append({"mode": mode, "kernel": kernel, "errs": errs})
+    if rank == 0:
+        Path(out).write_text(json.dumps(rows))
+    torch.distributed.destroy_process_group()
+
+
+def check_context_parallel(
+    torch: Any, am: ModuleType, cfg: dict[str, Any], device: Any, dtype: Any
+) -> dict[str, Any]:
+    import fastpack
+
+    lengths = cfg["cp_lengths"]
+    cu = cumulative(lengths)
+    report: dict[str, Any] = {"contracts": [], "kernels": [], "timing": [], "world": None}
+    # a. the libraries' own layouts
+    try:
+        import transformer_engine_torch as tex
+    except Exception as exc:
+        report["contracts"].append({"transformer_engine": f"not available ({exc!r:.80})"})
+    else:
+        for cp in (2, 4, 8):
+            layout = fastpack.cp_layout(cu, cp)
+            padded = torch.tensor(layout.cu_seqlens_padded, dtype=torch.int32, device=device)
+            same = all(tex.thd_get_partitioned_indices(padded, layout.padded_total, cp, r)
+                       .tolist() == layout.indices(r).tolist() for r in range(cp))
+            report["contracts"].append({"te_thd_get_partitioned_indices": cp, "ok": same})
+    try:
+        from ring_flash_attn import llama3_flash_attn_prepare_cu_seqlens as prepare
+    except Exception as exc:
+        report["contracts"].append({"ring_flash_attn": f"not available ({exc!r:.80})"})
+    else:
+        for cp in (2, 4, 8):
+            layout = fastpack.cp_layout(cu, cp, mode="contiguous")
+            padded = torch.tensor(layout.cu_seqlens_padded, dtype=torch.int32, device=device)
+            same = True
+            for r in range(cp):
+                q, k, mq, mk, k_slice = prepare(padded, True, r, cp)
+                local = layout.local(r)
+                same &= (q.tolist() == local.cu_seqlens_q.tolist()
+                         and k.tolist() == local.cu_seqlens_k.tolist()
+                         and (mq, mk) == (local.max_seqlen_q, local.max_seqlen_k)
+                         and k_slice == local.local_k_slice)
+            report["contracts"].append({"ring_llama3_prepare_cu_seqlens": cp, "ok": bool(same)})
+    # b. the local attention of every rank, emulated
+    from fastpack.torch.context_parallel import _kernel_reason
+
+    eps = torch.finfo(dtype).eps
+    for hq, hkv in cfg["check_heads"]:
+        case = _cp_case(torch, cfg, lengths, hq, hkv, device, dtype)
+        base = run_case(am, "sdpa", {**case, "cu": cu, "max_len": max(lengths),
+                                     "causal": True})
+        for mode in ("zigzag", "contiguous"):
+            for cp in (2, 4):
+                for kernel in ("flash", "sdpa"):
+                    if _kernel_reason(kernel, case["qkv"][0]) is not None:
+                        continue
+                    got = emulate_cp(torch, lengths, case, cp, mode, kernel, device)
+                    errs = [rel_err(g, r) for g, r in zip(got, [case["ref"],
+                                                                *case["ref_grads"]])]
+                    bound = [max(cfg["tol_floor"], 2 * eps, 2 * b) for b in base]
+                    report["kernels"].append({
+                        "mode": mode, "cp": cp, "kernel": kernel, "hq": hq, "hkv": hkv,
+                        "errs": errs, "bound": bound,
+                        "ok": all(e <= b for e, b in zip(errs, bound))})
+    # c. time of the busiest emulated rank against one process
+    long = cfg["cp_long"]
+    case = _cp_case(torch, cfg, long, *cfg["check_heads"][-1], device, dtype)
+    kernel = "flash" if _kernel_reason("flash", case["qkv"][0]) is None else "sdpa"
+    single = "flash" if am._unavailable_reason("flash", case["qkv"][0]) is None else "sdpa"
+    one = timed(torch, lambda: run_case(am, single, {
+        **case, "cu": cumulative(long), "max_len": max(long), "causal": True}), device,
+        cfg["iters"], cfg["warmup"])
+    report["timing"].append({"cp": 1, "kernel": single, "ms": round(one, 2)})
+    for mode in ("zigzag", "contiguous"):
+        for cp in (2, 4):
+            ms = timed(torch, functools.partial(emulate_cp, torch, long, case, cp, mode, kernel,
+                                                 device), device, cfg["iters"], cfg["warmup"])
+            work = fastpack.cp_layout(cumulative(long), cp, mode=mode).work
+            report["timing"].append({
+                "cp": cp, "mode": mode, "kernel": kernel, "all_ranks_ms": round(ms, 2),
+                "work_share_max": round(float(work.max() / work.sum()), 4)})
+    # d. a real NCCL world
+    gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    if gpus >= 2:
+        import socket
+        import tempfile
+
+        size = min(4, gpus)
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        out = tempfile.mktemp(suffix=".json")
+        torch.multiprocessing.spawn(_cp_world_rank, args=(
+            size, port, list(lengths), tuple(cfg["check_heads"][-1]), cfg["head_dim"], out),
+            nprocs=size, join=True)
+        rows = json.loads(Path(out).read_text())
+        for row in rows:
+            row["ok"] = "errs" in row and all(
+                e <= max(2 * eps, 2 * b) for e, b in zip(row["errs"], base))
+        report["world"] = {"size": size, "rows": rows}
+    else:
+        report["world"] = {"skipped": f"{gpus} GPU(s): a real CP world needs 2 or more"}
+    checks = [r["ok"] for r in report["kernels"]] + [
+        r["ok"] for r in report["contracts"] if "ok" in r]
+    if isinstance(report["world"], dict) and "rows" in report["world"]:
+        checks += [r["ok"] for r in report["world"]["rows"]]
+    report["ok"] = all(checks)
+    return report
+
+
+# ------------------------------------------------------------------- 6. tree batches
 
 
 def load_tree_module() -> ModuleType:
@@ -744,6 +983,8 @@ def make_config(cpu_smoke: bool) -> dict[str, Any]:
             "flex_cases": None,
             "flex_recompile_lengths": [],
             "model_lengths": [9, 40, 3, 17],
+            "cp_lengths": [7, 1, 13, 4, 9, 1, 2],
+            "cp_long": [300, 41, 77, 5],
             "iters": 2,
             "warmup": 1,
             "model": {"layers": 2, "intermediate": 128, "vocab": 512, "sliding_window": 8},
@@ -764,6 +1005,9 @@ def make_config(cpu_smoke: bool) -> dict[str, Any]:
         "flex_cases": [(16, 16, False), (16, 4, True)],
         "flex_recompile_lengths": [[300, 0, 700, 24], [64] * 20 + [5], [4000, 96], [1] * 50],
         "model_lengths": doc_lengths(32, 4096, seed=1),
+        # odd lengths, length 1, tail pads; a 32k-token row for the timing
+        "cp_lengths": [1, 37, 129, 1000, 2047, 513, 255, 1, 3],
+        "cp_long": [24_576, 4_096, 2_048, 1_024, 511, 313, 1],
         "iters": 5,
         "warmup": 2,
         "model": {"layers": 8, "intermediate": 5632, "vocab": 16384, "sliding_window": 1024},
@@ -831,6 +1075,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     sections.append(("attention_bench", lambda: bench_attention(torch, am, cfg, device, dtype)))
     if not args.skip_model:
         sections.append(("model_bench", lambda: bench_model(torch, am, cfg, device, dtype)))
+    sections.append(("context_parallel",
+                     lambda: check_context_parallel(torch, am, cfg, device, dtype)))
     tm = load_tree_module()
     sections.append(("tree_correctness", lambda: check_tree(torch, tm, cfg, device, dtype)))
     if not args.skip_model:
@@ -900,6 +1146,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                     ok = False
         else:
             print("  ", mb)
+    cpr = report.get("context_parallel")
+    if cpr is not None:
+        print("\ncontext_parallel")
+        if isinstance(cpr, dict) and "kernels" in cpr:
+            for key in ("contracts", "kernels", "timing"):
+                for r in cpr[key]:
+                    print("  ", key, r)
+            print("   world", cpr["world"])
+            ok = ok and bool(cpr["ok"])
+        else:
+            print("  ", cpr)
+            ok = False
     for key in ("tree_correctness", "tree_model"):
         section = report.get(key)
         rows = section if isinstance(section, list) else (section or {}).get("rows")

@@ -539,43 +539,6 @@ def test_a_tree_batch_pickles_for_dataloader_workers() -> None:
         assert torch.equal(again[key], batch[key])
 
 
-def _flash_qk_on_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
-                     cu_k: torch.Tensor, max_q: int, max_k: int, dropout_p: float = 0.0,
-                     softmax_scale: float | None = None, causal: bool = False,
-                     window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0
-                     ) -> torch.Tensor:
-    """flash_attn_varlen_func's documented contract with query runs shorter than their key
-    runs, written out on the CPU in float64: a causal mask (and the window) aligned to the
-    bottom right of each run's score matrix."""
-    assert cu_q.dtype == cu_k.dtype == torch.int32 and dropout_p == 0.0
-    left, right = window_size
-    groups = q.shape[1] // k.shape[1]
-    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-    outs = []
-    for (a, b), (c, d) in zip(zip(cu_q[:-1].tolist(), cu_q[1:].tolist()),
-                              zip(cu_k[:-1].tolist(), cu_k[1:].tolist())):
-        if a == b:
-            continue
-        qi = q[a:b].double().transpose(0, 1)
-        ki = k[c:d].double().transpose(0, 1).repeat_interleave(groups, 0)
-        vi = v[c:d].double().transpose(0, 1).repeat_interleave(groups, 0)
-        scores = qi @ ki.transpose(-1, -2) * scale
-        if softcap:
-            scores = softcap * torch.tanh(scores / softcap)
-        i = torch.arange(b - a)[:, None] + (d - c) - (b - a)  # bottom-right alignment
-        j = torch.arange(d - c)[None, :]
-        keep = torch.ones(b - a, d - c, dtype=torch.bool)
-        if causal:
-            keep &= j <= i
-        if left >= 0:
-            keep &= j >= i - left
-        if right >= 0:
-            keep &= j <= i + right
-        scores = scores.masked_fill(~keep, float("-inf"))
-        outs.append((scores.softmax(-1) @ vi).transpose(0, 1))
-    return torch.cat(outs).to(q.dtype)
-
-
 def test_gpu_check_tree_sections_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """benches/gpu_check.py's tree sections, on the CPU: flash-attn (separate query and key
     runs, causal aligned bottom-right) and compiled flex replaced by CPU stand-ins of their
@@ -584,6 +547,7 @@ def test_gpu_check_tree_sections_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None
     import importlib.util
     from pathlib import Path
 
+    from cp_world import flash_on_cpu
     from test_attention import _flex_on_cpu
 
     from fastpack.torch import attention, tree
@@ -596,7 +560,7 @@ def test_gpu_check_tree_sections_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setitem(tree._TREE_REASONS, "flash", lambda q: None)
     monkeypatch.setitem(tree._TREE_REASONS, "flex", lambda q: None)
     monkeypatch.setattr(attention, "_unavailable_reason", lambda kernel, q: None)
-    monkeypatch.setattr(attention, "_flash_varlen_func", lambda: _flash_qk_on_cpu)
+    monkeypatch.setattr(attention, "_flash_varlen_func", lambda: flash_on_cpu)
     monkeypatch.setattr(attention, "_compiled_flex_attention", lambda: _flex_on_cpu)
     cfg = gpu_check.make_config(cpu_smoke=True)
     cfg["iters"], cfg["warmup"] = 1, 0

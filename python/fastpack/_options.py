@@ -63,7 +63,8 @@ if TYPE_CHECKING:
     from typing_extensions import Unpack
 
 __all__ = [
-    "GROUP_TOKENS_LIMIT", "MAX_LEN_LIMIT", "OVERLONG_POLICIES", "PLAN_OPTIONS", "STRATEGIES",
+    "CP_MODES", "GROUP_TOKENS_LIMIT", "MAX_CP_SIZE", "MAX_LEN_LIMIT", "OVERLONG_POLICIES",
+    "PLAN_OPTIONS", "STRATEGIES", "cp_divisor",
     "PackArgs", "PackOptions", "WithOptions", "check_plan", "layered", "resolve",
     "separator_reserve", "with_separator",
 ]
@@ -74,6 +75,28 @@ OVERLONG_POLICIES = ("error", "truncate", "split", "drop")
 MAX_LEN_LIMIT = 2**24
 # A group flattens into one varlen row whose cu_seqlens are int32.
 GROUP_TOKENS_LIMIT = 2**31 - 1
+
+#: Context parallelism's modes (see :func:`fastpack.cp_layout`). ``"zigzag"``: every
+#: sequence padded to a multiple of ``2·cp·pad_multiple`` and cut into ``2·cp`` chunks,
+#: rank ``r`` holding chunks ``r`` and ``2·cp−1−r`` (TransformerEngine's THD layout: the
+#: same causal work on every rank). ``"contiguous"``: the row padded to a multiple of
+#: ``cp·pad_multiple`` and cut into ``cp`` slices (ring-flash-attn's llama3 layout: no
+#: per-sequence pad, uneven work). ``"ulysses"``: the contiguous slices, heads exchanged
+#: around attention by an all-to-all.
+CP_MODES = ("zigzag", "contiguous", "ulysses")
+#: The largest context-parallel group (the core's limit).
+MAX_CP_SIZE = 1 << 16
+
+
+def cp_divisor(cp_size: int, mode: str, pad_multiple: int) -> int:
+    """What context parallelism's padded lengths are multiples of (the core's
+    ``CpSpec::divisor``): each sequence's (zigzag: ``2·cp·pad_multiple``; ``pad_multiple``
+    at ``cp_size=1``, where nothing is cut) or the row's (contiguous and Ulysses:
+    ``cp·pad_multiple``)."""
+    if mode == "zigzag":
+        return (2 * cp_size if cp_size > 1 else 1) * pad_multiple
+    return cp_size * pad_multiple
+
 
 #: Options about a whole plan's packs (their order, buckets and groups), not about how
 #: one batch of samples is packed: a dataset takes them, a collator refuses them.
@@ -118,6 +141,17 @@ class PackOptions:
     #: Two-level packing: the packs are bin-packed, by their tokens, into groups of at
     #: most this many (at least the largest pack cap): one group per step.
     group_tokens: int | None = None
+    #: Context parallelism: plan for a group of this many ranks that share each packed row
+    #: (see :func:`fastpack.cp_layout`); every pack fits ``max_len`` once padded for it.
+    cp_size: int | None = None
+    #: ``"zigzag"`` (every sequence padded to a multiple of ``2·cp_size·pad_multiple``),
+    #: ``"contiguous"`` or ``"ulysses"`` (the row padded to a multiple of
+    #: ``cp_size·pad_multiple``); needs ``cp_size``.
+    cp_mode: str = "zigzag"
+    #: Each rank's share of a sequence (zigzag) or of the row is a multiple of this too: the
+    #: tensor-parallel size with sequence parallelism, an FP8 kernel's divisor (NeMo-RL's
+    #: rules); needs ``cp_size``.
+    pad_multiple: int = 1
     #: Shared prefixes computed once: samples that start with the same tokens are packed
     #: as trees, each shared token once (docs/shared_prefix.md). It plans tokens, not
     #: lengths: ``PackedCollator``, ``PackedDataset`` and ``fastpack.pack_trees`` take it;
@@ -201,6 +235,52 @@ def _check_group_tokens(o: PackOptions, value: Any) -> int | None:
     )
 
 
+def _check_cp_size(o: PackOptions, value: Any) -> int | None:
+    if value is None:
+        return None
+    return _int_arg("cp_size", value, minimum=1, maximum=MAX_CP_SIZE)
+
+
+def _check_cp_mode(o: PackOptions, value: Any) -> str:
+    mode = _choice("cp_mode", value, CP_MODES)
+    if o.cp_size is None and mode != "zigzag":
+        raise FastpackError(f"cp_mode: got {mode!r} without cp_size; pass cp_size (the ranks "
+                            f"of the context-parallel group) or leave cp_mode out")
+    return mode
+
+
+def _check_pad_multiple(o: PackOptions, value: Any) -> int:
+    multiple = _int_arg("pad_multiple", value, minimum=1, maximum=1 << 30)
+    if o.cp_size is None:
+        if multiple != 1:
+            raise FastpackError(f"pad_multiple: got {multiple} without cp_size; pass cp_size "
+                                f"(context parallelism pads) or leave pad_multiple out")
+        return multiple
+    d = cp_divisor(o.cp_size, o.cp_mode, multiple)
+    setting = f"cp_size={o.cp_size}, cp_mode={o.cp_mode!r} and pad_multiple={multiple}"
+    if d > 1 << 30:
+        raise FastpackError(f"pad_multiple: got {multiple}; with {setting} lengths would be "
+                            f"padded to multiples of {d}, more than 2^30")
+    what = "every sequence" if o.cp_mode == "zigzag" else "every pack"
+    caps = [("max_len", o.max_len)]
+    if o.long_max_len is not None:
+        caps.append(("long_max_len", o.long_max_len))
+    for name, cap in caps:
+        held = cap // d * d
+        if held <= o.reserve:
+            raise FastpackError(
+                f"pad_multiple: with {setting}, {what} is padded to a multiple of {d} tokens, "
+                f"so a padded pack exceeds {name} ({cap}) unless it holds at most {held}"
+                f"{f' (reserve={o.reserve})' if o.reserve else ''} tokens; expected a smaller "
+                f"pad_multiple or cp_size, or a larger {name}"
+            )
+    if o.long_max_len is not None and o.long_max_len // d <= o.max_len // d:
+        raise FastpackError(
+            f"long_max_len: {o.long_max_len} holds {o.long_max_len // d * d} tokens once padded "
+            f"to multiples of {d} ({setting}), no more than max_len's {o.max_len // d * d}; "
+            f"expected a larger long_max_len"
+        )
+    return multiple
 def _check_share_prefix(o: PackOptions, value: Any) -> bool:
     share = _bool_arg("share_prefix", value)
     if not share:
@@ -214,6 +294,8 @@ def _check_share_prefix(o: PackOptions, value: Any) -> bool:
                     "tree's samples end inside it; put the separator in the samples' tokens"),
         "long_max_len": (o.long_max_len is not None, "a tree larger than max_len is split, "
                          "its prefix repeated; raise max_len instead"),
+        "cp_size": (o.cp_size is not None, "context parallelism of tree batches is not "
+                    "supported: a rank's shard would cut paths that its queries need"),
     }
     for name, (bad, why) in refused.items():
         if bad:
@@ -233,6 +315,9 @@ _CHECKS: dict[str, Callable[[PackOptions, Any], Any]] = {
     "seed": lambda o, v: _int_arg("seed", v, minimum=0, maximum=2**64 - 1),
     "long_max_len": _check_long_max_len,
     "group_tokens": _check_group_tokens,
+    "cp_size": _check_cp_size,
+    "cp_mode": _check_cp_mode,
+    "pad_multiple": _check_pad_multiple,
     "share_prefix": _check_share_prefix,
 }
 
@@ -251,6 +336,9 @@ class _Args(TypedDict, total=False):
     seed: int
     long_max_len: int | None
     group_tokens: int | None
+    cp_size: int | None
+    cp_mode: str
+    pad_multiple: int
     share_prefix: bool
 
 

@@ -305,7 +305,8 @@ class Plan:
     )
     _OPTIONAL = (
         "long_max_len", "group_tokens", "group_offsets", "group_fills", "group_lower_bound",
-        "group_efficiency", "parents", "path_sample_ids", "path_ends", "sample_tokens",
+        "group_efficiency", "cp_size", "cp_mode", "pad_multiple", "parents",
+        "path_sample_ids", "path_ends", "sample_tokens",
     )
 
     __slots__ = (*_FIELDS, *_OPTIONAL, "buckets", "_pack_caps", "_options", "_order")
@@ -343,6 +344,12 @@ class Plan:
     group_lower_bound: int | None
     #: ``total_tokens / (num_groups * group_tokens)``, or None without groups.
     group_efficiency: float | None
+    #: The context-parallel group the plan was made for (``cp_size``, ``cp_mode``,
+    #: ``pad_multiple`` of :class:`fastpack.PackOptions`): every pack fits ``max_len`` once
+    #: padded for it. None for a plain plan.
+    cp_size: int | None
+    cp_mode: str | None
+    pad_multiple: int | None
     #: Trees (see the class docs): each segment's parent, or None for a plan of sequences.
     parents: np.ndarray | None
     path_sample_ids: np.ndarray | None
@@ -400,13 +407,26 @@ class Plan:
                 self.max_len, strategy=self.strategy, overlong=self.overlong,
                 reserve=self.reserve, shuffle=shuffle, seed=seed,
                 long_max_len=self.long_max_len, group_tokens=self.group_tokens,
-                share_prefix=self.parents is not None,
+                cp_size=self.cp_size, cp_mode=self.cp_mode or "zigzag",
+                pad_multiple=self.pad_multiple or 1, share_prefix=self.parents is not None,
             )
         return self._options
 
     @property
     def num_packs(self) -> int:
         return len(self.pack_offsets) - 1
+
+    @property
+    def pad_tokens(self) -> int:
+        """Tokens of padding context parallelism adds when each pack is one row (0 for a
+        plain plan): zigzag pads every segment to a multiple of ``2·cp·pad_multiple``, the
+        contiguous modes every pack to a multiple of ``cp·pad_multiple``. Not in
+        ``total_tokens`` (the real ones); every padded pack fits ``max_len``."""
+        if self.cp_size is None or self.cp_mode is None or self.pad_multiple is None:
+            return 0
+        _, padded, _ = _core.cp_streams(self.seqlens, self.pack_offsets, self.cp_size,
+                                        self.cp_mode, self.pad_multiple)
+        return int(padded.sum()) - self.total_tokens
 
     @property
     def num_segments(self) -> int:
@@ -543,6 +563,12 @@ class Plan:
             )
         if self.empty_sequences:
             lost.append(f"skipped {self.empty_sequences:,} empty sequences")
+        if self.cp_size is not None:
+            pads = self.pad_tokens
+            share = pads / max(self.total_tokens + pads, 1)
+            lines.append(f"context parallel: cp_size={self.cp_size}, {self.cp_mode}, "
+                         f"pad_multiple={self.pad_multiple}: {pads:,} pad tokens "
+                         f"({share:.2%} of the padded packs)")
         if lost:
             lines.append("; ".join(lost))
         return "\n".join(lines)
@@ -612,6 +638,13 @@ def pack(
               groups of at most ``group_tokens`` (at least the largest pack cap), so every
               group (a step or micro-batch) carries nearly the same number of tokens. See
               ``Plan.group_offsets``, ``Plan.group_fills`` and ``Plan.group_cu_seqlens``.
+            - ``cp_size``, ``cp_mode``, ``pad_multiple``: plan for context parallelism over
+              ``cp_size`` ranks (see :func:`fastpack.cp_layout`): packs are planned on their
+              padded lengths, so none exceeds ``max_len`` (or ``long_max_len``) once padded
+              — zigzag pads every sequence to a multiple of ``2·cp_size·pad_multiple``, the
+              contiguous modes a pack to a multiple of ``cp_size·pad_multiple``. The plan's
+              ``seqlens`` and counts stay the real tokens; ``Plan.pad_tokens`` counts the
+              padding.
 
     Sequences of length 0 are skipped and counted in ``empty_sequences``.
     """
@@ -620,6 +653,10 @@ def pack(
     threads = _threads(threads)
     if threads is None and len(array) < _SMALL_INPUT:
         threads = 1  # waking a pool costs more than it saves here; the plan is the same
+    if opts.cp_size is not None:
+        from ._context_parallel import pack_for_context_parallel
+
+        return pack_for_context_parallel(array, opts, threads)
     fields = _core.pack(
         array, opts.max_len, opts.strategy, opts.overlong, opts.reserve,
         opts.seed if opts.shuffle else None, threads, None, opts.long_max_len,

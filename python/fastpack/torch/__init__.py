@@ -20,6 +20,9 @@ Its modules are its layers:
   fastest kernel available (flash-attn, ``torch.nn.attention.varlen``, flex, SDPA).
 - :mod:`~fastpack.torch.loss` — :func:`packed_loss`: the loss of a packed batch normalised
   over its whole optimizer step (all micro-steps, all ranks), per token or per sequence.
+- :mod:`~fastpack.torch.context_parallel` — one packed row split across a context-parallel
+  group (:func:`shard_for_context_parallel`) and the exact attention over the pieces
+  (:func:`context_parallel_attention`).
 - :mod:`~fastpack.torch.tree` — tree batches (``share_prefix=True``: shared prefixes
   computed once), their attention and :func:`per_sample` / :func:`token_logprobs`: every
   sample's values, plain batch or tree.
@@ -36,6 +39,12 @@ from __future__ import annotations
 
 from .attention import KERNELS, varlen_attention
 from .collator import LOSS_MASK_KEYS, PackedCollator
+from .context_parallel import (
+    CP_KERNELS,
+    CP_KEYS,
+    context_parallel_attention,
+    shard_for_context_parallel,
+)
 from .data import PackedDataset, StepTable, first_item
 from .formats import BACKENDS, BatchFormat
 from .hf import PackedTrainerMixin, check_model_batch, register_hf_attention
@@ -46,6 +55,8 @@ from .tree import per_sample, token_logprobs
 
 __all__ = [
     "BACKENDS",
+    "CP_KERNELS",
+    "CP_KEYS",
     "KERNELS",
     "LOSS_MASK_KEYS",
     "WEIGHTINGS",
@@ -60,10 +71,12 @@ __all__ = [
     "Step",
     "StepTable",
     "check_model_batch",
+    "context_parallel_attention",
     "first_item",
     "packed_loss",
     "per_sample",
     "register_hf_attention",
+    "shard_for_context_parallel",
     "token_logprobs",
     "varlen_attention",
 ]

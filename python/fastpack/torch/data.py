@@ -56,6 +56,11 @@ class StepTable:
     ``sequences`` the segments with at least one target. All int64 [N].
     ``segment_targets`` (uint32 [S]) is the same count per segment, for steps cut smaller.
 
+    A plan made for context parallelism (``cp_size``) adds, for the step's row sharded
+    as :func:`~fastpack.torch.shard_for_context_parallel` shards it, ``padded_tokens``
+    (int64 [N]) and ``cp_work`` (int64 [N, cp]): the (query, key) pairs each CP rank's
+    attention computes (:attr:`fastpack.CPLayout.work`); ``None`` otherwise.
+
     A plan of trees (``share_prefix=True``) counts by its samples (its paths): a sample's
     targets and its sequence are counted at its last segment (``segment_targets``,
     ``segment_sequences``), and ``squared_tokens`` is attention's work, a segment of ``l``
@@ -71,6 +76,8 @@ class StepTable:
     targets: np.ndarray
     sequences: np.ndarray
     segment_targets: np.ndarray
+    padded_tokens: np.ndarray | None = None
+    cp_work: np.ndarray | None = None
     segment_work: np.ndarray | None = None
     segment_sequences: np.ndarray | None = None
     cuts: np.ndarray | None = None
@@ -119,6 +126,12 @@ class PackedDataset(torch.utils.data.Dataset, WithOptions):  # type: ignore[type
             longest common prefix. Default: the dataset's ``group`` column when it has one,
             else a trie over all samples. The plan is then :func:`fastpack.pack_trees`'s:
             a tree is never cut across steps or ranks.
+
+    Context parallelism: a collator with ``cp_size`` (and ``cp_mode``, ``pad_multiple``)
+    plans every pack to fit ``max_len`` once padded for the CP group; every CP rank of a
+    data-parallel rank gets the same step and shards it
+    (:func:`~fastpack.torch.shard_for_context_parallel`), and a :class:`PackedSampler`
+    balances each step's busiest CP rank.
 
     An item is an ``int`` (step ``i``) or a :class:`fastpack.torch.Step` from a
     :class:`~fastpack.torch.PackedSampler`, which may name a smaller piece of a step and
@@ -318,15 +331,30 @@ def step_table(plan: Plan, step_pack_offsets: np.ndarray, per_segment: np.ndarra
     segments = np.asarray(plan.pack_offsets, dtype=np.int64)[step_pack_offsets]
     per_segment = np.ascontiguousarray(per_segment, dtype=np.uint32)
     tokens, squared, targets, sequences = _core.step_sums(plan.seqlens, per_segment, segments)
+    padded = work = None
+    if plan.cp_size is not None:
+        padded, work = cp_terms(plan, plan.seqlens, segments)
     table = StepTable(
         pack_offsets=step_pack_offsets, segment_offsets=segments, tokens=tokens,
         squared_tokens=squared, targets=targets, sequences=sequences,
-        segment_targets=per_segment,
+        segment_targets=per_segment, padded_tokens=padded, cp_work=work,
     )
     for array in (table.segment_offsets, table.tokens, table.squared_tokens,
-                  table.targets, table.sequences, table.segment_targets):
-        array.flags.writeable = False
+                  table.targets, table.sequences, table.segment_targets, padded, work):
+        if array is not None:
+            array.flags.writeable = False
     return table
+
+
+def cp_terms(plan: Plan, seqlens: np.ndarray,
+             offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Padded tokens (int64 [N]) and each CP rank's attention work (int64 [N, cp]) of the
+    rows ``offsets[i]:offsets[i+1]`` of ``seqlens``, for the plan's CP group."""
+    assert plan.cp_size is not None and plan.cp_mode is not None
+    _, padded, work = _core.cp_streams(
+        np.ascontiguousarray(seqlens, dtype=np.int32), np.ascontiguousarray(offsets, np.int64),
+        plan.cp_size, plan.cp_mode, plan.pad_multiple or 1)
+    return padded, work.astype(np.int64).reshape(len(padded), plan.cp_size)
 
 
 def tree_step_table(plan: Plan, step_pack_offsets: np.ndarray, per_path: np.ndarray
@@ -393,7 +421,8 @@ def _sub_plan(plan: Plan, p0: int, p1: int, lo: int, hi: int) -> Plan:
         sample_ids=plan.sample_ids[lo:hi], starts=plan.starts[lo:hi], seqlens=seqlens,
         pack_offsets=offsets - lo, total_tokens=total, buckets=buckets,
         long_max_len=plan.long_max_len, pack_caps=caps, shuffle=plan.options.shuffle,
-        seed=plan.options.seed,
+        seed=plan.options.seed, cp_size=plan.cp_size, cp_mode=plan.cp_mode,
+        pad_multiple=plan.pad_multiple,
     )
     if plan.parents is not None:
         fields.update(_sub_trees(plan, lo, hi))
