@@ -52,6 +52,7 @@ from .attention import (
     _softcapped_attention,
     varlen_attention,
 )
+from .tree import SAMPLE_KEYS
 
 __all__ = [
     "CP_KERNELS", "CP_KEYS", "attend_gathered", "context_parallel_attention",
@@ -83,8 +84,9 @@ CP_KEYS = (
 
 #: Per-token keys of a flash batch that sharding rebuilds; other per-token keys raise.
 _TOKEN_KEYS = ("input_ids", "labels", "position_ids", "seq_idx")
-#: Keys of a flash batch that describe the whole row and do not pass to a rank.
-_ROW_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+#: Keys of a flash batch that describe the whole row and do not pass to a rank (a rank
+#: holds pieces of the samples, so ``per_sample`` does not apply to a shard).
+_ROW_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", *SAMPLE_KEYS)
 
 #: Queries x keys of one masked SDPA call on the CPU path (a block of a run's queries).
 _MASK_BUDGET = 1 << 22

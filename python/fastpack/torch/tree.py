@@ -44,8 +44,7 @@ from .attention import (
     _FLEX_BLOCK_SIZE,
     _from_kv_blocks,
     _kv_blocks,
-    _repeat_kv,
-    _sdpa_has_enable_gqa,
+    _sdpa_gqa,
     _signature_params,
     _softcap_score_mod,
     _softcapped_attention,
@@ -459,13 +458,7 @@ def _tree_sdpa(
     scale: float | None, window: int | None, softcap: float | None,
 ) -> torch.Tensor:
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    groups = q.shape[1] // k.shape[1]
-    gqa: dict[str, Any] = {}
-    if groups > 1:
-        if _sdpa_has_enable_gqa() and softcap is None:
-            gqa["enable_gqa"] = True
-        else:
-            k, v = _repeat_kv(k, v, groups, dim=1)
+    k, v, gqa = _sdpa_gqa(q, k, v, softcap)
     outs = []
     bounds = layout.bounds
     for s in range(len(layout.parents)):
