@@ -848,8 +848,7 @@ def check_tree(
     from fastpack.torch import PackedCollator
 
     eps = torch.finfo(dtype).eps
-    kernels = [k for k in ("flash", "flex") if tm._TREE_REASONS[k](
-        torch.empty(1, device=device, dtype=dtype)) is None]
+    kernels = tm.available_kernels(torch.empty(1, device=device, dtype=dtype))[:-1]
     rows: list[dict[str, Any]] = []
     for b, samples in enumerate(tree_samples(cfg)):
         batch = PackedCollator(1 << 22, backend="flash", share_prefix=True)(samples)
@@ -929,8 +928,7 @@ def bench_tree_model(
                          .logits[0].float())
     baseline = max(rel_err(a, t) for a, t in zip(alone, truth))
     rows = []
-    for kernel in [k for k in ("flash", "flex", "sdpa") if k == "sdpa" or tm._TREE_REASONS[k](
-            torch.empty(1, device=device, dtype=dtype)) is None]:
+    for kernel in tm.available_kernels(torch.empty(1, device=device, dtype=dtype)):
         set_attn(model, register_hf_attention(f"fastpack_tree_{kernel}", kernel=kernel))
         row: dict[str, Any] = {"kernel": kernel}
         try:

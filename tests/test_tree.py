@@ -557,8 +557,6 @@ def test_gpu_check_tree_sections_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None
     assert spec is not None and spec.loader is not None
     gpu_check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpu_check)
-    monkeypatch.setitem(tree._TREE_REASONS, "flash", lambda q: None)
-    monkeypatch.setitem(tree._TREE_REASONS, "flex", lambda q: None)
     monkeypatch.setattr(attention, "_unavailable_reason", lambda kernel, q: None)
     monkeypatch.setattr(attention, "_flash_varlen_func", lambda: flash_on_cpu)
     monkeypatch.setattr(attention, "_compiled_flex_attention", lambda: _flex_on_cpu)

@@ -570,6 +570,23 @@ def _softcapped_attention(
     return torch.matmul(probs, v)
 
 
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None,
+    causal: bool, scale: float | None, softcap: float | None, gqa: dict[str, Any],
+) -> torch.Tensor:
+    """One attention call over ``(1, H, L, D)`` pieces (``gqa`` from :func:`_sdpa_gqa`):
+    soft-capped scores by hand (SDPA cannot), else SDPA with the ``allowed`` mask, or
+    causal (or not) without one. The per-sequence, per-segment and per-run loops share it."""
+    if softcap is not None:
+        return _softcapped_attention(q, k, v, allowed, causal, scale, softcap)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    if allowed is not None:
+        out: torch.Tensor = sdpa(q, k, v, attn_mask=allowed, scale=scale, **gqa)
+    else:
+        out = sdpa(q, k, v, is_causal=causal, scale=scale, **gqa)
+    return out
+
+
 def _sdpa_gqa(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softcap: float | None
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
@@ -595,7 +612,6 @@ def _sdpa_forward(
     sliding_window: int | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    sdpa = torch.nn.functional.scaled_dot_product_attention
     k, v, gqa = _sdpa_gqa(q, k, v, softcap)
     # Split (1, H, T, D) views along the tokens, once: every piece is already in SDPA's
     # layout, so a sequence costs one SDPA call and one transpose, and autograd backs the
@@ -617,12 +633,7 @@ def _sdpa_forward(
         allowed = None
         if sliding_window is not None and length > sliding_window:
             allowed = _window_mask(length, sliding_window, qs.device)
-        if softcap is not None:
-            out = _softcapped_attention(qs, ks, vs, allowed, causal, scale, softcap)
-        elif allowed is not None:
-            out = sdpa(qs, ks, vs, attn_mask=allowed, scale=scale, **gqa)
-        else:
-            out = sdpa(qs, ks, vs, is_causal=causal, scale=scale, **gqa)
+        out = _attend(qs, ks, vs, allowed, causal, scale, softcap, gqa)
         outs.append(out.transpose(1, 2))  # (1, L, H, D)
     if not outs:
         return q[:0]

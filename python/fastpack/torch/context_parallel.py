@@ -45,11 +45,11 @@ from .._checks import _choice, _int_arg
 from .._context_parallel import CP_MODES, CPLayout, check_cp, cp_layout
 from .._errors import FastpackError, FastpackTypeError
 from .attention import (
+    _attend,
     _check_qkv,
     _check_window_options,
     _repeat_kv,
     _sdpa_gqa,
-    _softcapped_attention,
     varlen_attention,
 )
 from .tree import SAMPLE_KEYS
@@ -416,10 +416,7 @@ def _runs_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                 allowed &= query_pos - key_pos < window
             qb = qs[:, :, i0:i1]
             kb, vb = ks[:, :, first:last], vs[:, :, first:last]
-            if softcap is not None:
-                out = _softcapped_attention(qb, kb, vb, allowed, True, scale, softcap)
-            else:
-                out = sdpa(qb, kb, vb, attn_mask=allowed, scale=scale, **gqa)
+            out = _attend(qb, kb, vb, allowed, True, scale, softcap, gqa)
             outs.append(out.transpose(1, 2))
     if not outs:
         return q[:0]

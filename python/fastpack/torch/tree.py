@@ -42,16 +42,17 @@ from .._errors import FastpackError, FastpackTypeError
 from . import attention as _attention
 from .attention import (
     _FLEX_BLOCK_SIZE,
+    _attend,
     _from_kv_blocks,
     _kv_blocks,
     _sdpa_gqa,
     _signature_params,
     _softcap_score_mod,
-    _softcapped_attention,
 )
 
 __all__ = [
-    "SAMPLE_KEYS", "TARGET_KEYS", "TREE_KERNELS", "TREE_KEYS", "TreeLayout", "is_tree_batch",
+    "SAMPLE_KEYS", "TARGET_KEYS", "TREE_KERNELS", "TREE_KEYS", "TreeLayout", "available_kernels",
+    "is_tree_batch",
     "per_sample", "token_logprobs", "tree_attention", "tree_batch", "tree_block_mask",
     "tree_layout",
 ]
@@ -372,44 +373,25 @@ def tree_batch(rows: Mapping[str, Any], *, return_num_items: bool = False) -> di
 # --------------------------------------------------------------------- attention
 
 
-def _flex_tree_unavailable(q: torch.Tensor) -> str | None:
-    if q.device.type != "cuda":
-        return f"it needs CUDA tensors, got device {q.device.type!r}"
-    return _attention._flex_unavailable_reason()
-
-
-def _flash_tree_unavailable(q: torch.Tensor) -> str | None:
-    if q.device.type != "cuda":
-        return f"it needs CUDA tensors, got device {q.device.type!r}"
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        return f"it needs float16 or bfloat16 inputs, got {q.dtype}"
-    if _attention._flash_varlen_func() is None:
-        return "the flash-attn package is not installed (pip install flash-attn)"
-    return None
-
-
-#: Why each CUDA kernel of a tree cannot run on inputs like ``q`` (None: it can).
-_TREE_REASONS: dict[str, Callable[[torch.Tensor], str | None]] = {
-    "flash": _flash_tree_unavailable, "flex": _flex_tree_unavailable,
-}
+def available_kernels(q: torch.Tensor) -> list[str]:
+    """The kernels :func:`tree_attention` could use for inputs like ``q``, in ``"auto"``'s
+    order (``"sdpa"`` is always last and always there): the CUDA kernels need what they
+    need for :func:`~fastpack.torch.varlen_attention`."""
+    return [k for k in TREE_KERNELS[1:-1] if _attention._unavailable_reason(k, q) is None] + [
+        "sdpa"]
 
 
 def _tree_kernel(kernel: str, q: torch.Tensor) -> str:
-    reasons = _TREE_REASONS
     if kernel == "auto":
-        for name in ("flash", "flex"):
-            if reasons[name](q) is None:
-                return name
-        return "sdpa"
+        return available_kernels(q)[0]
     if kernel not in TREE_KERNELS:
         raise FastpackError(
             f"kernel: {kernel!r} cannot compute a tree batch; expected one of "
             f"{', '.join(map(repr, TREE_KERNELS))}"
         )
-    if kernel in reasons:
-        reason = reasons[kernel](q)
-        if reason is not None:
-            raise FastpackError(f"kernel={kernel!r} is not available: {reason}")
+    reason = _attention._unavailable_reason(kernel, q)
+    if reason is not None:
+        raise FastpackError(f"kernel={kernel!r} is not available: {reason}")
     return kernel
 
 
@@ -457,7 +439,6 @@ def _tree_sdpa(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: TreeLayout,
     scale: float | None, window: int | None, softcap: float | None,
 ) -> torch.Tensor:
-    sdpa = torch.nn.functional.scaled_dot_product_attention
     k, v, gqa = _sdpa_gqa(q, k, v, softcap)
     outs = []
     bounds = layout.bounds
@@ -472,12 +453,7 @@ def _tree_sdpa(
         else:
             ks, vs = (t.index_select(0, index).transpose(0, 1).unsqueeze(0) for t in (k, v))
         allowed = _allowed(ks.shape[2] - (hi - lo), hi - lo, window, q.device)
-        if softcap is not None:
-            out = _softcapped_attention(qs, ks, vs, allowed, True, scale, softcap)
-        elif allowed is None:
-            out = sdpa(qs, ks, vs, is_causal=True, scale=scale, **gqa)
-        else:
-            out = sdpa(qs, ks, vs, attn_mask=allowed, scale=scale, **gqa)
+        out = _attend(qs, ks, vs, allowed, True, scale, softcap, gqa)
         outs.append(out.transpose(1, 2))
     if not outs:
         return q[:0]
