@@ -76,8 +76,12 @@ CP, CP_MODE = 2, "zigzag"
 
 
 def make_dataset(seed: int = 0, cp: bool = False, kind: str = "text") -> PackedDataset:
+    """The matrix's data: ``kind`` "text" (split samples, CP with ``cp``), "vlm" (media
+    under an image budget) or "tree" (RL rollouts as shared-prefix trees)."""
     if kind == "vlm":
         return vlm_dataset(seed)
+    if kind == "tree":
+        return make_tree_dataset(seed)
     rows = [np.full(int(n), i + 1, dtype=np.int64) for i, n in enumerate(lengths())]
     collator = PackedCollator(max_len=MAX_LEN, backend="flash", overlong="split",
                               cp_size=CP if cp else None)
@@ -105,13 +109,29 @@ def vlm_dataset(seed: int = 0) -> PackedDataset:
                          group_tokens=2 * MAX_LEN, seed=seed)
 
 
+def make_tree_dataset(seed: int = 0) -> PackedDataset:
+    """RL rollouts: 15 prompts, 4 responses each, one tree per prompt (share_prefix)."""
+    rng = np.random.default_rng(1)
+    rows, groups = [], []
+    for g in range(15):
+        prompt = rng.integers(1, 64, int(rng.integers(4, 16)))
+        for _ in range(4):
+            rows.append(np.concatenate([prompt, rng.integers(1, 64, int(rng.integers(1, 6)))]))
+            groups.append(g)
+    collator = PackedCollator(max_len=MAX_LEN, backend="flash", share_prefix=True)
+    return PackedDataset(rows, collator, groups=groups, group_tokens=MAX_LEN, seed=seed)
+
+
 def make_sampler(ds: PackedDataset, ranks: int, rank: int) -> PackedSampler:
     return PackedSampler(ds, num_replicas=ranks, rank=rank, hidden_size=HIDDEN,
                          accumulation_steps=ACCUMULATION)
 
 
 def decode(batch: dict[str, Any]) -> tuple[int, ...]:
-    """The sample of each sequence of a flash-format batch."""
+    """The sample of each sequence of a flash-format batch (of a tree batch: its samples,
+    which it lists)."""
+    if "tree_parents" in batch:
+        return tuple(batch["sample_ids"].tolist())
     ids = batch["input_ids"].reshape(-1)
     starts = batch["cu_seq_lens_q"][:-1].long()
     return tuple((ids[starts] - 1).tolist())
@@ -156,8 +176,10 @@ def stop_at(point: str, per_epoch: int) -> int:
 
 
 def check_every_piece_once(runs: list[Run], cp: bool = False, kind: str = "text") -> None:
-    """Over the ranks, each epoch holds every segment of the plan once."""
-    want = Counter(make_dataset(cp=cp, kind=kind).plan.sample_ids.tolist())
+    """Over the ranks, each epoch holds every segment of the plan once (every sample of a
+    plan of trees)."""
+    plan = make_dataset(cp=cp, kind=kind).plan
+    want = Counter((plan.path_sample_ids if kind == "tree" else plan.sample_ids).tolist())
     for epoch in range(EPOCHS):
         got = Counter(i for run in runs for e, ids in run if e == epoch for i in ids)
         assert got == want, epoch
@@ -177,11 +199,12 @@ def test_the_data_has_a_split_sample_and_a_cut_remainder() -> None:
 # ------------------------------------------------------------------ plain DataLoader
 def plain(ranks: int, rank: int, workers: int, persistent: bool, stop: int | None,
           state: dict[str, Any] | None = None,
-          cp_rank: int | None = None) -> tuple[Run, dict[str, Any] | None]:
+          cp_rank: int | None = None, kind: str = "text"
+          ) -> tuple[Run, dict[str, Any] | None]:
     """A training loop over a plain DataLoader, interrupted after ``stop`` micro-steps:
     the state is ``sampler.state_dict(consumed=k)``, ``k`` the batches this epoch's loop
     took (what ``enumerate`` counts). ``cp_rank``: a rank of the dp × cp mesh."""
-    ds = make_dataset(cp=cp_rank is not None)
+    ds = make_dataset(cp=cp_rank is not None, kind=kind)
     sampler = make_sampler(ds, ranks, rank)
     if state is not None:
         sampler.load_state_dict(pickle.loads(pickle.dumps(state)))
@@ -412,6 +435,37 @@ def test_the_mesh_plan_is_made_for_context_parallelism() -> None:
     for p in range(ds.plan.num_packs):  # every pack fits MAX_LEN once padded
         assert fastpack.cp_layout(ds.plan.cu_seqlens(p), CP).padded_total <= MAX_LEN
     assert ds.steps.cp_work is not None and ds.steps.cp_work.shape == (len(ds), CP)
+
+
+# ------------------------------------------------------------------ trees
+def test_the_tree_data_cuts_a_step_between_trees() -> None:
+    ds = make_dataset(kind="tree")
+    assert ds.plan.parents is not None and len(ds) % 2 == 1
+    cut = make_sampler(ds, 2, 0).schedule(0)
+    assert not cut.whole.all()  # 2 ranks cut the remainder, between trees only
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.parametrize("point", POINTS)
+@pytest.mark.parametrize("loader", ["plain-0", "plain-2", "stateful-0"])
+def test_tree_dataset(loader: str, point: str, ranks: int) -> None:
+    """A PackedDataset of shared-prefix trees (share_prefix=True) resumes exactly too: the
+    steps' samples before plus after equal the uninterrupted run, every sample once."""
+    kind, workers = loader.split("-")
+    runs = []
+    for rank in range(ranks):
+        want = reference(ranks, rank, kind="tree")
+        stop = stop_at(point, len(want) // EPOCHS)
+        if kind == "plain":
+            head, state = plain(ranks, rank, int(workers), False, stop, kind="tree")
+            tail, _ = plain(ranks, rank, int(workers), False, None, state, kind="tree")
+        else:
+            head, state = stateful(ranks, rank, int(workers), stop, kind="tree")
+            tail, _ = stateful(ranks, rank, int(workers), None, state, kind="tree")
+        assert state is not None and len(head) == stop
+        assert head + tail == want
+        runs.append(head + tail)
+    check_every_piece_once(runs, kind="tree")
 
 
 # ------------------------------------------------------------------ another plan
