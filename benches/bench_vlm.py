@@ -203,7 +203,7 @@ def worker(variant: str, path: str, reps: int, max_len: int, overlong: str) -> N
     out = {"first": first, "warm": statistics.median(warm), "packs": plan.num_packs,
            "token_bound": plan.lower_bound, "efficiency": plan.efficiency,
            "dropped": plan.dropped_sequences,
-           "limits": {k: [v.lower_bound, v.total, v.max_fill]
+           "limits": {k: [v.lower_bound, v.total, v.max_used]
                       for k, v in getattr(plan, "limits", {}).items()},
            "fastpack": os.path.dirname(fastpack.__file__)}
     print(json.dumps(out))
@@ -289,7 +289,7 @@ def padding(n: int) -> dict:
             "packs": plan.num_packs, "rows_padded": int(len(batches) * 8),
             "bounds": {k: v.lower_bound for k, v in plan.limits.items()},
             "token_bound": plan.lower_bound, "tokens_only_packs": text_only.num_packs,
-            "patch_fill": plan.limits["patches"].total / (plan.num_packs * MAX_PATCHES)}
+            "patch_use": plan.limits["patches"].total / (plan.num_packs * MAX_PATCHES)}
 
 
 def ms(x: float) -> str:
@@ -389,7 +389,7 @@ def report(pos: dict, plan: dict, pad: dict, started: str, args: argparse.Namesp
         f"Packed rows: {pad['packs']:,} against bounds of {pad['token_bound']:,} (tokens), "
         f"{pad['bounds']['patches']:,} (patches), {pad['bounds']['images']:,} (images); "
         f"tokens only would take {pad['tokens_only_packs']:,} packs but overflow the vision "
-        f"encoder's budget. The packs use {pad['patch_fill']:.1%} of their patch budget.",
+        f"encoder's budget. The packs use {pad['patch_use']:.1%} of their patch budget.",
         "",
     ]
     return "\n".join(lines)

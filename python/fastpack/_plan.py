@@ -274,7 +274,7 @@ class LimitUse:
     #: ``ceil(total / cap)``: no plan can use fewer packs.
     lower_bound: int
     #: The fullest pack's use (at most ``cap``).
-    max_fill: int
+    max_used: int
 
 
 def _limit_values(spec: Any) -> tuple[dict[str, Any] | Any, dict[str, np.ndarray] | None]:
@@ -582,7 +582,7 @@ class Plan:
         for use in self.limits.values():
             lines.append(
                 f"{use.name}: {use.total:,} in all, at most {use.cap:,} per pack (fullest "
-                f"{use.max_fill:,}); packs / lower bound {self.num_packs}/{use.lower_bound}"
+                f"{use.max_used:,}); packs / lower bound {self.num_packs}/{use.lower_bound}"
             )
         if self.group_fills is not None:
             fills = self.group_fills

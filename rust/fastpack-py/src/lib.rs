@@ -158,7 +158,7 @@ fn plan_to_dict<'py>(py: Python<'py>, out: TwoLevelPlan) -> PyResult<Bound<'py, 
             ud.set_item("cap", u.cap)?;
             ud.set_item("total", u.total)?;
             ud.set_item("lower_bound", u.lower_bound)?;
-            ud.set_item("max_fill", u.max_fill)?;
+            ud.set_item("max_used", u.max_used)?;
             uses.append(ud)?;
         }
         d.set_item("limits", uses)?;

@@ -61,7 +61,7 @@ pub struct LimitUse {
     /// `ceil(total / cap)`: no plan can use fewer packs.
     pub lower_bound: u64,
     /// The fullest pack's use (at most `cap`).
-    pub max_fill: u64,
+    pub max_used: u64,
 }
 
 fn arg_name(limit: &Limit<'_>) -> String {
@@ -240,12 +240,12 @@ impl<'a> Needs<'a> {
 }
 
 /// A bucket's placement under several budgets: the pack of every sorted position (each
-/// shard numbers its packs from 0), each shard's packs, and each budget's fills.
+/// shard numbers its packs from 0), each shard's packs, and each budget's use.
 pub(crate) struct LimitedRuns {
     pub pack_of: Vec<u32>,
     pub shard_packs: Vec<u32>,
     /// Per budget: (sum, fullest pack) over every pack of the bucket.
-    pub fills: Vec<(u64, u64)>,
+    pub used: Vec<(u64, u64)>,
 }
 
 impl LimitedRuns {
@@ -334,16 +334,16 @@ fn place_k<const K: usize, const L: usize>(
             .collect()
     };
     let mut shard_packs = Vec::with_capacity(shards);
-    let mut fills = vec![(0u64, 0u64); K];
+    let mut used = vec![(0u64, 0u64); K];
     for r in placed {
         let (packs, f) = r?;
         shard_packs.push(packs);
         for d in 0..K {
-            fills[d].0 += f[d].0;
-            fills[d].1 = fills[d].1.max(f[d].1);
+            used[d].0 += f[d].0;
+            used[d].1 = used[d].1.max(f[d].1);
         }
     }
-    Ok(LimitedRuns { pack_of, shard_packs, fills })
+    Ok(LimitedRuns { pack_of, shard_packs, used })
 }
 
 /// A shard's packs and, per budget, (sum, fullest pack).
@@ -381,7 +381,7 @@ fn place_shard<const K: usize, F: Fit<K>>(
             fit.put(pack, room, left)?;
         }
     }
-    Ok((fit.packs(), fit.fills()))
+    Ok((fit.packs(), fit.used()))
 }
 
 #[inline(always)]
@@ -397,7 +397,7 @@ fn sub<const K: usize>(have: &mut [u32; K], need: &[u32; K]) {
 }
 
 /// Adds a pack's use of every budget (its cap less its room) to (sum, fullest pack).
-fn add_fill<const K: usize>(acc: &mut [(u64, u64); K], caps: &[u32; K], left: &[u32; K]) {
+fn add_used<const K: usize>(acc: &mut [(u64, u64); K], caps: &[u32; K], left: &[u32; K]) {
     for ((sum, most), (cap, room)) in acc.iter_mut().zip(caps.iter().zip(left)) {
         let used = (cap - room) as u64;
         *sum += used;
@@ -425,7 +425,7 @@ trait Fit<const K: usize> {
     fn put(&mut self, pack: u32, room: u32, left: [u32; K]) -> Result<()>;
     fn packs(&self) -> u32;
     /// Per budget: (sum, fullest pack) over the packs.
-    fn fills(&self) -> [(u64, u64); K];
+    fn used(&self) -> [(u64, u64); K];
 }
 
 /// An open pack of best fit, listed under its token room: its rooms in every budget.
@@ -600,7 +600,7 @@ impl<const K: usize> Fit<K> for BestFit<K> {
 
     fn put(&mut self, pack: u32, room: u32, left: [u32; K]) -> Result<()> {
         if room == 0 {
-            add_fill(&mut self.closed, &self.caps, &left);
+            add_used(&mut self.closed, &self.caps, &left);
             return Ok(());
         }
         let r = room as usize;
@@ -621,10 +621,10 @@ impl<const K: usize> Fit<K> for BestFit<K> {
         self.packs
     }
 
-    fn fills(&self) -> [(u64, u64); K] {
+    fn used(&self) -> [(u64, u64); K] {
         let mut out = self.closed;
         for entry in self.lists.iter().flatten() {
-            add_fill(&mut out, &self.caps, &entry.left);
+            add_used(&mut out, &self.caps, &entry.left);
         }
         out
     }
@@ -727,32 +727,32 @@ impl<const K: usize, const L: usize> Fit<K> for FirstFit<K, L> {
         self.packs
     }
 
-    fn fills(&self) -> [(u64, u64); K] {
+    fn used(&self) -> [(u64, u64); K] {
         let mut out = [(0u64, 0u64); K];
         let leaves = &self.tree[self.size..self.size + self.packs as usize];
         for lanes in leaves {
             let mut left = [0u32; K];
             left.copy_from_slice(&lanes[1..]);
-            add_fill(&mut out, &self.caps, &left);
+            add_used(&mut out, &self.caps, &left);
         }
         out
     }
 }
 
-/// How the plan uses each budget, from every bucket's fills.
+/// How the plan uses each budget, from every bucket's use.
 pub(crate) fn uses(limits: &[Limit<'_>], buckets: &[&LimitedRuns]) -> Vec<LimitUse> {
     limits
         .iter()
         .enumerate()
         .map(|(d, l)| {
-            let total: u64 = buckets.iter().map(|b| b.fills[d].0).sum();
-            let max_fill = buckets.iter().map(|b| b.fills[d].1).max().unwrap_or(0);
+            let total: u64 = buckets.iter().map(|b| b.used[d].0).sum();
+            let max_used = buckets.iter().map(|b| b.used[d].1).max().unwrap_or(0);
             LimitUse {
                 name: l.name.to_string(),
                 cap: l.cap,
                 total,
                 lower_bound: total.div_ceil(l.cap),
-                max_fill,
+                max_used,
             }
         })
         .collect()
