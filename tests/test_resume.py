@@ -371,7 +371,7 @@ def test_stateful_dataloader(workers: int, point: str, ranks: int) -> None:
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_vision_language_dataset_resumes_exactly(workers: int, ranks: int) -> None:
     """The same matrix row for a vision-language PackedDataset (media, an image budget, the
-    sampler's vision work in its balance): resumed mid-epoch, every step as uninterrupted;
+    sampler's vision cost in its balance): resumed mid-epoch, every step as uninterrupted;
     each batch's media are its samples'."""
     runs = []
     for rank in range(ranks):

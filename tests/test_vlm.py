@@ -544,7 +544,7 @@ def test_a_collator_keeps_every_pack_of_a_batch_within_its_budgets() -> None:
             assert (g - alone(m, d).logits[0]).abs().max().item() <= 1e-10
 
 
-def test_a_dataset_plans_within_its_budgets_and_the_sampler_weighs_the_vision_work() -> None:
+def test_a_dataset_plans_within_its_budgets_and_the_sampler_weighs_the_vision_cost() -> None:
     from fastpack.torch import PackedDataset, PackedSampler
 
     m = model("qwen2_5_vl")
@@ -560,7 +560,7 @@ def test_a_dataset_plans_within_its_budgets_and_the_sampler_weighs_the_vision_wo
     batch = ds[0]
     with torch.no_grad():
         m(**model_inputs(batch))  # the step's media are the batch's placeholders'
-    # The sampler's cost: tokens and attention, plus the vision encoder's work scaled by
+    # The sampler's cost: tokens and attention, plus the vision encoder's cost scaled by
     # (vision layers x width) / (text layers x hidden_size).
     sampler = PackedSampler(ds, num_replicas=2, rank=0, hidden_size=32)
     schedule = sampler.schedule(0)

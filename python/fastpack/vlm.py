@@ -47,7 +47,7 @@ __all__ = [
     "mm_token_type_ids",
     "position_ids",
     "rope_index",
-    "vision_work",
+    "vision_cost",
 ]
 
 # Below this many tokens one thread computes the positions (2 shared cores: 64 documents
@@ -74,7 +74,7 @@ def _get(config: Any, key: str) -> Any:
 @dataclass(frozen=True)
 class VlmConfig:
     """What fastpack reads of a vision-language model's Hugging Face config: its family,
-    its placeholder token ids and what its positions and vision work depend on. Built by
+    its placeholder token ids and what its positions and vision cost depend on. Built by
     :meth:`of` from the config object (``model.config``) or its dict."""
 
     model_type: str
@@ -403,8 +403,8 @@ def media_budgets(
     return out
 
 
-def vision_work(samples: Any, width: int) -> np.ndarray:
-    """Each sample's vision encoder work (float64), in the units of the sampler's cost of
+def vision_cost(samples: Any, width: int) -> np.ndarray:
+    """Each sample's vision encoder cost (float64), in the units of the sampler's cost of
     a text layer: per encoder layer ``6·width·p + p²`` for every frame of ``p = h·w``
     patches (its projections, then attention within the frame: Qwen-VL encoders attend
     within each frame; Qwen2.5-VL's windowed layers do less, so this is an upper bound);
@@ -413,8 +413,8 @@ def vision_work(samples: Any, width: int) -> np.ndarray:
     for kind in ("image", "video"):
         offsets, g = _grids_of(samples, kind, True)
         frame = (g[:, 1] * g[:, 2]).astype(np.float64)
-        work = g[:, 0] * (6.0 * width * frame + frame * frame)
-        total += _per_sample(offsets, work)
+        cost = g[:, 0] * (6.0 * width * frame + frame * frame)
+        total += _per_sample(offsets, cost)
     return total
 
 

@@ -21,7 +21,7 @@ from .._plan import Plan
 from .._targets import segment_targets
 from .._tree import group_codes, pack_trees, path_targets
 from .collator import GROUP_KEY, PackedCollator, as_collator
-from .media import vision_work
+from .media import vision_cost
 from .step import Step
 
 if TYPE_CHECKING:
@@ -79,8 +79,8 @@ class StepTable:
     segment_targets: np.ndarray
     padded_tokens: np.ndarray | None = None
     cp_work: np.ndarray | None = None
-    #: Each segment's vision encoder work (float64 [S]; see
-    #: :func:`fastpack.torch.media.vision_work`), or None without media.
+    #: Each segment's vision encoder cost (float64 [S]; see
+    #: :func:`fastpack.torch.media.vision_cost`), or None without media.
     segment_vision: np.ndarray | None = None
     segment_work: np.ndarray | None = None
     segment_sequences: np.ndarray | None = None
@@ -91,7 +91,7 @@ class StepTable:
 
     @cached_property
     def vision(self) -> np.ndarray:
-        """Each step's vision encoder work (float64 [N]; zeros without media)."""
+        """Each step's vision encoder cost (float64 [N]; zeros without media)."""
         return self.vision_between(self.segment_offsets[:-1], self.segment_offsets[1:])
 
     @cached_property
@@ -101,7 +101,7 @@ class StepTable:
         return np.concatenate(([0.0], np.cumsum(self.segment_vision)))
 
     def vision_between(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-        """The vision work of segments ``lo[i]:hi[i]`` for every ``i`` (float64)."""
+        """The vision cost of segments ``lo[i]:hi[i]`` for every ``i`` (float64)."""
         cumulative = self._vision_cumulative
         if cumulative is None:
             return np.zeros(len(lo), dtype=np.float64)
@@ -136,7 +136,7 @@ class PackedDataset(torch.utils.data.Dataset, WithOptions):  # type: ignore[type
             keys, indexed like ``tokens``: the samples, or a ``datasets.Dataset`` with the
             media columns (default: ``tokens`` itself when it is a Dataset). The collator's
             ``limits`` are counted from it, each step's batch takes its samples' media,
-            and :class:`PackedSampler` balances the vision encoder's work per step.
+            and :class:`PackedSampler` balances the vision encoder's cost per step.
         plan: a precomputed plan over ``tokens`` (default: packed here); its groups are
             the steps unless ``packs_per_batch`` is given. It must have been made with the
             options given here and the collator's ``max_len``, ``reserve`` and
@@ -270,7 +270,7 @@ class PackedDataset(torch.utils.data.Dataset, WithOptions):  # type: ignore[type
         vision = None
         vlm = self.collator.vlm
         if vlm is not None and vlm.mrope and self.media is not None:
-            vision = vision_work(self.media, vlm.vision_hidden_size)[
+            vision = vision_cost(self.media, vlm.vision_hidden_size)[
                 np.asarray(self.plan.sample_ids)]
         return step_table(self.plan, self.step_pack_offsets, per_segment, vision)
 
@@ -371,7 +371,7 @@ def step_table(plan: Plan, step_pack_offsets: np.ndarray, per_segment: np.ndarra
                segment_vision: np.ndarray | None = None) -> StepTable:
     """The :class:`StepTable` of steps ``step_pack_offsets`` (CSR over the plan's packs)
     given the targets of every segment (from :func:`fastpack._targets.segment_targets`)
-    and, with media, each segment's vision work."""
+    and, with media, each segment's vision cost."""
     segments = np.asarray(plan.pack_offsets, dtype=np.int64)[step_pack_offsets]
     per_segment = np.ascontiguousarray(per_segment, dtype=np.uint32)
     tokens, squared, targets, sequences = _core.step_sums(plan.seqlens, per_segment, segments)

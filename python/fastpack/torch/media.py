@@ -31,12 +31,12 @@ from ..vlm import (
     media_budgets,
     mm_token_type_ids,
     position_ids,
-    vision_work,
+    vision_cost,
 )
 
 __all__ = [
     "IMAGE_KEYS", "MEDIA_BUDGETS", "MEDIA_KEYS", "VIDEO_KEYS", "media_batch", "media_budgets",
-    "sample_media", "vision_work",
+    "sample_media", "vision_cost",
 ]
 
 

@@ -146,7 +146,7 @@ class PackedSampler(torch.utils.data.Sampler):  # type: ignore[type-arg]
             evenly (counted in :meth:`schedule`), instead of cutting them into
             ``num_replicas`` smaller steps.
         balance: ``"flops"`` balances ``6·hidden_size·Σl + Σl²`` per global step (plus
-            the vision encoder's work with media: see the module docs),
+            the vision encoder's cost with media: see the module docs),
             ``"tokens"`` balances Σl, ``None`` keeps the (shuffled) order.
         hidden_size: the ``h`` of the cost model (see the module docs, docs/training.md).
         accumulation_steps: micro-steps per optimizer step; every micro-step carries the
@@ -459,7 +459,7 @@ def _flops(sampler: PackedSampler, tokens: np.ndarray, squared: np.ndarray,
 
 
 def _vision(sampler: PackedSampler, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-    """The vision encoder's work of segments ``lo:hi`` in the cost's units (a text layer's
+    """The vision encoder's cost of segments ``lo:hi`` in the cost's units (a text layer's
     FLOPs over ``4·hidden_size``): its per-layer work times ``vision layers · vision width
     / (text layers · hidden_size)``; zeros without media."""
     table = sampler.dataset.steps
