@@ -91,7 +91,7 @@ def _sharded_packs(lengths: np.ndarray, k: int, config: object) -> int:
 
 
 def bench_sharded() -> list[str]:
-    from fastpack._offline.plan import PlanConfig
+    import fastpack
 
     lines = ["## Sharded plans: extra packs over one global plan", "",
              "Each document goes to plan shard `hash(key) % K`; each shard is packed on its "
@@ -104,8 +104,8 @@ def bench_sharded() -> list[str]:
                                  ("pretraining-like", pretrain, "split")):
         for n in (10**7, 10**8):
             lengths = make(n, 0)
-            config = PlanConfig(4096, overlong=overlong)
-            one = config.pack(lengths)
+            config = fastpack.PackOptions(4096, overlong=overlong, shuffle=False)
+            one = fastpack.pack(lengths, options=config)
             global_packs, lb = one.num_packs, one.lower_bound
             del one
             for k in (2, 10, 100):
@@ -124,7 +124,8 @@ def bench_sharded() -> list[str]:
 def bench_billion() -> list[str]:
     """10^9 lengths planned in 10 shards of 10^8, one at a time (what 10 workers do in
     parallel); lengths are generated per shard, outside the timing."""
-    from fastpack._offline.plan import PlanConfig, plan_shard
+    import fastpack
+    from fastpack._offline.plan import plan_shard
 
     lines = ["## A plan over 10^9 lengths, in shards", "",
              "10 plan shards of 10^8 lengths each, planned one after another in one process "
@@ -137,7 +138,7 @@ def bench_billion() -> list[str]:
              "lower bound | packs / LB | peak RSS |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, make, overlong in (("SFT-like", sft, "error"),
                                  ("pretraining-like", pretrain, "split")):
-        config = PlanConfig(4096, overlong=overlong)
+        config = fastpack.PackOptions(4096, overlong=overlong, shuffle=False)
         reset_peak()
         times, packs, tokens = [], 0, 0
         for s in range(10):

@@ -1,9 +1,11 @@
 """The packing options, defined and checked in one place: :class:`PackOptions`.
 
 Every entry point that packs — :func:`fastpack.pack`, :func:`fastpack.hf.pack_dataset`,
-``pack_iterable_dataset``, :class:`fastpack.StreamPacker`, and in ``fastpack.torch``
-``PackedCollator``, ``PackedDataset`` and ``PackedIterableDataset`` — takes the same
-options, as keywords or as one object, and checks them here, with the same messages::
+``pack_iterable_dataset``, :class:`fastpack.StreamPacker`, :func:`fastpack.ray.pack_dataset`,
+the ``fastpack pack`` command (its settings, ``_offline/settings.py``), and in
+``fastpack.torch`` ``PackedCollator``, ``PackedDataset`` and ``PackedIterableDataset`` —
+takes the same options, as keywords or as one object, and checks them here, with the same
+messages::
 
     fastpack.pack(lengths, 4096, strategy="ffd")
     fastpack.pack(lengths, options=fastpack.PackOptions(4096, strategy="ffd"))
@@ -21,7 +23,7 @@ Why this shape:
 - **Typed ``**kwargs`` in the signatures** (``**kwargs: Unpack[PackArgs]``, PEP 692):
   mypy and editors check each keyword's name and type at the call site and list them, and
   an option added here reaches every entry point without touching its signature. Spelling
-  the options out in each signature reads best in ``help()``, but it is the seven copies
+  the options out in each signature reads best in ``help()``, but it is the nine copies
   of one list, each checked its own way, that this module replaces. ``max_len`` stays a
   positional parameter (``pack(lengths, 4096)``), as does ``strategy`` of
   ``hf.pack_dataset`` (TRL's signature).
@@ -44,8 +46,10 @@ a ``StreamPacker``, a collator), never field by field, so that is all. It is a p
 option unless listed in :data:`PLAN_OPTIONS` (context parallelism's ``cp_size``,
 ``cp_mode`` and ``pad_multiple``, several budgets per pack, a collator's ``share_prefix``:
 per-batch). An entry point that cannot honour it refuses it by name (``refuse=``, as the
-streams refuse ``group_tokens``), so it is never silently ignored; ``tests/test_options.py``
-then checks it at every entry point without a new row.
+streams refuse ``group_tokens`` and the command ``reserve``), so it is never silently
+ignored; ``tests/test_options.py`` then checks it at every entry point without a new row.
+The command's settings take, check and record a new option unasked; a command line sets
+it once it has a flag in ``cli.py``.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
@@ -46,7 +46,7 @@ from ._offline.scan import (
     text_left_out,
     uneven_reason,
 )
-from ._offline.settings import PackSettings, token_columns
+from ._offline.settings import REFUSED, PackSettings, token_columns
 from ._offline.sources import (
     InputError,
     Source,
@@ -56,6 +56,10 @@ from ._offline.sources import (
     list_lengths,
 )
 from ._offline.stats import check_plot
+from ._options import PackArgs, PackOptions, resolve
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["DOC", "content_keys", "pack_dataset", "pack_files", "read_files"]
 
@@ -246,9 +250,8 @@ class _Planner:
                 result["overlong"] = (int(self.keys[over[0]]), int(lengths[over[0]]),
                                       int(over.size))
                 return result
-        shard = None if self.num_shards == 1 else self.shard
-        plan = settings.plan_config.pack(lengths) if shard is None else \
-            plan_shard(lengths, shard, settings.plan_config)
+        plan = plan_shard(lengths, None if self.num_shards == 1 else self.shard,
+                          settings.options)
         self.plan_ = plan
         assert settings.shard_rows is not None
         rows = settings.shard_rows
@@ -574,19 +577,15 @@ def _schema_columns(ds: Any, column: str, order: str | None,
 
 def pack_dataset(
     ds: Any,
-    max_len: int,
+    max_len: int | None = None,
     *,
+    options: PackOptions | None = None,
     column: str = "input_ids",
     columns: Sequence[str] | None = None,
     order: str | None = None,
-    strategy: str = "bfd",
-    overlong: str = "error",
-    long_max_len: int | None = None,
-    group_tokens: int | None = None,
-    shuffle: bool = True,
-    seed: int = 0,
     shard_rows: int | None = None,
     plan_shards: int = 1,
+    **kwargs: Unpack[PackArgs],
 ) -> Any:
     """Packs a ``ray.data.Dataset`` of token lists into a ``ray.data.Dataset`` of packed
     rows: ``column`` and the other per-token columns packed, ``seq_lengths``,
@@ -604,16 +603,15 @@ def pack_dataset(
 
     The plan is made before this returns (the lengths pass runs now); the gather runs
     when the result is consumed. ``plan_shards=K`` plans in ``K`` independent shards (for
-    more lengths than one process holds; about half a pack more per shard). The other
-    arguments are those of :func:`fastpack.pack`, with its defaults (shuffled packs, seed
-    0); ``shard_rows`` packs are gathered per task.
+    more lengths than one process holds; about half a pack more per shard).
+    ``shard_rows`` packs are gathered per task. ``options`` and the keywords are the
+    packing options of :func:`fastpack.pack` (:class:`fastpack.PackOptions`, with its
+    defaults: shuffled packs, seed 0), checked before any data is read; ``reserve`` is
+    refused (no separator is written).
     """
-    settings = PackSettings(max_len=max_len, column=column,
-                            columns=None if columns is None else tuple(columns),
-                            strategy=strategy, overlong=overlong, long_max_len=long_max_len,
-                            group_tokens=group_tokens, shuffle=shuffle, seed=seed,
+    made = resolve(pack_dataset, options, max_len, kwargs, refuse=REFUSED)
+    settings = PackSettings(options=made, column=column, columns=columns,
                             shard_rows=shard_rows, plan_shards=plan_shards)
-    settings.validate()
     files = _read_of_files(ds) if order is None else None
     if files is not None:
         named, candidates, left_out = resolve_columns(expand_inputs(files), column, columns)
@@ -644,7 +642,6 @@ def pack_files(
     """``fastpack pack --ray``: files to parquet shards, byte for byte those of the
     single-machine path, with the same manifest, report and resume."""
     ray = _ray()
-    settings.validate()
     check_plot(plot)
     if not ray.is_initialized():
         try:

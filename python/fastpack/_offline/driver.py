@@ -71,7 +71,6 @@ def pack_corpus(
     documents to a temporary file (as many bytes as the tokens), or, without ``spill``,
     read the inputs again for every pass. ``plot``: draw report.png (None: where
     matplotlib is installed; True: required, checked before any work)."""
-    settings.validate()
     check_plot(plot)
     seconds: dict[str, float] = {}
     clock = time.monotonic()

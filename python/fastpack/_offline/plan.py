@@ -14,11 +14,11 @@ Each shard leaves about half a pack more than its share of one global plan: 10 s
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .._options import PackOptions
 from .._plan import Plan, pack
 from .sources import InputError, Source
 
@@ -28,7 +28,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ROW_BITS",
-    "PlanConfig",
     "check_overlong",
     "combine_plans",
     "file_keys",
@@ -52,9 +51,9 @@ def make_plan(scan: Scan, settings: PackSettings,
     """The plan and the packs of each plan shard (one entry for a global plan)."""
     check_overlong(scan, settings, sources)
     if settings.plan_shards > 1:
-        return sharded_plan(scan.lengths, settings.plan_shards, settings.plan_config,
+        return sharded_plan(scan.lengths, settings.plan_shards, settings.options,
                             keys=file_keys(scan.file_rows))
-    plan = settings.plan_config.pack(scan.lengths)
+    plan = plan_shard(scan.lengths, None, settings.options)
     return plan, [plan.num_packs]
 
 
@@ -128,35 +127,21 @@ def shard_of(keys: np.ndarray, num_shards: int) -> np.ndarray:
     return (mix64(keys.view(np.uint64)) % np.uint64(num_shards)).astype(np.int64)
 
 
-@dataclass(frozen=True)
-class PlanConfig:
-    """What ``fastpack.pack`` is called with, for one plan or every shard of one."""
-
-    max_len: int
-    strategy: str = "bfd"
-    overlong: str = "error"
-    shuffle: bool = False
-    seed: int = 0
-    long_max_len: int | None = None
-    group_tokens: int | None = None
-
-    def pack(self, lengths: np.ndarray, *, shard: int | None = None,
-             threads: int | None = None) -> Plan:
-        seed = self.seed if shard is None else shard_seed(self.seed, shard)
-        return pack(lengths, self.max_len, strategy=self.strategy, overlong=self.overlong,
-                    shuffle=self.shuffle, seed=seed, long_max_len=self.long_max_len,
-                    group_tokens=self.group_tokens, threads=threads)
-
-
-def plan_shard(lengths: np.ndarray, shard: int, config: PlanConfig,
+def plan_shard(lengths: np.ndarray, shard: int | None, options: PackOptions,
                threads: int | None = None) -> Plan:
-    """The plan of one shard, from its documents' lengths in key order."""
-    return config.pack(lengths, shard=shard, threads=threads)
+    """The plan of one plan shard (None: the one global plan) from its documents' lengths
+    in key order: ``fastpack.pack`` with ``options``, each shard shuffled by its own seed
+    (:func:`shard_seed`)."""
+    if shard is not None:
+        options = options.replace(seed=shard_seed(options.seed, shard))
+    return pack(lengths, options=options, threads=threads)
 
 
-def combine_plans(plans: Sequence[Plan], sample_maps: Sequence[np.ndarray]) -> Plan:
+def combine_plans(plans: Sequence[Plan], sample_maps: Sequence[np.ndarray],
+                  options: PackOptions) -> Plan:
     """Plans laid end to end as one plan; ``sample_maps[k]`` maps plan ``k``'s sample ids to
-    global document ids."""
+    global document ids. The joined plan records ``options`` (``plan.options``: the shards
+    were made with them, each shuffled by its own seed derived from ``options.seed``)."""
     first = plans[0]
     fields: dict[str, Any] = {}
     fields["sample_ids"] = np.concatenate(
@@ -167,8 +152,9 @@ def combine_plans(plans: Sequence[Plan], sample_maps: Sequence[np.ndarray]) -> P
     fields["pack_offsets"] = np.concatenate(
         [np.zeros(1, dtype=np.int64)]
         + [p.pack_offsets[1:] + seg_base[k] for k, p in enumerate(plans)])
-    for name in ("max_len", "reserve", "strategy", "overlong", "long_max_len", "group_tokens"):
-        fields[name] = getattr(first, name)
+    for name in ("max_len", "reserve", "strategy", "overlong", "long_max_len", "group_tokens",
+                 "shuffle", "seed"):
+        fields[name] = getattr(options, name)
     for name in ("num_sequences", "empty_sequences", "dropped_sequences", "dropped_tokens",
                  "truncated_sequences", "truncated_tokens", "split_sequences", "total_tokens"):
         fields[name] = sum(getattr(p, name) for p in plans)
@@ -194,7 +180,7 @@ def combine_plans(plans: Sequence[Plan], sample_maps: Sequence[np.ndarray]) -> P
     return Plan(fields)
 
 
-def sharded_plan(lengths: np.ndarray, num_shards: int, config: PlanConfig,
+def sharded_plan(lengths: np.ndarray, num_shards: int, options: PackOptions,
                  keys: np.ndarray | None = None) -> tuple[Plan, list[int]]:
     """The sharded plan of documents ``0..N`` (keys: their own index unless given), the one
     a cluster computes shard by shard, and the packs of each shard."""
@@ -205,9 +191,9 @@ def sharded_plan(lengths: np.ndarray, num_shards: int, config: PlanConfig,
     plans, maps = [], []
     for s in range(num_shards):
         members = order[bounds[s]:bounds[s + 1]]
-        plans.append(plan_shard(lengths[members], s, config))
+        plans.append(plan_shard(lengths[members], s, options))
         maps.append(members.astype(np.int64))
-    return combine_plans(plans, maps), [p.num_packs for p in plans]
+    return combine_plans(plans, maps, options), [p.num_packs for p in plans]
 
 
 # ---------------------------------------------------------------------------------------

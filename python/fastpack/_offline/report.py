@@ -122,7 +122,8 @@ def _picture(out: OutputDir, stats: PlanStats, plot: bool | None) -> str:
     if missing:
         return f"report.png skipped: {missing}"
     settings = out.settings
-    caps = [settings.max_len] + ([settings.long_max_len] if settings.long_max_len else [])
+    long_max_len = settings.options.long_max_len
+    caps = [settings.max_len] + ([long_max_len] if long_max_len else [])
     try:
         plot_report(stats.lengths, stats.fill, caps,
                     f"{stats.packs:,} packs, efficiency {stats.efficiency:.3%} "
