@@ -360,7 +360,7 @@ def _mostly(valid: st.SearchStrategy[Any], *invalid: Any) -> st.SearchStrategy[A
 
 
 _VALUES = {
-    "strategy": _mostly(st.sampled_from(["bfd", "ffd", "next_fit", "wrapped"]), "best", 1),
+    "strategy": _mostly(st.sampled_from(list(fastpack.STRATEGIES)), "best", 1),
     "overlong": _mostly(st.sampled_from(["error", "truncate", "split", "drop"]), "cut", None),
     "reserve": _mostly(st.integers(0, 10), -1, 1.0),
     "shuffle": _mostly(st.sampled_from([True, False, np.True_]), 1, "yes"),

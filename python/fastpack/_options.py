@@ -72,7 +72,7 @@ __all__ = [
     "separator_reserve", "with_separator",
 ]
 
-STRATEGIES = ("bfd", "ffd", "next_fit", "wrapped")
+STRATEGIES = ("bfd", "ffd", "next_fit", "wrapped", "one_per_pack")
 OVERLONG_POLICIES = ("error", "truncate", "split", "drop")
 # The fit strategies keep an index over every capacity 0..=max_len (the core's limit).
 MAX_LEN_LIMIT = 2**24
@@ -101,7 +101,8 @@ class PackOptions:
     max_len: int
     #: ``"bfd"`` best-fit decreasing (fewest packs), ``"ffd"`` first-fit decreasing,
     #: ``"next_fit"`` (keeps input order), ``"wrapped"`` (concatenate and cut every
-    #: ``max_len`` tokens; ``overlong`` does not apply).
+    #: ``max_len`` tokens; ``overlong`` does not apply), ``"one_per_pack"`` (every
+    #: sequence in a pack of its own, in input order: the padded baseline).
     strategy: str = "bfd"
     #: A sequence longer than ``max_len - reserve``: ``"error"`` (raise, giving how many
     #: and the first index), ``"truncate"``, ``"split"`` into pieces packed on their own,

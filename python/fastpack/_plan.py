@@ -562,7 +562,9 @@ def pack(
 
             - ``strategy``: ``"bfd"`` best-fit decreasing (fewest packs), ``"ffd"``
               first-fit decreasing, ``"next_fit"`` (keeps input order), ``"wrapped"``
-              (concatenate and cut every ``max_len`` tokens; ``overlong`` does not apply).
+              (concatenate and cut every ``max_len`` tokens; ``overlong`` does not apply),
+              ``"one_per_pack"`` (every sequence, or piece of a split one, in a pack of its
+              own, in input order: the padded baseline).
             - ``overlong``: what to do with a sequence longer than ``max_len - reserve``:
               ``"error"`` (raise, giving how many and the first index), ``"truncate"``,
               ``"split"`` into pieces each packed on its own, or ``"drop"``. Every dropped

@@ -58,7 +58,7 @@ STATE_VERSION = 1
 #: A ragged column in the Arrow list layout: row ``i`` is ``values[offsets[i]:offsets[i+1]]``.
 Column = tuple[np.ndarray, np.ndarray]
 
-_ORDERED = ("next_fit", "wrapped")
+_ORDERED = ("next_fit", "wrapped", "one_per_pack")
 
 #: The packing options a stream cannot honour, and why (see ``_options.resolve``).
 STREAM_REFUSES = {
@@ -380,7 +380,10 @@ class StreamPacker(WithOptions):
         ends = plan.starts + plan.seqlens == lengths + self.reserve
         whole = ends & (plan.starts < lengths)
         carryable = np.logical_and.reduceat(whole, plan.pack_offsets[:-1])
-        if self.strategy in _ORDERED:
+        if self.strategy == "one_per_pack":
+            # A pack holds one sample and never more: waiting gains it nothing.
+            candidates = np.zeros(n_packs, dtype=bool)
+        elif self.strategy in _ORDERED:
             # The open pack of each bucket (packs come short bucket first, in order).
             last = np.zeros(n_packs, dtype=bool)
             boundary = np.flatnonzero(np.diff(caps)) if len(caps) > 1 else np.zeros(0, int)

@@ -200,7 +200,7 @@ def stats(inputs: Sequence[str], caps: list[int], column: str, quiet: bool, batc
 @click.option("--strategy", default="bfd", show_default=True,
               metavar="[" + "|".join(STRATEGIES) + "]",
               help="bfd: best-fit decreasing (fewest packs); ffd; next_fit (keeps input "
-              "order); wrapped (concatenate and cut).")
+              "order); wrapped (concatenate and cut); one_per_pack (a document per row).")
 @click.option("--overlong", default="error", show_default=True,
               metavar="[" + "|".join(OVERLONG_POLICIES) + "]",
               help="A document longer than the cap: stop with an error naming it, "

@@ -80,8 +80,8 @@ def pack_dataset(
         max_len: tokens per pack (TRL's ``seq_length``, also accepted by that name).
         strategy: ``"bfd"`` (best fit decreasing, the fewest packs; the default),
             ``"ffd"``, ``"next_fit"`` (keeps row order), ``"wrapped"`` (concatenate and cut
-            every ``max_len`` tokens), or TRL's ``"bfd_split"`` (= ``"bfd"`` with
-            ``overlong="split"``).
+            every ``max_len`` tokens), ``"one_per_pack"`` (a row per sequence), or TRL's
+            ``"bfd_split"`` (= ``"bfd"`` with ``overlong="split"``).
         map_kwargs: TRL's ``Dataset.map`` arguments, where they mean something without a
             ``map``: ``keep_in_memory``, ``cache_file_name`` (where the result is
             written), ``num_proc`` (the thread count, if ``threads`` is not given),

@@ -628,7 +628,8 @@ mod tests {
         prop_oneof![
             Just(Strategy::BestFitDecreasing),
             Just(Strategy::FirstFitDecreasing),
-            Just(Strategy::NextFit)
+            Just(Strategy::NextFit),
+            Just(Strategy::OnePerPack)
         ]
     }
 
