@@ -122,7 +122,7 @@ def gather(
     overlong: str,
     packs: np.ndarray,
     columns: list[ListColumn],
-    fills: list[bytes],
+    separator_values: list[bytes],
     position_ids: bool = True,
     threads: int | None = None,
 ) -> dict[str, Any]: ...

@@ -23,15 +23,16 @@ DEFAULT_BATCH_TOKENS = 1 << 22
 _MAX_BATCH_TOKENS = 1 << 30  # int32 list offsets inside one batch
 
 IGNORE_INDEX = -100
-#: What a plan's reserved slots (separators) hold in the usual columns, unless `fill`
-#: says otherwise; any other column gets 0.
-DEFAULT_FILLS: dict[str, int] = {"labels": IGNORE_INDEX, "attention_mask": 1}
+#: The separator values of the usual columns: what a plan's reserved slots hold there,
+#: unless ``separator_values`` says otherwise (``input_ids``: ``separator_id``); any other
+#: column's is 0.
+DEFAULT_SEPARATOR_VALUES: dict[str, int] = {"labels": IGNORE_INDEX, "attention_mask": 1}
 
 
-def fill_bytes(name: str, value: Any, dtype: np.dtype, type_name: Any = None) -> bytes:
+def separator_bytes(name: str, value: Any, dtype: np.dtype, type_name: Any = None) -> bytes:
     """``value`` as the little-endian bytes of one ``dtype`` value, or a FastpackError
     naming the column and its type (``type_name``, else the dtype) when it does not fit.
-    The one check of a fill value: the Arrow gather and the stream both use it."""
+    The one check of a separator value: the Arrow gather and the stream both use it."""
     if dtype.kind == "b":
         return bytes([1 if value else 0])
     try:
@@ -40,13 +41,13 @@ def fill_bytes(name: str, value: Any, dtype: np.dtype, type_name: Any = None) ->
             raise OverflowError
     except (OverflowError, ValueError, TypeError):
         raise FastpackError(
-            f"fill: {value!r} for column {name!r} does not fit its type "
+            f"separator_values: {value!r} for column {name!r} does not fit its type "
             f"{dtype if type_name is None else type_name}"
         ) from None
     return array.astype(dtype.newbyteorder("<")).tobytes()
 
 
-def _fill_bytes(name: str, value: Any, pa_type: Any) -> bytes:
+def _arrow_separator_bytes(name: str, value: Any, pa_type: Any) -> bytes:
     value_type = pa_type.value_type
     import pyarrow as pa
 
@@ -54,7 +55,7 @@ def _fill_bytes(name: str, value: Any, pa_type: Any) -> bytes:
         return bytes([1 if value else 0])
     # (not to_pandas_dtype(): that needs pandas, which a base install lacks)
     dtype = pa.array([], type=value_type).to_numpy(zero_copy_only=False).dtype
-    return fill_bytes(name, value, dtype, value_type)
+    return separator_bytes(name, value, dtype, value_type)
 
 
 def _batches(pack_tokens: np.ndarray, batch_tokens: int) -> list[tuple[int, int]]:
@@ -77,7 +78,7 @@ def gather(
     *,
     columns: Sequence[str] | None = None,
     separator_id: int | None = None,
-    fill: Mapping[str, Any] | None = None,
+    separator_values: Mapping[str, Any] | None = None,
     position_ids: bool = True,
     batch_tokens: int = DEFAULT_BATCH_TOKENS,
     threads: int | None = None,
@@ -100,9 +101,9 @@ def gather(
             list of integers, floats or booleans per row). Each keeps its Arrow type.
         separator_id: written into ``input_ids`` at the plan's reserved slots (required
             when ``plan.reserve > 0`` and ``input_ids`` is packed).
-        fill: per column, the value of reserved slots (default: ``labels`` -100,
-            ``attention_mask`` 1, any other column 0).
-        position_ids: add ``position_ids`` (int32, restarting at 0 in every segment).
+        separator_values: per column, its separator value: what the reserved slots hold
+            (default: ``labels`` -100, ``attention_mask`` 1, any other column 0).
+        position_ids: add ``position_ids`` (int64, restarting at 0 in every segment).
         batch_tokens: tokens per record batch (each ends at the first pack boundary past
             it), bounding the memory of a batch in flight.
         threads: worker threads (default: ``RAYON_NUM_THREADS`` or all cores).
@@ -111,13 +112,14 @@ def gather(
         An iterator (with the output ``schema``, known up front) of record batches made as
         it is iterated: the chosen columns (a list per pack), ``seq_lengths``
         (list<int32>: every segment's tokens, reserved slots included, as TRL's
-        ``pack_dataset`` writes) and ``position_ids`` (list<int32>).
+        ``pack_dataset`` writes) and ``position_ids`` (list<int64>).
     """
     if not isinstance(plan, Plan):
         raise FastpackTypeError(f"plan: expected a fastpack.Plan, got {type(plan).__name__}")
     handles, types, _ = list_columns(data, columns)
     schema, batches = prepare(
-        plan, handles, types, packs, separator_id=separator_id, fill=fill,
+        plan, handles, types, packs, separator_id=separator_id,
+        separator_values=separator_values,
         position_ids=position_ids, batch_tokens=batch_tokens, threads=threads,
     )
     return Batches(schema, batches)
@@ -146,7 +148,7 @@ def prepare(
     packs: PackIndex | None,
     *,
     separator_id: int | None,
-    fill: Mapping[str, Any] | None,
+    separator_values: Mapping[str, Any] | None,
     position_ids: bool,
     batch_tokens: int,
     threads: int | None,
@@ -163,21 +165,23 @@ def prepare(
         raise FastpackError(
             f"columns: {clash[0]!r} is written by gather; leave it out of the packed columns"
         )
-    fills = dict(fill or {})
-    unknown = [k for k in fills if k not in names]
+    values = dict(separator_values or {})
+    unknown = [k for k in values if k not in names]
     if unknown:
-        raise FastpackError(f"fill: {unknown[0]!r} is not a packed column ({', '.join(names)})")
+        raise FastpackError(
+            f"separator_values: {unknown[0]!r} is not a packed column ({', '.join(names)})")
     if separator_id is not None:
         separator_id = _int_arg("separator_id", separator_id, minimum=-(2**63))
-        fills.setdefault("input_ids", separator_id)
-    if plan.reserve and "input_ids" in names and "input_ids" not in fills:
+        values.setdefault("input_ids", separator_id)
+    if plan.reserve and "input_ids" in names and "input_ids" not in values:
         raise FastpackError(
             f"separator_id: the plan reserves {plan.reserve} slot(s) after every sequence; "
-            f"pass the separator token id (or fill={{'input_ids': ...}})"
+            f"pass the separator token id (or separator_values={{'input_ids': ...}})"
         )
-    # Fills are only written into reserved slots: without any, no value needs to fit.
-    fill_bytes = [
-        _fill_bytes(n, fills.get(n, DEFAULT_FILLS.get(n, 0)), t) if plan.reserve else b""
+    # Separator values are only written into reserved slots: without any, none must fit.
+    separators = [
+        _arrow_separator_bytes(n, values.get(n, DEFAULT_SEPARATOR_VALUES.get(n, 0)), t)
+        if plan.reserve else b""
         for n, t in zip(names, types)
     ]
     chosen = plan._packs(packs)
@@ -186,10 +190,10 @@ def prepare(
     schema = pa.schema(
         [pa.field(n, t) for n, t in zip(names, out_types)]
         + [pa.field("seq_lengths", pa.list_(pa.int32()))]
-        + ([pa.field("position_ids", pa.list_(pa.int32()))] if position_ids else [])
+        + ([pa.field("position_ids", pa.list_(pa.int64()))] if position_ids else [])
     )
     return schema, _iterate(
-        plan, chosen, pack_tokens, batch_tokens, handles, out_types, fill_bytes, position_ids,
+        plan, chosen, pack_tokens, batch_tokens, handles, out_types, separators, position_ids,
         threads, schema,
     )
 
@@ -204,13 +208,13 @@ def _output_type(t: Any) -> Any:
 
 def _iterate(
     plan: Plan, chosen: np.ndarray, pack_tokens: np.ndarray, batch_tokens: int,
-    handles: list[Any], out_types: list[Any], fill_bytes: list[bytes], position_ids: bool,
+    handles: list[Any], out_types: list[Any], separators: list[bytes], position_ids: bool,
     threads: int | None, schema: Any,
 ) -> Iterator[Any]:
     for lo, hi in _batches(pack_tokens, batch_tokens):
         out = _core.gather(
             plan.sample_ids, plan.starts, plan.seqlens, plan.pack_offsets, plan.reserve,
-            plan.strategy, plan.overlong, chosen[lo:hi], handles, fill_bytes, position_ids,
+            plan.strategy, plan.overlong, chosen[lo:hi], handles, separators, position_ids,
             threads,
         )
         yield _record_batch(out, out_types, position_ids, schema)
@@ -250,7 +254,7 @@ def _record_batch(out: dict[str, Any], out_types: list[Any], position_ids: bool,
     )
     arrays.append(seq)
     if position_ids:
-        positions = pa.Array.from_buffers(pa.int32(), total,
+        positions = pa.Array.from_buffers(pa.int64(), total,
                                           [None, pa.py_buffer(out["position_ids"])])
-        arrays.append(list_of(pa.list_(pa.int32()), positions))
+        arrays.append(list_of(pa.list_(pa.int64()), positions))
     return pa.RecordBatch.from_arrays(arrays, schema=schema)

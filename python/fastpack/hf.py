@@ -97,9 +97,9 @@ def pack_dataset(
         columns: the per-token columns to pack (default: every column holding a list of
             numbers per row, except ``seq_lengths``/``position_ids``; other columns are
             left out). Each must have one value per token of ``input_ids``.
-        position_ids: also write ``position_ids`` (``list<int32>``, restarting at 0 in
+        position_ids: also write ``position_ids`` (``list<int64>``, restarting at 0 in
             every packed sequence). Off by default, as in TRL: its collator builds them
-            from ``seq_lengths``, and they would add half the bytes of two int32 columns.
+            from ``seq_lengths``, and they would add the bytes of two int32 columns.
         threads: worker threads (default: ``RAYON_NUM_THREADS`` or all cores); the
             result does not depend on it.
         keep_in_memory: for a dataset backed by cache files, keep the result in memory
@@ -292,10 +292,10 @@ def _pack_one(
                        + message[len("lengths: "):].replace("sequence(s)", "row(s)")
                        .replace("at index", "at row"))
         raise FastpackError(message) from None
-    fill = None if separator_id is None else {names[first]: separator_id}
+    separators = None if separator_id is None else {names[first]: separator_id}
     schema, batches = prepare(
-        plan, handles, types, None, separator_id=None, fill=fill, position_ids=position_ids,
-        batch_tokens=batch_tokens, threads=threads,
+        plan, handles, types, None, separator_id=None, separator_values=separators,
+        position_ids=position_ids, batch_tokens=batch_tokens, threads=threads,
     )
     group = _group_of_packs(plan)
     if group is not None:

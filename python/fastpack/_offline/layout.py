@@ -54,10 +54,11 @@ def shard_name(i: int, n: int) -> str:
 
 def output_schema(settings: PackSettings, dtypes: dict[str, str]) -> pa.Schema:
     """The packed token columns (each in the dtype the lengths pass found it needs), then
-    the columns the packing writes."""
+    the columns the packing writes (``seq_lengths`` int32, ``position_ids`` int64)."""
     fields = [pa.field(c, pa.list_(pa.from_numpy_dtype(np.dtype(dtypes[c]))))
               for c in settings.token_columns]
-    fields.extend(pa.field(c, pa.list_(pa.int32())) for c in WRITTEN)
+    fields += [pa.field("seq_lengths", pa.list_(pa.int32())),
+               pa.field("position_ids", pa.list_(pa.int64()))]
     return pa.schema(fields)
 
 
