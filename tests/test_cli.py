@@ -579,6 +579,28 @@ def test_sharded_plan_metrics_are_the_whole_inputs():
     assert joined.group_efficiency == joined.total_tokens / (joined.num_groups * 8192)
 
 
+def test_merged_report_of_plan_shards_is_the_joined_plans():
+    # Ray's planners each report their shard's numbers; merged, the report's metrics are
+    # the core's of the joined plan (never one place to compute them from arrays).
+    from fastpack._offline.plan import plan_shard, shard_of
+    from fastpack._offline.report import PlanStats
+
+    lengths = np.random.default_rng(2).integers(1, 3000, 3000)
+    settings = PackSettings(1024, overlong="split", long_max_len=4096, group_tokens=8192)
+    keys = np.arange(len(lengths), dtype=np.int64)
+    joined, _ = sharded_plan(lengths, 3, settings.options, keys=keys)
+    shard = shard_of(keys, 3)
+    parts = [PlanStats.of(plan_shard(lengths[shard == s], s, settings.options),
+                          lengths[shard == s], settings) for s in range(3)]
+    merged = PlanStats.merge(parts).report()
+    assert merged["lower_bound"] == joined.lower_bound
+    assert merged["efficiency"] == joined.efficiency
+    assert merged["groups"]["lower_bound"] == joined.group_lower_bound
+    assert merged["groups"]["efficiency"] == joined.group_efficiency
+    assert merged["packs_over_lower_bound"] == joined.num_packs - joined.lower_bound
+    assert PlanStats.of(joined, lengths, settings).report() == merged
+
+
 # ---------------------------------------------------------------------------------------
 # defaults: every per-token column, shuffled packs; optional pictures; raw errors
 

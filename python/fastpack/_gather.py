@@ -14,7 +14,10 @@ from ._checks import _int_arg, _threads
 from ._errors import FastpackError, FastpackTypeError
 from ._plan import PackIndex, Plan
 
-__all__ = ["DEFAULT_BATCH_TOKENS", "Batches", "gather", "prepare"]
+__all__ = [
+    "DEFAULT_BATCH_TOKENS", "DEFAULT_SEPARATOR_VALUES", "WRITTEN", "Batches", "check_packable",
+    "gather", "prepare", "separators", "written_fields",
+]
 
 #: Tokens per output record batch (a batch ends at the first pack boundary past it):
 #: 4 Mi tokens is 16 MiB per int32 column, big enough that per-batch costs vanish and
@@ -29,10 +32,33 @@ IGNORE_INDEX = -100
 DEFAULT_SEPARATOR_VALUES: dict[str, int] = {"labels": IGNORE_INDEX, "attention_mask": 1}
 
 
-def separator_bytes(name: str, value: Any, dtype: np.dtype, type_name: Any = None) -> bytes:
+#: The columns gather writes from the plan, never packed from the input: each segment's
+#: tokens (TRL's ``seq_lengths``, int32) and the position ids (int64: docs/core.md#words).
+#: Their one definition, for gather, the streams, ``hf.pack_dataset`` and the command.
+WRITTEN = ("seq_lengths", "position_ids")
+
+
+def written_fields(position_ids: bool = True) -> list[Any]:
+    """The Arrow fields of the columns gather writes (:data:`WRITTEN`), in output order."""
+    import pyarrow as pa
+
+    fields = [pa.field("seq_lengths", pa.list_(pa.int32()))]
+    if position_ids:
+        fields.append(pa.field("position_ids", pa.list_(pa.int64())))
+    return fields
+
+
+def check_packable(columns: Sequence[str], by: str) -> None:
+    """Raises if ``columns`` (to pack) names a column that ``by`` writes from the plan."""
+    written = [c for c in columns if c in WRITTEN]
+    if written:
+        raise FastpackError(
+            f"columns: {written[0]!r} is written by {by} from the plan; leave it out")
+
+
+def _separator_bytes(name: str, value: Any, dtype: np.dtype, type_name: Any) -> bytes:
     """``value`` as the little-endian bytes of one ``dtype`` value, or a FastpackError
-    naming the column and its type (``type_name``, else the dtype) when it does not fit.
-    The one check of a separator value: the Arrow gather and the stream both use it."""
+    naming the column and its type (``type_name``, else the dtype) when it does not fit."""
     if dtype.kind == "b":
         return bytes([1 if value else 0])
     try:
@@ -47,15 +73,41 @@ def separator_bytes(name: str, value: Any, dtype: np.dtype, type_name: Any = Non
     return array.astype(dtype.newbyteorder("<")).tobytes()
 
 
-def _arrow_separator_bytes(name: str, value: Any, pa_type: Any) -> bytes:
-    value_type = pa_type.value_type
+def separators(
+    names: Sequence[str], dtypes: Sequence[np.dtype], reserve: int, separator_id: Any,
+    separator_values: Mapping[str, Any] | None, type_names: Sequence[Any] | None = None,
+) -> list[bytes]:
+    """Each column's separator value (``separator_values``, ``separator_id`` in
+    ``input_ids``, else :data:`DEFAULT_SEPARATOR_VALUES`), as the bytes the Rust gather
+    writes into a plan's reserved slots: the one check of them, for the Arrow gather and
+    the streams. ``dtypes``: the columns' value dtypes (``type_names``: how errors name
+    their types). Without reserved slots nothing is written, so no value need fit."""
+    values = dict(separator_values or {})
+    unknown = [k for k in values if k not in names]
+    if unknown:
+        raise FastpackError(
+            f"separator_values: {unknown[0]!r} is not a packed column ({', '.join(names)})")
+    if separator_id is not None:
+        values.setdefault("input_ids", _int_arg("separator_id", separator_id,
+                                                minimum=-(2**63)))
+    if reserve and "input_ids" in names and "input_ids" not in values:
+        raise FastpackError(
+            f"separator_id: the plan reserves {reserve} slot(s) after every sequence; "
+            f"pass the separator token id (or separator_values={{'input_ids': ...}})"
+        )
+    if not reserve:
+        return [b""] * len(names)
+    type_names = [None] * len(names) if type_names is None else type_names
+    return [_separator_bytes(n, values.get(n, DEFAULT_SEPARATOR_VALUES.get(n, 0)), d, t)
+            for n, d, t in zip(names, dtypes, type_names)]
+
+
+def _value_dtype(list_type: Any) -> np.dtype:
+    """The numpy dtype of an Arrow list type's values (booleans: ``bool``)."""
     import pyarrow as pa
 
-    if pa.types.is_boolean(value_type):
-        return bytes([1 if value else 0])
     # (not to_pandas_dtype(): that needs pandas, which a base install lacks)
-    dtype = pa.array([], type=value_type).to_numpy(zero_copy_only=False).dtype
-    return separator_bytes(name, value, dtype, value_type)
+    return pa.array([], type=list_type.value_type).to_numpy(zero_copy_only=False).dtype
 
 
 def _batches(pack_tokens: np.ndarray, batch_tokens: int) -> list[tuple[int, int]]:
@@ -159,41 +211,16 @@ def prepare(
     batch_tokens = _int_arg("batch_tokens", batch_tokens, minimum=1, maximum=_MAX_BATCH_TOKENS)
     threads = _threads(threads)
     names = [h.name for h in handles]
-    taken = {"seq_lengths"} | ({"position_ids"} if position_ids else set())
-    clash = [n for n in names if n in taken]
-    if clash:
-        raise FastpackError(
-            f"columns: {clash[0]!r} is written by gather; leave it out of the packed columns"
-        )
-    values = dict(separator_values or {})
-    unknown = [k for k in values if k not in names]
-    if unknown:
-        raise FastpackError(
-            f"separator_values: {unknown[0]!r} is not a packed column ({', '.join(names)})")
-    if separator_id is not None:
-        separator_id = _int_arg("separator_id", separator_id, minimum=-(2**63))
-        values.setdefault("input_ids", separator_id)
-    if plan.reserve and "input_ids" in names and "input_ids" not in values:
-        raise FastpackError(
-            f"separator_id: the plan reserves {plan.reserve} slot(s) after every sequence; "
-            f"pass the separator token id (or separator_values={{'input_ids': ...}})"
-        )
-    # Separator values are only written into reserved slots: without any, none must fit.
-    separators = [
-        _arrow_separator_bytes(n, values.get(n, DEFAULT_SEPARATOR_VALUES.get(n, 0)), t)
-        if plan.reserve else b""
-        for n, t in zip(names, types)
-    ]
+    check_packable([n for n in names if n != "position_ids" or position_ids], "gather")
+    slots = separators(names, [_value_dtype(t) for t in types], plan.reserve, separator_id,
+                       separator_values, [t.value_type for t in types])
     chosen = plan._packs(packs)
     pack_tokens = _core.pack_tokens(plan.seqlens, plan.pack_offsets, chosen)
     out_types = [_output_type(t) for t in types]
-    schema = pa.schema(
-        [pa.field(n, t) for n, t in zip(names, out_types)]
-        + [pa.field("seq_lengths", pa.list_(pa.int32()))]
-        + ([pa.field("position_ids", pa.list_(pa.int64()))] if position_ids else [])
-    )
+    schema = pa.schema([pa.field(n, t) for n, t in zip(names, out_types)]
+                       + written_fields(position_ids))
     return schema, _iterate(
-        plan, chosen, pack_tokens, batch_tokens, handles, out_types, separators, position_ids,
+        plan, chosen, pack_tokens, batch_tokens, handles, out_types, slots, position_ids,
         threads, schema,
     )
 

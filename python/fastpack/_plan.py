@@ -16,7 +16,7 @@ from ._options import OVERLONG_POLICIES, STRATEGIES, PackArgs, PackOptions, reso
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-__all__ = ["OVERLONG_POLICIES", "STRATEGIES", "Bucket", "Plan", "pack"]
+__all__ = ["OVERLONG_POLICIES", "STRATEGIES", "Bucket", "Plan", "pack", "sub_plan"]
 
 # Below this many sequences one thread (the calling one) is as fast as two and skips
 # waking the pool (medians, 2 cores: 3*10^4 SFT-like lengths 0.31 ms on 1 thread, 0.64 ms
@@ -534,6 +534,45 @@ class Plan:
             + (f", num_groups={self.num_groups}" if self.group_tokens is not None else "")
             + ")"
         )
+
+
+def sub_plan(plan: Plan, p0: int, p1: int, lo: int | None = None, hi: int | None = None,
+             sample_ids: np.ndarray | None = None) -> Plan:
+    """Packs ``p0:p1`` of ``plan`` -- or segments ``lo:hi`` of them (a piece of a step may
+    cut a pack) -- as a plan of their own: the one way to take part of a plan (a step's
+    batch, the packs a gather pass or a Ray task writes). Arrays are views where they can
+    be; ``sample_ids`` renames the segments' samples (the rows of the data they are
+    gathered from; default: the plan's ids, indexing the whole input).
+
+    The part keeps the plan's options (caps, reserve, strategy, policy, shuffle and seed)
+    and each pack's cap, has no groups, and counts only what it holds: each of its
+    segments is one of its sequences (a piece of a split sample trains as a sequence), in
+    the bucket of its pack; what planning lost (empty, dropped, truncated and split
+    sequences) is the whole plan's to report, so a part counts none. Its metrics are its
+    own, computed by the core from its arrays."""
+    bounds = np.asarray(plan.pack_offsets[p0 : p1 + 1], dtype=np.int64)
+    lo = int(bounds[0]) if lo is None else lo
+    hi = int(bounds[-1]) if hi is None else hi
+    inner = bounds[(bounds > lo) & (bounds < hi)]
+    offsets = np.concatenate(([lo], inner, [hi])).astype(np.int64) - lo
+    ids = plan.sample_ids[lo:hi] if sample_ids is None else sample_ids
+    fields: dict[str, Any] = {
+        "sample_ids": ids, "starts": plan.starts[lo:hi], "seqlens": plan.seqlens[lo:hi],
+        "pack_offsets": offsets, "num_sequences": hi - lo, "empty_sequences": 0,
+        "dropped_sequences": 0, "dropped_tokens": 0, "truncated_sequences": 0,
+        "truncated_tokens": 0, "split_sequences": 0,
+        **{name: getattr(plan.options, name) for name in (
+            "max_len", "reserve", "strategy", "overlong", "long_max_len", "shuffle", "seed")},
+    }
+    if plan.long_max_len is not None:
+        # The pack of the whole plan each of the part's packs is (a piece of).
+        parents = p0 + np.searchsorted(bounds - lo, offsets[:-1], side="right") - 1
+        caps = np.ascontiguousarray(plan.pack_caps[parents], dtype=np.int32)
+        segments = np.repeat(caps, np.diff(offsets))
+        fields["pack_caps"] = caps
+        fields["buckets"] = [{"num_sequences": int(np.count_nonzero(segments == b.max_len))}
+                             for b in plan.buckets]
+    return Plan(fields)
 
 
 def pack(

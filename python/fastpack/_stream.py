@@ -31,7 +31,7 @@ import numpy as np
 from . import _core
 from ._checks import _int_arg, _threads
 from ._errors import FastpackError, FastpackTypeError
-from ._gather import DEFAULT_SEPARATOR_VALUES, separator_bytes
+from ._gather import WRITTEN, check_packable, separators, written_fields
 from ._options import PackArgs, PackOptions, WithOptions, resolve, with_separator
 from ._plan import Plan, pack
 
@@ -162,31 +162,12 @@ class Round:
         -100, ``attention_mask`` 1, other columns 0) elsewhere. numpy only."""
         packs = np.asarray(packs, dtype=np.int64).reshape(-1)
         names = list(self.columns)
-        values = dict(separator_values or {})
-        unknown = [k for k in values if k not in names]
-        if unknown:
-            raise FastpackError(f"separator_values: {unknown[0]!r} is not a packed column "
-                                f"({', '.join(names)})")
-        if separator_id is not None:
-            values.setdefault(LENGTH_COLUMN, _int_arg("separator_id", separator_id,
-                                                      minimum=-(2**63)))
-        reserve = self.plan.reserve
-        if reserve and LENGTH_COLUMN not in values:
-            raise FastpackError(
-                f"separator_id: the plan reserves {reserve} slot(s) after every sequence; "
-                f"pass the separator token id (or separator_values={{'input_ids': ...}})"
-            )
         dtypes = [self.columns[n][0].dtype for n in names]
-        separators = [
-            separator_bytes(n, values.get(n, DEFAULT_SEPARATOR_VALUES.get(n, 0)), d)
-            if reserve else b""
-            for n, d in zip(names, dtypes)
-        ]
         plan = self.plan
+        slots = separators(names, dtypes, plan.reserve, separator_id, separator_values)
         out = _core.gather(
-            plan.sample_ids, plan.starts, plan.seqlens, plan.pack_offsets, reserve,
-            plan.strategy, plan.overlong, packs, self.handles(), separators, position_ids,
-            None,
+            plan.sample_ids, plan.starts, plan.seqlens, plan.pack_offsets, plan.reserve,
+            plan.strategy, plan.overlong, packs, self.handles(), slots, position_ids, None,
         )
         columns = {}
         for name, dtype, buf in zip(names, dtypes, out["columns"]):
@@ -740,10 +721,7 @@ def pack_iterable_dataset(
         if LENGTH_COLUMN not in columns:
             raise FastpackError(f"columns: {columns} lacks {LENGTH_COLUMN!r}, which gives "
                                 "the lengths to pack")
-        written = [c for c in columns if c in _WRITTEN]
-        if written:
-            raise FastpackError(f"columns: {written[0]!r} is written by pack_dataset from "
-                                "the plan; leave it out")
+        check_packable(columns, "pack_dataset")
     known = _list_columns(dataset.features, columns) if dataset.features is not None else None
     features = None
     if known is not None:
@@ -753,8 +731,7 @@ def pack_iterable_dataset(
 
         schema = datasets.Features({k: dataset.features[k] for k in known}).arrow_schema
         out = [pa.field(k, _output_type(schema.field(k).type)) for k in known]
-        out += [pa.field("seq_lengths", pa.list_(pa.int32())),
-                pa.field("position_ids", pa.list_(pa.int64()))]
+        out += written_fields()
         features = datasets.Features.from_arrow_schema(pa.schema(out))
     source = dataset
     n_shards = max(source.num_shards, 1)
@@ -767,10 +744,6 @@ def pack_iterable_dataset(
     ex_iterable = ArrowExamplesIterable(generate, {"shards": list(range(n_shards))})
     info = datasets.DatasetInfo(features=features)
     return datasets.IterableDataset(ex_iterable, info=info, split=dataset.split)
-
-
-#: Columns that the gather writes from the plan, never packed from the input.
-_WRITTEN = ("seq_lengths", "position_ids")
 
 
 def _list_columns(features: Any, columns: Sequence[str] | None) -> list[str]:
@@ -786,7 +759,7 @@ def _list_columns(features: Any, columns: Sequence[str] | None) -> list[str]:
         )
 
     if columns is None:
-        chosen = [k for k, f in features.items() if numeric_list(f) and k not in _WRITTEN]
+        chosen = [k for k, f in features.items() if numeric_list(f) and k not in WRITTEN]
         if LENGTH_COLUMN not in chosen:
             raise FastpackError(
                 f"dataset: no {LENGTH_COLUMN!r} list column to pack (columns: "

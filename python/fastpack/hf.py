@@ -23,7 +23,7 @@ from . import _core
 from ._arrow import dataset_parts, list_columns, per_token_columns
 from ._checks import _threads
 from ._errors import FastpackError, FastpackTypeError
-from ._gather import DEFAULT_BATCH_TOKENS, prepare
+from ._gather import DEFAULT_BATCH_TOKENS, WRITTEN, check_packable, prepare
 from ._options import PackOptions, _Args, with_separator
 from ._plan import Plan, pack
 
@@ -36,8 +36,6 @@ logger = logging.getLogger("fastpack")
 
 #: TRL's strategy names that fastpack spells differently.
 TRL_STRATEGIES = {"bfd_split": ("bfd", "split")}
-#: Columns pack_dataset writes itself.
-WRITTEN = ("seq_lengths", "position_ids")
 
 
 def _kind(dataset: Any) -> str:
@@ -260,11 +258,7 @@ def _choose_columns(dataset: Any, columns: Sequence[str] | None) -> list[str] | 
         return chosen
     if isinstance(columns, str):
         raise FastpackTypeError("columns: expected a list of column names, got a string")
-    written = [c for c in columns if c in WRITTEN]
-    if written:
-        raise FastpackError(
-            f"columns: {written[0]!r} is written by pack_dataset from the plan; leave it out"
-        )
+    check_packable(columns, "pack_dataset")
     return list(columns)
 
 

@@ -35,7 +35,15 @@ from ._errors import FastpackError
 from ._offline.gather import shard_batches
 from ._offline.layout import output_schema, shard_name
 from ._offline.outdir import OutputDir, write_shard
-from ._offline.plan import ROW_BITS, mix64, plan_shard, plan_window, shard_of, sorted_unique
+from ._offline.plan import (
+    ROW_BITS,
+    mix64,
+    overlong_documents,
+    overlong_error,
+    plan_shard,
+    shard_of,
+    sorted_unique,
+)
 from ._offline.progress import log
 from ._offline.report import PlanStats, make_report
 from ._offline.scan import (
@@ -57,6 +65,7 @@ from ._offline.sources import (
 )
 from ._offline.stats import check_plot
 from ._options import PackArgs, PackOptions, resolve
+from ._plan import sub_plan
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -244,12 +253,10 @@ class _Planner:
             if same.size:
                 result["duplicate"] = int(self.keys[same[0]])
                 return result
-        if settings.overlong == "error" and settings.strategy != "wrapped":
-            over = np.flatnonzero(lengths > settings.max_cap)
-            if over.size:
-                result["overlong"] = (int(self.keys[over[0]]), int(lengths[over[0]]),
-                                      int(over.size))
-                return result
+        over = overlong_documents(lengths, settings)
+        if over.size:
+            result["overlong"] = (int(self.keys[over[0]]), int(lengths[over[0]]), int(over.size))
+            return result
         plan = plan_shard(lengths, None if self.num_shards == 1 else self.shard,
                           settings.options)
         self.plan_ = plan
@@ -322,7 +329,7 @@ class _Planner:
         p0 = out * self.settings.shard_rows
         p1 = min(p0 + self.settings.shard_rows, plan.num_packs)
         s0, s1 = int(plan.pack_offsets[p0]), int(plan.pack_offsets[p1])
-        return {"plan": plan_window(plan, p0, p1, self.keys[plan.sample_ids[s0:s1]]),
+        return {"plan": sub_plan(plan, p0, p1, sample_ids=self.keys[plan.sample_ids[s0:s1]]),
                 "first_pack": p0}
 
 
@@ -388,7 +395,7 @@ def _gather_stage(table: pa.Table, *, columns: list[str], planners: list[Any],
     if at.size and (at.max() >= len(keys) or (sorted_keys[at] != wanted).any()):
         raise FastpackError(f"output shard {out}: a document did not arrive")
     _check_collisions(sorted_keys, order, table.column(columns[0]))
-    window = plan_window(window, 0, window.num_packs, order[at])  # keys -> rows
+    window = sub_plan(window, 0, window.num_packs, sample_ids=order[at])  # keys -> rows
     schema = output_schema(settings_, dtypes)
     batches = shard_batches(table.select(columns), window, settings_, schema)
     if outdir is None:
@@ -492,11 +499,7 @@ class _Pipeline:
             if r["overlong"] is not None:
                 key, length, count = r["overlong"]
                 where = self.locate(key) if self.locate else {"path": f"key {key}"}
-                raise InputError(
-                    f"{length:,} tokens, longer than the cap of {settings.max_cap:,} "
-                    f"({count:,} such documents in its plan shard); pass --overlong split, "
-                    "truncate or drop (or a larger --long-max-len)", column=settings.column,
-                    **where)
+                raise overlong_error(length, count - 1, settings, " in its plan shard", **where)
         everything = [*self.columns, *self.candidates]
         for i, c in enumerate(self.candidates):
             if uneven >> i & 1:

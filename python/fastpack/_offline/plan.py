@@ -1,6 +1,6 @@
 """Pass 2, the plan: one global plan (``fastpack.pack``) over every document's length, or
-a sharded plan, and windows of it (the packs a gather pass or a worker writes, as a plan of
-their own).
+a sharded plan. (The packs a gather pass or a worker writes, as a plan of their own, are
+``fastpack._plan.sub_plan``'s.)
 
 Sharded plans: when one global plan does not fit one machine, documents are dealt to
 ``K`` plan shards by a hash of their key, each shard is packed on its own (best fit over
@@ -33,8 +33,9 @@ __all__ = [
     "file_keys",
     "make_plan",
     "mix64",
+    "overlong_documents",
+    "overlong_error",
     "plan_shard",
-    "plan_window",
     "shard_of",
     "shard_seed",
     "sharded_plan",
@@ -59,17 +60,31 @@ def make_plan(scan: Scan, settings: PackSettings,
 
 def check_overlong(scan: Scan, settings: PackSettings, sources: Sequence[Source]) -> None:
     """With ``--overlong error``, names the first document longer than the cap."""
-    lengths = scan.lengths
-    if settings.overlong != "error" or settings.strategy == "wrapped" or not lengths.size:
-        return
-    over = np.flatnonzero(lengths > settings.max_cap)
+    over = overlong_documents(scan.lengths, settings)
     if over.size:
         path, row = scan.locate(int(over[0]), sources)
-        more = f" (and {over.size - 1:,} more over the cap)" if over.size > 1 else ""
-        raise InputError(
-            f"{int(lengths[over[0]]):,} tokens, longer than the cap of {settings.max_cap:,}"
-            f"{more}; pass --overlong split, truncate or drop (or a larger --long-max-len)",
-            path=path, row=row, column=settings.column)
+        raise overlong_error(int(scan.lengths[over[0]]), over.size - 1, settings,
+                             path=path, row=row)
+
+
+def overlong_documents(lengths: np.ndarray, settings: PackSettings) -> np.ndarray:
+    """The documents (indices into ``lengths``) that ``--overlong error`` refuses: longer
+    than the largest cap. None for another policy, nor for ``wrapped`` (which cuts every
+    document at the cap). The one rule, on one machine and in Ray's planners."""
+    if settings.overlong != "error" or settings.strategy == "wrapped" or not lengths.size:
+        return np.zeros(0, dtype=np.int64)
+    return np.flatnonzero(lengths > settings.max_cap)
+
+
+def overlong_error(length: int, more: int, settings: PackSettings, scope: str = "",
+                   **where: Any) -> InputError:
+    """The error naming a document of ``length`` tokens over the cap (``more``: how many
+    others are, in ``scope``; ``where``: its path and row)."""
+    others = f" (and {more:,} more over the cap{scope})" if more else ""
+    return InputError(
+        f"{length:,} tokens, longer than the cap of {settings.max_cap:,}{others}; pass "
+        "--overlong split, truncate or drop (or a larger --long-max-len)",
+        column=settings.column, **where)
 
 
 # ---------------------------------------------------------------------------------------
@@ -194,39 +209,3 @@ def sharded_plan(lengths: np.ndarray, num_shards: int, options: PackOptions,
         plans.append(plan_shard(lengths[members], s, options))
         maps.append(members.astype(np.int64))
     return combine_plans(plans, maps, options), [p.num_packs for p in plans]
-
-
-# ---------------------------------------------------------------------------------------
-# windows of a plan
-
-
-def plan_window(plan: Plan, p: int, q: int, sample_ids: np.ndarray | None = None) -> Plan:
-    """Packs ``p:q`` of ``plan`` as a plan of their own: the plan's options (caps, reserve,
-    policies), these packs' segments -- their samples renamed ``sample_ids`` when given
-    (the rows of the data they are gathered from) -- and the counts and metrics of what
-    the window holds (what a plan lost is the whole plan's: a window holds none of it)."""
-    s0, s1 = int(plan.pack_offsets[p]), int(plan.pack_offsets[q])
-    ids = plan.sample_ids[s0:s1] if sample_ids is None else sample_ids
-    seqlens = plan.seqlens[s0:s1]
-    fields: dict[str, Any] = {
-        "sample_ids": np.ascontiguousarray(ids, dtype=np.int64),
-        "starts": plan.starts[s0:s1], "seqlens": seqlens,
-        "pack_offsets": np.asarray(plan.pack_offsets[p:q + 1], dtype=np.int64) - s0,
-        "max_len": plan.max_len, "reserve": plan.reserve, "strategy": plan.strategy,
-        "overlong": plan.overlong, "long_max_len": plan.long_max_len,
-        "num_sequences": len(sorted_unique(plan.sample_ids[s0:s1])),
-        "empty_sequences": 0, "dropped_sequences": 0, "dropped_tokens": 0,
-        "truncated_sequences": 0, "truncated_tokens": 0, "split_sequences": 0,
-        "total_tokens": int(seqlens.sum(dtype=np.int64)) - plan.reserve * (s1 - s0),
-    }
-    if plan.long_max_len is not None:
-        caps = np.asarray(plan.pack_caps[p:q])
-        fields["pack_caps"] = caps
-        # Each bucket's sequences: those with a segment in one of its packs here.
-        cap_of_segment = np.repeat(caps, np.diff(fields["pack_offsets"]))
-        window_ids = plan.sample_ids[s0:s1]
-        fields["buckets"] = [
-            {"num_sequences": len(sorted_unique(window_ids[cap_of_segment == cap]))}
-            for cap in (plan.max_len, plan.long_max_len)
-        ]
-    return Plan(fields)

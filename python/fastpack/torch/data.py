@@ -17,7 +17,7 @@ from .._checks import _int_arg
 from .._errors import FastpackError, FastpackTypeError
 from .._materialize import Ragged, TokenData, _is_dataset, as_ragged
 from .._options import PackArgs, PackOptions, WithOptions, check_plan, layered
-from .._plan import Plan
+from .._plan import Plan, sub_plan
 from .._targets import segment_targets
 from .collator import PackedCollator, as_collator
 from .step import Step
@@ -256,7 +256,7 @@ class PackedDataset(torch.utils.data.Dataset, WithOptions):  # type: ignore[type
         step = index if isinstance(index, Step) else None
         p0, p1, lo, hi = self._segments(index)
         batch = self.collator.batch(
-            _sub_plan(self.plan, p0, p1, lo, hi), self.tokens, None,
+            sub_plan(self.plan, p0, p1, lo, hi), self.tokens, None,
             labels=self.labels, loss_mask=self.loss_mask,
         )
         if step is not None:
@@ -286,46 +286,6 @@ def step_table(plan: Plan, step_pack_offsets: np.ndarray, per_segment: np.ndarra
                   table.targets, table.sequences, table.segment_targets):
         array.flags.writeable = False
     return table
-
-
-def _sub_plan(plan: Plan, p0: int, p1: int, lo: int, hi: int) -> Plan:
-    """Segments ``lo:hi`` of packs ``p0:p1`` as a plan of their own (views, plus the pack
-    bounds inside): materializing it reads and checks only these segments.
-
-    Its metrics are its own (``total_tokens``, ``lower_bound``, ``efficiency``, each
-    bucket's, each pack's cap; a bucket's sequences are its segments: a piece of a split
-    sample trains as a sequence); it has no groups. The counts of what planning did to
-    the input (``num_sequences``, empty, dropped, truncated and split sequences) stay the
-    whole plan's: ``sample_ids`` still index the whole input."""
-    bounds = np.asarray(plan.pack_offsets[p0 : p1 + 1], dtype=np.int64)
-    inner = bounds[(bounds > lo) & (bounds < hi)]
-    offsets = np.concatenate(([lo], inner, [hi])).astype(np.int64)
-    seqlens = plan.seqlens[lo:hi]
-    total = int(seqlens.sum(dtype=np.int64))
-    if plan.long_max_len is None:  # one bucket, every cap max_len
-        buckets = [{"max_len": plan.max_len, "num_packs": len(offsets) - 1,
-                    "total_tokens": total, "num_sequences": hi - lo}]
-        caps = None
-    else:
-        # The pack of the whole plan each of the sub-plan's packs is (a part of).
-        parents = p0 + np.searchsorted(bounds, offsets[:-1], side="right") - 1
-        caps = np.ascontiguousarray(plan.pack_caps[parents], dtype=np.int32)
-        fills = np.add.reduceat(seqlens.astype(np.int64), offsets[:-1] - lo)
-        counts = np.diff(offsets)
-        mine = [caps == b.max_len for b in plan.buckets]
-        buckets = [{"max_len": b.max_len, "num_packs": int(np.count_nonzero(m)),
-                    "total_tokens": int(fills[m].sum()), "num_sequences": int(counts[m].sum())}
-                   for b, m in zip(plan.buckets, mine)]
-    fields: dict[str, Any] = {name: getattr(plan, name) for name in Plan._FIELDS
-                              if name not in ("lower_bound", "efficiency")}
-    fields.update(
-        sample_ids=plan.sample_ids[lo:hi], starts=plan.starts[lo:hi], seqlens=seqlens,
-        pack_offsets=offsets - lo, total_tokens=total, buckets=buckets,
-        long_max_len=plan.long_max_len, pack_caps=caps, shuffle=plan.options.shuffle,
-        seed=plan.options.seed,
-    )
-    return Plan(fields)
-
 
 
 def _resolve(data: Any, dataset: Any, *, mask: bool) -> Ragged | None:

@@ -25,7 +25,7 @@
 
 use rayon::prelude::*;
 
-use crate::column::{check_row_len, Column, Dtype, Row};
+use crate::column::{check_row_len, same_rows, Column, Dtype, Row};
 use crate::error::{Error, Result};
 use crate::memory::{self, SyncPtr};
 use crate::plan::{Overlong, Plan, Strategy};
@@ -266,32 +266,11 @@ pub fn gather(
     opts: &GatherOptions,
 ) -> Result<Gathered> {
     plan.check_packs(packs)?;
-    let Some(first) = columns.first() else {
-        return Err(Error::invalid("columns", "expected at least one column"));
-    };
-    if opts.separator_values.len() != columns.len() {
-        return Err(Error::invalid(
-            "separator_values",
-            format!(
-                "got {} separator values for {} columns",
-                opts.separator_values.len(),
-                columns.len()
-            ),
-        ));
-    }
-    let rows = first.rows();
-    for c in &columns[1..] {
-        if c.rows() != rows {
-            return Err(Error::invalid(
-                "columns",
-                format!(
-                    "column '{}' has {} rows, column '{}' {rows}",
-                    c.name(),
-                    c.rows(),
-                    first.name()
-                ),
-            ));
-        }
+    let (first, rows) = same_rows(columns)?;
+    let (values, wanted) = (opts.separator_values.len(), columns.len());
+    if values != wanted {
+        let message = format!("got {values} separator values for {wanted} columns");
+        return Err(Error::invalid("separator_values", message));
     }
 
     // Segments in output order, with where each starts in the output.
