@@ -16,13 +16,27 @@ Without CUDA (and without --cpu-smoke) it prints "skipped: no CUDA" and exits 0.
    err <= max(2 * eps_bf16, 2 * err of torch's own bf16 SDPA run per sequence).
 2. Flex: compile time of the first call, and that later calls with new cu_seqlens (new
    mask_mod closures, other total lengths) do not recompile.
-3. Attention alone, forward+backward: packed varlen_attention per backend vs. padded
+3. Attention alone, forward+backward: packed varlen_attention per kernel vs. padded
    SDPA (key-padding mask) over the same documents.
 4. A random-init bf16 MistralForCausalLM (transformers; Llama with a sliding window
    shorter than the longest documents), forward+backward: padded batch
    (attn_implementation="sdpa", attention_mask) vs. one packed row through the shipped
    ``fastpack.torch.register_hf_attention(kernel=...)``, per kernel; the packed loss
    against the padded loss.
+5. Context parallelism (``fastpack.cp_layout``, ``context_parallel_attention``):
+   a. the layouts against the libraries' own, where installed: TransformerEngine's
+      ``tex.thd_get_partitioned_indices`` (zigzag indices) and ring-flash-attn's
+      ``llama3_flash_attn_prepare_cu_seqlens`` (contiguous local arrays), cp = 2, 4, 8;
+   b. the zigzag and contiguous local attention on this GPU, every rank of cp = 2 and 4
+      emulated in this process (K/V gathered by concatenation, their gradients summed
+      over the ranks as the reduce-scatter does): flash-attn varlen (bottom-right causal
+      over each run's keys) and the SDPA loop, bf16, against the fp32 reference, output
+      and dq/dk/dv, with the same pass rule as section 1;
+   c. on a long row, the time of all emulated ranks one after another (fwd+bwd) beside
+      cp = 1, with the busiest rank's share of the attention work (zigzag: 1/cp);
+   d. with 2 or more GPUs: a real NCCL world of min(4, GPUs) ranks running
+      ``context_parallel_attention`` with every kernel that runs (ring-flash-attn,
+      flash-attn, SDPA) in every mode, against the fp32 reference.
 
 The sections are functions of (torch, attention module, config, device, dtype), so
 tests/test_attention.py runs this harness on the CPU with the CUDA kernels replaced by CPU
@@ -35,6 +49,7 @@ Exit status 1 when a correctness check fails.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -157,11 +172,11 @@ def reset_peak(torch: Any, device: Any) -> None:
 # -------------------------------------------------------------------- 1. correctness
 
 
-def run_case(am: ModuleType, backend: str, case: dict[str, Any]) -> list[float]:
+def run_case(am: ModuleType, kernel: str, case: dict[str, Any]) -> list[float]:
     """Relative errors of (out, dq, dk, dv) of one kernel against the fp32 reference."""
     xs = [t.detach().clone().requires_grad_(True) for t in case["qkv"]]
     out = am.varlen_attention(
-        *xs, case["cu"], case["max_len"], causal=case["causal"], kernel=backend,
+        *xs, case["cu"], case["max_len"], causal=case["causal"], kernel=kernel,
         **case.get("options", {}),
     )
     out.backward(case["grad_out"])
@@ -177,7 +192,7 @@ def check_correctness(
     total, max_len = sum(lengths), max(lengths)
     cu = torch.tensor(cumulative(lengths), dtype=torch.int32, device=device)
     eps = torch.finfo(dtype).eps
-    backends = am.available_kernels(torch.empty(1, device=device, dtype=dtype))
+    kernels = am.available_kernels(torch.empty(1, device=device, dtype=dtype))
     results: list[dict[str, Any]] = []
     variants: list[tuple[int, int, bool, dict[str, Any]]] = [
         (hq, hkv, causal, {}) for hq, hkv in cfg["check_heads"] for causal in (True, False)
@@ -210,16 +225,16 @@ def check_correctness(
         }
         # Baseline: torch's own SDPA kernels in bf16, one sequence at a time.
         baseline = run_case(am, "sdpa", case)
-        for backend in backends:
-            if backend == "flex" and cfg.get("flex_cases") is not None:
+        for kernel in kernels:
+            if kernel == "flex" and cfg.get("flex_cases") is not None:
                 if (hq, hkv, causal) not in cfg["flex_cases"] and not options:
                     continue
-            row: dict[str, Any] = {"backend": backend, "hq": hq, "hkv": hkv, "causal": causal,
+            row: dict[str, Any] = {"kernel": kernel, "hq": hq, "hkv": hkv, "causal": causal,
                                    **options}
-            refuses = backend == "varlen" and "softcap" in options
+            refuses = kernel == "varlen" and "softcap" in options
             t0 = time.perf_counter()
             try:
-                errs = run_case(am, backend, case)
+                errs = run_case(am, kernel, case)
             except Exception as exc:  # report and keep going
                 if refuses and type(exc).__name__ == "FastpackError":
                     row.update(ok=True, refused=str(exc)[:200])
@@ -251,16 +266,16 @@ def check_correctness(
     base = rel_err(
         am.varlen_attention(q, k, v, cu, max_len, softmax_scale=0.05, kernel="sdpa"), ref
     )
-    for backend in backends:
-        if backend in ("sdpa", "flex"):  # flex: one more compile for a scale we pass through
+    for kernel in kernels:
+        if kernel in ("sdpa", "flex"):  # flex: one more compile for a scale we pass through
             continue
         try:
             with torch.no_grad():
-                out = am.varlen_attention(q, k, v, cu, max_len, softmax_scale=0.05, kernel=backend)
+                out = am.varlen_attention(q, k, v, cu, max_len, softmax_scale=0.05, kernel=kernel)
             err = rel_err(out, ref)
             results.append(
                 {
-                    "backend": backend,
+                    "kernel": kernel,
                     "hq": hq,
                     "hkv": hkv,
                     "causal": True,
@@ -273,7 +288,7 @@ def check_correctness(
         except Exception as exc:
             results.append(
                 {
-                    "backend": backend,
+                    "kernel": kernel,
                     "softmax_scale": 0.05,
                     "ok": False,
                     "error": f"{type(exc).__name__}: {exc}"[:500],
@@ -331,11 +346,11 @@ def bench_attention(
     v = torch.randn(total, hkv, d, device=device, dtype=dtype, requires_grad=True)
     g = torch.randn(total, hq, d, device=device, dtype=dtype)
     rows = []
-    backends = am.available_kernels(q)
-    for backend in backends:
+    kernels = am.available_kernels(q)
+    for kernel in kernels:
 
-        def step(backend: str = backend) -> None:
-            out = am.varlen_attention(q, k, v, cu, max_len, kernel=backend, validate=False)
+        def step(kernel: str = kernel) -> None:
+            out = am.varlen_attention(q, k, v, cu, max_len, kernel=kernel, validate=False)
             out.backward(g)
 
         reset_peak(torch, device)
@@ -344,7 +359,7 @@ def bench_attention(
             rows.append(
                 {
                     "layout": "packed",
-                    "backend": backend,
+                    "kernel": kernel,
                     "tokens": total,
                     "ms": ms,
                     "peak_gib": peak_mem_gib(torch, device),
@@ -354,7 +369,7 @@ def bench_attention(
             rows.append(
                 {
                     "layout": "packed",
-                    "backend": backend,
+                    "kernel": kernel,
                     "error": f"{type(exc).__name__}: {exc}"[:500],
                 }
             )
@@ -384,7 +399,7 @@ def bench_attention(
         rows.append(
             {
                 "layout": "padded",
-                "backend": "sdpa+mask",
+                "kernel": "sdpa+mask",
                 "tokens": b * max_len,
                 "ms": ms,
                 "peak_gib": peak_mem_gib(torch, device),
@@ -394,7 +409,7 @@ def bench_attention(
         rows.append(
             {
                 "layout": "padded",
-                "backend": "sdpa+mask",
+                "kernel": "sdpa+mask",
                 "error": f"{type(exc).__name__}: {exc}"[:500],
             }
         )
@@ -503,11 +518,11 @@ def bench_model(
     )
 
     eps = torch.finfo(dtype).eps
-    for backend in am.available_kernels(torch.empty(1, device=device, dtype=dtype)):
+    for kernel in am.available_kernels(torch.empty(1, device=device, dtype=dtype)):
         if elapsed() > TIME_BUDGET_S:
-            rows.append({"layout": "packed", "attn": backend, "skipped": "time budget"})
+            rows.append({"layout": "packed", "attn": kernel, "skipped": "time budget"})
             continue
-        set_attn(model, register_hf_attention(f"fastpack_{backend}", kernel=backend))
+        set_attn(model, register_hf_attention(f"fastpack_{kernel}", kernel=kernel))
         reset_peak(torch, device)
         try:
             loss = step(packed)
@@ -516,7 +531,7 @@ def bench_model(
             rows.append(
                 {
                     "layout": "packed",
-                    "attn": backend,
+                    "attn": kernel,
                     "ok": False,
                     "error": f"{type(exc).__name__}: {exc}"[:500],
                 }
@@ -525,7 +540,7 @@ def bench_model(
         rows.append(
             {
                 "layout": "packed",
-                "attn": backend,
+                "attn": kernel,
                 "tokens_computed": total,
                 "real_tokens": total,
                 "ms": ms,
@@ -549,6 +564,230 @@ def bench_model(
 
 
 # --------------------------------------------------------------------------- main
+
+
+# ------------------------------------------------------- 5. context parallelism
+
+
+def _cp_local(torch: Any, layout: Any, rank: int, full: Any, device: Any) -> tuple[Any, Any]:
+    """A rank's rows of ``full`` (zeros on pads) and its pad mask."""
+    source = torch.as_tensor(layout.sources(rank).copy(), device=device)
+    pad = source < 0
+    local = full.detach()[source.clamp(min=0)].clone()
+    local[pad] = 0
+    return local, pad
+
+
+def _cp_case(torch: Any, cfg: dict[str, Any], lengths: Sequence[int], hq: int, hkv: int,
+             device: Any, dtype: Any) -> dict[str, Any]:
+    gen = torch.Generator(device="cpu").manual_seed(hq * 100 + hkv)
+    total, dim = sum(lengths), cfg["head_dim"]
+    qkv = [torch.randn(total, h, dim, generator=gen).to(device, dtype) for h in (hq, hkv, hkv)]
+    grad_out = torch.randn(total, hq, dim, generator=gen).to(device, dtype)
+    leaves = [t.detach().clone().requires_grad_(True) for t in qkv]
+    ref = reference_fp32(torch, *leaves, lengths, True)
+    ref.backward(grad_out.float())
+    return {"qkv": qkv, "grad_out": grad_out, "ref": ref.detach(),
+            "ref_grads": [x.grad for x in leaves]}
+
+
+def emulate_cp(torch: Any, lengths: Sequence[int], case: dict[str, Any], cp: int, mode: str,
+               kernel: str, device: Any) -> list[Any]:
+    """Every rank of a CP group in this process: each rank's queries attend over K/V
+    gathered from every rank (concatenated in rank order); gradients of a rank's K/V are
+    what the reduce-scatter would return it. Returns the assembled (out, dq, dk, dv) of
+    the real tokens."""
+    import fastpack
+    from fastpack.torch import shard_for_context_parallel
+    from fastpack.torch.context_parallel import attend_gathered
+
+    cu = cumulative(lengths)
+    layout = fastpack.cp_layout(cu, cp, mode=mode)
+    batch = {"input_ids": torch.zeros(1, cu[-1], dtype=torch.long),
+             "cu_seq_lens_q": torch.tensor(cu, dtype=torch.int32)}
+    locals_, pads = [], []
+    for r in range(cp):
+        parts = [_cp_local(torch, layout, r, t, device) for t in case["qkv"]]
+        locals_.append([p[0].requires_grad_(True) for p in parts])
+        pads.append(parts[0][1])
+    keys = torch.cat([loc[1] for loc in locals_])
+    values = torch.cat([loc[2] for loc in locals_])
+    outs = []
+    for r in range(cp):
+        shard = shard_for_context_parallel(batch, cp, r, mode)
+        shard = {k: (v.to(device) if hasattr(v, "to") else v) for k, v in shard.items()}
+        outs.append(attend_gathered(locals_[r][0], keys, values, shard, kernel, None, None,
+                                    None))
+    grads = []
+    for r in range(cp):
+        g, _ = _cp_local(torch, layout, r, case["grad_out"], device)
+        grads.append(g)
+    torch.autograd.backward(outs, grads)
+    result = []
+    for which in range(4):
+        full = torch.zeros_like(case["qkv"][0 if which < 2 else 1], dtype=torch.float32)
+        for r in range(cp):
+            source = torch.as_tensor(layout.sources(r).copy(), device=device)
+            real = source >= 0
+            piece = outs[r] if which == 0 else locals_[r][which - 1].grad
+            full[source[real]] = piece[real].float()
+        result.append(full)
+    return result
+
+
+def _cp_world_rank(rank: int, size: int, port: int, lengths: list[int], heads: tuple[int, int],
+                   dim: int, out: str) -> None:
+    import torch
+
+    import fastpack
+    from fastpack.torch import context_parallel_attention, shard_for_context_parallel
+    from fastpack.torch.context_parallel import _kernel_reason
+
+    torch.cuda.set_device(rank)
+    torch.distributed.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}",
+                                         rank=rank, world_size=size)
+    device, dtype = torch.device("cuda", rank), torch.bfloat16
+    case = _cp_case(torch, {"head_dim": dim}, lengths, *heads, device, dtype)
+    cu = cumulative(lengths)
+    batch = {"input_ids": torch.zeros(1, cu[-1], dtype=torch.long),
+             "cu_seq_lens_q": torch.tensor(cu, dtype=torch.int32)}
+    rows = []
+    for mode in fastpack.CP_MODES:
+        layout = fastpack.cp_layout(cu, size, mode=mode)
+        shard = {k: (v.to(device) if hasattr(v, "to") else v)
+                 for k, v in shard_for_context_parallel(batch, size, rank, mode).items()}
+        for kernel in ("ring", "flash", "sdpa"):
+            if mode == "ulysses" and kernel == "ring":
+                continue
+            if _kernel_reason(kernel, case["qkv"][0]) is not None:
+                continue
+            parts = [_cp_local(torch, layout, rank, t, device) for t in case["qkv"]]
+            leaves = [p[0].requires_grad_(True) for p in parts]
+            try:
+                o = context_parallel_attention(*leaves, shard, torch.distributed.group.WORLD,
+                                               kernel=kernel)
+                g, _ = _cp_local(torch, layout, rank, case["grad_out"], device)
+                o.backward(g)
+            except Exception as exc:  # reported, not raised: the other kernels still run
+                rows.append({"mode": mode, "kernel": kernel, "error": repr(exc)[:300]})
+                continue
+            source = torch.as_tensor(layout.sources(rank).copy(), device=device)
+            real = source >= 0
+            errs = []
+            for piece, ref in ((o, case["ref"]), *zip((x.grad for x in leaves),
+                                                       case["ref_grads"])):
+                full = torch.zeros_like(ref)
+                full[source[real]] = piece[real].float()
+                torch.distributed.all_reduce(full)
+                errs.append(rel_err(full, ref))
+            rows.append({"mode": mode, "kernel": kernel, "errs": errs})
+    if rank == 0:
+        Path(out).write_text(json.dumps(rows))
+    torch.distributed.destroy_process_group()
+
+
+def check_context_parallel(
+    torch: Any, am: ModuleType, cfg: dict[str, Any], device: Any, dtype: Any
+) -> dict[str, Any]:
+    import fastpack
+
+    lengths = cfg["cp_lengths"]
+    cu = cumulative(lengths)
+    report: dict[str, Any] = {"contracts": [], "kernels": [], "timing": [], "world": None}
+    # a. the libraries' own layouts
+    try:
+        import transformer_engine_torch as tex
+    except Exception as exc:
+        report["contracts"].append({"transformer_engine": f"not available ({exc!r:.80})"})
+    else:
+        for cp in (2, 4, 8):
+            layout = fastpack.cp_layout(cu, cp)
+            padded = torch.tensor(layout.cu_seqlens_padded, dtype=torch.int32, device=device)
+            same = all(tex.thd_get_partitioned_indices(padded, layout.padded_total, cp, r)
+                       .tolist() == layout.indices(r).tolist() for r in range(cp))
+            report["contracts"].append({"te_thd_get_partitioned_indices": cp, "ok": same})
+    try:
+        from ring_flash_attn import llama3_flash_attn_prepare_cu_seqlens as prepare
+    except Exception as exc:
+        report["contracts"].append({"ring_flash_attn": f"not available ({exc!r:.80})"})
+    else:
+        for cp in (2, 4, 8):
+            layout = fastpack.cp_layout(cu, cp, mode="contiguous")
+            padded = torch.tensor(layout.cu_seqlens_padded, dtype=torch.int32, device=device)
+            same = True
+            for r in range(cp):
+                q, k, mq, mk, k_slice = prepare(padded, True, r, cp)
+                local = layout.local(r)
+                same &= (q.tolist() == local.cu_seqlens_q.tolist()
+                         and k.tolist() == local.cu_seqlens_k.tolist()
+                         and (mq, mk) == (local.max_seqlen_q, local.max_seqlen_k)
+                         and k_slice == local.local_k_slice)
+            report["contracts"].append({"ring_llama3_prepare_cu_seqlens": cp, "ok": bool(same)})
+    # b. the local attention of every rank, emulated
+    from fastpack.torch.context_parallel import _kernel_reason
+
+    eps = torch.finfo(dtype).eps
+    for hq, hkv in cfg["check_heads"]:
+        case = _cp_case(torch, cfg, lengths, hq, hkv, device, dtype)
+        base = run_case(am, "sdpa", {**case, "cu": cu, "max_len": max(lengths),
+                                     "causal": True})
+        for mode in ("zigzag", "contiguous"):
+            for cp in (2, 4):
+                for kernel in ("flash", "sdpa"):
+                    if _kernel_reason(kernel, case["qkv"][0]) is not None:
+                        continue
+                    got = emulate_cp(torch, lengths, case, cp, mode, kernel, device)
+                    errs = [rel_err(g, r) for g, r in zip(got, [case["ref"],
+                                                                *case["ref_grads"]])]
+                    bound = [max(cfg["tol_floor"], 2 * eps, 2 * b) for b in base]
+                    report["kernels"].append({
+                        "mode": mode, "cp": cp, "kernel": kernel, "hq": hq, "hkv": hkv,
+                        "errs": errs, "bound": bound,
+                        "ok": all(e <= b for e, b in zip(errs, bound))})
+    # c. time of the busiest emulated rank against one process
+    long = cfg["cp_long"]
+    case = _cp_case(torch, cfg, long, *cfg["check_heads"][-1], device, dtype)
+    kernel = "flash" if _kernel_reason("flash", case["qkv"][0]) is None else "sdpa"
+    single = "flash" if am._unavailable_reason("flash", case["qkv"][0]) is None else "sdpa"
+    one = timed(torch, lambda: run_case(am, single, {
+        **case, "cu": cumulative(long), "max_len": max(long), "causal": True}), device,
+        cfg["iters"], cfg["warmup"])
+    report["timing"].append({"cp": 1, "kernel": single, "ms": round(one, 2)})
+    for mode in ("zigzag", "contiguous"):
+        for cp in (2, 4):
+            ms = timed(torch, functools.partial(emulate_cp, torch, long, case, cp, mode, kernel,
+                                                 device), device, cfg["iters"], cfg["warmup"])
+            work = fastpack.cp_layout(cumulative(long), cp, mode=mode).work
+            report["timing"].append({
+                "cp": cp, "mode": mode, "kernel": kernel, "all_ranks_ms": round(ms, 2),
+                "work_share_max": round(float(work.max() / work.sum()), 4)})
+    # d. a real NCCL world
+    gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    if gpus >= 2:
+        import socket
+        import tempfile
+
+        size = min(4, gpus)
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        out = tempfile.mktemp(suffix=".json")
+        torch.multiprocessing.spawn(_cp_world_rank, args=(
+            size, port, list(lengths), tuple(cfg["check_heads"][-1]), cfg["head_dim"], out),
+            nprocs=size, join=True)
+        rows = json.loads(Path(out).read_text())
+        for row in rows:
+            row["ok"] = "errs" in row and all(
+                e <= max(2 * eps, 2 * b) for e, b in zip(row["errs"], base))
+        report["world"] = {"size": size, "rows": rows}
+    else:
+        report["world"] = {"skipped": f"{gpus} GPU(s): a real CP world needs 2 or more"}
+    checks = [r["ok"] for r in report["kernels"]] + [
+        r["ok"] for r in report["contracts"] if "ok" in r]
+    if isinstance(report["world"], dict) and "rows" in report["world"]:
+        checks += [r["ok"] for r in report["world"]["rows"]]
+    report["ok"] = all(checks)
+    return report
 
 
 def doc_lengths(n: int, max_len: int, seed: int) -> list[int]:
@@ -577,6 +816,8 @@ def make_config(cpu_smoke: bool) -> dict[str, Any]:
             "flex_cases": None,
             "flex_recompile_lengths": [],
             "model_lengths": [9, 40, 3, 17],
+            "cp_lengths": [7, 1, 13, 4, 9, 1, 2],
+            "cp_long": [300, 41, 77, 5],
             "iters": 2,
             "warmup": 1,
             "model": {"layers": 2, "intermediate": 128, "vocab": 512, "sliding_window": 8},
@@ -594,6 +835,9 @@ def make_config(cpu_smoke: bool) -> dict[str, Any]:
         "flex_cases": [(16, 16, False), (16, 4, True)],
         "flex_recompile_lengths": [[300, 0, 700, 24], [64] * 20 + [5], [4000, 96], [1] * 50],
         "model_lengths": doc_lengths(32, 4096, seed=1),
+        # odd lengths, length 1, tail pads; a 32k-token row for the timing
+        "cp_lengths": [1, 37, 129, 1000, 2047, 513, 255, 1, 3],
+        "cp_long": [24_576, 4_096, 2_048, 1_024, 511, 313, 1],
         "iters": 5,
         "warmup": 2,
         "model": {"layers": 8, "intermediate": 5632, "vocab": 16384, "sliding_window": 1024},
@@ -637,26 +881,28 @@ def main(argv: Sequence[str] | None = None) -> int:
             "flash_attn": flash_version,
             "varlen_attn_params": sorted(am._signature_params(varlen_fn)) if varlen_fn else None,
             "flex_unavailable_reason": am._flex_unavailable_reason(),
-            "available_backends": am.available_kernels(probe),
+            "available_kernels": am.available_kernels(probe),
             "attention_module": am.__name__,
         },
         "config": {k: v for k, v in cfg.items() if k != "model_lengths"},
     }
     print(
         f"torch {torch.__version__} on {report['env']['device']}; "
-        f"backends: {report['env']['available_backends']}; flash-attn: {flash_version}"
+        f"kernels: {report['env']['available_kernels']}; flash-attn: {flash_version}"
     )
 
     sections: list[tuple[str, Callable[[], Any]]] = [
         ("correctness", lambda: check_correctness(torch, am, cfg, device, dtype)),
     ]
-    if "flex" in report["env"]["available_backends"] and cfg["flex_recompile_lengths"]:
+    if "flex" in report["env"]["available_kernels"] and cfg["flex_recompile_lengths"]:
         sections.append(
             ("flex_recompile", lambda: check_flex_recompiles(torch, am, cfg, device, dtype))
         )
     sections.append(("attention_bench", lambda: bench_attention(torch, am, cfg, device, dtype)))
     if not args.skip_model:
         sections.append(("model_bench", lambda: bench_model(torch, am, cfg, device, dtype)))
+    sections.append(("context_parallel",
+                     lambda: check_context_parallel(torch, am, cfg, device, dtype)))
 
     for name, fn in sections:
         if name != "correctness" and elapsed() > TIME_BUDGET_S:
@@ -678,7 +924,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if isinstance(corr, list):
         print("\ncorrectness (rel err vs fp32 per-sequence SDPA; baseline = bf16 SDPA per seq)")
         for r in corr:
-            tag = f"{r['backend']:>6} hq={r.get('hq')} hkv={r.get('hkv')} causal={r.get('causal')}"
+            tag = f"{r['kernel']:>6} hq={r.get('hq')} hkv={r.get('hkv')} causal={r.get('causal')}"
             if "softmax_scale" in r:
                 tag += " scale=0.05"
             for option in ("sliding_window", "softcap"):
@@ -722,6 +968,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                     ok = False
         else:
             print("  ", mb)
+    cpr = report.get("context_parallel")
+    if cpr is not None:
+        print("\ncontext_parallel")
+        if isinstance(cpr, dict) and "kernels" in cpr:
+            for key in ("contracts", "kernels", "timing"):
+                for r in cpr[key]:
+                    print("  ", key, r)
+            print("   world", cpr["world"])
+            ok = ok and bool(cpr["ok"])
+        else:
+            print("  ", cpr)
+            ok = False
     report["all_ok"] = ok
     report["elapsed_s"] = round(elapsed(), 1)
     print(f"\n{'ALL OK' if ok else 'SOME CHECKS FAILED'} in {report['elapsed_s']} s")

@@ -10,6 +10,12 @@ A cell that computes a wrong result, or raises where it should compute, fails. T
 expected outcome of each cell is :func:`expected` below: the matrix in words is in
 docs/integrations.md.
 
+Context-parallel rows: the flash batch sharded for 2 ranks in each mode
+(``shard_for_context_parallel``). fastpack's context-parallel attention computes them on a
+gloo world of 2 processes (tests/cp_world.py, shared with tests/test_context_parallel.py);
+every other implementation must refuse a rank's share of a row, and the context-parallel
+attention must refuse every unsharded format.
+
 Hugging Face's ``flex_attention`` runs here with the eager (uncompiled) ``flex_attention``
 and block-mask builder: same mask and score mods, same math; the compiled CPU kernels take
 minutes per shape.
@@ -28,8 +34,14 @@ transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 
+import fastpack  # noqa: E402
 from fastpack import FastpackError  # noqa: E402
-from fastpack.torch import PackedCollator, check_model_batch, register_hf_attention  # noqa: E402
+from fastpack.torch import (  # noqa: E402
+    PackedCollator,
+    check_model_batch,
+    register_hf_attention,
+    shard_for_context_parallel,
+)
 
 FASTPACK = register_hf_attention()
 IMPLS = ("fastpack", "sdpa", "eager", "flex_attention")
@@ -261,3 +273,82 @@ def test_windows_and_softcap_bite() -> None:
             if family == "gemma2":
                 cfg.attn_logit_softcapping = saved[1]
         assert (full - _REFERENCE[family, "fp32"][longest]).abs().max().item() > 1e-3
+
+
+# ------------------------------------------------------- context-parallel rows
+
+CP_FORMATS = tuple(f"cp_{mode}" for mode in fastpack.CP_MODES)
+#: fastpack's context-parallel attention, registered here over a group of one process (it
+#: refuses before any collective; the equal cells run in the gloo world).
+FASTPACK_CP = register_hf_attention(
+    "fastpack_cp_conformance", context_parallel_group=torch.distributed.ProcessGroup(
+        torch.distributed.HashStore(), 0, 1), mode="zigzag")
+
+
+def cp_batch(fmt: str) -> dict[str, Any]:
+    flash = PackedCollator(max_len=MAX_LEN, backend="flash")([{"input_ids": s} for s in samples()])
+    local = shard_for_context_parallel(flash, 2, 0, fmt[3:])
+    local.pop("labels")
+    local.pop("shift_labels")
+    return local
+
+
+CP_CELLS = [pytest.param(impl, fmt, family, dtype, id=f"{impl}-{fmt}-{family}-{dtype}")
+            for impl in ("fastpack_cp", *IMPLS) for fmt in CP_FORMATS for family in MODELS
+            for dtype in DTYPES]
+
+
+@pytest.mark.parametrize(("impl", "fmt", "family", "dtype"), CP_CELLS)
+def test_context_parallel_cell(impl: str, fmt: str, family: str, dtype: str) -> None:
+    """A rank's share of the row: fastpack's context-parallel attention gives every token
+    the logits of its sequence alone (the ranks' logits assembled); every other
+    implementation refuses the batch before computing (it would attend within one rank's
+    tokens)."""
+    if impl != "fastpack_cp":
+        m = model(family, dtype)
+        if expected(impl, "flash", family) == "raises":  # Hugging Face refuses the model
+            with pytest.raises(ValueError):
+                set_impl(m, impl)
+            return
+        set_impl(m, impl)
+        try:
+            batch = cp_batch(fmt)
+            with pytest.raises(FastpackError, match="context-parallel batch"):
+                check_model_batch(m, batch)
+            if impl == "fastpack":  # and fastpack's own attention refuses it at the forward
+                with pytest.raises(FastpackError, match="context-parallel batch"), \
+                        torch.no_grad():
+                    m(**batch)
+        finally:
+            m.set_attn_implementation("eager")
+        return
+    import cp_world
+
+    model(family, dtype)  # the references
+    mode = fmt[3:]
+    pieces = [r["models"][f"logits-{mode}-{family}-{dtype}"] for r in cp_world.world(2)]
+    flat_ids = cp_world.model_batch()["input_ids"][0]
+    like = torch.zeros(len(flat_ids), pieces[0]["logits"].shape[-1],
+                       dtype=pieces[0]["logits"].dtype)
+    logits, _ = cp_world.assemble(pieces, "logits", like)
+    flat = flat_ids.tolist()
+    for s, alone in zip(samples(), _REFERENCE[family, dtype]):
+        start = flat.index(s[0])
+        diff = (logits[start : start + len(s)] - alone).abs().max().item()
+        assert diff <= ATOL, f"sequence of length {len(s)}: |Δlogit| {diff:.3g}"
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_context_parallel_attention_refuses_unsharded_formats(fmt: str) -> None:
+    m = model("llama", "fp32")
+    m.set_attn_implementation(FASTPACK_CP)
+    try:
+        batch = batch_for(fmt, "fp32")
+        with pytest.raises(FastpackError, match="not sharded for context parallelism"):
+            check_model_batch(m, batch)
+        if fmt in ("flash", "rows"):  # no mask of their own: the attention itself refuses
+            with pytest.raises(FastpackError, match="not sharded for context parallelism"), \
+                    torch.no_grad():
+                m(**batch)
+    finally:
+        m.set_attn_implementation("eager")

@@ -559,7 +559,160 @@ def _torch_rows() -> list[Row]:
     ]
 
 
-ROWS = PACK + PLAN + MATERIALIZE + RAGGED + _datasets_rows() + _torch_rows()
+def _cp(cu: Any = (0, 7, 18, 23), cp_size: Any = 2, **kwargs: Any) -> Callable[[], Any]:
+    return lambda: fastpack.cp_layout(cu, cp_size, **kwargs)
+
+
+CONTEXT_PARALLEL = [
+    Row("cp-size-zero", _cp(cp_size=0), E, r"^cp_size: got 0; expected an integer in 1\.\.=65536"),
+    Row("cp-size-str", _cp(cp_size="2"), T, r"^cp_size: expected an integer, got str '2'"),
+    Row("cp-mode-unknown", _cp(mode="ring"), E,
+        r"^mode: unknown value 'ring'; expected one of 'zigzag', 'contiguous', 'ulysses'"),
+    Row("cp-pad-multiple-zero", _cp(pad_multiple=0), E, r"^pad_multiple: got 0; expected an "
+        r"integer in 1\.\.="),
+    Row("cp-pad-multiple-huge", _cp(pad_multiple=2**29), E,
+        r"^pad_multiple: got 536870912; with cp_size=2 and mode='zigzag' lengths would be "
+        r"padded to multiples of 2147483648, more than 2\^30"),
+    Row("cp-cu-sentinel", _cp(cu=[0, 7, 18, -1]), E,
+        r"^cu_seqlens: entry 3 is -1: a padding sentinel \(fixed-shape cu_seqlens pad with "
+        r"-1\)\? expected non-negative offsets; pass only the valid prefix"),
+    Row("cp-cu-start", _cp(cu=[2, 7]), E, r"^cu_seqlens: starts at 2; expected 0"),
+    Row("cp-cu-decreasing", _cp(cu=[0, 7, 5]), E,
+        r"^cu_seqlens: decreases at entry 2: 5 after 7; expected non-decreasing offsets"),
+    Row("cp-cu-2d", _cp(cu=[[0, 7]]), E, r"^cu_seqlens: expected a 1-D array \[N\+1\], got "
+        r"shape \(1, 2\)"),
+    Row("cp-cu-float", _cp(cu=[0.0, 7.0]), T, r"^cu_seqlens: expected integers, got dtype float64"),
+    Row("cp-cu-empty", _cp(cu=np.zeros(0, np.int32)), E, r"^cu_seqlens: is empty"),
+    Row("cp-cu-too-long", _cp(cu=[0, 2**31 - 2], cp_size=4, mode="contiguous"), E,
+        r"^cu_seqlens: padded to multiples of 4 \(contiguous mode, cp_size=4, pad_multiple=1\) "
+        r"the stream would hold 2147483648 tokens or more, over 2\^31 - 1"),
+    Row("cp-rank-out-of-range", lambda: fastpack.cp_layout([0, 8], 2).indices(2), E,
+        r"^cp_rank: got 2; expected an integer in 0\.\.=1 \(cp_size is 2\)"),
+    Row("pack-cp-pad-exceeds-max-len",
+        _pack([3, 5], 10, cp_size=2, cp_mode="zigzag", pad_multiple=4), E,
+        r"^pad_multiple: with cp_size=2, cp_mode='zigzag' and pad_multiple=4, every sequence is "
+        r"padded to a multiple of 16 tokens, so a padded pack exceeds max_len \(10\)"),
+    Row("pack-cp-overlong", _pack([3, 8], 8, cp_size=2, cp_mode="contiguous", pad_multiple=3), E,
+        r"^lengths: 1 sequence\(s\) longer than 6 tokens \(first at index 1, length 8\): "
+        r"max_len \(8\) holds 6 once every pack is padded to a multiple of 6"),
+    Row("pack-cp-mode", _pack(cp_size=2, cp_mode="llama3"), E, r"^cp_mode: unknown value "
+        r"'llama3'"),
+    Row("pack-cp-long-max-len", _pack([3, 5], 8, cp_size=2, long_max_len=10), E,
+        r"^long_max_len: 10 holds 8 tokens once padded to multiples of 4"),
+    Row("pack-cp-mode-without-size", _pack(cp_mode="ulysses"), E,
+        r"^cp_mode: got 'ulysses' without cp_size; pass cp_size"),
+    Row("pack-pad-multiple-without-size", _pack(pad_multiple=8), E,
+        r"^pad_multiple: got 8 without cp_size; pass cp_size"),
+    Row("pack-cp-size-zero", _pack(cp_size=0), E, r"^cp_size: got 0; expected an integer in "
+        r"1\.\.=65536"),
+]
+
+
+def _context_parallel_torch_rows() -> list[Row]:
+    try:
+        import torch
+    except ImportError:
+        return []
+    from fastpack.torch import (
+        PackedCollator,
+        context_parallel_attention,
+        packed_loss,
+        register_hf_attention,
+        shard_for_context_parallel,
+    )
+
+    flash = PackedCollator(max_len=16, backend="flash")(
+        [{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5, 6, 7, 8]}])
+
+    def shard(batch: Any = None, *args: Any, **kwargs: Any) -> Callable[[], Any]:
+        return lambda: shard_for_context_parallel(flash if batch is None else batch,
+                                                  *(args or (2, 0)), **kwargs)
+
+    local = shard_for_context_parallel(flash, 2, 0)
+    ulysses = shard_for_context_parallel(flash, 2, 0, "ulysses")
+    n = local["input_ids"].shape[1]
+
+    def attend(batch: Any, heads: int = 4, kv: int = 2, tokens: int | None = None,
+               **kwargs: Any) -> Callable[[], Any]:
+        t = n if tokens is None else tokens
+        q, k = torch.zeros(t, heads, 8), torch.zeros(t, kv, 8)
+        return lambda: context_parallel_attention(q, k, k, batch, **kwargs)
+
+    def hf(name: str, batch: dict[str, Any]) -> Callable[[], Any]:
+        def run() -> Any:
+            import transformers
+
+            forward = transformers.AttentionInterface()[name]
+            q = torch.zeros(1, 4, batch["input_ids"].shape[1], 8)
+            return forward(torch.nn.Linear(1, 1), q, q, q, None, **batch)
+        return run
+
+    def register(**kwargs: Any) -> Callable[[], Any]:
+        return lambda: register_hf_attention(**kwargs)
+
+    group = torch.distributed.ProcessGroup(torch.distributed.HashStore(), 0, 1)
+    name = register_hf_attention("fastpack_cp_errors", context_parallel_group=group)
+    plain = register_hf_attention()
+    return [
+        Row("collator-padded-cp", lambda: PackedCollator(max_len=16, backend="padded",
+                                                         cp_size=2), E,
+            r"^cp_size: 2 does not apply to backend='padded' \(one sample per row\)"),
+        Row("shard-no-cu-seq-lens", shard(PackedCollator(max_len=16)([{"input_ids": [1, 2]}])),
+            E, r"^batch: no 'cu_seq_lens_q' \(keys: .*\); context parallelism shards one flat "
+            r"packed row with its sequence boundaries: PackedCollator\(backend='flash'\)"),
+        Row("shard-twice", shard(local), E, r"^batch: already sharded for context parallelism "
+            r"\(cp_rank=0 of cp_size=2\); shard the full batch once on every rank"),
+        Row("shard-rank", shard(None, 2, 2), E, r"^cp_rank: got 2; expected an integer in "
+            r"0\.\.=1 \(cp_size is 2\)"),
+        Row("shard-cp-size-zero", shard(None, 0, 0), E, r"^cp_size: got 0"),
+        Row("shard-positions", shard({**flash, "position_ids": torch.arange(8)[None]}), E,
+            r"^position_ids: do not restart at 0 at every sequence of cu_seq_lens_q"),
+        Row("shard-unknown-token-key", shard({**flash, "token_type_ids": torch.zeros(1, 8)}), E,
+            r"^batch: 'token_type_ids' has shape \(1, 8\), one value per token of the row; "
+            r"shard_for_context_parallel does not know how to split it"),
+        Row("shard-cu-end", shard({**flash, "cu_seq_lens_q": torch.tensor([0, 3, 7]),
+                                   "cu_seq_lens_k": torch.tensor([0, 3, 7])}), E,
+            r"^cu_seq_lens_q: ends at 7, but input_ids holds 8 tokens"),
+        Row("shard-two-rows", shard({**flash, "input_ids": torch.zeros(2, 8, dtype=torch.long)}),
+            E, r"^input_ids: expected one flat row of shape \[1, T\], got \(2, 8\)"),
+        Row("cp-attention-unsharded", attend(flash, tokens=8), E,
+            r"^batch: not a context-parallel batch \(no 'cp_size'"),
+        Row("cp-attention-tokens", attend(local, tokens=n + 1), E,
+            rf"^q: holds {n + 1} tokens, but the batch's rank holds {n} \(cp_cu_seqlens_q"),
+        Row("cp-attention-no-group", attend(local), E, r"^group: None, but the batch was "
+            r"sharded for cp_size=2; pass the context-parallel process group"),
+        Row("cp-attention-group-size", attend(local, group=group), E, r"^group: this process "
+            r"is rank 0 of a group of 1, but the batch was sharded for cp_rank=0 of cp_size=2"),
+        Row("cp-ulysses-heads", attend(ulysses, heads=3, kv=3,
+                                       tokens=ulysses["input_ids"].shape[1]), E,
+            r"^cp_size: 2 does not divide the 3 query heads, or neither divides nor is a "
+            r"multiple of the 3 key/value heads; Ulysses gives every rank heads/cp_size"),
+        Row("cp-attention-kernel", attend(local, kernel="varlen"), E,
+            r"^kernel: expected one of 'auto', 'ring', 'flash', 'sdpa', got 'varlen'"),
+        Row("cp-attention-ring-cpu", attend(local, kernel="ring"), E,
+            r"^kernel='ring' is not available: it needs CUDA tensors, got device 'cpu'"),
+        Row("hf-cp-mode-without-group", register(mode="zigzag"), E,
+            r"^mode: 'zigzag' applies to context parallelism; pass context_parallel_group="),
+        Row("hf-cp-group-type", register(context_parallel_group="cp"), T,
+            r"^context_parallel_group: expected a torch\.distributed\.ProcessGroup, got str"),
+        Row("hf-cp-kernel", register(context_parallel_group=group, kernel="varlen"), E,
+            r"^kernel: expected one of 'auto', 'ring', 'flash', 'sdpa' with "
+            r"context_parallel_group, got 'varlen'"),
+        Row("hf-cp-unsharded", hf(name, flash), E, r"^fastpack_cp_errors: the batch is not "
+            r"sharded for context parallelism \(no cp_size\); pass "
+            r"fastpack\.torch\.shard_for_context_parallel"),
+        Row("hf-cp-mode-mismatch", hf(name, ulysses), E, r"^fastpack_cp_errors: the batch was "
+            r"sharded with mode='ulysses', this attention was registered for mode='zigzag'"),
+        Row("hf-plain-attention-cp-batch", hf(plain, local), E, r"^fastpack_varlen: a "
+            r"context-parallel batch \(cp_mode='zigzag', cp_size=2\) holds one rank's tokens"),
+        Row("loss-cp-normaliser", lambda: packed_loss(torch.zeros(1, n, 9), local), E,
+            r"^num_items_in_batch: a context-parallel batch holds one rank's share of its "
+            r"sequences"),
+    ]
+
+
+ROWS = (PACK + PLAN + MATERIALIZE + RAGGED + CONTEXT_PARALLEL + _datasets_rows() + _torch_rows()
+        + _context_parallel_torch_rows())
 
 
 def _param(row: Row) -> Any:

@@ -152,7 +152,8 @@ def test_the_command_says_it_of_its_flag(name: str, value: Any, tmp_path: Any) -
 
 
 def test_the_command_and_ray_refuse_the_options_they_cannot_honour() -> None:
-    # reserve: neither writes a separator into the reserved slots.
+    # reserve: neither writes a separator into the reserved slots; cp_size: neither pads
+    # its rows for a context-parallel group.
     want = (FastpackError, "reserve: got 1; fastpack pack writes no separator, so it reserves "
                            "no slot after a document")
     for point in ("fastpack pack", "ray.pack_dataset"):
@@ -160,6 +161,8 @@ def test_the_command_and_ray_refuse_the_options_they_cannot_honour() -> None:
         assert _message(lambda point=point: POINTS[point](  # type: ignore[misc]
             options=PackOptions(MAX_LEN, reserve=1))) == want
         POINTS[point](reserve=0)  # the default is no slot: fine
+        assert _message(lambda point=point: POINTS[point](cp_size=2))[1].startswith(  # type: ignore[misc]
+            "cp_size: got 2; fastpack pack does not plan for context parallelism")
 
 
 def test_the_command_and_ray_plan_with_their_options(monkeypatch: Any) -> None:

@@ -12,6 +12,11 @@ this process). The assertion: the steps' samples before the interruption followe
 after equal the uninterrupted run's, step for step, on every rank; and over the ranks
 every epoch holds every sample piece once.
 
+A dp × cp mesh (2 data-parallel ranks × 2 context-parallel ranks, a plan made for
+``cp_size=2``): every CP rank of a data-parallel rank runs the same steps through its own
+loader and shards each step (``shard_for_context_parallel``); resumed, its shards still
+reassemble the uninterrupted run's steps.
+
 Every token of sample ``i`` is ``i + 1``, so a batch says which samples it holds
 (``cu_seq_lens_q`` gives its sequences); the uninterrupted run is the sampler's own
 schedule read through :meth:`PackedDataset.samples`.
@@ -31,12 +36,14 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+import fastpack  # noqa: E402
 from fastpack import FastpackError  # noqa: E402
 from fastpack.torch import (  # noqa: E402
     PackedCollator,
     PackedDataset,
     PackedIterableDataset,
     PackedSampler,
+    shard_for_context_parallel,
 )
 
 EPOCHS = 2
@@ -64,9 +71,14 @@ def lengths() -> np.ndarray:
     return np.concatenate((rng.integers(2, 30, 58), [70, 90]))
 
 
-def make_dataset(seed: int = 0) -> PackedDataset:
+#: The mesh's context-parallel ranks and mode.
+CP, CP_MODE = 2, "zigzag"
+
+
+def make_dataset(seed: int = 0, cp: bool = False) -> PackedDataset:
     rows = [np.full(int(n), i + 1, dtype=np.int64) for i, n in enumerate(lengths())]
-    collator = PackedCollator(max_len=MAX_LEN, backend="flash", overlong="split")
+    collator = PackedCollator(max_len=MAX_LEN, backend="flash", overlong="split",
+                              cp_size=CP if cp else None)
     return PackedDataset(rows, collator, group_tokens=2 * MAX_LEN, seed=seed)
 
 
@@ -82,9 +94,30 @@ def decode(batch: dict[str, Any]) -> tuple[int, ...]:
     return tuple((ids[starts] - 1).tolist())
 
 
-def reference(ranks: int, rank: int) -> Run:
+def record(batch: dict[str, Any], cp_rank: int | None) -> Any:
+    """What a rank keeps of a batch: its samples, or (mesh) its CP shard's tokens and the
+    row's boundaries."""
+    if cp_rank is None:
+        return decode(batch)
+    local = shard_for_context_parallel(batch, CP, cp_rank, CP_MODE)
+    return tuple(local["input_ids"][0].tolist()), tuple(local["cp_cu_seqlens"].tolist())
+
+
+def reassemble(shards: list[Any]) -> tuple[int, ...]:
+    """The samples of a step from its CP ranks' shards (each real token on one rank)."""
+    cu = shards[0][1]
+    layout = fastpack.cp_layout(list(cu), CP, mode=CP_MODE)
+    row = np.zeros(cu[-1], dtype=np.int64)
+    for rank, (ids, other) in enumerate(shards):
+        assert other == cu  # every CP rank sharded the same step
+        sources = layout.sources(rank)
+        row[sources[sources >= 0]] = np.asarray(ids)[sources >= 0]
+    return tuple((row[list(cu[:-1])] - 1).tolist())
+
+
+def reference(ranks: int, rank: int, cp: bool = False) -> Run:
     """The uninterrupted run: the sampler's steps, read by ``samples()``."""
-    ds = make_dataset()
+    ds = make_dataset(cp=cp)
     sampler = make_sampler(ds, ranks, rank)
     out: Run = []
     for epoch in range(EPOCHS):
@@ -99,9 +132,9 @@ def stop_at(point: str, per_epoch: int) -> int:
             "between": per_epoch}[point]
 
 
-def check_every_piece_once(runs: list[Run]) -> None:
+def check_every_piece_once(runs: list[Run], cp: bool = False) -> None:
     """Over the ranks, each epoch holds every segment of the plan once."""
-    want = Counter(make_dataset().plan.sample_ids.tolist())
+    want = Counter(make_dataset(cp=cp).plan.sample_ids.tolist())
     for epoch in range(EPOCHS):
         got = Counter(i for run in runs for e, ids in run if e == epoch for i in ids)
         assert got == want, epoch
@@ -120,11 +153,12 @@ def test_the_data_has_a_split_sample_and_a_cut_remainder() -> None:
 
 # ------------------------------------------------------------------ plain DataLoader
 def plain(ranks: int, rank: int, workers: int, persistent: bool, stop: int | None,
-          state: dict[str, Any] | None = None) -> tuple[Run, dict[str, Any] | None]:
+          state: dict[str, Any] | None = None,
+          cp_rank: int | None = None) -> tuple[Run, dict[str, Any] | None]:
     """A training loop over a plain DataLoader, interrupted after ``stop`` micro-steps:
     the state is ``sampler.state_dict(consumed=k)``, ``k`` the batches this epoch's loop
-    took (what ``enumerate`` counts)."""
-    ds = make_dataset()
+    took (what ``enumerate`` counts). ``cp_rank``: a rank of the dp × cp mesh."""
+    ds = make_dataset(cp=cp_rank is not None)
     sampler = make_sampler(ds, ranks, rank)
     if state is not None:
         sampler.load_state_dict(pickle.loads(pickle.dumps(state)))
@@ -139,7 +173,7 @@ def plain(ranks: int, rank: int, workers: int, persistent: bool, stop: int | Non
         sampler.set_epoch(epoch)
         k = 0
         for k, batch in enumerate(loader, 1):
-            out.append((epoch, decode(batch)))
+            out.append((epoch, record(batch, cp_rank)))
             if len(out) == stop and k < len(sampler):
                 return out, sampler.state_dict(consumed=k)
         if len(out) == stop:  # between epochs: this epoch's loop has ended
@@ -235,11 +269,12 @@ def test_a_state_between_epochs_with_either_loop(order: str, convention: str) ->
 
 # ------------------------------------------------------------------ StatefulDataLoader
 def stateful(ranks: int, rank: int, workers: int, stop: int | None,
-             state: dict[str, Any] | None = None) -> tuple[Run, dict[str, Any] | None]:
+             state: dict[str, Any] | None = None,
+             cp_rank: int | None = None) -> tuple[Run, dict[str, Any] | None]:
     """A loop over a StatefulDataLoader: the checkpoint is ``loader.state_dict()`` and the
     loop's own epoch counter (the next epoch once an epoch has ended)."""
     sdl = pytest.importorskip("torchdata.stateful_dataloader")
-    ds = make_dataset()
+    ds = make_dataset(cp=cp_rank is not None)
     sampler = make_sampler(ds, ranks, rank)
     loader = sdl.StatefulDataLoader(ds, batch_size=None, sampler=sampler,
                                     num_workers=workers,
@@ -252,7 +287,7 @@ def stateful(ranks: int, rank: int, workers: int, stop: int | None,
     for epoch in range(0 if state is None else state["epoch"], EPOCHS):
         sampler.set_epoch(epoch)
         for batch in loader:
-            out.append((epoch, decode(batch)))
+            out.append((epoch, record(batch, cp_rank)))
             if len(out) == stop and len(out) < len(sampler):
                 return out, {"loader": loader.state_dict(), "epoch": epoch}
         if len(out) == stop:
@@ -283,6 +318,52 @@ def test_stateful_dataloader(workers: int, point: str, ranks: int) -> None:
         assert head + tail == want
         runs.append(head + tail)
     check_every_piece_once(runs)
+
+
+# ------------------------------------------------------------------ a dp × cp mesh
+MESH_LOADERS = {"plain-0": (plain, 0), "stateful-2": (stateful, 2)}
+
+
+@pytest.mark.parametrize("point", POINTS)
+@pytest.mark.parametrize("loader", list(MESH_LOADERS))
+def test_dp_by_cp_mesh(loader: str, point: str) -> None:
+    """2 data-parallel × 2 context-parallel ranks: each CP rank resumes its own loader
+    from its own state; the CP ranks of a data-parallel rank saved the same position, and
+    their shards of every step reassemble the uninterrupted run's step."""
+    run, workers = MESH_LOADERS[loader]
+
+    def go(rank: int, cp_rank: int, stop: int | None, state: Any = None) -> Any:
+        if run is plain:
+            return plain(2, rank, workers, False, stop, state, cp_rank)
+        return stateful(2, rank, workers, stop, state, cp_rank)
+
+    runs = []
+    for rank in range(2):
+        want = reference(2, rank, cp=True)
+        stop = stop_at(point, len(want) // EPOCHS)
+        per_cp = []
+        states = []
+        for cp_rank in range(CP):
+            head, state = go(rank, cp_rank, stop)
+            assert state is not None and len(head) == stop
+            tail, _ = go(rank, cp_rank, None, state)
+            per_cp.append(head + tail)
+            states.append(state)
+        if run is plain:
+            assert states[0] == states[1]
+        got = [(e, reassemble([r[k][1] for r in per_cp]))
+               for k, (e, _) in enumerate(per_cp[0])]
+        assert got == want
+        runs.append(got)
+    check_every_piece_once(runs, cp=True)
+
+
+def test_the_mesh_plan_is_made_for_context_parallelism() -> None:
+    ds = make_dataset(cp=True)
+    assert (ds.plan.cp_size, ds.plan.cp_mode) == (CP, CP_MODE)
+    for p in range(ds.plan.num_packs):  # every pack fits MAX_LEN once padded
+        assert fastpack.cp_layout(ds.plan.cu_seqlens(p), CP).padded_total <= MAX_LEN
+    assert ds.steps.cp_work is not None and ds.steps.cp_work.shape == (len(ds), CP)
 
 
 # ------------------------------------------------------------------ another plan

@@ -43,20 +43,22 @@ def example() -> Any:
     return module
 
 
-def reference_step(ex: Any, weighting: str) -> dict[str, Any]:
+def reference_step(ex: Any, weighting: str, *, model: Any = None, replicas: int = WORLD,
+                   **packing: Any) -> dict[str, Any]:
     """The example's first optimizer step as one SGD step on one padded batch of the
-    samples its schedule gives step 0 (both ranks, all accumulation micro-steps)."""
+    samples its schedule gives step 0 (all ``replicas`` data-parallel ranks, all
+    accumulation micro-steps); ``packing``: the collator's context-parallel options."""
     data = ex.sft_data()
-    ds = PackedDataset(data, PackedCollator(max_len=ex.MAX_LEN, backend="flash"),
+    ds = PackedDataset(data, PackedCollator(max_len=ex.MAX_LEN, backend="flash", **packing),
                        loss_mask="completion_mask", group_tokens=ex.GROUP_TOKENS,
                        seed=ex.COMMON["seed"])
     k = ex.COMMON["gradient_accumulation_steps"]
-    schedule = PackedSampler(ds, num_replicas=WORLD, rank=0, seed=ex.COMMON["seed"],
+    schedule = PackedSampler(ds, num_replicas=replicas, rank=0, seed=ex.COMMON["seed"],
                              hidden_size=32, accumulation_steps=k).schedule(0)
-    chosen = [int(i) for g in range(k) for r in range(WORLD)
+    chosen = [int(i) for g in range(k) for r in range(replicas)
               for i in ds.plan.sample_ids[schedule.lo[g, r] : schedule.hi[g, r]]]
     assert len(set(chosen)) == len(chosen)
-    model = ex.tiny_llama()
+    model = ex.tiny_llama() if model is None else model
     model.config._attn_implementation = "sdpa"
     batch = PackedCollator(max_len=ex.MAX_LEN, backend="padded")(
         [{"input_ids": data[i]["input_ids"], "loss_mask": data[i]["completion_mask"]}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
+from ._context_parallel import CP_MODES, CPLayout, RankLayout, cp_layout
 from ._errors import FastpackError, FastpackTypeError
 from ._examples import example_lengths
 from ._gather import gather
@@ -43,16 +44,20 @@ __all__ = [
     "OVERLONG_POLICIES",
     "STRATEGIES",
     "Bucket",
+    "CPLayout",
+    "CP_MODES",
     "FastpackError",
     "FastpackTypeError",
     "IGNORE_INDEX",
     "PackOptions",
     "Plan",
     "Ragged",
+    "RankLayout",
     "StreamPacker",
     "StreamStats",
     "__version__",
     "as_ragged",
+    "cp_layout",
     "example_lengths",
     "gather",
     "loss_mask_from_spans",

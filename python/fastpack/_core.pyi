@@ -7,6 +7,10 @@ __all__ = [
     "by_cost",
     "ListColumn",
     "column_lengths",
+    "cp_rank_attention",
+    "cp_rank_tokens",
+    "cp_stream",
+    "cp_streams",
     "cu_seqlens",
     "default_threads",
     "flatten_int_lists",
@@ -53,6 +57,33 @@ def bucket_metrics(
     num_groups: int = 0,
 ) -> dict[str, Any]: ...
 def default_threads() -> int: ...
+def cp_stream(
+    cu_seqlens: np.ndarray, cp_size: int, mode: str, pad_multiple: int
+) -> tuple[np.ndarray, np.ndarray]: ...
+def cp_rank_tokens(
+    cu_seqlens: np.ndarray,
+    cp_size: int,
+    mode: str,
+    pad_multiple: int,
+    rank: int,
+    threads: int | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]: ...
+def cp_rank_attention(
+    cu_seqlens: np.ndarray,
+    cp_size: int,
+    mode: str,
+    pad_multiple: int,
+    rank: int,
+    threads: int | None = None,
+) -> dict[str, Any]: ...
+def cp_streams(
+    seqlens: np.ndarray,
+    offsets: np.ndarray,
+    cp_size: int,
+    mode: str,
+    pad_multiple: int,
+    threads: int | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]: ...
 def materialize(
     sample_ids: np.ndarray,
     starts: np.ndarray,

@@ -12,6 +12,7 @@ from . import _core
 from ._arrow import list_columns
 from ._checks import _int_arg, _threads
 from ._errors import FastpackError, FastpackTypeError
+from ._materialize import IGNORE_INDEX
 from ._plan import PackIndex, Plan
 
 __all__ = [
@@ -25,7 +26,6 @@ __all__ = [
 DEFAULT_BATCH_TOKENS = 1 << 22
 _MAX_BATCH_TOKENS = 1 << 30  # int32 list offsets inside one batch
 
-IGNORE_INDEX = -100
 #: The separator values of the usual columns: what a plan's reserved slots hold there,
 #: unless ``separator_values`` says otherwise (``input_ids``: ``separator_id``); any other
 #: column's is 0.

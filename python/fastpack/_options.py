@@ -67,7 +67,8 @@ if TYPE_CHECKING:
     from typing_extensions import Unpack
 
 __all__ = [
-    "GROUP_TOKENS_LIMIT", "MAX_LEN_LIMIT", "OVERLONG_POLICIES", "PLAN_OPTIONS", "STRATEGIES",
+    "CP_MODES", "GROUP_TOKENS_LIMIT", "MAX_CP_SIZE", "MAX_LEN_LIMIT", "MAX_PAD_DIVISOR",
+    "OVERLONG_POLICIES", "PLAN_OPTIONS", "STRATEGIES", "check_cp", "cp_divisor",
     "PackArgs", "PackOptions", "WithOptions", "check_plan", "layered", "resolve",
     "separator_reserve", "with_separator",
 ]
@@ -78,6 +79,52 @@ OVERLONG_POLICIES = ("error", "truncate", "split", "drop")
 MAX_LEN_LIMIT = 2**24
 # A group flattens into one varlen row whose cu_seqlens are int32.
 GROUP_TOKENS_LIMIT = 2**31 - 1
+
+#: Context parallelism's modes (see :func:`fastpack.cp_layout`). ``"zigzag"``: every
+#: sequence padded to a multiple of ``2·cp·pad_multiple`` and cut into ``2·cp`` chunks,
+#: rank ``r`` holding chunks ``r`` and ``2·cp−1−r`` (TransformerEngine's THD layout: the
+#: same causal work on every rank). ``"contiguous"``: the row padded to a multiple of
+#: ``cp·pad_multiple`` and cut into ``cp`` slices (ring-flash-attn's llama3 layout: no
+#: per-sequence pad, uneven work). ``"ulysses"``: the contiguous slices, heads exchanged
+#: around attention by an all-to-all.
+CP_MODES = ("zigzag", "contiguous", "ulysses")
+#: The largest context-parallel group (the core's limit).
+MAX_CP_SIZE = 1 << 16
+
+
+def cp_divisor(cp_size: int, mode: str, pad_multiple: int) -> int:
+    """What context parallelism's padded lengths are multiples of (the core's
+    ``CpSpec::divisor``): each sequence's (zigzag: ``2·cp·pad_multiple``; ``pad_multiple``
+    at ``cp_size=1``, where nothing is cut) or the row's (contiguous and Ulysses:
+    ``cp·pad_multiple``)."""
+    if mode == "zigzag":
+        return (2 * cp_size if cp_size > 1 else 1) * pad_multiple
+    return cp_size * pad_multiple
+
+
+#: The largest ``pad_multiple``, and the largest multiple padded lengths may be rounded to.
+MAX_PAD_DIVISOR = 1 << 30
+
+
+def check_cp(
+    cp_size: Any, mode: Any, pad_multiple: Any, *,
+    names: tuple[str, str, str] = ("cp_size", "mode", "pad_multiple"),
+) -> tuple[int, str, int]:
+    """A context-parallel group (``cp_size``, its mode, ``pad_multiple``) checked: the one
+    check behind ``PackOptions``' fields and the functions about CP alone (``cp_layout``,
+    ``shard_for_context_parallel``), its errors naming the arguments as the caller spells
+    them (``names``)."""
+    cp = _int_arg(names[0], cp_size, minimum=1, maximum=MAX_CP_SIZE)
+    mode = _choice(names[1], mode, CP_MODES)
+    multiple = _int_arg(names[2], pad_multiple, minimum=1, maximum=MAX_PAD_DIVISOR)
+    d = cp_divisor(cp, mode, multiple)
+    if d > MAX_PAD_DIVISOR:
+        raise FastpackError(
+            f"{names[2]}: got {multiple}; with {names[0]}={cp} and {names[1]}={mode!r} lengths "
+            f"would be padded to multiples of {d}, more than 2^30; expected a smaller multiple"
+        )
+    return cp, mode, multiple
+
 
 #: Options about a whole plan's packs (their order, buckets and groups), not about how
 #: one batch of samples is packed: a dataset takes them, a collator refuses them.
@@ -123,6 +170,17 @@ class PackOptions:
     #: Two-level packing: the packs are bin-packed, by their tokens, into groups of at
     #: most this many (at least the largest pack cap): one group per step.
     group_tokens: int | None = None
+    #: Context parallelism: plan for a group of this many ranks that share each packed row
+    #: (see :func:`fastpack.cp_layout`); every pack fits ``max_len`` once padded for it.
+    cp_size: int | None = None
+    #: ``"zigzag"`` (every sequence padded to a multiple of ``2·cp_size·pad_multiple``),
+    #: ``"contiguous"`` or ``"ulysses"`` (the row padded to a multiple of
+    #: ``cp_size·pad_multiple``); needs ``cp_size``.
+    cp_mode: str = "zigzag"
+    #: Each rank's share of a sequence (zigzag) or of the row is a multiple of this too: the
+    #: tensor-parallel size with sequence parallelism, an FP8 kernel's divisor (NeMo-RL's
+    #: rules); needs ``cp_size``.
+    pad_multiple: int = 1
 
     def __post_init__(self) -> None:
         for name, check in _CHECKS.items():
@@ -197,6 +255,54 @@ def _check_group_tokens(o: PackOptions, value: Any) -> int | None:
     )
 
 
+def _check_cp_size(o: PackOptions, value: Any) -> int | None:
+    return None if value is None else check_cp(value, "zigzag", 1, names=_CP_NAMES)[0]
+
+
+#: How ``PackOptions`` spells a context-parallel group's settings.
+_CP_NAMES = ("cp_size", "cp_mode", "pad_multiple")
+
+
+def _check_cp_mode(o: PackOptions, value: Any) -> str:
+    mode = _choice("cp_mode", value, CP_MODES)
+    if o.cp_size is None and mode != "zigzag":
+        raise FastpackError(f"cp_mode: got {mode!r} without cp_size; pass cp_size (the ranks "
+                            f"of the context-parallel group) or leave cp_mode out")
+    return mode
+
+
+def _check_pad_multiple(o: PackOptions, value: Any) -> int:
+    if o.cp_size is None:
+        multiple = _int_arg("pad_multiple", value, minimum=1, maximum=MAX_PAD_DIVISOR)
+        if multiple != 1:
+            raise FastpackError(f"pad_multiple: got {multiple} without cp_size; pass cp_size "
+                                f"(context parallelism pads) or leave pad_multiple out")
+        return multiple
+    _, _, multiple = check_cp(o.cp_size, o.cp_mode, value, names=_CP_NAMES)
+    d = cp_divisor(o.cp_size, o.cp_mode, multiple)
+    setting = f"cp_size={o.cp_size}, cp_mode={o.cp_mode!r} and pad_multiple={multiple}"
+    what = "every sequence" if o.cp_mode == "zigzag" else "every pack"
+    caps = [("max_len", o.max_len)]
+    if o.long_max_len is not None:
+        caps.append(("long_max_len", o.long_max_len))
+    for name, cap in caps:
+        held = cap // d * d
+        if held <= o.reserve:
+            raise FastpackError(
+                f"pad_multiple: with {setting}, {what} is padded to a multiple of {d} tokens, "
+                f"so a padded pack exceeds {name} ({cap}) unless it holds at most {held}"
+                f"{f' (reserve={o.reserve})' if o.reserve else ''} tokens; expected a smaller "
+                f"pad_multiple or cp_size, or a larger {name}"
+            )
+    if o.long_max_len is not None and o.long_max_len // d <= o.max_len // d:
+        raise FastpackError(
+            f"long_max_len: {o.long_max_len} holds {o.long_max_len // d * d} tokens once padded "
+            f"to multiples of {d} ({setting}), no more than max_len's {o.max_len // d * d}; "
+            f"expected a larger long_max_len"
+        )
+    return multiple
+
+
 #: Each option's check, in field order: ``check(options so far, value) -> value``.
 _CHECKS: dict[str, Callable[[PackOptions, Any], Any]] = {
     "max_len": lambda o, v: _int_arg("max_len", v, minimum=1, maximum=MAX_LEN_LIMIT),
@@ -207,6 +313,9 @@ _CHECKS: dict[str, Callable[[PackOptions, Any], Any]] = {
     "seed": lambda o, v: _int_arg("seed", v, minimum=0, maximum=2**64 - 1),
     "long_max_len": _check_long_max_len,
     "group_tokens": _check_group_tokens,
+    "cp_size": _check_cp_size,
+    "cp_mode": _check_cp_mode,
+    "pad_multiple": _check_pad_multiple,
 }
 
 _NAMES = tuple(f.name for f in dataclasses.fields(PackOptions))
@@ -224,6 +333,9 @@ class _Args(TypedDict, total=False):
     seed: int
     long_max_len: int | None
     group_tokens: int | None
+    cp_size: int | None
+    cp_mode: str
+    pad_multiple: int
 
 
 class PackArgs(_Args, total=False):

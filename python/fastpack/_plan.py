@@ -294,7 +294,7 @@ class Plan:
     )
     _OPTIONAL = (
         "long_max_len", "group_tokens", "group_offsets", "group_fills", "group_lower_bound",
-        "group_efficiency",
+        "group_efficiency", "cp_size", "cp_mode", "pad_multiple",
     )
 
     __slots__ = (*_FIELDS, *_OPTIONAL, "buckets", "_pack_caps", "_options", "_order")
@@ -332,6 +332,12 @@ class Plan:
     group_lower_bound: int | None
     #: ``total_tokens / (num_groups * group_tokens)``, or None without groups.
     group_efficiency: float | None
+    #: The context-parallel group the plan was made for (``cp_size``, ``cp_mode``,
+    #: ``pad_multiple`` of :class:`fastpack.PackOptions`): every pack fits ``max_len`` once
+    #: padded for it. None for a plain plan.
+    cp_size: int | None
+    cp_mode: str | None
+    pad_multiple: int | None
     buckets: tuple[Bucket, ...]
     _pack_caps: np.ndarray | None
     _options: PackOptions | None
@@ -384,12 +390,27 @@ class Plan:
                 self.max_len, strategy=self.strategy, overlong=self.overlong,
                 reserve=self.reserve, shuffle=shuffle, seed=seed,
                 long_max_len=self.long_max_len, group_tokens=self.group_tokens,
+                cp_size=self.cp_size, cp_mode=self.cp_mode or "zigzag",
+                pad_multiple=self.pad_multiple or 1,
             )
         return self._options
 
     @property
     def num_packs(self) -> int:
         return len(self.pack_offsets) - 1
+
+    @property
+    def pad_tokens(self) -> int:
+        """Tokens of padding context parallelism adds when each pack is one row (0 for a
+        plain plan): zigzag pads every segment to a multiple of ``2·cp·pad_multiple``, the
+        contiguous modes every pack to a multiple of ``cp·pad_multiple``. Not in
+        ``total_tokens`` (the real ones); every padded pack fits ``max_len``."""
+        if self.cp_size is None:
+            return 0
+        from ._context_parallel import cp_rows
+
+        padded, _ = cp_rows(self, self.seqlens, self.pack_offsets)
+        return int(padded.sum()) - self.total_tokens
 
     @property
     def num_segments(self) -> int:
@@ -520,6 +541,12 @@ class Plan:
             lost.append(f"split {self.split_sequences:,} sequences (no token lost)")
         if self.empty_sequences:
             lost.append(f"skipped {self.empty_sequences:,} empty sequences")
+        if self.cp_size is not None:
+            pads = self.pad_tokens
+            share = pads / max(self.total_tokens + pads, 1)
+            lines.append(f"context parallel: cp_size={self.cp_size}, {self.cp_mode}, "
+                         f"pad_multiple={self.pad_multiple}: {pads:,} pad tokens "
+                         f"({share:.2%} of the padded packs)")
         if lost:
             lines.append("; ".join(lost))
         return "\n".join(lines)
@@ -544,12 +571,12 @@ def sub_plan(plan: Plan, p0: int, p1: int, lo: int | None = None, hi: int | None
     be; ``sample_ids`` renames the segments' samples (the rows of the data they are
     gathered from; default: the plan's ids, indexing the whole input).
 
-    The part keeps the plan's options (caps, reserve, strategy, policy, shuffle and seed)
-    and each pack's cap, has no groups, and counts only what it holds: each of its
-    segments is one of its sequences (a piece of a split sample trains as a sequence), in
-    the bucket of its pack; what planning lost (empty, dropped, truncated and split
-    sequences) is the whole plan's to report, so a part counts none. Its metrics are its
-    own, computed by the core from its arrays."""
+    The part keeps the plan's options (caps, reserve, strategy, policy, shuffle, seed and
+    the context-parallel group) and each pack's cap, has no groups, and counts only what
+    it holds: each of its segments is one of its sequences (a piece of a split sample
+    trains as a sequence), in the bucket of its pack; what planning lost (empty, dropped,
+    truncated and split sequences) is the whole plan's to report, so a part counts none.
+    Its metrics are its own, computed by the core from its arrays."""
     bounds = np.asarray(plan.pack_offsets[p0 : p1 + 1], dtype=np.int64)
     lo = int(bounds[0]) if lo is None else lo
     hi = int(bounds[-1]) if hi is None else hi
@@ -563,6 +590,7 @@ def sub_plan(plan: Plan, p0: int, p1: int, lo: int | None = None, hi: int | None
         "truncated_tokens": 0, "split_sequences": 0,
         **{name: getattr(plan.options, name) for name in (
             "max_len", "reserve", "strategy", "overlong", "long_max_len", "shuffle", "seed")},
+        "cp_size": plan.cp_size, "cp_mode": plan.cp_mode, "pad_multiple": plan.pad_multiple,
     }
     if plan.long_max_len is not None:
         # The pack of the whole plan each of the part's packs is (a piece of).
@@ -623,6 +651,13 @@ def pack(
               groups of at most ``group_tokens`` (at least the largest pack cap), so every
               group (a step or micro-batch) carries nearly the same number of tokens. See
               ``Plan.group_offsets``, ``Plan.group_fills`` and ``Plan.group_cu_seqlens``.
+            - ``cp_size``, ``cp_mode``, ``pad_multiple``: plan for context parallelism over
+              ``cp_size`` ranks (see :func:`fastpack.cp_layout`): packs are planned on their
+              padded lengths, so none exceeds ``max_len`` (or ``long_max_len``) once padded
+              — zigzag pads every sequence to a multiple of ``2·cp_size·pad_multiple``, the
+              contiguous modes a pack to a multiple of ``cp_size·pad_multiple``. The plan's
+              ``seqlens`` and counts stay the real tokens; ``Plan.pad_tokens`` counts the
+              padding.
 
     Sequences of length 0 are skipped and counted in ``empty_sequences``.
     """
@@ -631,6 +666,10 @@ def pack(
     threads = _threads(threads)
     if threads is None and len(array) < _SMALL_INPUT:
         threads = 1  # waking a pool costs more than it saves here; the plan is the same
+    if opts.cp_size is not None:
+        from ._context_parallel import pack_for_context_parallel
+
+        return pack_for_context_parallel(array, opts, threads)
     fields = _core.pack(
         array, opts.max_len, opts.strategy, opts.overlong, opts.reserve,
         opts.seed if opts.shuffle else None, threads, None, opts.long_max_len,

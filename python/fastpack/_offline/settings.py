@@ -19,9 +19,13 @@ if TYPE_CHECKING:
 __all__ = ["REFUSED", "PackSettings", "parse_size", "token_columns"]
 
 #: The packing options the command (and ``fastpack.ray``) cannot honour, with why: given
-#: another value than the default, they raise, naming it.
+#: another value than the default, they raise, naming it (so they are always at their
+#: defaults, and the settings' JSON leaves them out).
+_NO_CP = ("fastpack pack does not plan for context parallelism (its rows are not padded for "
+          "a CP group); plan it where the rows are trained: PackedCollator(cp_size=...)")
 REFUSED = {
     "reserve": "fastpack pack writes no separator, so it reserves no slot after a document",
+    "cp_size": _NO_CP, "cp_mode": _NO_CP, "pad_multiple": _NO_CP,
 }
 
 #: The order of the settings in report.json, the manifest and the run's state (kept, so the

@@ -20,6 +20,9 @@ Its modules are its layers:
   fastest kernel available (flash-attn, ``torch.nn.attention.varlen``, flex, SDPA).
 - :mod:`~fastpack.torch.loss` — :func:`packed_loss`: the loss of a packed batch normalised
   over its whole optimizer step (all micro-steps, all ranks), per token or per sequence.
+- :mod:`~fastpack.torch.context_parallel` — one packed row split across a context-parallel
+  group (:func:`shard_for_context_parallel`) and the exact attention over the pieces
+  (:func:`context_parallel_attention`).
 - :mod:`~fastpack.torch.hf` — Hugging Face integration (:func:`register_hf_attention`,
   :func:`check_model_batch`, :class:`PackedTrainerMixin` for the ``Trainer`` / TRL
   ``SFTTrainer`` on many ranks).
@@ -33,6 +36,12 @@ from __future__ import annotations
 
 from .attention import KERNELS, varlen_attention
 from .collator import LOSS_MASK_KEYS, PackedCollator
+from .context_parallel import (
+    CP_KERNELS,
+    CP_KEYS,
+    context_parallel_attention,
+    shard_for_context_parallel,
+)
 from .data import PackedDataset, StepTable, first_item
 from .formats import BACKENDS, BatchFormat
 from .hf import PackedTrainerMixin, check_model_batch, register_hf_attention
@@ -42,6 +51,8 @@ from .stream import SHARDINGS, PackedIterableDataset
 
 __all__ = [
     "BACKENDS",
+    "CP_KERNELS",
+    "CP_KEYS",
     "KERNELS",
     "LOSS_MASK_KEYS",
     "WEIGHTINGS",
@@ -56,8 +67,10 @@ __all__ = [
     "Step",
     "StepTable",
     "check_model_batch",
+    "context_parallel_attention",
     "first_item",
     "packed_loss",
     "register_hf_attention",
+    "shard_for_context_parallel",
     "varlen_attention",
 ]

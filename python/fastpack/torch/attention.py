@@ -568,6 +568,21 @@ def _softcapped_attention(
     return torch.matmul(probs, v)
 
 
+def _sdpa_gqa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softcap: float | None
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+    """``(k, v, kwargs)`` for SDPA calls over ``(T, H, D)`` inputs with fewer key/value
+    heads than query heads: ``enable_gqa`` where SDPA has it (not with soft-capping, which
+    is computed by hand), else k/v repeated once for the whole batch, not per sequence."""
+    groups = q.shape[1] // k.shape[1]
+    if groups == 1:
+        return k, v, {}
+    if _sdpa_has_enable_gqa() and softcap is None:
+        return k, v, {"enable_gqa": True}
+    k, v = _repeat_kv(k, v, groups, dim=1)
+    return k, v, {}
+
+
 def _sdpa_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -579,13 +594,7 @@ def _sdpa_forward(
     softcap: float | None = None,
 ) -> torch.Tensor:
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    groups = q.shape[1] // k.shape[1]
-    gqa: dict[str, Any] = {}
-    if groups > 1:
-        if _sdpa_has_enable_gqa() and softcap is None:
-            gqa["enable_gqa"] = True
-        else:  # one repeat for the whole batch, not one per sequence
-            k, v = _repeat_kv(k, v, groups, dim=1)
+    k, v, gqa = _sdpa_gqa(q, k, v, softcap)
     # Split (1, H, T, D) views along the tokens, once: every piece is already in SDPA's
     # layout, so a sequence costs one SDPA call and one transpose, and autograd backs the
     # split with one concatenation. (Slicing and transposing each sequence, as before,

@@ -145,6 +145,11 @@ class PackedCollator(WithOptions):
                     f"overlong: {self.overlong!r} does not apply to backend='padded' (one "
                     f"sample per row); expected 'error' or 'truncate'"
                 )
+            if self.options.cp_size is not None:
+                raise FastpackError(
+                    f"cp_size: {self.options.cp_size} does not apply to backend='padded' (one "
+                    f"sample per row); context parallelism shards packed rows: backend='flash'"
+                )
         if not (loss_mask_key is None or loss_mask_key is False or isinstance(loss_mask_key, str)):
             raise FastpackTypeError(
                 f"loss_mask_key: expected a key (str), None (the first of {LOSS_MASK_KEYS} "

@@ -14,6 +14,7 @@ import torch
 
 from .. import _core
 from .._checks import _int_arg
+from .._context_parallel import cp_rows
 from .._errors import FastpackError, FastpackTypeError
 from .._materialize import Ragged, TokenData, _is_dataset, as_ragged
 from .._options import PackArgs, PackOptions, WithOptions, check_plan, layered
@@ -54,6 +55,11 @@ class StepTable:
     step's batch will hold (loss masks, ``labels``, separators and split pieces included);
     ``sequences`` the segments with at least one target. All int64 [N].
     ``segment_targets`` (uint32 [S]) is the same count per segment, for steps cut smaller.
+
+    A plan made for context parallelism (``cp_size``) adds, for the step's row sharded
+    as :func:`~fastpack.torch.shard_for_context_parallel` shards it, ``padded_tokens``
+    (int64 [N]) and ``cp_work`` (int64 [N, cp]): the (query, key) pairs each CP rank's
+    attention computes (:attr:`fastpack.CPLayout.work`); ``None`` otherwise.
     """
 
     pack_offsets: np.ndarray
@@ -63,6 +69,8 @@ class StepTable:
     targets: np.ndarray
     sequences: np.ndarray
     segment_targets: np.ndarray
+    padded_tokens: np.ndarray | None = None
+    cp_work: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -103,6 +111,12 @@ class PackedDataset(torch.utils.data.Dataset, WithOptions):  # type: ignore[type
             sequences over ``max_len``, never mixed with short ones in a pack or a group),
             ``shuffle`` and ``seed`` (shuffle the packs, or groups, of the plan, once). The
             per-batch options are the collator's: given here, they must equal them.
+
+    Context parallelism: a collator with ``cp_size`` (and ``cp_mode``, ``pad_multiple``)
+    plans every pack to fit ``max_len`` once padded for the CP group; every CP rank of a
+    data-parallel rank gets the same step and shards it
+    (:func:`~fastpack.torch.shard_for_context_parallel`), and a :class:`PackedSampler`
+    balances each step's busiest CP rank.
 
     An item is an ``int`` (step ``i``) or a :class:`fastpack.torch.Step` from a
     :class:`~fastpack.torch.PackedSampler`, which may name a smaller piece of a step and
@@ -277,14 +291,18 @@ def step_table(plan: Plan, step_pack_offsets: np.ndarray, per_segment: np.ndarra
     segments = np.asarray(plan.pack_offsets, dtype=np.int64)[step_pack_offsets]
     per_segment = np.ascontiguousarray(per_segment, dtype=np.uint32)
     tokens, squared, targets, sequences = _core.step_sums(plan.seqlens, per_segment, segments)
+    padded = work = None
+    if plan.cp_size is not None:
+        padded, work = cp_rows(plan, plan.seqlens, segments)
     table = StepTable(
         pack_offsets=step_pack_offsets, segment_offsets=segments, tokens=tokens,
         squared_tokens=squared, targets=targets, sequences=sequences,
-        segment_targets=per_segment,
+        segment_targets=per_segment, padded_tokens=padded, cp_work=work,
     )
     for array in (table.segment_offsets, table.tokens, table.squared_tokens,
-                  table.targets, table.sequences, table.segment_targets):
-        array.flags.writeable = False
+                  table.targets, table.sequences, table.segment_targets, padded, work):
+        if array is not None:
+            array.flags.writeable = False
     return table
 
 

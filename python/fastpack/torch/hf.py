@@ -5,16 +5,24 @@ implementation of transformers models (:func:`register_hf_attention`), and the
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections import deque
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, cast
 
 import torch
 
+from .._checks import _choice
+from .._context_parallel import CP_MODES
 from .._errors import FastpackError, FastpackTypeError
 from .attention import KERNELS, Kernel, varlen_attention
 from .collator import LOSS_MASK_KEYS, PackedCollator
+from .context_parallel import (
+    CP_KERNELS,
+    context_parallel_attention,
+    shard_for_context_parallel,
+)
 from .data import PackedDataset, first_item
 from .loss import WEIGHTINGS, packed_loss
 from .sampler import BALANCES, PackedSampler, Step
@@ -25,7 +33,13 @@ __all__ = [
 ]
 
 
-def register_hf_attention(name: str = "fastpack_varlen", *, kernel: Kernel = "auto") -> str:
+def register_hf_attention(
+    name: str | None = None,
+    *,
+    kernel: str = "auto",
+    context_parallel_group: Any = None,
+    mode: str | None = None,
+) -> str:
     """Registers :func:`varlen_attention` as a Hugging Face attention implementation.
 
     Load or switch the model with ``attn_implementation=name``. It computes exactly what
@@ -50,20 +64,73 @@ def register_hf_attention(name: str = "fastpack_varlen", *, kernel: Kernel = "au
     once per layer.
 
     ``kernel`` is :func:`varlen_attention`'s (``"auto"``: the fastest that runs; name one
-    to force it, say to compare kernels under one model). Returns ``name``."""
+    to force it, say to compare kernels under one model). Returns ``name`` (default
+    ``"fastpack_varlen"``).
+
+    **Context parallelism**: with ``context_parallel_group`` (the process group of the ranks
+    that share one packed row) it registers
+    :func:`~fastpack.torch.context_parallel_attention` instead, for batches that
+    :func:`~fastpack.torch.shard_for_context_parallel` made with the same ``mode``
+    (``"zigzag"`` by default, ``"contiguous"`` or ``"ulysses"``); ``kernel`` is one of
+    :data:`~fastpack.torch.CP_KERNELS`, and ``name`` defaults to ``"fastpack_cp_<mode>"``.
+    An unsharded batch raises there, and a sharded one raises in every attention that is
+    not a context-parallel one of its mode."""
+    if context_parallel_group is not None or mode is not None:
+        return _register_context_parallel(name, kernel, context_parallel_group, mode)
+    if name is None:
+        name = "fastpack_varlen"
+    if not isinstance(kernel, str) or kernel not in KERNELS:
+        raise FastpackError(
+            f"kernel: expected one of {', '.join(map(repr, KERNELS))}, got {kernel!r}"
+        )
+    return _register(name, functools.partial(_attention, cast(Kernel, kernel)), None)
+
+
+#: The attn_implementation names :func:`register_hf_attention` registered.
+_REGISTERED: set[str] = set()
+#: Those registered for context parallelism: name -> (group, mode).
+_CONTEXT_PARALLEL: dict[str, tuple[Any, str]] = {}
+
+
+def _register_context_parallel(name: str | None, kernel: Any, group: Any,
+                               mode: str | None) -> str:
+    if group is None:
+        raise FastpackError(
+            f"mode: {mode!r} applies to context parallelism; pass context_parallel_group= "
+            f"(the process group of the ranks that share a packed row)"
+        )
+    if not isinstance(group, torch.distributed.ProcessGroup):
+        raise FastpackTypeError(
+            f"context_parallel_group: expected a torch.distributed.ProcessGroup, got "
+            f"{type(group).__name__}"
+        )
+    mode = _choice("mode", "zigzag" if mode is None else mode, CP_MODES)
+    if not isinstance(kernel, str) or kernel not in CP_KERNELS:
+        raise FastpackError(
+            f"kernel: expected one of {', '.join(map(repr, CP_KERNELS))} with "
+            f"context_parallel_group, got {kernel!r}"
+        )
+    if name is None:
+        name = f"fastpack_cp_{mode}"
+    return _register(name, functools.partial(_cp_attention, kernel, group, mode), (group, mode))
+
+
+def _register(name: Any, attend: Callable[..., tuple[torch.Tensor, None]],
+              context_parallel: tuple[Any, str] | None) -> str:
+    """Registers ``attend(name, module, query, key, value, attention_mask, scaling,
+    dropout, kwargs)`` as the attention implementation ``name``, with fastpack's mask
+    function; ``context_parallel``: the ``(group, mode)`` it was registered for."""
     if not isinstance(name, str) or not name:
         raise FastpackTypeError(
             f"name: expected a non-empty string (the attn_implementation to register), got "
             f"{type(name).__name__} {name!r}"
         )
-    if not isinstance(kernel, str) or kernel not in KERNELS:
-        raise FastpackError(
-            f"kernel: expected one of {', '.join(map(repr, KERNELS))}, got {kernel!r}"
-        )
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
-    def fastpack_varlen(
+    registered: str = name
+
+    def fastpack_attention(
         module: torch.nn.Module,
         query: torch.Tensor,
         key: torch.Tensor,
@@ -73,17 +140,66 @@ def register_hf_attention(name: str = "fastpack_varlen", *, kernel: Kernel = "au
         dropout: float = 0.0,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
-        return _attention(name, kernel, module, query, key, value, attention_mask, scaling,
-                          dropout, kwargs)
+        return attend(registered, module, query, key, value, attention_mask, scaling, dropout,
+                      kwargs)
 
-    AttentionInterface.register(name, fastpack_varlen)
+    AttentionInterface.register(name, fastpack_attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register(name, _fastpack_mask)
     _REGISTERED.add(name)
+    if context_parallel is None:
+        _CONTEXT_PARALLEL.pop(name, None)
+    else:
+        _CONTEXT_PARALLEL[name] = context_parallel
     return name
 
 
-#: The attn_implementation names :func:`register_hf_attention` registered.
-_REGISTERED: set[str] = set()
+def _cp_attention(
+    kernel: str,
+    group: Any,
+    mode: str,
+    name: str,
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any,
+    scaling: float | None,
+    dropout: float,
+    kwargs: dict[str, Any],
+) -> tuple[torch.Tensor, None]:
+    if "cp_size" not in kwargs:
+        raise FastpackError(
+            f"{name}: the batch is not sharded for context parallelism (no cp_size); pass "
+            f"fastpack.torch.shard_for_context_parallel(batch, cp_size, cp_rank, "
+            f"mode={mode!r}) to the model"
+        )
+    if kwargs["cp_mode"] != mode:
+        raise FastpackError(f"{name}: the batch was sharded with mode={kwargs['cp_mode']!r}, "
+                            f"this attention was registered for mode={mode!r}")
+    causal = kwargs.get("is_causal")
+    if causal is None:
+        causal = getattr(module, "is_causal", True)
+    rows, heads, width, dim = query.shape
+    if not causal or rows != 1 or attention_mask is not None or key.shape[2] != width:
+        raise FastpackError(
+            f"{name}: context parallelism takes one causal packed row with no "
+            f"attention_mask and no KV cache (got {rows} rows, causal={causal}, "
+            f"attention_mask {type(attention_mask).__name__}, {key.shape[2]} keys for "
+            f"{width} queries); pass the batch of shard_for_context_parallel"
+        )
+    if dropout and module.training:
+        raise FastpackError(f"{name}: attention dropout {dropout} is not supported with "
+                            f"context parallelism; set the model's attention dropout to 0")
+    device = query.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        query, key, value = (t.to(dtype) for t in (query, key, value))
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+    out = context_parallel_attention(
+        q, k, v, kwargs, group, kernel=kernel, softmax_scale=scaling,
+        sliding_window=kwargs.get("sliding_window"), softcap=kwargs.get("softcap"),
+    )
+    return out[None], None
 
 
 def _fastpack_mask(
@@ -200,8 +316,8 @@ _PADDING_CHECKED = _OncePerBatch()
 
 
 def _attention(
-    name: str,
     kernel: Kernel,
+    name: str,
     module: torch.nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -211,6 +327,12 @@ def _attention(
     dropout: float,
     kwargs: dict[str, Any],
 ) -> tuple[torch.Tensor, None]:
+    if "cp_size" in kwargs:
+        raise FastpackError(
+            f"{name}: a context-parallel batch (cp_mode={kwargs.get('cp_mode')!r}, "
+            f"cp_size={kwargs['cp_size']}) holds one rank's tokens; it needs the attention "
+            f"register_hf_attention(context_parallel_group=group, mode=...) registers"
+        )
     window = kwargs.pop("sliding_window", None)
     softcap = kwargs.pop("softcap", None)
     causal = kwargs.pop("is_causal", None)
@@ -449,7 +571,11 @@ def check_model_batch(model: Any, batch: dict[str, Any]) -> None:
       or with ``use_cache`` on, on a Hugging Face implementation: it then skips the
       per-sequence mask;
     * rows of packed sequences without ``cu_seq_lens_q`` for ``flash_attention_*``, which
-      reads the boundaries from the positions of a single row only.
+      reads the boundaries from the positions of a single row only;
+    * a context-parallel batch (:func:`~fastpack.torch.shard_for_context_parallel`) for
+      anything but a context-parallel attention of its mode
+      (``register_hf_attention(context_parallel_group=..., mode=...)``) — every other
+      attention would attend within one rank's tokens — and an unsharded batch for one.
     """
     if not isinstance(batch, dict):
         raise FastpackTypeError(f"batch: expected a dict, got {type(batch).__name__}")
@@ -464,6 +590,23 @@ def check_model_batch(model: Any, batch: dict[str, Any]) -> None:
         raise FastpackError(f"batch: {what} with attn_implementation={impl!r} "
                             f"({type(config).__name__}) would not compute the unpacked "
                             f"model; {fix}")
+
+    sharded = "cp_size" in batch
+    if sharded or impl in _CONTEXT_PARALLEL:
+        registered = _CONTEXT_PARALLEL.get(impl)
+        if not sharded:
+            mode = registered[1] if registered else "zigzag"
+            refuse("a batch not sharded for context parallelism",
+                   f"pass fastpack.torch.shard_for_context_parallel(batch, cp_size, "
+                   f"cp_rank, mode={mode!r})")
+        elif registered is None:
+            refuse(f"a context-parallel batch (cp_mode={batch.get('cp_mode')!r}, one rank's "
+                   f"tokens)", "use register_hf_attention(context_parallel_group=group, "
+                   f"mode={batch.get('cp_mode')!r}) as the attn_implementation")
+        elif registered[1] != batch.get("cp_mode"):
+            refuse(f"a context-parallel batch sharded with mode={batch.get('cp_mode')!r}",
+                   f"shard with mode={registered[1]!r}, the attention's")
+        return
 
     if mask is not None and getattr(mask, "ndim", len(getattr(mask, "shape", ()))) == 4:
         from torch.nn.attention.flex_attention import BlockMask
@@ -534,7 +677,16 @@ class PackedTrainerMixin:
       non-empty steps on every rank. Its ``num_replicas``/``rank`` are the data-parallel
       group's: ``world_size // tp_size`` replicas, the ``tp_size`` tensor-parallel ranks
       of a replica (consecutive processes, accelerate's mesh order) sharing its steps;
-      context / sequence parallelism (``cp_size``/``sp_size`` > 1) raise.
+      accelerate's context / sequence parallelism (``cp_size``/``sp_size`` > 1) raise.
+    * **Context parallelism** (fastpack's): when the model's attention is
+      ``register_hf_attention(context_parallel_group=group, mode=...)``, the collator
+      must pack for that group (``PackedCollator(..., cp_size=, cp_mode=)``: every pack
+      fits ``max_len`` once padded, checked), the ``cp · tp``
+      consecutive processes of a data-parallel rank share its steps (``group`` must be
+      those ranks), and every micro-batch is sharded for this rank
+      (:func:`~fastpack.torch.shard_for_context_parallel`) before the forward. The loss
+      is scaled by ``dp · cp`` (DDP averages the gradients of all of them; the CP ranks'
+      add up to the step's), which is the Trainer's own ``num_processes // tp_size``.
       ``accumulation_steps`` is ``gradient_accumulation_steps``,
       the seed ``data_seed`` (else ``seed``), ``hidden_size`` the model's. Accelerate's
       own sharding is bypassed: it would re-split steps that are already per rank.
@@ -606,24 +758,42 @@ class PackedTrainerMixin:
             )
         self.loss_is_scaled_for_ga = True  # each micro-step carries its step's normaliser
         self._fastpack_checked: set[Any] = set()
+        self._fastpack_cp = self._context_parallel()
         self.data_parallel_size, self.data_parallel_rank = self._data_parallel()
 
     def _parallel_size(self, method: str) -> int:
         get = getattr(self, method, None)
         return int(get()) if callable(get) else 1
 
+    def _context_parallel(self) -> tuple[Any, str, int, int] | None:
+        """``(group, mode, size, rank)`` when the model's attention is a context-parallel
+        one (``register_hf_attention(context_parallel_group=...)``), else ``None``."""
+        impl = getattr(_config_of(self.model), "_attn_implementation", None)  # type: ignore[attr-defined]
+        if impl not in _CONTEXT_PARALLEL:
+            return None
+        group, mode = _CONTEXT_PARALLEL[impl]
+        return group, mode, int(group.size()), int(group.rank())
+
+    @property
+    def context_parallel_size(self) -> int:
+        """Ranks that share each step (1 without context parallelism)."""
+        return 1 if self._fastpack_cp is None else self._fastpack_cp[2]
+
     def _data_parallel(self) -> tuple[int, int]:
         """``(size, rank)`` of this process's data-parallel group. Tensor-parallel ranks
         share a batch: accelerate's canonical mesh (dp_replicate, dp_shard, cp, sp, tp)
-        puts tp innermost, so the ``tp_size`` consecutive processes form one replica."""
+        puts tp innermost, so the ``tp_size`` consecutive processes form one replica;
+        fastpack's context parallelism (the model's attention) puts cp around it, so
+        ``cp · tp`` consecutive processes share each step."""
         args: Any = self.args  # type: ignore[attr-defined]
         for method, setting in (("get_cp_size", "cp_size"), ("get_sp_size", "sp_size")):
             size = self._parallel_size(method)
             if size > 1:
                 raise FastpackError(
-                    f"{setting}: {size}; PackedTrainerMixin does not support context or "
-                    f"sequence parallelism (it would split packed rows across ranks without "
-                    f"their sequence boundaries); set parallelism_config's {setting} to 1"
+                    f"{setting}: {size}; PackedTrainerMixin does not support accelerate's "
+                    f"context or sequence parallelism (it would split packed rows across ranks "
+                    f"without their sequence boundaries); set parallelism_config's {setting} "
+                    f"to 1 and use fastpack's: register_hf_attention(context_parallel_group=...)"
                 )
         if hasattr(self, "get_tp_size"):
             tp = self._parallel_size("get_tp_size")
@@ -639,7 +809,25 @@ class PackedTrainerMixin:
             raise FastpackError(
                 f"tp_size: {tp} does not divide the world size {world}; expected a divisor"
             )
-        return world // tp, int(args.process_index) // tp
+        cp = self.context_parallel_size
+        if world % (tp * cp):
+            raise FastpackError(
+                f"context_parallel_group: {cp} ranks (times tp_size {tp}) do not divide the "
+                f"world size {world}"
+            )
+        index = int(args.process_index)
+        if self._fastpack_cp is not None and cp > 1:
+            group, _, _, cp_rank = self._fastpack_cp
+            first = index // (cp * tp) * cp * tp + index % tp
+            want = [first + c * tp for c in range(cp)]
+            have = sorted(torch.distributed.get_process_group_ranks(group))
+            if have != want or want[cp_rank] != index:
+                raise FastpackError(
+                    f"context_parallel_group: process {index} is in the group of ranks "
+                    f"{have}; PackedTrainerMixin expects ranks {want} (the cp · tp = {cp * tp} "
+                    f"consecutive processes of one data-parallel rank, tp innermost)"
+                )
+        return world // (tp * cp), index // (tp * cp)
 
     # ------------------------------------------------------------------- data
     @property
@@ -647,6 +835,7 @@ class PackedTrainerMixin:
         """The packed training set (built from ``train_dataset`` on first use)."""
         if self._fastpack_dataset is None:
             self._fastpack_dataset = self._build_packed_dataset()
+            self._check_context_parallel(self._fastpack_dataset)
         return self._fastpack_dataset
 
     @property
@@ -700,6 +889,23 @@ class PackedTrainerMixin:
             loss_mask=mask or None, group_tokens=group, packs_per_batch=packs, seed=args.seed,
         )
 
+    def _check_context_parallel(self, dataset: PackedDataset) -> None:
+        """The packing options must be the model's CP group's (every pack fits max_len once
+        padded for it) — or no CP at all when the model's attention is not a CP one."""
+        cp = self._fastpack_cp
+        have = (dataset.options.cp_size, dataset.options.cp_mode)
+        want = (None, "zigzag") if cp is None else (cp[2], cp[1])
+        if have != want and not (cp is None and have[0] is None):
+            if cp is None:
+                model, fix = "not context-parallel", "leave cp_size out"
+            else:
+                model = f"context-parallel over {want[0]} ranks, mode {want[1]!r}"
+                fix = f"build it with PackedCollator(..., cp_size={want[0]}, cp_mode={want[1]!r})"
+            raise FastpackError(
+                f"data_collator: packs for cp_size={have[0]}, cp_mode={have[1]!r}, but the "
+                f"model's attention is {model}; {fix}"
+            )
+
     def get_train_dataloader(self) -> torch.utils.data.DataLoader:  # type: ignore[type-arg]
         args: Any = self.args  # type: ignore[attr-defined]
         kwargs: dict[str, Any] = {}
@@ -739,6 +945,11 @@ class PackedTrainerMixin:
         return_outputs: bool = False,
         num_items_in_batch: torch.Tensor | int | None = None,
     ) -> Any:
+        if self._fastpack_cp is not None:  # this rank's share of the step's row
+            _, mode, size, rank = self._fastpack_cp
+            inputs = shard_for_context_parallel(
+                inputs, size, rank, mode,
+                pad_multiple=self.packed_dataset.options.pad_multiple)
         steps = {k: inputs[k] for k in STEP_KEYS if k in inputs}
         inputs = {k: v for k, v in inputs.items() if k not in STEP_KEYS}
         self._check_format(model, inputs)
@@ -752,9 +963,11 @@ class PackedTrainerMixin:
         outputs = model(**{k: v for k, v in inputs.items() if k != "labels"})
         loss = packed_loss(outputs.logits, {**inputs, **steps},
                            weighting=self.fastpack_weighting)  # type: ignore[arg-type]
-        # DDP / FSDP average gradients over the data-parallel replicas; the normaliser
-        # counts all of them (the Trainer's own loss scales by num_processes // tp_size).
-        loss = loss * self.data_parallel_size
+        # DDP / FSDP average gradients over every process but the tensor-parallel copies
+        # (the data-parallel replicas and their CP ranks, whose gradients add up to the
+        # step's); the normaliser counts all of them (the Trainer's own loss scales by
+        # num_processes // tp_size, the same number).
+        loss = loss * self.data_parallel_size * self.context_parallel_size
         return (loss, outputs) if return_outputs else loss
 
     def _check_format(self, model: torch.nn.Module, inputs: dict[str, Any]) -> None:

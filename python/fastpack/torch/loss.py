@@ -52,7 +52,16 @@ def packed_loss(
 
     Labels are the batch's unshifted ``labels`` (the model's logits at position ``t``
     predict the label at ``t + 1``), with ``ignore_index`` at the first token of every
-    sequence, so no sequence is trained to predict its neighbour.
+    sequence, so no sequence is trained to predict its neighbour. A batch with
+    ``shift_labels`` (a context-parallel shard: its tokens are not contiguous, so they
+    were shifted on the whole row) has position ``t`` predict ``shift_labels[t]``, as
+    Hugging Face's loss does.
+
+    **Context parallelism**: a shard from
+    :func:`~fastpack.torch.shard_for_context_parallel` gives this rank's share of the
+    row's loss — the ranks' losses add up to the row's, for both weightings (a sequence
+    split across ranks weighs by its whole target count) — and needs the normaliser
+    (``num_items_in_batch`` / ``num_sequences_in_batch``) of the row or step, not its own.
 
     ``weighting="token"``: the sum of the token losses divided by ``num_items_in_batch``
     (the target tokens of the whole optimizer step) — what unpacked training computes
@@ -102,7 +111,7 @@ def packed_loss(
             f"batch: expected the batch as a dict (a Mapping with 'labels'), got "
             f"{type(batch).__name__}"
         )
-    if "labels" not in batch:
+    if "labels" not in batch and "shift_labels" not in batch:
         raise FastpackError(f"batch: no 'labels' key (keys: {sorted(batch)})")
     if isinstance(ignore_index, (bool, np.bool_)) or not isinstance(
         ignore_index, (int, np.integer)
@@ -110,16 +119,30 @@ def packed_loss(
         raise FastpackTypeError(
             f"ignore_index: expected an int, got {type(ignore_index).__name__} {ignore_index!r}"
         )
-    labels = _labels(batch["labels"])
+    # Already shifted (a context-parallel shard, whose tokens are not contiguous): the
+    # target of position t is shift_labels[t], not labels[t + 1].
+    shifted = batch.get("shift_labels") is not None
+    labels = _labels(batch["shift_labels"] if shifted else batch["labels"])
     if logits.ndim == 2:
         logits = logits.unsqueeze(0)
     if labels.ndim == 1:
         labels = labels.unsqueeze(0)
     if logits.ndim != 3 or tuple(logits.shape[:2]) != tuple(labels.shape):
         raise FastpackError(
-            f"logits: shape {tuple(logits.shape)} does not match labels {tuple(labels.shape)}; "
+            f"logits: shape {tuple(logits.shape)} does not match "
+            f"{'shift_labels' if shifted else 'labels'} {tuple(labels.shape)}; "
             "expected [rows, T, vocab] with labels [rows, T]"
         )
+    sharded = "cp_size" in batch
+    if sharded:
+        key = "num_items_in_batch" if weighting == "token" else "num_sequences_in_batch"
+        given = num_items_in_batch if weighting == "token" else num_sequences_in_batch
+        if given is None and batch.get(key) is None:
+            raise FastpackError(
+                f"{key}: a context-parallel batch holds one rank's share of its sequences, so "
+                f"its own counts are not the row's; pass {key} (PackedSampler steps carry it, "
+                f"PackedCollator(return_num_items=True) the row's)"
+            )
     if labels.device.type == "cpu":  # on an accelerator the check would sync
         ids = labels[labels != ignore_index]
         if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < logits.shape[-1]:
@@ -130,8 +153,8 @@ def packed_loss(
                 f"ignore_index ({ignore_index})"
             )
     labels = labels.to(logits.device)
-    targets = labels[:, 1:]
-    flat = logits[:, :-1].reshape(-1, logits.shape[-1])
+    targets = labels if shifted else labels[:, 1:]
+    flat = (logits if shifted else logits[:, :-1]).reshape(-1, logits.shape[-1])
     if flat.dtype not in (torch.float32, torch.float64):  # half precision: upcast, as HF does
         flat = flat.float()
     token_loss = torch.nn.functional.cross_entropy(
@@ -144,8 +167,19 @@ def packed_loss(
         n = _normaliser("num_items_in_batch", num_items_in_batch, batch, valid.sum())
         return token_loss.sum() / n.to(token_loss.device).clamp(min=1)
 
-    # Each target belongs to the sequence of the token it labels (position t + 1).
-    seg = segment_ids(batch, labels.shape, labels.device)[:, 1:].reshape(-1)
+    if sharded:
+        # Each rank holds pieces (runs) of sequences: weigh each target by its whole
+        # sequence's target count, which the shard carries per run.
+        runs = torch.as_tensor(batch["seq_idx"]).to(labels.device, torch.int64).reshape(-1)
+        per_run = torch.as_tensor(batch["cp_sequence_targets"]).to(labels.device)
+        weights = 1.0 / per_run[runs].clamp(min=1).to(token_loss.dtype)
+        n = _normaliser("num_sequences_in_batch", num_sequences_in_batch, batch,
+                        torch.zeros((), dtype=torch.int64))
+        return (token_loss * weights).sum() / n.to(token_loss.device).clamp(min=1)
+    # Each target belongs to the sequence of the token it labels (position t + 1; the
+    # token itself when the labels come shifted).
+    seg = segment_ids(batch, labels.shape, labels.device)
+    seg = (seg if shifted else seg[:, 1:]).reshape(-1)
     num_segments = labels.numel()  # an upper bound: reading the true count would sync
     sums = token_loss.new_zeros(num_segments).index_add_(0, seg, token_loss)
     counts = torch.zeros(num_segments, dtype=torch.int64, device=seg.device).index_add_(

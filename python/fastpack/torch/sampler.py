@@ -31,6 +31,7 @@ import torch
 
 from .. import _core
 from .._checks import _int_arg
+from .._context_parallel import cp_rows
 from .._errors import FastpackError, FastpackTypeError
 from .data import PackedDataset, StepTable
 from .step import Step
@@ -69,9 +70,23 @@ class Schedule:
     dropped_steps: int
     dropped_tokens: int
     dropped_sequences: int
+    #: Context parallelism: each micro-step's attention work per CP rank ([M, cp]).
+    micro_cp_work: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.layout)
+
+    def cp_imbalance(self) -> np.ndarray:
+        """[G, R]: the busiest CP rank's attention work over the mean, for the step every
+        data-parallel rank runs at every global step (1.0: balanced; zigzag stays near 1,
+        contiguous gives the last CP rank the long sequences' ends). All ones without
+        context parallelism."""
+        if self.micro_cp_work is None:
+            return np.ones(self.layout.shape)
+        work = self.micro_cp_work.astype(np.float64)
+        mean = work.mean(axis=1)
+        ratio = np.divide(work.max(axis=1), mean, out=np.ones_like(mean), where=mean > 0)
+        return ratio[self.layout]
 
     @property
     def steps(self) -> np.ndarray:
@@ -115,7 +130,11 @@ class PackedSampler(torch.utils.data.Sampler):  # type: ignore[type-arg]
     Args:
         dataset: the :class:`~fastpack.torch.PackedDataset` (every rank builds the same).
         num_replicas, rank: data-parallel world size and this process's rank (default:
-            from ``torch.distributed`` when it is initialized, else 1 and 0).
+            from ``torch.distributed`` when it is initialized, else 1 and 0). With a plan
+            made for context parallelism (``cp_size``) they are the data-parallel ones of a
+            dp × cp mesh: every CP rank of a data-parallel rank gets the same steps (the
+            default: ``world_size // cp_size`` and ``rank // cp_size``, cp innermost), and
+            ``balance="flops"`` weighs each step by its busiest CP rank's share.
         shuffle: a new order of the global steps every epoch, from ``(seed, epoch)``.
         seed: the seed of that order (the same on every rank).
         drop_last: drop the ``len(dataset) % num_replicas`` steps that do not divide
@@ -155,10 +174,20 @@ class PackedSampler(torch.utils.data.Sampler):  # type: ignore[type-arg]
         if num_replicas is None or rank is None:
             dist = torch.distributed
             initialized = dist.is_available() and dist.is_initialized()
+            # A plan made for context parallelism: every cp_size consecutive processes
+            # (cp inside dp, as accelerate's and torchtitan's meshes) share one step.
+            cp = dataset.plan.cp_size or 1
+            world = dist.get_world_size() if initialized else 1
+            if initialized and world % cp:
+                raise FastpackError(
+                    f"cp_size: the plan was made for {cp} context-parallel ranks, which do "
+                    f"not divide the world size {world}; pass num_replicas and rank (the "
+                    f"data-parallel ones)"
+                )
             if num_replicas is None:
-                num_replicas = dist.get_world_size() if initialized else 1
+                num_replicas = world // cp
             if rank is None:
-                rank = dist.get_rank() if initialized else 0
+                rank = (dist.get_rank() if initialized else 0) // cp
         self.num_replicas = _int_arg("num_replicas", num_replicas, minimum=1)
         self.rank = _int_arg(
             "rank", rank, minimum=0, maximum=self.num_replicas - 1,
@@ -371,10 +400,24 @@ def _segment_cost(sampler: PackedSampler, seqlens: np.ndarray) -> np.ndarray:
     return lengths
 
 
-def _cost(sampler: PackedSampler, tokens: np.ndarray, squared: np.ndarray) -> np.ndarray:
+def _cost(sampler: PackedSampler, tokens: np.ndarray, squared: np.ndarray,
+          cp: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
     if sampler.balance == "flops":
+        return _flops(sampler, tokens, squared, cp)
+    return (tokens if cp is None else cp[0]).astype(np.float64)
+
+
+def _flops(sampler: PackedSampler, tokens: np.ndarray, squared: np.ndarray,
+           cp: tuple[np.ndarray, np.ndarray] | None) -> np.ndarray:
+    """The cost model of the module docs; under context parallelism, that of the step's
+    slowest CP rank: its share of the padded row plus its attention pairs, ×2 (Σl² counts
+    each sequence's causal pairs twice)."""
+    if cp is None:
         return 6.0 * sampler.hidden_size * tokens + squared.astype(np.float64)
-    return tokens.astype(np.float64)
+    padded, work = cp
+    ranks = work.shape[1]
+    return (6.0 * sampler.hidden_size * padded / ranks
+            + 2.0 * work.max(axis=1, initial=0).astype(np.float64))
 
 
 def _build(sampler: PackedSampler, epoch: int) -> Schedule:
@@ -402,6 +445,9 @@ def _build(sampler: PackedSampler, epoch: int) -> Schedule:
     lo, hi = seg[:-1][keep], seg[1:][keep]
     tokens, squared = table.tokens[keep], table.squared_tokens[keep]
     targets, sequences = table.targets[keep], table.sequences[keep]
+    cp = None
+    if table.cp_work is not None and table.padded_tokens is not None:
+        cp = (table.padded_tokens[keep], table.cp_work[keep])
     whole = np.ones(len(index), dtype=bool)
     if pieces is not None:
         p_index, p_lo, p_hi, p_tokens, p_squared, p_targets, p_sequences = pieces
@@ -412,6 +458,12 @@ def _build(sampler: PackedSampler, epoch: int) -> Schedule:
         targets = np.concatenate((targets, p_targets))
         sequences = np.concatenate((sequences, p_sequences))
         whole = np.concatenate((whole, (p_lo == seg[p_index]) & (p_hi == seg[p_index + 1])))
+        if cp is not None:  # the pieces' rows, each sharded on its own
+            plan = sampler.dataset.plan
+            rows = [plan.seqlens[a:b] for a, b in zip(p_lo.tolist(), p_hi.tolist())]
+            offsets = np.concatenate(([0], np.cumsum([len(r) for r in rows])))
+            p_padded, p_work = cp_rows(plan, np.concatenate(rows), offsets)
+            cp = (np.concatenate((cp[0], p_padded)), np.concatenate((cp[1], p_work)))
     micro = len(index)
     assert micro % ranks == 0
     g = micro // ranks
@@ -425,7 +477,7 @@ def _build(sampler: PackedSampler, epoch: int) -> Schedule:
         # Steps of similar cost run together: sort by cost (ties broken at random, so the
         # company a step keeps changes every epoch), cut into global steps of R, then
         # shuffle the global steps. Both in Rust: millions of steps per epoch.
-        cost = _cost(sampler, tokens, squared)
+        cost = _cost(sampler, tokens, squared, cp)
         layout = _core.by_cost(cost, _seed(sampler.seed, epoch, 1)).astype(np.int64)
         layout = layout.reshape(g, ranks)
         if sampler.shuffle:
@@ -447,7 +499,8 @@ def _build(sampler: PackedSampler, epoch: int) -> Schedule:
         micro_hi=hi,
         micro_whole=whole,
         micro_tokens=tokens,
-        micro_cost=6.0 * sampler.hidden_size * tokens + squared.astype(np.float64),
+        micro_cost=_flops(sampler, tokens, squared, cp),
+        micro_cp_work=None if cp is None else cp[1],
         micro_targets=targets,
         num_items=np.repeat(per_opt_items, repeats).astype(np.int64),
         num_sequences=np.repeat(per_opt_sequences, repeats).astype(np.int64),
@@ -493,7 +546,10 @@ def _cut(
     plan = sampler.dataset.plan
     parts_total = -(-len(pool) // ranks) * ranks
     seg, packs = table.segment_offsets, table.pack_offsets
-    cost = _cost(sampler, table.tokens[pool], table.squared_tokens[pool])
+    cp = None
+    if table.cp_work is not None and table.padded_tokens is not None:
+        cp = (table.padded_tokens[pool], table.cp_work[pool])
+    cost = _cost(sampler, table.tokens[pool], table.squared_tokens[pool], cp)
     capacity = np.diff(seg)[pool]
     parts = np.ones(len(pool), dtype=np.int64)
     heap = [(-float(c), i) for i, c in enumerate(cost) if capacity[i] > 1]

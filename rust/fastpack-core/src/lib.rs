@@ -42,6 +42,7 @@ macro_rules! trace_print {
 static TRACE: std::sync::Mutex<Vec<(f64, &str)>> = std::sync::Mutex::new(Vec::new());
 
 pub mod column;
+pub mod context_parallel;
 mod error;
 pub mod gather;
 pub mod layout;

@@ -11,6 +11,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
 mod column;
+mod context_parallel;
 mod materialize;
 mod schedule;
 mod targets;
@@ -336,6 +337,8 @@ fn default_threads() -> usize {
 mod _core {
     #[pymodule_export]
     use super::column::{column_lengths, gather, pack_tokens, ListColumn};
+    #[pymodule_export]
+    use super::context_parallel::{cp_rank_attention, cp_rank_tokens, cp_stream, cp_streams};
     #[pymodule_export]
     use super::materialize::{flatten_int_lists, materialize};
     #[pymodule_export]

@@ -1,0 +1,1011 @@
+//! Context parallelism (CP): a packed stream of sequences split across `cp_size` ranks.
+//!
+//! Every framework re-derives these arrays and keeps getting one wrong (a length-7 sequence
+//! read as 6, unpadded `cu_seqlens` leaking across sequences, rank-local `cu_seqlens` wrong
+//! on every rank but 0); this module computes them once, from the stream's real
+//! `cu_seqlens`, for three modes:
+//!
+//! - [`CpMode::Zigzag`] — TransformerEngine's THD layout: every sequence is padded to a
+//!   multiple of `2·cp·pad_multiple` and cut into `2·cp` chunks; rank `r` holds chunks `r`
+//!   and `2·cp−1−r` of every sequence, in that order, so causal attention work is the same
+//!   on every rank. `cu_seqlens_padded` is TE's `cu_seqlens_{q,kv}_padded` and
+//!   [`rank_tokens`]'s indices are `tex.thd_get_partitioned_indices(cu_seqlens_padded, ...)`.
+//! - [`CpMode::Contiguous`] — ring-flash-attn's "llama3" layout: the stream is padded to a
+//!   multiple of `cp·pad_multiple` (the last sequence absorbs the pad, as NeMo-RL and
+//!   OpenRLHF do) and cut into `cp` contiguous slices; [`rank_attention`] gives
+//!   `llama3_flash_attn_prepare_cu_seqlens`' `cu_seqlens_q`, `cu_seqlens_k`,
+//!   `max_seqlen_q/k` and `local_k_slice`.
+//! - [`CpMode::Ulysses`] — the contiguous slices (heads are exchanged by an all-to-all
+//!   around attention, which then sees whole sequences).
+//!
+//! Pads never move a real token: a sequence's pads come after its last real token, so no
+//! real query attends to one, and positions continue through them (TE's
+//! `generate_positional_ids_for_cp`). Nothing is rounded down and no array a kernel reads
+//! holds a sentinel.
+//!
+//! ```
+//! use fastpack_core::context_parallel::{rank_tokens, stream_layout, CpMode, CpSpec};
+//! // TransformerEngine's test vector: two sequences of 8 tokens, cp = 2.
+//! let layout = stream_layout(&[0, 8, 16], CpSpec::new(2, CpMode::Zigzag, 1).unwrap()).unwrap();
+//! assert_eq!(rank_tokens(&layout, 0).unwrap().indices, [0, 1, 6, 7, 8, 9, 14, 15]);
+//! assert_eq!(rank_tokens(&layout, 1).unwrap().indices, [2, 3, 4, 5, 10, 11, 12, 13]);
+//! ```
+
+use rayon::prelude::*;
+
+use crate::error::{Error, Result};
+use crate::memory::{try_filled, try_with_capacity, Word};
+
+/// `n` zeros for an output that is written in full: zeros written up front (a fresh zeroed
+/// mapping, `memory::try_zeroed`'s choice for buffers mostly never written, costs more
+/// page faults than writing them saves here).
+fn try_filled_zero<T: Word>(n: usize, what: &'static str) -> Result<Vec<T>> {
+    try_filled(n, T::default(), what)
+}
+
+/// How a stream is split across the ranks of a CP group (see the module docs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CpMode {
+    Zigzag,
+    Contiguous,
+    Ulysses,
+}
+
+impl CpMode {
+    pub const ALL: [CpMode; 3] = [CpMode::Zigzag, CpMode::Contiguous, CpMode::Ulysses];
+
+    pub fn parse(name: &str) -> Result<Self> {
+        match name {
+            "zigzag" => Ok(CpMode::Zigzag),
+            "contiguous" => Ok(CpMode::Contiguous),
+            "ulysses" => Ok(CpMode::Ulysses),
+            other => Err(Error::invalid(
+                "cp_mode",
+                format!("unknown value {other:?}; expected 'zigzag', 'contiguous' or 'ulysses'"),
+            )),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            CpMode::Zigzag => "zigzag",
+            CpMode::Contiguous => "contiguous",
+            CpMode::Ulysses => "ulysses",
+        }
+    }
+}
+
+/// The largest CP group and padding divisor accepted: padded lengths stay far inside
+/// int32 `cu_seqlens`.
+pub const MAX_CP_SIZE: u64 = 1 << 16;
+pub const MAX_DIVISOR: u64 = 1 << 30;
+
+/// A CP group's size, mode and padding multiple, checked.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CpSpec {
+    pub cp_size: u64,
+    pub mode: CpMode,
+    pub pad_multiple: u64,
+}
+
+impl CpSpec {
+    pub fn new(cp_size: u64, mode: CpMode, pad_multiple: u64) -> Result<Self> {
+        if !(1..=MAX_CP_SIZE).contains(&cp_size) {
+            return Err(Error::invalid(
+                "cp_size",
+                format!("got {cp_size}; expected an integer in 1..={MAX_CP_SIZE}"),
+            ));
+        }
+        if pad_multiple == 0 {
+            return Err(Error::invalid("pad_multiple", "got 0; expected an integer >= 1"));
+        }
+        let spec = CpSpec { cp_size, mode, pad_multiple };
+        match spec.chunks().checked_mul(pad_multiple) {
+            Some(d) if d <= MAX_DIVISOR => Ok(spec),
+            _ => Err(Error::invalid(
+                "pad_multiple",
+                format!(
+                    "got {pad_multiple}; with cp_size={cp_size} and cp_mode={:?} lengths would \
+                     be padded to multiples of more than 2^30; expected a smaller multiple",
+                    mode.name()
+                ),
+            )),
+        }
+    }
+
+    /// Whether sequences are cut into `2·cp` chunks: zigzag on more than one rank (one
+    /// rank holds every token in order, whatever the mode, as TE and NeMo-RL do at cp = 1).
+    pub fn chunked(&self) -> bool {
+        self.mode == CpMode::Zigzag && self.cp_size > 1
+    }
+
+    /// Chunks a padded sequence (zigzag) or the padded stream is cut into.
+    fn chunks(&self) -> u64 {
+        match self.mode {
+            CpMode::Zigzag if self.cp_size > 1 => 2 * self.cp_size,
+            CpMode::Zigzag => 1,
+            CpMode::Contiguous | CpMode::Ulysses => self.cp_size,
+        }
+    }
+
+    /// What padded lengths are multiples of: each sequence's (zigzag: `2·cp·pad_multiple`,
+    /// or `pad_multiple` on one rank) or the stream's (`cp·pad_multiple`, contiguous and
+    /// Ulysses).
+    pub fn divisor(&self) -> u64 {
+        self.chunks() * self.pad_multiple
+    }
+
+    /// The padded length of a sequence of `len` tokens inside a stream (zigzag rounds it
+    /// up; the other modes pad only the stream's end).
+    #[inline(always)]
+    pub fn sequence_padded(&self, len: u64) -> u64 {
+        match self.mode {
+            CpMode::Zigzag => round_up(len, self.divisor()),
+            CpMode::Contiguous | CpMode::Ulysses => len,
+        }
+    }
+
+    /// The padded length of a whole stream whose sequences' padded lengths sum to `total`.
+    pub fn stream_padded(&self, total: u64) -> u64 {
+        match self.mode {
+            CpMode::Zigzag => total,
+            CpMode::Contiguous | CpMode::Ulysses => round_up(total, self.divisor()),
+        }
+    }
+}
+
+/// `x` rounded up to a multiple of `d` (a mask when `d` is a power of two, as CP groups
+/// and their multiples usually are).
+#[inline(always)]
+fn round_up(x: u64, d: u64) -> u64 {
+    if d.is_power_of_two() {
+        (x + d - 1) & !(d - 1)
+    } else {
+        x.div_ceil(d) * d
+    }
+}
+
+/// One stream (a packed row): its real and padded `cu_seqlens`.
+#[derive(Clone, Debug)]
+pub struct StreamLayout {
+    pub spec: CpSpec,
+    /// Real lengths (int32 [N+1], from 0): TE's `cu_seqlens_{q,kv}`.
+    pub cu_seqlens: Vec<i32>,
+    /// Offsets in the padded stream (int32 [N+1]): TE's `cu_seqlens_{q,kv}_padded`. In the
+    /// contiguous modes only the last entry differs from `cu_seqlens`.
+    pub cu_seqlens_padded: Vec<i32>,
+}
+
+impl StreamLayout {
+    pub fn num_sequences(&self) -> usize {
+        self.cu_seqlens.len() - 1
+    }
+    pub fn padded_total(&self) -> i64 {
+        *self.cu_seqlens_padded.last().unwrap_or(&0) as i64
+    }
+    pub fn real_total(&self) -> i64 {
+        *self.cu_seqlens.last().unwrap_or(&0) as i64
+    }
+    /// Tokens each rank holds (every rank the same).
+    pub fn local_tokens(&self) -> i64 {
+        self.padded_total() / self.spec.cp_size as i64
+    }
+    fn len(&self, seq: usize) -> i64 {
+        (self.cu_seqlens[seq + 1] - self.cu_seqlens[seq]) as i64
+    }
+    fn padded_start(&self, seq: usize) -> i64 {
+        self.cu_seqlens_padded[seq] as i64
+    }
+    fn padded_len(&self, seq: usize) -> i64 {
+        (self.cu_seqlens_padded[seq + 1] - self.cu_seqlens_padded[seq]) as i64
+    }
+}
+
+/// Checks real `cu_seqlens` (from 0, non-decreasing, no sentinel) and pads them.
+pub fn stream_layout(cu_seqlens: &[i32], spec: CpSpec) -> Result<StreamLayout> {
+    check_cu_seqlens(cu_seqlens)?;
+    let n = cu_seqlens.len() - 1;
+    let mut padded = try_with_capacity::<i32>(n + 1, "cu_seqlens_padded")?;
+    padded.push(0);
+    let mut acc: u64 = 0;
+    for w in cu_seqlens.windows(2) {
+        acc += spec.sequence_padded((w[1] - w[0]) as u64);
+        padded.push(fit_i32(acc, spec)?);
+    }
+    let total = spec.stream_padded(acc);
+    if let Some(last) = padded.last_mut() {
+        // The last sequence absorbs the stream's pad (NeMo-RL's and OpenRLHF's rule).
+        *last = fit_i32(total, spec)?;
+    }
+    let mut real = try_with_capacity::<i32>(n + 1, "cu_seqlens")?;
+    real.extend_from_slice(cu_seqlens);
+    Ok(StreamLayout { spec, cu_seqlens: real, cu_seqlens_padded: padded })
+}
+
+fn fit_i32(value: u64, spec: CpSpec) -> Result<i32> {
+    i32::try_from(value).map_err(|_| {
+        Error::overflow(
+            "cu_seqlens",
+            format!(
+                "padded to multiples of {} ({} mode, cp_size={}, pad_multiple={}) the stream \
+                 would hold {value} tokens or more, over 2^31 - 1 (cu_seqlens are int32)",
+                spec.divisor(),
+                spec.mode.name(),
+                spec.cp_size,
+                spec.pad_multiple
+            ),
+        )
+    })
+}
+
+fn check_cu_seqlens(cu: &[i32]) -> Result<()> {
+    let Some(&first) = cu.first() else {
+        return Err(Error::invalid(
+            "cu_seqlens",
+            "is empty; expected [0, ..., total] (N+1 entries)",
+        ));
+    };
+    if let Some(i) = cu.iter().position(|&v| v < 0) {
+        return Err(Error::invalid(
+            "cu_seqlens",
+            format!(
+                "entry {i} is {}: a padding sentinel (fixed-shape cu_seqlens pad with -1)? \
+                 expected non-negative offsets; pass only the valid prefix",
+                cu[i]
+            ),
+        ));
+    }
+    if first != 0 {
+        return Err(Error::invalid("cu_seqlens", format!("starts at {first}; expected 0")));
+    }
+    if let Some(i) = cu.windows(2).position(|w| w[1] < w[0]) {
+        return Err(Error::invalid(
+            "cu_seqlens",
+            format!(
+                "decreases at entry {}: {} after {}; expected non-decreasing offsets",
+                i + 1,
+                cu[i + 1],
+                cu[i]
+            ),
+        ));
+    }
+    Ok(())
+}
+
+fn check_rank(layout: &StreamLayout, rank: u64) -> Result<()> {
+    if rank >= layout.spec.cp_size {
+        return Err(Error::invalid(
+            "cp_rank",
+            format!("got {rank}; expected an integer in 0..={}", layout.spec.cp_size - 1),
+        ));
+    }
+    Ok(())
+}
+
+/// The tokens one rank holds, in its local order (int64 [padded_total / cp] each).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RankTokens {
+    /// Positions in the padded stream (TE's `thd_get_partitioned_indices` for zigzag).
+    pub indices: Vec<i64>,
+    /// Position of each token inside its sequence, continuing through its pads
+    /// (`generate_positional_ids_for_cp`, taken at `indices`).
+    pub positions: Vec<i64>,
+    /// Each token's position in the real (unpadded) stream, or -1 for a pad.
+    pub sources: Vec<i64>,
+}
+
+/// Local tokens per parallel task.
+const TOKEN_BLOCK: usize = 1 << 15;
+
+/// [`RankTokens`] of `rank`, in parallel over blocks of the output (the same result on any
+/// number of threads; run inside [`crate::pool::install`] to choose them).
+pub fn rank_tokens(layout: &StreamLayout, rank: u64) -> Result<RankTokens> {
+    check_rank(layout, rank)?;
+    let n = layout.local_tokens() as usize;
+    let mut out = RankTokens {
+        indices: try_filled_zero(n, "indices")?,
+        positions: try_filled_zero(n, "positions")?,
+        sources: try_filled_zero(n, "sources")?,
+    };
+    out.indices
+        .par_chunks_mut(TOKEN_BLOCK)
+        .zip(out.positions.par_chunks_mut(TOKEN_BLOCK))
+        .zip(out.sources.par_chunks_mut(TOKEN_BLOCK))
+        .enumerate()
+        .for_each(|(block, ((indices, positions), sources))| {
+            write_tokens(layout, rank as i64, block * TOKEN_BLOCK, indices, positions, sources)
+        });
+    Ok(out)
+}
+
+/// Writes local tokens `first..first + indices.len()` of `rank`, a run (consecutive
+/// stream positions of one sequence) at a time.
+fn write_tokens(
+    layout: &StreamLayout,
+    rank: i64,
+    first: usize,
+    indices: &mut [i64],
+    positions: &mut [i64],
+    sources: &mut [i64],
+) {
+    let cp = layout.spec.cp_size as i64;
+    let padded = &layout.cu_seqlens_padded;
+    let zigzag = layout.spec.chunked();
+    // Zigzag walks each sequence's local share (cu_seqlens_padded / cp, the same offsets
+    // on every rank); the other modes walk the rank's slice of the stream.
+    let base = if zigzag { 0 } else { rank * layout.local_tokens() };
+    let scale = if zigzag { cp } else { 1 };
+    let (mut j, end) = (first as i64, (first + indices.len()) as i64);
+    // The last sequence starting at or before the first token (an empty one is skipped:
+    // the next start is past the token too).
+    let mut seq = padded.partition_point(|&s| s as i64 <= (base + j) * scale) - 1;
+    let mut k = 0usize;
+    while j < end {
+        while padded[seq + 1] as i64 <= (base + j) * scale {
+            seq += 1;
+        }
+        let start = layout.padded_start(seq);
+        // This run: `count` tokens from stream position `p`.
+        let (p, count) = if zigzag {
+            let c = layout.padded_len(seq) / (2 * cp);
+            let o = j - start / cp;
+            if o < c {
+                (start + rank * c + o, (c - o).min(end - j))
+            } else {
+                (start + (2 * cp - 1 - rank) * c + (o - c), (2 * c - o).min(end - j))
+            }
+        } else {
+            let p = base + j;
+            (p, (padded[seq + 1] as i64 - p).min(end - j))
+        };
+        let real = (start + layout.len(seq) - p).clamp(0, count) as usize;
+        let n = count as usize;
+        let source = layout.cu_seqlens[seq] as i64 - start;
+        for (i, ((index, position), src)) in indices[k..k + n]
+            .iter_mut()
+            .zip(&mut positions[k..k + n])
+            .zip(&mut sources[k..k + n])
+            .enumerate()
+        {
+            let at = p + i as i64;
+            *index = at;
+            *position = at - start;
+            *src = if i < real { at + source } else { -1 };
+        }
+        j += count;
+        k += n;
+    }
+}
+
+/// What attention on one rank needs: the rank's runs (a run is a piece of one sequence
+/// that is contiguous both locally and in the stream) and the keys each run attends to.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RankAttention {
+    /// Run boundaries in the rank's local tokens (int32 [R+1]). Contiguous and Ulysses:
+    /// ring-flash-attn's llama3 `cu_seqlens_q`. Also the rank-local `cu_seqlens` that
+    /// convolution and linear-attention layers need (`seq_idx` restarts at every run).
+    pub cu_seqlens_q: Vec<i32>,
+    /// Each run's keys (int32 [R+1]): from its sequence's first token through the run's
+    /// last, causally. Contiguous: llama3's `cu_seqlens_k`.
+    pub cu_seqlens_k: Vec<i32>,
+    pub max_seqlen_q: i32,
+    pub max_seqlen_k: i32,
+    /// The sequence each run belongs to (int64 [R]).
+    pub run_sequences: Vec<i64>,
+    /// Contiguous and Ulysses (and zigzag on one rank): llama3's `local_k_slice` — the
+    /// keys of every run, one range of the padded stream (all-gathered K/V in rank order
+    /// are the stream).
+    pub local_k_slice: Option<(i64, i64)>,
+    /// Zigzag on more than one rank: for each run's keys, its row in K/V all-gathered in
+    /// rank order
+    /// (`rank · padded_total/cp + local index`); int64 [cu_seqlens_k[-1]].
+    pub k_index: Option<Vec<i64>>,
+}
+
+/// [`RankAttention`] of `rank` (see its fields for the contracts matched).
+pub fn rank_attention(layout: &StreamLayout, rank: u64) -> Result<RankAttention> {
+    check_rank(layout, rank)?;
+    if layout.spec.chunked() {
+        zigzag_attention(layout, rank as i64)
+    } else {
+        contiguous_attention(layout, rank as i64)
+    }
+}
+
+fn max_diff(cu: &[i32]) -> i32 {
+    cu.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0)
+}
+
+/// ring-flash-attn's `llama3_flash_attn_prepare_cu_seqlens(cu_seqlens_padded, causal=True,
+/// rank, cp)`: the sequences from the one holding the slice's first token through the one
+/// holding its end, their query parts clipped to the slice and their keys running from
+/// the first sequence's start to the slice's end.
+fn contiguous_attention(layout: &StreamLayout, rank: i64) -> Result<RankAttention> {
+    let cu = &layout.cu_seqlens_padded;
+    let length = layout.local_tokens();
+    let (lo, hi) = (rank * length, (rank + 1) * length);
+    let mut left = cu.partition_point(|&v| (v as i64) < lo);
+    if left == cu.len() || cu[left] as i64 != lo {
+        left -= 1;
+    }
+    let right = cu.partition_point(|&v| (v as i64) < hi).min(cu.len() - 1);
+    let slice_left = cu[left] as i64;
+    let runs = right - left;
+    let mut q = try_with_capacity::<i32>(runs + 1, "cu_seqlens_q")?;
+    let mut k = try_with_capacity::<i32>(runs + 1, "cu_seqlens_k")?;
+    for (i, &v) in cu[left..=right].iter().enumerate() {
+        let v = v as i64;
+        let last = i == runs;
+        q.push(if i == 0 {
+            0
+        } else if last {
+            length
+        } else {
+            v - lo
+        } as i32);
+        k.push((if last { hi } else { v } - slice_left) as i32);
+    }
+    let mut run_sequences = try_with_capacity::<i64>(runs, "run_sequences")?;
+    run_sequences.extend((left..right).map(|s| s as i64));
+    Ok(RankAttention {
+        max_seqlen_q: max_diff(&q),
+        max_seqlen_k: max_diff(&k),
+        cu_seqlens_q: q,
+        cu_seqlens_k: k,
+        run_sequences,
+        local_k_slice: Some((slice_left, hi)),
+        k_index: None,
+    })
+}
+
+/// Zigzag: two runs per sequence, chunk `r` (keys: the first `r + 1` chunks) and chunk
+/// `2cp − 1 − r` (keys: the first `2cp − r` chunks).
+fn zigzag_attention(layout: &StreamLayout, rank: i64) -> Result<RankAttention> {
+    let cp = layout.spec.cp_size as i64;
+    let n = layout.num_sequences();
+    let chunk = |seq: usize| layout.padded_len(seq) / (2 * cp);
+    let key_counts = [rank + 1, 2 * cp - rank];
+    let mut q = try_with_capacity::<i32>(2 * n + 1, "cu_seqlens_q")?;
+    let mut k = try_with_capacity::<i32>(2 * n + 1, "cu_seqlens_k")?;
+    let mut run_sequences = try_with_capacity::<i64>(2 * n, "run_sequences")?;
+    q.push(0);
+    k.push(0);
+    let (mut q_acc, mut k_acc) = (0i64, 0i64);
+    for seq in 0..n {
+        let c = chunk(seq);
+        for keys in key_counts {
+            q_acc += c;
+            k_acc += keys * c;
+            q.push(q_acc as i32);
+            k.push(i32::try_from(k_acc).map_err(|_| {
+                Error::overflow(
+                    "cu_seqlens",
+                    "the keys of one rank's runs add up to 2^31 tokens or more (int32 \
+                     cu_seqlens_k); use a smaller pack",
+                )
+            })?);
+            run_sequences.push(seq as i64);
+        }
+    }
+    // Rows of the rank-ordered all-gather: stream position p of sequence s, in chunk
+    // q = (p - start) / c, lives on rank q (first half) or 2cp - 1 - q (second half), at
+    // that rank's local offset start / cp (+ c in the second half).
+    let local = layout.local_tokens();
+    let mut k_index: Vec<i64> = try_filled_zero(k_acc as usize, "k_index")?;
+    let mut rest: &mut [i64] = &mut k_index;
+    let mut pieces = Vec::with_capacity(n);
+    for seq in 0..n {
+        let (head, tail) =
+            rest.split_at_mut(((key_counts[0] + key_counts[1]) * chunk(seq)) as usize);
+        pieces.push((seq, head));
+        rest = tail;
+    }
+    pieces.par_iter_mut().with_min_len(64).for_each(|(seq, out)| {
+        let (seq, c) = (*seq, chunk(*seq));
+        let share = layout.padded_start(seq) / cp;
+        let mut rows = out.chunks_exact_mut(c.max(1) as usize);
+        for keys in key_counts {
+            for q in 0..keys {
+                // Chunk q of the sequence: its rank's first (q < cp) or second half.
+                let row =
+                    if q < cp { q * local + share } else { (2 * cp - 1 - q) * local + share + c };
+                if let Some(run) = rows.next() {
+                    for (i, slot) in run.iter_mut().enumerate() {
+                        *slot = row + i as i64;
+                    }
+                }
+            }
+        }
+    });
+    Ok(RankAttention {
+        max_seqlen_q: max_diff(&q),
+        max_seqlen_k: max_diff(&k),
+        cu_seqlens_q: q,
+        cu_seqlens_k: k,
+        run_sequences,
+        local_k_slice: None,
+        k_index: Some(k_index),
+    })
+}
+
+/// `Σ (p + 1)` over real positions `p` in `[a, b)` of a sequence of `len` real tokens: the
+/// keys those queries attend to, causally.
+fn causal_work(a: i64, b: i64, len: i64) -> u64 {
+    let b = b.min(len);
+    if b <= a {
+        return 0;
+    }
+    tri(b) - tri(a)
+}
+
+/// `x (x + 1) / 2` for `0 <= x < 2^31` (cu_seqlens are int32): fits a u64.
+fn tri(x: i64) -> u64 {
+    let x = x as u64;
+    x * (x + 1) / 2
+}
+
+/// Attention work of every rank of one stream: the (query, key) pairs its real queries
+/// attend to, causally (`[cp]`), in units of all heads. Zigzag gives every rank the same
+/// within a chunk's worth; contiguous gives the last ranks the long sequences' ends;
+/// Ulysses gives every rank every pair for `1/cp` of the heads (the remainder of the
+/// division to the first ranks, so the ranks' work adds up to the stream's).
+pub fn stream_work(layout: &StreamLayout) -> Vec<u64> {
+    let cp = layout.spec.cp_size as usize;
+    let mut work = vec![0u64; cp];
+    add_work(
+        layout.spec,
+        (0..layout.num_sequences())
+            .map(|s| (layout.padded_start(s), layout.padded_len(s), layout.len(s))),
+        layout.padded_total(),
+        &mut work,
+    );
+    work
+}
+
+/// Adds each rank's work over sequences given as `(padded start, padded length, real
+/// length)`, in stream order, of a stream of `padded_total` tokens. No division per
+/// sequence: a plan's streams hold millions of them.
+fn add_work(
+    spec: CpSpec,
+    sequences: impl Iterator<Item = (i64, i64, i64)>,
+    padded_total: i64,
+    work: &mut [u64],
+) {
+    let cp = spec.cp_size as i64;
+    if spec.mode == CpMode::Ulysses {
+        let total: u64 = sequences.map(|(_, _, len)| tri(len)).sum();
+        for (r, w) in work.iter_mut().enumerate() {
+            *w += total / cp as u64 + u64::from((r as u64) < total % cp as u64);
+        }
+        return;
+    }
+    if spec.chunked() {
+        // A sequence with no pad gives every rank 2cp·c² + c pairs (chunks r and
+        // 2cp-1-r): that common part is summed once; each sequence then takes off, from
+        // the top chunk down, what its pad removes.
+        let chunks = Chunks::new(2 * cp);
+        let mut common = 0u64;
+        for (_, padded_len, len) in sequences {
+            let c = chunks.of(padded_len);
+            common += (2 * cp * c * c + c) as u64;
+            let mut q = 2 * cp - 1;
+            while q >= 0 && (q + 1) * c > len {
+                let (lo, hi) = (q * c, (q + 1) * c);
+                let owner = if q < cp { q } else { 2 * cp - 1 - q } as usize;
+                // Wrapping: the common part comes last, so the sum is exact.
+                work[owner] =
+                    work[owner].wrapping_sub(tri(hi) - tri(lo) - causal_work(lo, hi, len));
+                q -= 1;
+            }
+        }
+        for w in work.iter_mut() {
+            *w = w.wrapping_add(common);
+        }
+        return;
+    }
+    // Contiguous: rank r holds [r·share, (r+1)·share); a cursor follows the sequences.
+    let share = padded_total / cp;
+    if share == 0 {
+        return;
+    }
+    let mut r = 0i64;
+    for (start, _, len) in sequences {
+        while r + 1 < cp && (r + 1) * share <= start {
+            r += 1;
+        }
+        let end = start + len;
+        if end <= (r + 1) * share {
+            work[r as usize] += tri(len); // the usual case: one rank holds it all
+            continue;
+        }
+        let mut k = r;
+        while k < cp && k * share < end {
+            let (lo, hi) = (k * share, (k + 1) * share);
+            work[k as usize] += causal_work(lo.max(start) - start, hi.min(end) - start, len);
+            k += 1;
+        }
+    }
+}
+
+/// Division by a group's chunk count (`2·cp`), a shift when it is a power of two.
+struct Chunks {
+    count: i64,
+    shift: Option<u32>,
+}
+
+impl Chunks {
+    fn new(count: i64) -> Self {
+        let shift = (count as u64).is_power_of_two().then(|| count.trailing_zeros());
+        Chunks { count, shift }
+    }
+    /// The chunk length of a padded sequence of `padded_len` tokens (a multiple of it).
+    #[inline(always)]
+    fn of(&self, padded_len: i64) -> i64 {
+        match self.shift {
+            Some(s) => padded_len >> s,
+            None => padded_len / self.count,
+        }
+    }
+}
+
+/// Many streams at once (a plan's packs, or a dataset's steps): streams are CSR ranges
+/// `offsets[i]..offsets[i+1]` of `seqlens`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StreamsLayout {
+    /// Each segment's padded length (int32 [S]); in the contiguous modes the last segment
+    /// of each stream absorbs the stream's pad.
+    pub seqlens_padded: Vec<i32>,
+    /// Each stream's padded tokens (int64 [P]).
+    pub padded_tokens: Vec<i64>,
+    /// Each stream's attention work per rank (uint64 [P * cp], row-major), as
+    /// [`stream_work`].
+    pub work: Vec<u64>,
+}
+
+/// Streams per parallel task.
+const STREAM_BLOCK: usize = 1 << 12;
+
+/// [`StreamsLayout`] of every stream, in parallel over blocks of streams (the same result
+/// on any number of threads).
+pub fn streams_layout(seqlens: &[i32], offsets: &[i64], spec: CpSpec) -> Result<StreamsLayout> {
+    check_offsets(offsets, seqlens.len())?;
+    if let Some(i) = seqlens.iter().position(|&l| l < 0) {
+        return Err(Error::invalid(
+            "seqlens",
+            format!("entry {i} is {}; expected non-negative lengths", seqlens[i]),
+        ));
+    }
+    let streams = offsets.len() - 1;
+    let cp = spec.cp_size as usize;
+    let mut out = StreamsLayout {
+        seqlens_padded: try_filled_zero(seqlens.len(), "seqlens_padded")?,
+        padded_tokens: try_filled_zero(streams, "padded_tokens")?,
+        work: try_filled_zero(streams * cp, "work")?,
+    };
+    // Blocks of streams own disjoint ranges of every output.
+    let mut blocks = Vec::with_capacity(streams.div_ceil(STREAM_BLOCK));
+    let (mut segs, mut tokens, mut work) =
+        (&mut out.seqlens_padded[..], &mut out.padded_tokens[..], &mut out.work[..]);
+    for b in (0..streams).step_by(STREAM_BLOCK) {
+        let e = (b + STREAM_BLOCK).min(streams);
+        let (s, rest) = segs.split_at_mut((offsets[e] - offsets[b]) as usize);
+        let (t, rest_t) = tokens.split_at_mut(e - b);
+        let (w, rest_w) = work.split_at_mut((e - b) * cp);
+        blocks.push((b, s, t, w));
+        (segs, tokens, work) = (rest, rest_t, rest_w);
+    }
+    blocks.par_iter_mut().try_for_each(|(b, segs, tokens, work)| {
+        let base = offsets[*b];
+        for (i, (total, work)) in tokens.iter_mut().zip(work.chunks_mut(cp)).enumerate() {
+            let (lo, hi) = (offsets[*b + i], offsets[*b + i + 1]);
+            let lens = &seqlens[lo as usize..hi as usize];
+            let padded = &mut segs[(lo - base) as usize..(hi - base) as usize];
+            let mut acc = 0u64;
+            for (p, &l) in padded.iter_mut().zip(lens) {
+                let len = spec.sequence_padded(l as u64);
+                acc += len;
+                *p = len as i32; // checked below: no segment is longer than its stream
+            }
+            let stream = spec.stream_padded(acc);
+            fit_i32(stream, spec)?;
+            if let Some(last) = padded.last_mut() {
+                *last += (stream - acc) as i32;
+            }
+            *total = stream as i64;
+            let mut start = 0i64;
+            let sequences = padded.iter().zip(lens).map(|(&p, &l)| {
+                let s = start;
+                start += p as i64;
+                (s, p as i64, l as i64)
+            });
+            add_work(spec, sequences, stream as i64, work);
+        }
+        Ok(())
+    })?;
+    Ok(out)
+}
+
+fn check_offsets(offsets: &[i64], segments: usize) -> Result<()> {
+    if offsets.first() != Some(&0) {
+        return Err(Error::invalid("offsets", "must start at 0 (CSR offsets over the segments)"));
+    }
+    if let Some(i) = offsets.windows(2).position(|w| w[1] < w[0]) {
+        return Err(Error::invalid(
+            "offsets",
+            format!("decrease at entry {}: expected non-decreasing offsets", i + 1),
+        ));
+    }
+    if *offsets.last().unwrap() as usize != segments || *offsets.last().unwrap() < 0 {
+        return Err(Error::invalid(
+            "offsets",
+            format!(
+                "end at {}; expected the number of segments, {segments}",
+                offsets.last().unwrap()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn spec(cp: u64, mode: CpMode, pm: u64) -> CpSpec {
+        CpSpec::new(cp, mode, pm).unwrap()
+    }
+
+    fn cu_of(lengths: &[u32]) -> Vec<i32> {
+        let mut cu = vec![0i32];
+        for &l in lengths {
+            cu.push(cu.last().unwrap() + l as i32);
+        }
+        cu
+    }
+
+    /// TE's `thd_get_partitioned_indices`: rank r takes chunks r and 2cp-1-r of every
+    /// padded sequence (written from its contract, token by token).
+    fn te_indices(padded: &[i32], cp: i64, rank: i64) -> Vec<i64> {
+        let mut out = Vec::new();
+        for w in padded.windows(2) {
+            let (s, c) = (w[0] as i64, (w[1] - w[0]) as i64 / (2 * cp));
+            out.extend(s + rank * c..s + (rank + 1) * c);
+            out.extend(s + (2 * cp - 1 - rank) * c..s + (2 * cp - rank) * c);
+        }
+        out
+    }
+
+    /// ring-flash-attn's `llama3_flash_attn_prepare_cu_seqlens(cu, True, rank, world)`,
+    /// transcribed from its documented semantics with a linear scan.
+    #[allow(clippy::type_complexity)]
+    fn llama3(cu: &[i32], rank: i64, world: i64) -> (Vec<i32>, Vec<i32>, i32, i32, (i64, i64)) {
+        let total = *cu.last().unwrap() as i64;
+        let l = total / world;
+        let mut left = cu.iter().position(|&v| v as i64 >= rank * l).unwrap_or(cu.len());
+        if left == cu.len() || cu[left] as i64 != rank * l {
+            left -= 1;
+        }
+        let right = cu.iter().position(|&v| v as i64 >= (rank + 1) * l).unwrap_or(cu.len() - 1);
+        let mut q: Vec<i32> = cu[left..=right].iter().map(|&v| v - (rank * l) as i32).collect();
+        q[0] = 0;
+        *q.last_mut().unwrap() = l as i32;
+        let mut k: Vec<i32> = cu[left..=right].to_vec();
+        *k.last_mut().unwrap() = ((rank + 1) * l) as i32;
+        let slice_left = cu[left];
+        for v in &mut k {
+            *v -= slice_left;
+        }
+        let (mq, mk) = (max_diff(&q), max_diff(&k));
+        (q, k, mq, mk, (slice_left as i64, (rank + 1) * l))
+    }
+
+    #[test]
+    fn transformer_engine_vectors() {
+        let layout = stream_layout(&[0, 8, 16], spec(2, CpMode::Zigzag, 1)).unwrap();
+        assert_eq!(layout.cu_seqlens_padded, [0, 8, 16]);
+        assert_eq!(rank_tokens(&layout, 0).unwrap().indices, [0, 1, 6, 7, 8, 9, 14, 15]);
+        assert_eq!(rank_tokens(&layout, 1).unwrap().indices, [2, 3, 4, 5, 10, 11, 12, 13]);
+        // pad_thd_sequences_for_cp's example: lengths 7, 11, 5 with cp = 2 -> [0, 8, 20, 28];
+        // a length-7 sequence is padded to 8, never read as 6 (TE #1930).
+        let layout = stream_layout(&[0, 7, 18, 23], spec(2, CpMode::Zigzag, 1)).unwrap();
+        assert_eq!(layout.cu_seqlens_padded, [0, 8, 20, 28]);
+        let t = rank_tokens(&layout, 0).unwrap();
+        assert_eq!(t.positions[..4], [0, 1, 6, 7]);
+        assert_eq!(t.sources[..4], [0, 1, 6, -1]); // token 7 of the first sequence is a pad
+    }
+
+    #[test]
+    fn bad_input_is_an_error() {
+        let s = spec(2, CpMode::Zigzag, 1);
+        for (cu, what) in [
+            (&[][..], "is empty"),
+            (&[1, 4][..], "starts at 1"),
+            (&[0, 4, 3][..], "decreases at entry 2"),
+            (&[0, 4, -1][..], "entry 2 is -1: a padding sentinel"),
+        ] {
+            let err = stream_layout(cu, s).unwrap_err().to_string();
+            assert!(err.starts_with("cu_seqlens: ") && err.contains(what), "{err}");
+        }
+        assert!(CpSpec::new(0, CpMode::Zigzag, 1).unwrap_err().to_string().starts_with("cp_size"));
+        assert!(CpSpec::new(2, CpMode::Zigzag, 0).is_err());
+        assert!(CpSpec::new(2, CpMode::Zigzag, 1 << 29).unwrap_err().to_string().contains("2^30"));
+        let big = stream_layout(&[0, i32::MAX - 1], spec(4, CpMode::Contiguous, 1)).unwrap_err();
+        assert!(big.to_string().contains("over 2^31 - 1"), "{big}");
+        let layout = stream_layout(&[0, 8], s).unwrap();
+        assert!(rank_tokens(&layout, 2).unwrap_err().to_string().starts_with("cp_rank: got 2"));
+        assert!(streams_layout(&[1, 2], &[0, 3], s).is_err());
+        assert!(streams_layout(&[1, -2], &[0, 2], s).is_err());
+    }
+
+    fn modes() -> impl Strategy<Value = CpMode> {
+        prop::sample::select(CpMode::ALL.to_vec())
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(crate::proptest_cases(300)))]
+
+        /// Every padded position is held by exactly one rank, every rank holds as many,
+        /// pads are exactly the positions past a sequence's real tokens, sources and
+        /// positions are the padded stream's, and zigzag is TE's partition.
+        #[test]
+        fn ranks_partition_the_padded_stream(
+            lengths in prop::collection::vec(0u32..40, 0..12),
+            cp in 1u64..5,
+            pm in 1u64..4,
+            mode in modes(),
+        ) {
+            let cu = cu_of(&lengths);
+            let layout = stream_layout(&cu, spec(cp, mode, pm)).unwrap();
+            let padded = &layout.cu_seqlens_padded;
+            let total = layout.padded_total();
+            prop_assert_eq!(total % (cp * pm) as i64, 0);
+            for (s, &len) in lengths.iter().enumerate() {
+                let plen = (padded[s + 1] - padded[s]) as i64;
+                prop_assert!(plen >= len as i64);
+                if mode == CpMode::Zigzag {
+                    let d = if cp > 1 { 2 * cp * pm } else { pm } as i64;
+                    prop_assert_eq!(layout.spec.divisor() as i64, d);
+                    prop_assert_eq!(plen % d, 0);
+                    prop_assert!(plen - (len as i64) < d);
+                } else if s + 1 < lengths.len() {
+                    prop_assert_eq!(plen, len as i64);
+                }
+            }
+            prop_assert!(total - layout.real_total() < (layout.spec.divisor() as i64).max(1) * lengths.len().max(1) as i64);
+            let mut seen = vec![0u8; total as usize];
+            for r in 0..cp {
+                let t = rank_tokens(&layout, r).unwrap();
+                prop_assert_eq!(t.indices.len() as i64, total / cp as i64);
+                if layout.spec.chunked() {
+                    prop_assert_eq!(&t.indices, &te_indices(padded, cp as i64, r as i64));
+                } else {
+                    let lo = r as i64 * total / cp as i64;
+                    prop_assert!(t.indices.iter().enumerate().all(|(k, &p)| p == lo + k as i64));
+                }
+                for k in 0..t.indices.len() {
+                    let p = t.indices[k];
+                    seen[p as usize] += 1;
+                    let s = padded.partition_point(|&v| v as i64 <= p) - 1;
+                    prop_assert_eq!(t.positions[k], p - padded[s] as i64);
+                    let real = t.positions[k] < lengths[s] as i64;
+                    prop_assert_eq!(t.sources[k], if real { cu[s] as i64 + t.positions[k] } else { -1 });
+                }
+            }
+            prop_assert!(seen.iter().all(|&c| c == 1));
+        }
+
+        /// Contiguous and Ulysses runs are llama3's arrays; zigzag's are two per sequence;
+        /// either way every run's keys are its sequence's prefix through the run's end,
+        /// and the work adds up to every sequence's causal pairs.
+        #[test]
+        fn runs_and_keys(
+            lengths in prop::collection::vec(0u32..40, 0..10),
+            cp in 1u64..5,
+            pm in 1u64..3,
+            mode in modes(),
+        ) {
+            let cu = cu_of(&lengths);
+            let layout = stream_layout(&cu, spec(cp, mode, pm)).unwrap();
+            let padded = &layout.cu_seqlens_padded;
+            let total = layout.padded_total();
+            let local = total / cp as i64;
+            for r in 0..cp {
+                let a = rank_attention(&layout, r).unwrap();
+                let t = rank_tokens(&layout, r).unwrap();
+                if !layout.spec.chunked() && total > 0 {
+                    let (q, k, mq, mk, slice) = llama3(padded, r as i64, cp as i64);
+                    prop_assert_eq!(&a.cu_seqlens_q, &q);
+                    prop_assert_eq!(&a.cu_seqlens_k, &k);
+                    prop_assert_eq!((a.max_seqlen_q, a.max_seqlen_k), (mq, mk));
+                    prop_assert_eq!(a.local_k_slice, Some(slice));
+                }
+                prop_assert_eq!(*a.cu_seqlens_q.last().unwrap() as i64, local);
+                // Each run: local tokens contiguous in the stream, inside one sequence;
+                // its keys are that sequence's positions 0..=last.
+                for (j, w) in a.cu_seqlens_q.windows(2).enumerate() {
+                    let seq = a.run_sequences[j] as usize;
+                    let run = &t.indices[w[0] as usize..w[1] as usize];
+                    prop_assert!(run.windows(2).all(|p| p[1] == p[0] + 1));
+                    let (kq0, kq1) = (a.cu_seqlens_k[j] as usize, a.cu_seqlens_k[j + 1] as usize);
+                    if let Some(&last) = run.last() {
+                        prop_assert!(padded[seq] as i64 <= run[0] && last < padded[seq + 1] as i64);
+                        prop_assert_eq!((kq1 - kq0) as i64, last + 1 - padded[seq] as i64);
+                    }
+                    let keys: Vec<i64> = match (&a.k_index, a.local_k_slice) {
+                        (Some(index), _) => index[kq0..kq1].iter().map(|&g| {
+                            let (owner, i) = (g / local.max(1), (g % local.max(1)) as usize);
+                            rank_tokens(&layout, owner as u64).unwrap().indices[i]
+                        }).collect(),
+                        (None, Some((lo, _))) => (lo + kq0 as i64..lo + kq1 as i64).collect(),
+                        _ => unreachable!(),
+                    };
+                    let expected: Vec<i64> = (padded[seq] as i64..padded[seq] as i64 + keys.len() as i64).collect();
+                    prop_assert_eq!(keys, expected);
+                }
+            }
+            let work = stream_work(&layout);
+            let all: u64 = lengths.iter().map(|&l| l as u64 * (l as u64 + 1) / 2).sum();
+            prop_assert_eq!(work.iter().sum::<u64>(), all);
+            for r in 0..cp {
+                // A rank's work: its real queries' positions + 1 (the keys each sees);
+                // Ulysses: every pair, for 1/cp of the heads.
+                let t = rank_tokens(&layout, r).unwrap();
+                let mine: u64 = t.sources.iter().zip(&t.positions)
+                    .filter(|(&s, _)| s >= 0).map(|(_, &p)| p as u64 + 1).sum();
+                let want = if mode == CpMode::Ulysses { all / cp + u64::from(r < all % cp) } else { mine };
+                prop_assert_eq!(work[r as usize], want);
+            }
+        }
+
+        /// Many streams at once equal each stream alone, on any number of threads.
+        #[test]
+        fn streams_equal_each_stream(
+            lengths in prop::collection::vec(0u32..30, 0..40),
+            cuts in prop::collection::vec(0usize..40, 0..6),
+            cp in 1u64..4,
+            mode in modes(),
+        ) {
+            let s = spec(cp, mode, 1);
+            let mut offsets: Vec<i64> = cuts.iter().map(|&c| c.min(lengths.len()) as i64).collect();
+            offsets.push(0);
+            offsets.push(lengths.len() as i64);
+            offsets.sort();
+            let seqlens: Vec<i32> = lengths.iter().map(|&l| l as i32).collect();
+            let one = crate::pool::install(Some(1), || streams_layout(&seqlens, &offsets, s)).unwrap().unwrap();
+            let many = crate::pool::install(Some(3), || streams_layout(&seqlens, &offsets, s)).unwrap().unwrap();
+            prop_assert_eq!(&one, &many);
+            for (i, w) in offsets.windows(2).enumerate() {
+                let stream = &lengths[w[0] as usize..w[1] as usize];
+                let layout = stream_layout(&cu_of(stream), s).unwrap();
+                prop_assert_eq!(one.padded_tokens[i], layout.padded_total());
+                let padded: Vec<i32> = layout.cu_seqlens_padded.windows(2).map(|p| p[1] - p[0]).collect();
+                prop_assert_eq!(&one.seqlens_padded[w[0] as usize..w[1] as usize], &padded[..]);
+                prop_assert_eq!(&one.work[i * cp as usize..(i + 1) * cp as usize], &stream_work(&layout)[..]);
+            }
+        }
+    }
+
+    #[test]
+    fn zigzag_balances_work_and_contiguous_does_not() {
+        // One 4096-token sequence on 4 ranks: contiguous gives the last rank 7x the first.
+        let layout = stream_layout(&[0, 4096], spec(4, CpMode::Zigzag, 1)).unwrap();
+        let work = stream_work(&layout);
+        assert!(work.iter().all(|&w| w == work[0]), "{work:?}");
+        let layout = stream_layout(&[0, 4096], spec(4, CpMode::Contiguous, 1)).unwrap();
+        let work = stream_work(&layout);
+        assert!(work[3] > 6 * work[0], "{work:?}");
+    }
+
+    #[test]
+    fn tokens_are_the_same_on_any_number_of_threads() {
+        let lengths: Vec<u32> = (0..3000).map(|i| (i * 7919 % 97) as u32).collect();
+        let cu = cu_of(&lengths);
+        for mode in CpMode::ALL {
+            let layout = stream_layout(&cu, spec(3, mode, 2)).unwrap();
+            let one = crate::pool::install(Some(1), || rank_tokens(&layout, 1)).unwrap().unwrap();
+            let many = crate::pool::install(Some(4), || rank_tokens(&layout, 1)).unwrap().unwrap();
+            assert_eq!(one, many);
+        }
+    }
+}

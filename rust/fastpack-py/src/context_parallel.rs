@@ -1,0 +1,148 @@
+//! Binding of `fastpack_core::context_parallel`: CP layouts of a stream (a packed row's
+//! `cu_seqlens`) and of many streams (a plan's packs or a dataset's steps), with the GIL
+//! released.
+
+use fastpack_core::context_parallel::{self as core, CpMode, CpSpec, StreamLayout};
+use fastpack_core::{pool, Error};
+use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::{fastpack_error, guarded, to_py};
+
+fn spec(cp_size: u64, mode: &str, pad_multiple: u64) -> PyResult<CpSpec> {
+    CpSpec::new(cp_size, CpMode::parse(mode).map_err(to_py)?, pad_multiple).map_err(to_py)
+}
+
+fn contiguous<'a, T: numpy::Element>(
+    name: &str,
+    array: &'a PyReadonlyArray1<'_, T>,
+) -> PyResult<&'a [T]> {
+    array.as_slice().map_err(|_| fastpack_error(&format!("{name}: expected a contiguous array")))
+}
+
+fn layout(cu: &[i32], spec: CpSpec) -> Result<StreamLayout, Error> {
+    core::stream_layout(cu, spec)
+}
+
+type Stream<'py> = (Bound<'py, PyArray1<i32>>, Bound<'py, PyArray1<u64>>);
+
+/// `cp_stream(cu_seqlens, cp_size, mode, pad_multiple)`: `(cu_seqlens_padded, work)` of
+/// one stream — int32 [N+1] and each rank's attention work, uint64 [cp].
+#[pyfunction]
+pub fn cp_stream<'py>(
+    py: Python<'py>,
+    cu_seqlens: PyReadonlyArray1<'py, i32>,
+    cp_size: u64,
+    mode: &str,
+    pad_multiple: u64,
+) -> PyResult<Stream<'py>> {
+    let spec = spec(cp_size, mode, pad_multiple)?;
+    let cu = contiguous("cu_seqlens", &cu_seqlens)?;
+    let (padded, work) = py
+        .detach(|| {
+            guarded(|| {
+                let l = layout(cu, spec)?;
+                let work = core::stream_work(&l);
+                Ok((l.cu_seqlens_padded, work))
+            })
+        })
+        .map_err(to_py)?;
+    Ok((padded.into_pyarray(py), work.into_pyarray(py)))
+}
+
+type Tokens<'py> =
+    (Bound<'py, PyArray1<i64>>, Bound<'py, PyArray1<i64>>, Bound<'py, PyArray1<i64>>);
+
+/// `cp_rank_tokens(cu_seqlens, cp_size, mode, pad_multiple, rank)`: the rank's
+/// `(indices, positions, sources)`, int64 each (see `RankTokens`).
+#[pyfunction]
+#[pyo3(signature = (cu_seqlens, cp_size, mode, pad_multiple, rank, threads=None))]
+pub fn cp_rank_tokens<'py>(
+    py: Python<'py>,
+    cu_seqlens: PyReadonlyArray1<'py, i32>,
+    cp_size: u64,
+    mode: &str,
+    pad_multiple: u64,
+    rank: u64,
+    threads: Option<usize>,
+) -> PyResult<Tokens<'py>> {
+    let spec = spec(cp_size, mode, pad_multiple)?;
+    let cu = contiguous("cu_seqlens", &cu_seqlens)?;
+    let tokens = py
+        .detach(|| {
+            pool::install(threads, || guarded(|| core::rank_tokens(&layout(cu, spec)?, rank)))
+        })
+        .map_err(to_py)?
+        .map_err(to_py)?;
+    Ok((
+        tokens.indices.into_pyarray(py),
+        tokens.positions.into_pyarray(py),
+        tokens.sources.into_pyarray(py),
+    ))
+}
+
+/// `cp_rank_attention(cu_seqlens, cp_size, mode, pad_multiple, rank)`: a dict of the
+/// rank's runs and keys (see `RankAttention`).
+#[pyfunction]
+#[pyo3(signature = (cu_seqlens, cp_size, mode, pad_multiple, rank, threads=None))]
+pub fn cp_rank_attention<'py>(
+    py: Python<'py>,
+    cu_seqlens: PyReadonlyArray1<'py, i32>,
+    cp_size: u64,
+    mode: &str,
+    pad_multiple: u64,
+    rank: u64,
+    threads: Option<usize>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let spec = spec(cp_size, mode, pad_multiple)?;
+    let cu = contiguous("cu_seqlens", &cu_seqlens)?;
+    let a = py
+        .detach(|| {
+            pool::install(threads, || guarded(|| core::rank_attention(&layout(cu, spec)?, rank)))
+        })
+        .map_err(to_py)?
+        .map_err(to_py)?;
+    let d = PyDict::new(py);
+    d.set_item("cu_seqlens_q", a.cu_seqlens_q.into_pyarray(py))?;
+    d.set_item("cu_seqlens_k", a.cu_seqlens_k.into_pyarray(py))?;
+    d.set_item("max_seqlen_q", a.max_seqlen_q)?;
+    d.set_item("max_seqlen_k", a.max_seqlen_k)?;
+    d.set_item("run_sequences", a.run_sequences.into_pyarray(py))?;
+    d.set_item("local_k_slice", a.local_k_slice)?;
+    match a.k_index {
+        Some(index) => d.set_item("k_index", index.into_pyarray(py))?,
+        None => d.set_item("k_index", py.None())?,
+    }
+    Ok(d)
+}
+
+type Streams<'py> =
+    (Bound<'py, PyArray1<i32>>, Bound<'py, PyArray1<i64>>, Bound<'py, PyArray1<u64>>);
+
+/// `cp_streams(seqlens, offsets, cp_size, mode, pad_multiple)`: `(seqlens_padded,
+/// padded_tokens, work)` of every stream `offsets[i]:offsets[i+1]` of `seqlens`; `work` is
+/// row-major [P * cp].
+#[pyfunction]
+#[pyo3(signature = (seqlens, offsets, cp_size, mode, pad_multiple, threads=None))]
+pub fn cp_streams<'py>(
+    py: Python<'py>,
+    seqlens: PyReadonlyArray1<'py, i32>,
+    offsets: PyReadonlyArray1<'py, i64>,
+    cp_size: u64,
+    mode: &str,
+    pad_multiple: u64,
+    threads: Option<usize>,
+) -> PyResult<Streams<'py>> {
+    let spec = spec(cp_size, mode, pad_multiple)?;
+    let (s, o) = (contiguous("seqlens", &seqlens)?, contiguous("offsets", &offsets)?);
+    let out = py
+        .detach(|| pool::install(threads, || guarded(|| core::streams_layout(s, o, spec))))
+        .map_err(to_py)?
+        .map_err(to_py)?;
+    Ok((
+        out.seqlens_padded.into_pyarray(py),
+        out.padded_tokens.into_pyarray(py),
+        out.work.into_pyarray(py),
+    ))
+}
