@@ -153,7 +153,7 @@ def test_the_command_says_it_of_its_flag(name: str, value: Any, tmp_path: Any) -
 
 def test_the_command_and_ray_refuse_the_options_they_cannot_honour() -> None:
     # reserve: neither writes a separator into the reserved slots; cp_size: neither pads
-    # its rows for a context-parallel group.
+    # its rows for a context-parallel group; share_prefix: neither writes trees.
     want = (FastpackError, "reserve: got 1; fastpack pack writes no separator, so it reserves "
                            "no slot after a document")
     for point in ("fastpack pack", "ray.pack_dataset"):
@@ -163,6 +163,8 @@ def test_the_command_and_ray_refuse_the_options_they_cannot_honour() -> None:
         POINTS[point](reserve=0)  # the default is no slot: fine
         assert _message(lambda point=point: POINTS[point](cp_size=2))[1].startswith(  # type: ignore[misc]
             "cp_size: got 2; fastpack pack does not plan for context parallelism")
+        assert _message(lambda point=point: POINTS[point](share_prefix=True))[1].startswith(  # type: ignore[misc]
+            "share_prefix: got True; fastpack pack writes rows of whole documents")
 
 
 def test_the_command_and_ray_plan_with_their_options(monkeypatch: Any) -> None:

@@ -26,6 +26,9 @@ _NO_CP = ("fastpack pack does not plan for context parallelism (its rows are not
 REFUSED = {
     "reserve": "fastpack pack writes no separator, so it reserves no slot after a document",
     "cp_size": _NO_CP, "cp_mode": _NO_CP, "pad_multiple": _NO_CP,
+    "share_prefix": "fastpack pack writes rows of whole documents, which cannot hold "
+                    "shared-prefix trees; train with PackedDataset(..., "
+                    "PackedCollator(share_prefix=True))",
 }
 
 #: The order of the settings in report.json, the manifest and the run's state (kept, so the
