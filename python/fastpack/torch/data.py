@@ -64,8 +64,9 @@ class StepTable:
 
     A plan of trees (``share_prefix=True``) counts by its samples (its paths): a sample's
     targets and its sequence are counted at its last segment (``segment_targets``,
-    ``segment_sequences``), and ``squared_tokens`` is attention's work, a segment of ``l``
-    tokens after a path of ``a`` costing ``l² + 2·a·l`` (``segment_work``): a tree of a
+    ``segment_sequences``), and ``squared_tokens`` is attention's term of the cost (``Σl²``
+    over sequences), a segment of ``l`` tokens after a path of ``a`` counting ``l² + 2·a·l``
+    (``segment_squared``): a tree of a
     prompt of ``P`` tokens and responses ``Rᵢ`` costs ``P² + Σ(Rᵢ² + 2·P·Rᵢ)``. A step
     of it is cut only at ``cuts`` (its trees' first segments), never inside a tree.
     """
@@ -79,7 +80,7 @@ class StepTable:
     segment_targets: np.ndarray
     padded_tokens: np.ndarray | None = None
     cp_work: np.ndarray | None = None
-    segment_work: np.ndarray | None = None
+    segment_squared: np.ndarray | None = None
     segment_sequences: np.ndarray | None = None
     cuts: np.ndarray | None = None
 
@@ -358,7 +359,7 @@ def tree_step_table(plan: Plan, step_pack_offsets: np.ndarray, per_path: np.ndar
     per_segment = np.bincount(ends, weights=per_path, minlength=count).astype(np.uint32)
     sequences = np.bincount(ends[per_path > 0], minlength=count).astype(np.uint32)
     seqlens = np.asarray(plan.seqlens, dtype=np.int64)
-    work = seqlens * seqlens + 2 * np.asarray(plan.starts, dtype=np.int64) * seqlens
+    squared = seqlens * seqlens + 2 * np.asarray(plan.starts, dtype=np.int64) * seqlens
     segments = np.asarray(plan.pack_offsets, dtype=np.int64)[step_pack_offsets]
 
     def sums(values: np.ndarray) -> np.ndarray:
@@ -368,11 +369,12 @@ def tree_step_table(plan: Plan, step_pack_offsets: np.ndarray, per_path: np.ndar
     cuts = np.append(np.flatnonzero(np.asarray(plan.parents) < 0), count).astype(np.int64)
     table = StepTable(
         pack_offsets=step_pack_offsets, segment_offsets=segments, tokens=sums(seqlens),
-        squared_tokens=sums(work), targets=sums(per_segment), sequences=sums(sequences),
-        segment_targets=per_segment, segment_work=work, segment_sequences=sequences, cuts=cuts,
+        squared_tokens=sums(squared), targets=sums(per_segment), sequences=sums(sequences),
+        segment_targets=per_segment, segment_squared=squared, segment_sequences=sequences,
+        cuts=cuts,
     )
     for array in (table.segment_offsets, table.tokens, table.squared_tokens, table.targets,
-                  table.sequences, table.segment_targets, work, sequences, cuts):
+                  table.sequences, table.segment_targets, squared, sequences, cuts):
         array.flags.writeable = False
     return table
 
