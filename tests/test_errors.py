@@ -327,7 +327,7 @@ LIMITS = [
                                                                 limits={"images": 2}), E,
         r"^limits: budgets besides tokens are not planned together with share_prefix=True"),
     Row("limits-stream", lambda: fastpack.StreamPacker(8, limits={"images": 2}), E,
-        r"^limits: got \(\('images', 2\),\); a stream's windows are packed on tokens only"),
+        r"^limits: got \{'images': 2\}; a stream's windows are packed on tokens only"),
 ]
 
 
@@ -427,7 +427,8 @@ def _vlm_rows() -> list[Row]:
             r"model_config=model\.config"),
         Row("vlm-limits-padded", lambda: PackedCollator(8, backend="padded", model_config=qwen,
                                                         limits={"images": 2}), E,
-            r"^limits: \{'images': 2\} do not apply to backend='padded'"),
+            r"^limits: strategy 'one_per_pack' puts every sequence in a pack of its own \(the "
+            r"padded backend's\)"),
         Row("vlm-limits-unknown-budget", collate(image, limits={"frames": 2}), E,
             r"^limits: 'frames' is not counted from a sample's media; the budgets are "
             r"'patches', 'images', 'videos'"),
@@ -594,6 +595,13 @@ def _torch_rows() -> list[Row]:
         Row("collator-overlong", collator(overlong="cut"), E, r"^overlong: unknown value"),
         Row("collator-padded-split", collator(backend="padded", overlong="split"), E,
             r"^overlong: 'split' does not apply to backend='padded'"),
+        Row("collator-padded-strategy", collator(backend="padded", strategy="bfd"), E,
+            r"^strategy: 'bfd' does not apply to backend='padded' \(one sample per row\); "
+            r"leave it out, or pass 'one_per_pack'"),
+        Row("dataset-padded-plan", lambda: PackedDataset(
+            tokens, PackedCollator(max_len=8, backend="padded"),
+            plan=fastpack.pack([3, 2], 8))[0], E,
+            r"^plan: made with strategy 'bfd', but backend='padded' needs one sample per row"),
         Row("collator-loss_mask_key", collator(loss_mask_key=1), T,
             r"^loss_mask_key: expected a key \(str\), None .* or False \(no mask\), got int"),
         Row("collator-mask_dtype", collator(mask_dtype=torch.int32), T,
