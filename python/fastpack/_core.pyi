@@ -77,7 +77,8 @@ def cp_streams(
     mode: str,
     pad_multiple: int,
     threads: int | None = None,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]: ...
+    work: bool = True,
+) -> tuple[np.ndarray, np.ndarray | None]: ...
 def materialize(
     sample_ids: np.ndarray,
     starts: np.ndarray,

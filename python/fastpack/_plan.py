@@ -407,8 +407,8 @@ class Plan:
         ``total_tokens`` (the real ones); every padded pack fits ``max_len``."""
         if self.cp_size is None or self.cp_mode is None or self.pad_multiple is None:
             return 0
-        _, padded, _ = _core.cp_streams(self.seqlens, self.pack_offsets, self.cp_size,
-                                        self.cp_mode, self.pad_multiple)
+        padded, _ = _core.cp_streams(self.seqlens, self.pack_offsets, self.cp_size,
+                                     self.cp_mode, self.pad_multiple, work=False)
         return int(padded.sum()) - self.total_tokens
 
     @property

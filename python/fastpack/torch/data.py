@@ -310,9 +310,10 @@ def cp_terms(plan: Plan, seqlens: np.ndarray,
     """Padded tokens (int64 [N]) and each CP rank's attention work (int64 [N, cp]) of the
     rows ``offsets[i]:offsets[i+1]`` of ``seqlens``, for the plan's CP group."""
     assert plan.cp_size is not None and plan.cp_mode is not None
-    _, padded, work = _core.cp_streams(
+    padded, work = _core.cp_streams(
         np.ascontiguousarray(seqlens, dtype=np.int32), np.ascontiguousarray(offsets, np.int64),
         plan.cp_size, plan.cp_mode, plan.pad_multiple or 1)
+    assert work is not None
     return padded, work.astype(np.int64).reshape(len(padded), plan.cp_size)
 
 

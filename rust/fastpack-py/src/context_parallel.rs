@@ -117,14 +117,14 @@ pub fn cp_rank_attention<'py>(
     Ok(d)
 }
 
-type Streams<'py> =
-    (Bound<'py, PyArray1<i32>>, Bound<'py, PyArray1<i64>>, Bound<'py, PyArray1<u64>>);
+type Streams<'py> = (Bound<'py, PyArray1<i64>>, Option<Bound<'py, PyArray1<u64>>>);
 
-/// `cp_streams(seqlens, offsets, cp_size, mode, pad_multiple)`: `(seqlens_padded,
-/// padded_tokens, work)` of every stream `offsets[i]:offsets[i+1]` of `seqlens`; `work` is
-/// row-major [P * cp].
+/// `cp_streams(seqlens, offsets, cp_size, mode, pad_multiple, threads=None, work=True)`:
+/// `(padded_tokens, work)` of every stream `offsets[i]:offsets[i+1]` of `seqlens`; `work`
+/// is row-major [P * cp], or None with `work=False` (only the padded tokens computed).
 #[pyfunction]
-#[pyo3(signature = (seqlens, offsets, cp_size, mode, pad_multiple, threads=None))]
+#[pyo3(signature = (seqlens, offsets, cp_size, mode, pad_multiple, threads=None, work=true))]
+#[allow(clippy::too_many_arguments)]
 pub fn cp_streams<'py>(
     py: Python<'py>,
     seqlens: PyReadonlyArray1<'py, i32>,
@@ -133,16 +133,13 @@ pub fn cp_streams<'py>(
     mode: &str,
     pad_multiple: u64,
     threads: Option<usize>,
+    work: bool,
 ) -> PyResult<Streams<'py>> {
     let spec = spec(cp_size, mode, pad_multiple)?;
     let (s, o) = (contiguous("seqlens", &seqlens)?, contiguous("offsets", &offsets)?);
     let out = py
-        .detach(|| pool::install(threads, || guarded(|| core::streams_layout(s, o, spec))))
+        .detach(|| pool::install(threads, || guarded(|| core::streams_layout(s, o, spec, work))))
         .map_err(to_py)?
         .map_err(to_py)?;
-    Ok((
-        out.seqlens_padded.into_pyarray(py),
-        out.padded_tokens.into_pyarray(py),
-        out.work.into_pyarray(py),
-    ))
+    Ok((out.padded_tokens.into_pyarray(py), work.then(|| out.work.into_pyarray(py))))
 }
