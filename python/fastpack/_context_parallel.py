@@ -271,33 +271,36 @@ def pack_for_context_parallel(lengths: np.ndarray, options: PackOptions,
     d = cp_divisor(o.cp_size, o.cp_mode, o.pad_multiple)
     cap = o.max_len // d * d
     long_cap = None if o.long_max_len is None else o.long_max_len // d * d
-    real = lengths.astype(np.int64, copy=False)
-    extended = np.where(real > 0, real + o.reserve, 0)
     top = cap if long_cap is None else long_cap
-    over = extended > top
-    if over.any() and o.overlong == "error" and o.strategy != "wrapped":
-        i = int(np.argmax(over))
+    if lengths.dtype not in (np.int32, np.int64):
+        lengths = lengths.astype(np.int64)
+    # One pass in the core: the padded lengths zigzag plans on, and the overlong ones.
+    planned, over, first, over_tokens, over_excess = _core.cp_plan_lengths(
+        lengths, o.cp_size, o.cp_mode, o.pad_multiple, o.reserve, top, threads)
+    if over and o.overlong == "error" and o.strategy != "wrapped":
+        assert first is not None
         what = "every sequence" if o.cp_mode == "zigzag" else "every pack"
         raise FastpackError(
-            f"lengths: {int(over.sum())} sequence(s) longer than {top} tokens (first at index "
-            f"{i}, length {int(real[i])}{f' + reserve {o.reserve}' if o.reserve else ''}): "
+            f"lengths: {over} sequence(s) longer than {top} tokens (first at index "
+            f"{first}, length {int(lengths[first])}"
+            f"{f' + reserve {o.reserve}' if o.reserve else ''}): "
             f"{'long_max_len' if long_cap else 'max_len'} ({o.long_max_len or o.max_len}) "
             f"holds {top} once {what} is padded to a multiple of {d} (cp_size={o.cp_size}, "
             f"cp_mode={o.cp_mode!r}, pad_multiple={o.pad_multiple}); pass "
             f'overlong="truncate", "split" or "drop", or raise the cap'
         )
-    zigzag = o.cp_mode == "zigzag"
-    planned = np.where(real > 0, -(-extended // d) * d - o.reserve, 0) if zigzag else lengths
-    fields = _core.pack(np.ascontiguousarray(planned), cap, o.strategy, o.overlong, o.reserve,
-                        o.seed if o.shuffle else None, threads, None, long_cap, o.group_tokens)
+    zigzag = planned is not None
+    fields = _core.pack(planned if zigzag else lengths, cap, o.strategy, o.overlong,
+                        o.reserve, o.seed if o.shuffle else None, threads, None, long_cap,
+                        o.group_tokens)
     if zigzag:
-        kept = extended[fields["sample_ids"]] - fields["starts"]
-        fields["seqlens"] = np.minimum(fields["seqlens"], kept).astype(np.int32)
-        lost = over & (o.strategy != "wrapped")
-        if o.overlong == "drop":
-            fields["dropped_tokens"] = int(real[lost].sum())
-        elif o.overlong == "truncate":
-            fields["truncated_tokens"] = int((extended[lost] - top).sum())
+        _core.cp_real_seqlens(fields["seqlens"], fields["sample_ids"], fields["starts"],
+                              lengths, o.reserve, threads)
+        if o.strategy != "wrapped":  # wrapped never drops nor truncates
+            if o.overlong == "drop":
+                fields["dropped_tokens"] = over_tokens
+            elif o.overlong == "truncate":
+                fields["truncated_tokens"] = over_excess
     if fields.get("pack_caps") is not None:
         assert o.long_max_len is not None
         fields["pack_caps"] = np.where(fields["pack_caps"] == cap, o.max_len,

@@ -887,6 +887,166 @@ enum Failure {
     Overflow(u64),
 }
 
+/// What planning packs for a CP group needs from the real lengths of a plan's sequences
+/// (see [`plan_lengths`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PlannedLengths {
+    /// Zigzag: each sequence's length as the packer plans it, `roundup(len + reserve, d) −
+    /// reserve` (an empty one stays 0), so every piece of it starts at a multiple of `d`;
+    /// empty in the other modes (they pad a pack's end: a smaller cap plans for it).
+    pub planned: Vec<i64>,
+    /// Sequences whose length plus `reserve` exceeds the top cap.
+    pub overlong: u64,
+    /// The first of them.
+    pub first_overlong: Option<usize>,
+    /// Their real tokens.
+    pub overlong_tokens: u64,
+    /// Their tokens (with `reserve`) beyond the top cap.
+    pub overlong_excess: u64,
+}
+
+/// Lengths per parallel task of [`plan_lengths`] and [`real_seqlens`].
+const LENGTH_BLOCK: usize = if cfg!(any(test, miri)) { 5 } else { 1 << 16 };
+
+/// One pass over a plan's real lengths for a CP group: the lengths the packer plans on
+/// (zigzag) and the sequences longer than `top` (the largest cap, rounded down to the
+/// padding divisor) with `reserve`, in parallel; a negative length is refused as the
+/// packer refuses it.
+pub fn plan_lengths<L: Copy + Into<i64> + Sync>(
+    lengths: &[L],
+    spec: CpSpec,
+    reserve: u64,
+    top: u64,
+) -> Result<PlannedLengths> {
+    #[derive(Clone, Copy, Default)]
+    struct Scan {
+        negative: Option<(usize, i64)>,
+        overlong: u64,
+        first: Option<usize>,
+        tokens: u64,
+        excess: u64,
+    }
+    let scan = lengths
+        .par_chunks(LENGTH_BLOCK)
+        .enumerate()
+        .map(|(b, chunk)| {
+            let mut s = Scan::default();
+            for (i, &l) in chunk.iter().enumerate() {
+                let l: i64 = l.into();
+                if l < 0 {
+                    s.negative = s.negative.or(Some((b * LENGTH_BLOCK + i, l)));
+                } else if l > 0 && (l as u64).saturating_add(reserve) > top {
+                    s.overlong += 1;
+                    s.first = s.first.or(Some(b * LENGTH_BLOCK + i));
+                    s.tokens = s.tokens.saturating_add(l as u64);
+                    s.excess = s.excess.saturating_add(l as u64 + reserve - top);
+                }
+            }
+            s
+        })
+        // In order: the first negative and overlong of the leftmost block win.
+        .reduce(Scan::default, |a, b| Scan {
+            negative: a.negative.or(b.negative),
+            overlong: a.overlong + b.overlong,
+            first: a.first.or(b.first),
+            tokens: a.tokens.saturating_add(b.tokens),
+            excess: a.excess.saturating_add(b.excess),
+        });
+    if let Some((i, v)) = scan.negative {
+        return Err(Error::invalid(
+            "lengths",
+            format!("negative length {v} at index {i}; lengths must be non-negative integers"),
+        ));
+    }
+    let mut planned = Vec::new();
+    if spec.mode == CpMode::Zigzag {
+        let d = spec.divisor();
+        let (filled, _) = try_fill_blocks(
+            (lengths.len(), LENGTH_BLOCK),
+            (0, 0),
+            "the planned lengths",
+            |b, out, _: &mut crate::memory::Fill<'_, u8>| {
+                for &l in &lengths[b * LENGTH_BLOCK..b * LENGTH_BLOCK + out.capacity()] {
+                    let l: i64 = l.into();
+                    out.push(match l {
+                        0 => 0,
+                        // Lengths past 2^62 tokens saturate (no pack holds them anyway).
+                        _ => {
+                            let extended = (l as u64).saturating_add(reserve).min(1 << 62);
+                            (round_up(extended, d) - reserve.min(extended)) as i64
+                        }
+                    });
+                }
+                Ok::<(), ()>(())
+            },
+        )?
+        .map_err(|()| Error::invalid("fastpack", "internal error: planned lengths"))?;
+        planned = filled;
+    }
+    Ok(PlannedLengths {
+        planned,
+        overlong: scan.overlong,
+        first_overlong: scan.first,
+        overlong_tokens: scan.tokens,
+        overlong_excess: scan.excess,
+    })
+}
+
+/// A zigzag plan made on [`plan_lengths`]' lengths, mapped back to the real ones, in
+/// place: segment `k` (a piece of sequence `sample_ids[k]` from `starts[k]`, as the packer
+/// wrote it) keeps `min(seqlens[k], len + reserve − start)` tokens, the pad dropped. Every
+/// piece starts at a multiple of the divisor below its sequence's real end, so none is
+/// left empty.
+pub fn real_seqlens<L: Copy + Into<i64> + Sync>(
+    seqlens: &mut [i32],
+    sample_ids: &[i64],
+    starts: &[i64],
+    lengths: &[L],
+    reserve: u64,
+) -> Result<()> {
+    if sample_ids.len() != seqlens.len() || starts.len() != seqlens.len() {
+        return Err(Error::invalid(
+            "sample_ids",
+            format!(
+                "sample_ids and starts have {} and {} entries; seqlens has {}",
+                sample_ids.len(),
+                starts.len(),
+                seqlens.len()
+            ),
+        ));
+    }
+    let bad = seqlens
+        .par_chunks_mut(LENGTH_BLOCK)
+        .zip(sample_ids.par_chunks(LENGTH_BLOCK))
+        .zip(starts.par_chunks(LENGTH_BLOCK))
+        .enumerate()
+        .map(|(b, ((seqlens, ids), starts))| {
+            for (k, ((len, &id), &start)) in seqlens.iter_mut().zip(ids).zip(starts).enumerate() {
+                let Some(&real) = usize::try_from(id).ok().and_then(|i| lengths.get(i)) else {
+                    return Some(b * LENGTH_BLOCK + k);
+                };
+                let reserve = i64::try_from(reserve).unwrap_or(i64::MAX);
+                let kept = Into::<i64>::into(real).saturating_add(reserve).saturating_sub(start);
+                if kept <= 0 {
+                    return Some(b * LENGTH_BLOCK + k);
+                }
+                *len = (*len as i64).min(kept) as i32;
+            }
+            None
+        })
+        .reduce(|| None, |a, b| a.or(b));
+    match bad {
+        Some(k) => Err(Error::invalid(
+            "sample_ids",
+            format!(
+                "segment {k} (sample {}, from {}) is not a piece of lengths' sequences",
+                sample_ids[k], starts[k]
+            ),
+        )),
+        None => Ok(()),
+    }
+}
+
 fn check_offsets(offsets: &[i64], segments: usize) -> Result<()> {
     if offsets.first() != Some(&0) {
         return Err(Error::invalid("offsets", "must start at 0 (CSR offsets over the segments)"));
@@ -1171,6 +1331,61 @@ mod tests {
             }
         }
 
+        /// The CP planning pass is its definition, item by item, across blocks and
+        /// threads; a zigzag plan split into pieces at multiples of the divisor (as the
+        /// packer splits) maps back to pieces that hold exactly each sequence's real tokens
+        /// (with `reserve`), none empty.
+        #[test]
+        fn planned_lengths_map_back_to_the_real_ones(
+            lengths in prop::collection::vec(prop_oneof![0i64..3, 0i64..100], 0..30),
+            cp in 1u64..5,
+            pm in 1u64..4,
+            mode in modes(),
+            reserve in 0u64..3,
+            top in 1u64..120,
+            pieces in 1u64..4,
+        ) {
+            let s = spec(cp, mode, pm);
+            let d = s.divisor();
+            let got = crate::pool::install(Some(3), || plan_lengths(&lengths, s, reserve, top))
+                .unwrap()
+                .unwrap();
+            let ext = |l: i64| if l > 0 { l as u64 + reserve } else { 0 };
+            let over: Vec<usize> = (0..lengths.len()).filter(|&i| ext(lengths[i]) > top).collect();
+            prop_assert_eq!(got.overlong, over.len() as u64);
+            prop_assert_eq!(got.first_overlong, over.first().copied());
+            prop_assert_eq!(got.overlong_tokens, over.iter().map(|&i| lengths[i] as u64).sum::<u64>());
+            prop_assert_eq!(got.overlong_excess, over.iter().map(|&i| ext(lengths[i]) - top).sum::<u64>());
+            if mode != CpMode::Zigzag {
+                prop_assert!(got.planned.is_empty());
+                return Ok(());
+            }
+            let want: Vec<i64> = lengths
+                .iter()
+                .map(|&l| if l > 0 { (ext(l).div_ceil(d) * d - reserve) as i64 } else { 0 })
+                .collect();
+            prop_assert_eq!(&got.planned, &want);
+            let cap = (pieces * d) as i64;
+            let (mut seqlens, mut ids, mut starts) = (vec![], vec![], vec![]);
+            for (i, &p) in got.planned.iter().enumerate().filter(|(_, &p)| p > 0) {
+                let padded = p + reserve as i64;
+                for start in (0..padded).step_by(cap as usize) {
+                    seqlens.push((padded - start).min(cap) as i32);
+                    ids.push(i as i64);
+                    starts.push(start);
+                }
+            }
+            crate::pool::install(Some(2), || real_seqlens(&mut seqlens, &ids, &starts, &lengths, reserve))
+                .unwrap()
+                .unwrap();
+            prop_assert!(seqlens.iter().all(|&l| l > 0));
+            let mut held = vec![0u64; lengths.len()];
+            for (&l, &i) in seqlens.iter().zip(&ids) {
+                held[i as usize] += l as u64;
+            }
+            prop_assert_eq!(held, lengths.iter().map(|&l| ext(l)).collect::<Vec<_>>());
+        }
+
         /// The reciprocal divides exactly: every dividend and divisor below 2^32.
         #[test]
         fn divisor_divides_exactly(
@@ -1216,6 +1431,11 @@ mod tests {
         // 300 tokens over two slices of 150: tri(150) and tri(300) - tri(150).
         assert_eq!(work(&[300], spec(2, CpMode::Contiguous, 1)), (vec![300], vec![11325, 33825]));
         assert_eq!(work(&[], spec(1, CpMode::Zigzag, 1)), (vec![0], vec![0]));
+        let err = plan_lengths(&[3i64, 0, -2, -5], spec(2, CpMode::Zigzag, 1), 0, 8).unwrap_err();
+        assert!(err.to_string().starts_with("lengths: negative length -2 at index 2"), "{err}");
+        let mut seqlens = vec![4, 4];
+        let err = real_seqlens(&mut seqlens, &[0, 1], &[0, 0], &[4i64], 0).unwrap_err();
+        assert!(err.to_string().starts_with("sample_ids: segment 1 (sample 1, from 0)"), "{err}");
         let x = (1u64 << 32) - 1;
         for d in [1, 2, 3, (1 << 31) + 1, x] {
             assert_eq!(Reciprocal::new(d).div(x), x / d, "{d}");

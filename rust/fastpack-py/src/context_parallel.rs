@@ -4,7 +4,7 @@
 
 use fastpack_core::context_parallel::{self as core, CpMode, CpSpec, StreamLayout};
 use fastpack_core::{pool, Error};
-use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1};
+use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1, PyReadwriteArray1};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -142,4 +142,78 @@ pub fn cp_streams<'py>(
         .map_err(to_py)?
         .map_err(to_py)?;
     Ok((out.padded_tokens.into_pyarray(py), work.then(|| out.work.into_pyarray(py))))
+}
+
+/// Calls `$run` with `$lengths` as a slice of int32 or int64 (the dtypes `pack` passes).
+macro_rules! with_lengths {
+    ($lengths:expr, |$l:ident| $run:expr) => {{
+        if let Ok(array) = $lengths.extract::<PyReadonlyArray1<'_, i64>>() {
+            let $l = contiguous("lengths", &array)?;
+            $run
+        } else if let Ok(array) = $lengths.extract::<PyReadonlyArray1<'_, i32>>() {
+            let $l = contiguous("lengths", &array)?;
+            $run
+        } else {
+            Err(fastpack_error("lengths: expected a 1-D int32 or int64 numpy array"))
+        }
+    }};
+}
+
+type Planned<'py> = (Option<Bound<'py, PyArray1<i64>>>, u64, Option<usize>, u64, u64);
+
+/// `cp_plan_lengths(lengths, cp_size, mode, pad_multiple, reserve, top, threads=None)`:
+/// `(planned, overlong, first_overlong, overlong_tokens, overlong_excess)` (see
+/// `PlannedLengths`; `planned` is None outside zigzag).
+#[pyfunction]
+#[pyo3(signature = (lengths, cp_size, mode, pad_multiple, reserve, top, threads=None))]
+#[allow(clippy::too_many_arguments)]
+pub fn cp_plan_lengths<'py>(
+    py: Python<'py>,
+    lengths: &Bound<'py, PyAny>,
+    cp_size: u64,
+    mode: &str,
+    pad_multiple: u64,
+    reserve: u64,
+    top: u64,
+    threads: Option<usize>,
+) -> PyResult<Planned<'py>> {
+    let spec = spec(cp_size, mode, pad_multiple)?;
+    let out = with_lengths!(lengths, |l| py
+        .detach(|| pool::install(threads, || guarded(|| core::plan_lengths(l, spec, reserve, top))))
+        .map_err(to_py)?
+        .map_err(to_py))?;
+    let zigzag = spec.mode == CpMode::Zigzag;
+    Ok((
+        zigzag.then(|| out.planned.into_pyarray(py)),
+        out.overlong,
+        out.first_overlong,
+        out.overlong_tokens,
+        out.overlong_excess,
+    ))
+}
+
+/// `cp_real_seqlens(seqlens, sample_ids, starts, lengths, reserve, threads=None)`: a zigzag
+/// plan's `seqlens` (int32, written in place) mapped back from the planned lengths to the
+/// real ones (see `real_seqlens`).
+#[pyfunction]
+#[pyo3(signature = (seqlens, sample_ids, starts, lengths, reserve, threads=None))]
+pub fn cp_real_seqlens<'py>(
+    py: Python<'py>,
+    mut seqlens: PyReadwriteArray1<'py, i32>,
+    sample_ids: PyReadonlyArray1<'py, i64>,
+    starts: PyReadonlyArray1<'py, i64>,
+    lengths: &Bound<'py, PyAny>,
+    reserve: u64,
+    threads: Option<usize>,
+) -> PyResult<()> {
+    let (ids, st) = (contiguous("sample_ids", &sample_ids)?, contiguous("starts", &starts)?);
+    let out = seqlens
+        .as_slice_mut()
+        .map_err(|_| fastpack_error("seqlens: expected a contiguous array"))?;
+    with_lengths!(lengths, |l| py
+        .detach(|| {
+            pool::install(threads, || guarded(|| core::real_seqlens(out, ids, st, l, reserve)))
+        })
+        .map_err(to_py)?
+        .map_err(to_py))
 }
