@@ -37,6 +37,16 @@ Without CUDA (and without --cpu-smoke) it prints "skipped: no CUDA" and exits 0.
    d. with 2 or more GPUs: a real NCCL world of min(4, GPUs) ranks running
       ``context_parallel_attention`` with every kernel that runs (ring-flash-attn,
       flash-attn, SDPA) in every mode, against the fp32 reference.
+6. Tree batches (``share_prefix=True``, fastpack.torch.tree): GRPO-like rollouts (a long
+   prompt, responses crossing flex's 128-token blocks) and a branching chat from the
+   collator; ``tree_attention`` with flash-attn over the gathered paths (causal aligned
+   bottom-right) and compiled flex with the tree's BlockMask, against the per-segment
+   SDPA tree kernel computed in fp32 from the same bf16 inputs, out and dq/dk/dv, plain,
+   with a sliding window and with soft-capping; same tolerance rule as 1. Then a bf16
+   LlamaForCausalLM: every sample's logits from one tree batch through
+   ``register_hf_attention(kernel=...)`` against the sample alone in fp32 (the bf16 SDPA
+   run alone is the baseline), and the forward+backward time of the tree batch beside the
+   same rollouts packed whole.
 
 The sections are functions of (torch, attention module, config, device, dtype), so
 tests/test_attention.py runs this harness on the CPU with the CUDA kernels replaced by CPU
@@ -790,6 +800,161 @@ def check_context_parallel(
     return report
 
 
+# ------------------------------------------------------------------- 6. tree batches
+
+
+def load_tree_module() -> ModuleType:
+    from fastpack.torch import tree
+
+    return tree
+
+
+def tree_samples(cfg: dict[str, Any], seed: int = 0) -> list[list[dict[str, Any]]]:
+    """Two batches of samples: rollouts (``group`` per prompt) and a branching chat (a
+    trie), token ids from a fixed seed."""
+    import random
+
+    rng = random.Random(seed)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(1, cfg["model"]["vocab"]) for _ in range(n)]
+
+    rollouts = []
+    for g, (prompt, responses) in enumerate(cfg["tree_groups"]):
+        head = tokens(prompt)
+        rollouts += [{"input_ids": head + tokens(r), "group": g} for r in responses]
+    chat: list[dict[str, Any]] = []
+    system = tokens(cfg["tree_chat"][0])
+    for user in cfg["tree_chat"][1:]:
+        turn = system + tokens(user)
+        chat += [{"input_ids": turn + tokens(user // 2 + k)} for k in (1, 2)]
+        system = turn + tokens(3)
+    return [rollouts, chat]
+
+
+def run_tree(tm: ModuleType, qkv: Sequence[Any], grad_out: Any, layout: Any, positions: Any,
+             options: dict[str, Any], kernel: str, up: bool = False) -> list[Any]:
+    """tree_attention's output and dq, dk, dv with ``kernel`` (in fp32 when ``up``)."""
+    xs = [(t.float() if up else t).detach().clone().requires_grad_(True) for t in qkv]
+    out = tm.tree_attention(*xs, layout, kernel=kernel, positions=positions, **options)
+    out.backward(grad_out.float() if up else grad_out)
+    return [out, *(x.grad for x in xs)]
+
+
+def check_tree(
+    torch: Any, tm: ModuleType, cfg: dict[str, Any], device: Any, dtype: Any
+) -> list[dict[str, Any]]:
+    """tree_attention's CUDA kernels against its per-segment SDPA kernel in fp32."""
+    from fastpack.torch import PackedCollator
+
+    eps = torch.finfo(dtype).eps
+    kernels = tm.available_kernels(torch.empty(1, device=device, dtype=dtype))[:-1]
+    rows: list[dict[str, Any]] = []
+    for b, samples in enumerate(tree_samples(cfg)):
+        batch = PackedCollator(1 << 22, backend="flash", share_prefix=True)(samples)
+        total = int(batch["input_ids"].shape[1])
+        layout = tm.check_tree(batch["tree_cu_seqlens"], batch["tree_parents"], total,
+                               batch["position_ids"])
+        positions = batch["position_ids"][0].to(device)
+        hq, hkv = cfg["check_heads"][-1]
+        for options in ({}, {"sliding_window": cfg["check_window"]},
+                        {"softcap": cfg["check_softcap"]}):
+            gen = torch.Generator(device=device).manual_seed(b)
+            d = cfg["head_dim"]
+            q = torch.randn(total, hq, d, device=device, dtype=dtype, generator=gen)
+            k = torch.randn(total, hkv, d, device=device, dtype=dtype, generator=gen)
+            v = torch.randn(total, hkv, d, device=device, dtype=dtype, generator=gen)
+            grad_out = torch.randn(total, hq, d, device=device, dtype=dtype, generator=gen)
+
+            case = (tm, (q, k, v), grad_out, layout, positions, options)
+            ref = run_tree(*case, "sdpa", up=True)
+            baseline = [rel_err(x, r) for x, r in zip(run_tree(*case, "sdpa"), ref)]
+            for kernel in kernels:
+                row: dict[str, Any] = {"tree": ("rollouts", "chat")[b], "kernel": kernel,
+                                       "tokens": total, **options}
+                t0 = time.perf_counter()
+                try:
+                    errs = [rel_err(x, r) for x, r in zip(run_tree(*case, kernel), ref)]
+                except Exception as exc:
+                    row.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:500])
+                    rows.append(row)
+                    continue
+                tols = [max(2 * eps, 2 * x, cfg["tol_floor"]) for x in baseline]
+                row.update({f"err_{n}": e for n, e in zip(("out", "dq", "dk", "dv"), errs)})
+                row.update(baseline_out=baseline[0], ok=all(e <= t for e, t in zip(errs, tols)),
+                           seconds=round(time.perf_counter() - t0, 2))
+                rows.append(row)
+    return rows
+
+
+def bench_tree_model(
+    torch: Any, tm: ModuleType, cfg: dict[str, Any], device: Any, dtype: Any
+) -> dict[str, Any]:
+    """A bf16 Llama: each sample's logits from one tree batch against the sample alone in
+    fp32 (the bf16 SDPA run alone is the baseline), and the tree step beside the plain
+    packed step of the same rollouts."""
+    import transformers
+
+    from fastpack.torch import PackedCollator, packed_loss, per_sample, register_hf_attention
+
+    m = cfg["model"]
+    config = transformers.LlamaConfig(
+        vocab_size=m["vocab"], hidden_size=cfg["head_dim"] * cfg["check_heads"][-1][0],
+        intermediate_size=m["intermediate"], num_hidden_layers=m["layers"],
+        num_attention_heads=cfg["check_heads"][-1][0],
+        num_key_value_heads=cfg["check_heads"][-1][1], max_position_embeddings=1 << 16,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(device)
+    rollouts = tree_samples(cfg)[0]
+    tree = PackedCollator(1 << 22, backend="flash", share_prefix=True)(rollouts)
+    plain = PackedCollator(1 << 22, backend="flash")(
+        [{"input_ids": s["input_ids"]} for s in rollouts])
+    # The tree's BlockMask stays behind: fastpack's attention reads the tree itself.
+    on = {name: {k: (v.to(device) if isinstance(v, torch.Tensor) else v)
+                 for k, v in b.items() if k != "attention_mask"}
+          for name, b in (("tree", tree), ("plain", plain))}
+    truth, alone = [], []
+    with torch.no_grad():
+        model.float()
+        set_attn(model, "sdpa")
+        for s in rollouts:
+            truth.append(model(input_ids=torch.tensor([s["input_ids"]], device=device))
+                         .logits[0].float())
+        model.to(dtype)
+        for s in rollouts:
+            alone.append(model(input_ids=torch.tensor([s["input_ids"]], device=device))
+                         .logits[0].float())
+    baseline = max(rel_err(a, t) for a, t in zip(alone, truth))
+    rows = []
+    for kernel in tm.available_kernels(torch.empty(1, device=device, dtype=dtype)):
+        set_attn(model, register_hf_attention(f"fastpack_tree_{kernel}", kernel=kernel))
+        row: dict[str, Any] = {"kernel": kernel}
+        try:
+            with torch.no_grad():
+                logits = per_sample(model(**on["tree"]).logits.float(), on["tree"])
+            err = max(rel_err(x, t) for x, t in zip(logits, truth))
+            row.update(err_logits=err, baseline=baseline,
+                       ok=err <= max(2 * baseline, cfg["tol_floor"]))
+
+            def step(name: str) -> None:
+                batch = on[name]
+                inputs = {k: v for k, v in batch.items() if k != "labels"}
+                packed_loss(model(**inputs).logits, batch).backward()
+                model.zero_grad(set_to_none=True)
+
+            for name in ("tree", "plain"):
+                row[f"{name}_ms"] = round(timed(
+                    torch, lambda n=name: step(n), device, cfg["iters"], cfg["warmup"]), 2)
+            row["tokens"] = {"tree": int(tree["input_ids"].shape[1]),
+                             "plain": int(plain["input_ids"].shape[1])}
+        except Exception as exc:
+            row.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:500])
+        rows.append(row)
+    return {"rows": rows, "samples": len(rollouts)}
+
+
 def doc_lengths(n: int, max_len: int, seed: int) -> list[int]:
     """Deterministic heavy-tailed document lengths in [1, max_len] (log-uniform)."""
     import random
@@ -821,6 +986,9 @@ def make_config(cpu_smoke: bool) -> dict[str, Any]:
             "iters": 2,
             "warmup": 1,
             "model": {"layers": 2, "intermediate": 128, "vocab": 512, "sliding_window": 8},
+            # (prompt, responses) per group; a chat: system prompt, then user turns
+            "tree_groups": [(30, [5, 1, 12]), (7, [3, 9])],
+            "tree_chat": [12, 6, 4],
         }
     return {
         "head_dim": 128,
@@ -841,6 +1009,10 @@ def make_config(cpu_smoke: bool) -> dict[str, Any]:
         "iters": 5,
         "warmup": 2,
         "model": {"layers": 8, "intermediate": 5632, "vocab": 16384, "sliding_window": 1024},
+        # GRPO-like: a prompt of 1,500 tokens, 8 responses across flex's 128 blocks; a
+        # prompt of 200 with 4; a chat of 5 turns
+        "tree_groups": [(1500, [20, 127, 128, 129, 300, 640, 1000, 1]), (200, [50, 90, 7, 400])],
+        "tree_chat": [600, 120, 80, 200, 40],
     }
 
 
@@ -903,9 +1075,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         sections.append(("model_bench", lambda: bench_model(torch, am, cfg, device, dtype)))
     sections.append(("context_parallel",
                      lambda: check_context_parallel(torch, am, cfg, device, dtype)))
+    tm = load_tree_module()
+    sections.append(("tree_correctness", lambda: check_tree(torch, tm, cfg, device, dtype)))
+    if not args.skip_model:
+        sections.append(("tree_model", lambda: bench_tree_model(torch, tm, cfg, device, dtype)))
 
     for name, fn in sections:
-        if name != "correctness" and elapsed() > TIME_BUDGET_S:
+        if name not in ("correctness", "tree_correctness") and elapsed() > TIME_BUDGET_S:
             report[name] = {"skipped": f"time budget ({TIME_BUDGET_S:.0f} s) spent"}
             continue
         t0 = time.perf_counter()
@@ -980,6 +1156,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             print("  ", cpr)
             ok = False
+    for key in ("tree_correctness", "tree_model"):
+        section = report.get(key)
+        rows = section if isinstance(section, list) else (section or {}).get("rows")
+        print(f"\n{key}")
+        if not isinstance(rows, list):
+            print("  ", section)
+            ok = ok and key == "tree_model" and "skipped" in (section or {})
+            continue
+        for r in rows:
+            print(f"  {'ok  ' if r.get('ok') else 'FAIL'}", r)
+            ok = ok and bool(r.get("ok"))
     report["all_ok"] = ok
     report["elapsed_s"] = round(elapsed(), 1)
     print(f"\n{'ALL OK' if ok else 'SOME CHECKS FAILED'} in {report['elapsed_s']} s")

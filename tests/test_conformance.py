@@ -48,6 +48,7 @@ IMPLS = ("fastpack", "sdpa", "eager", "flex_attention")
 #: Batch formats, by the PackedCollator options that make them. backend="eager" and
 #: "flex" with mask="position_ids" make the very batch backend="sdpa" makes ("rows";
 #: test_rows_formats_are_one_format checks it).
+#: Tree batches (``share_prefix=True``) are their own rows: test_tree_cell below.
 FORMATS: dict[str, dict[str, Any]] = {
     "flash": {"backend": "flash"},
     "rows": {"backend": "sdpa"},
@@ -352,3 +353,72 @@ def test_context_parallel_attention_refuses_unsharded_formats(fmt: str) -> None:
                 m(**batch)
     finally:
         m.set_attn_implementation("eager")
+
+
+# ----------------------------------------------------------------------- tree batches
+
+#: Rollouts of one prompt (a group) and a branching chat (a trie): a tree batch
+#: (share_prefix=True) shares their prefixes. Paths are longer than WINDOW, so the window
+#: bites inside them.
+TREE_SAMPLES = [
+    {"input_ids": [1, 2, 3, 4, 5, 6, 7, 8, 9], "group": 0},
+    {"input_ids": [1, 2, 3, 4, 5, 6, 10, 11], "group": 0},
+    {"input_ids": [1, 2, 3, 4, 5, 6, 12, 13, 14, 15, 16], "group": 0},
+    {"input_ids": [20, 21, 22], "group": 1},
+]
+TREE_CHATS = [[30, 31, 32, 33, 34], [30, 31, 32, 33, 34, 35, 36, 37], [30, 31, 32, 38, 39]]
+_TREE_REFERENCE: dict[tuple[str, str], list[torch.Tensor]] = {}
+
+
+def tree_batches() -> list[tuple[list[list[int]], dict[str, Any]]]:
+    out = []
+    for samples in (TREE_SAMPLES, [{"input_ids": c} for c in TREE_CHATS]):
+        batch = PackedCollator(max_len=MAX_LEN, backend="flash", share_prefix=True)(samples)
+        out.append(([s["input_ids"] for s in samples], batch))
+    return out
+
+
+def expected_tree(impl: str, family: str) -> str:
+    if impl == "fastpack":
+        return "equal"  # windows and soft-capping honoured, per segment over its path
+    if impl == "flex_attention" and family == "llama":
+        return "equal"  # the batch's BlockMask is the tree; no window to drop
+    return "raises"
+
+
+TREE_CELLS = [pytest.param(impl, family, dtype, id=f"{impl}-tree-{family}-{dtype}")
+              for impl in IMPLS for family in MODELS for dtype in DTYPES]
+
+
+@pytest.mark.parametrize(("impl", "family", "dtype"), TREE_CELLS)
+def test_tree_cell(impl: str, family: str, dtype: str) -> None:
+    from fastpack.torch import per_sample
+
+    m = model(family, dtype)
+    if (family, dtype) not in _TREE_REFERENCE:
+        with torch.no_grad():
+            _TREE_REFERENCE[family, dtype] = [
+                m(input_ids=torch.tensor([s])).logits[0]
+                for rows, _ in tree_batches() for s in rows
+            ]
+    got: list[torch.Tensor] = []
+    try:
+        for _, batch in tree_batches():
+            if expected_tree(impl, family) == "raises":
+                # A FastpackError from check_model_batch, or Hugging Face's own refusal.
+                with pytest.raises(ValueError):
+                    set_impl(m, impl)
+                    check_model_batch(m, batch)
+                continue
+            set_impl(m, impl)
+            check_model_batch(m, batch)
+            with torch.no_grad():
+                got += per_sample(m(**batch).logits, batch)
+    finally:
+        m.set_attn_implementation("eager")
+    if expected_tree(impl, family) == "raises":
+        return
+    assert len(got) == len(_TREE_REFERENCE[family, dtype])
+    for packed, alone in zip(got, _TREE_REFERENCE[family, dtype]):
+        diff = (packed - alone).abs().max().item()
+        assert diff <= ATOL, f"|Δlogit| {diff:.3g}"

@@ -707,8 +707,172 @@ def _context_parallel_torch_rows() -> list[Row]:
     ]
 
 
+def _tree_rows() -> list[Row]:
+    """Shared prefixes (``share_prefix=True``, ``fastpack.pack_trees``): what cannot be
+    expressed as a tree, preference pairs that are not pairs, trees that must not split."""
+    try:
+        import torch
+    except ImportError:
+        return []
+    from fastpack.torch import (
+        PackedCollator,
+        PackedDataset,
+        PackedIterableDataset,
+        per_sample,
+        token_logprobs,
+    )
+    from fastpack.torch.tree import check_tree, tree_attention
+
+    rows = [[1, 2, 3, 4], [1, 2, 5]]
+    tree_plan = fastpack.pack_trees(rows, 8)
+
+    def tree_collate(*features: Any, **kwargs: Any) -> Callable[[], Any]:
+        return lambda: PackedCollator(**{"max_len": 16, "backend": "flash",
+                                         "share_prefix": True, **kwargs})(list(features))
+
+    def tree_collator(**kwargs: Any) -> Callable[[], Any]:
+        return lambda: PackedCollator(**{"max_len": 16, "share_prefix": True, **kwargs})
+
+    batch = PackedCollator(16, backend="flash", share_prefix=True)(
+        [{"input_ids": r, "group": 0} for r in rows])
+    try:
+        import datasets
+
+        from fastpack.hf import pack_dataset
+
+        hf_rows = [Row("share-prefix-not-for-pack-dataset",
+                       lambda: pack_dataset(datasets.Dataset.from_dict({"input_ids": rows}), 8,
+                                            share_prefix=True), E,
+                       r"^share_prefix: got True; its rows are packs of whole sequences, which "
+                       r"cannot hold trees")]
+    except ImportError:
+        hf_rows = []
+    logits = torch.zeros(1, batch["input_ids"].shape[1], 8)
+    q = torch.zeros(5, 2, 4)
+    layout = check_tree(batch["tree_cu_seqlens"], batch["tree_parents"], 5)
+    return [
+        Row("share-prefix-sdpa", tree_collator(backend="sdpa"), E,
+            r"^share_prefix: backend='sdpa' cannot express a tree .* use backend='flash' with "
+            r"attn_implementation=register_hf_attention\(\), or backend='flex'"),
+        Row("share-prefix-eager", tree_collator(backend="eager"), E,
+            r"^share_prefix: backend='eager' cannot express a tree"),
+        Row("share-prefix-padded", tree_collator(backend="padded"), E,
+            r"^share_prefix: backend='padded' cannot express a tree"),
+        Row("share-prefix-not-bool", tree_collator(backend="flash", share_prefix=1), T,
+            r"^share_prefix: expected a bool, got int 1"),
+        Row("share-prefix-separator", tree_collator(backend="flash", separator_id=2), E,
+            r"^share_prefix: True does not take reserve=1 \(slots after every sample, as a "
+            r"separator_id reserves: a tree's samples end inside it; put the separator in the "
+            r"samples' tokens\)"),
+        Row("share-prefix-numpy", tree_collator(backend="flash", return_tensors="np"), E,
+            r"^return_tensors: 'np' does not apply with share_prefix=True .* expected 'pt'"),
+        Row("share-prefix-seq-idx", tree_collator(backend="flash", return_seq_idx=True), E,
+            r"^return_seq_idx: True does not apply with share_prefix=True"),
+        Row("share-prefix-split", tree_collator(backend="flash", overlong="split"), E,
+            r"^share_prefix: True does not take overlong='split' \(a piece of a sample could "
+            r"not attend to the pieces before it; use 'error', 'truncate' or 'drop'\)"),
+        Row("share-prefix-wrapped", tree_collator(backend="flex", strategy="wrapped"), E,
+            r"^share_prefix: True does not take strategy='wrapped' \(it cuts every max_len "
+            r"tokens, through trees"),
+        Row("share-prefix-not-for-pack", lambda: fastpack.pack([3, 2], 8, share_prefix=True),
+            E, r"^share_prefix: got True; trees are found from the samples' tokens, and pack\(\) "
+               r"plans lengths; use fastpack\.pack_trees"),
+        Row("share-prefix-collator-plan",
+            lambda: PackedCollator(8, backend="flash", share_prefix=True).plan([3, 2]), E,
+            r"^share_prefix: True plans the samples' tokens, not their lengths"),
+        Row("share-prefix-group-on-some", tree_collate({"input_ids": [1, 2], "group": 0},
+                                                       {"input_ids": [1, 3]}), E,
+            r"^features: sample 1 has no 'group' \(1 of 2 samples lack it\)"),
+        Row("share-prefix-group-unhashable", tree_collate({"input_ids": [1, 2], "group": [0]}), T,
+            r"^groups: sample 0 has the unhashable group value \[0\]"),
+        Row("share-prefix-overlong", tree_collate({"input_ids": list(range(1, 20))}), E,
+            r"^lengths: 1 sequence\(s\) longer than 16 tokens \(first at index 0, length 19\)"),
+        Row("pair-prompts-differ", tree_collate({"chosen": [1, 2, 3], "rejected": [4, 5]}), E,
+            r"^features: pair 0: 'chosen' and 'rejected' share no prefix, so their prompts "
+            r"differ; give each pair's prompt under 'prompt'"),
+        Row("pair-empty-completion", tree_collate({"prompt_ids": [1, 2], "chosen_ids": [],
+                                                   "rejected_ids": [3]}), E,
+            r"^features: pair 0: the 'chosen_ids' completion is empty \(after a prompt of 2 "
+            r"tokens\)"),
+        Row("pair-missing-rejected", tree_collate({"prompt_ids": [1], "chosen_ids": [2]}), E,
+            r"^features: pair 0 has no 'rejected_ids'; expected every sample to be a pair"),
+        Row("pair-and-input-ids", tree_collate({"chosen": [1, 2], "rejected": [1, 3],
+                                                "input_ids": [1]}), E,
+            r"^features: pair 0 has 'input_ids' beside 'chosen' / 'rejected'"),
+        Row("pair-too-big-for-a-pack", tree_collate({"prompt_ids": list(range(1, 10)),
+                                                     "chosen_ids": [20] * 5,
+                                                     "rejected_ids": [30] * 5}), E,
+            r"^max_len: samples 0, 1 share a prefix of 9 tokens and hold 19 tokens together, "
+            r"more than max_len \(16\); they must stay in one pack"),
+        Row("pair-ids-not-ints", tree_collate({"chosen": [1.5], "rejected": [1, 2]}), T,
+            r"^features: pair 0 'chosen': expected token ids"),
+        Row("trees-groups-count", lambda: fastpack.pack_trees(rows, 8, groups=[0]), E,
+            r"^groups: got 1 values for 2 samples; expected one per sample"),
+        Row("trees-wrapped", lambda: fastpack.pack_trees(rows, 8, strategy="wrapped"), E,
+            r"^share_prefix: True does not take strategy='wrapped'"),
+        Row("trees-split", lambda: fastpack.pack_trees(rows, 8, overlong="split"), E,
+            r"^share_prefix: True does not take overlong='split'"),
+        Row("trees-materialize", lambda: fastpack.materialize(tree_plan, rows), E,
+            r"^plan: a plan of shared-prefix trees has no per-token labels"),
+        Row("trees-gather", lambda: fastpack.gather(tree_plan, {}), E,
+            r"^plan: a plan of shared-prefix trees cannot be gathered"),
+        Row("trees-rows-of-a-plain-plan", lambda: fastpack.tree_rows(fastpack.pack([4, 3], 8),
+                                                                     rows), E,
+            r"^plan: not a plan of shared-prefix trees \(no parents\); make it with "
+            r"fastpack\.pack_trees"),
+        Row("trees-other-data", lambda: fastpack.tree_rows(tree_plan, [[1, 2, 3, 4], [1, 9, 5]]),
+            E, r"^plan: sample 1 differs from segment \d+ \(sample 0, positions 0\.\.2\) that its "
+               r"path shares; was the plan made from this data\?"),
+        Row("dataset-groups-without-share-prefix",
+            lambda: PackedDataset(rows, PackedCollator(8), groups=[0, 0]), E,
+            r"^groups: apply with a collator made with share_prefix=True"),
+        Row("dataset-trees-long-max-len",
+            lambda: PackedDataset(rows, PackedCollator(8, backend="flash", share_prefix=True),
+                                  long_max_len=16), E,
+            r"^share_prefix: True does not take long_max_len=16 \(a tree larger than max_len "
+            r"is split, its prefix repeated; raise max_len instead\)"),
+        Row("dataset-tree-plan-plain-collator",
+            lambda: PackedDataset(rows, PackedCollator(8), plan=tree_plan), E,
+            r"^share_prefix: got False, but the given plan was made with True"),
+        Row("stream-share-prefix",
+            lambda: PackedIterableDataset(
+                [{"input_ids": [1, 2]}], PackedCollator(8, backend="flash", share_prefix=True)),
+            E, r"^share_prefix: got True; a stream is packed a window at a time"),
+        Row("per-sample-no-samples", lambda: per_sample(logits, {"input_ids": batch["input_ids"]}),
+            E, r"^batch: no 'sample_tokens'; per_sample and token_logprobs read the samples"),
+        Row("per-sample-shape", lambda: per_sample(torch.zeros(3, 2), batch), E,
+            r"^values: shape \(3, 2\) does not match the batch's tokens \(1, 5\)"),
+        Row("per-sample-of", lambda: per_sample(logits, batch, of="rows"), E,
+            r"^of: unknown value 'rows'; expected 'tokens' or 'targets'"),
+        Row("per-sample-targets-count", lambda: per_sample(torch.zeros(2), batch, of="targets"),
+            E, r"^values: shape \(2,\); expected one value per target of the batch \(5\)"),
+        Row("token-logprobs-not-float", lambda: token_logprobs(torch.zeros(1, 5, 8,
+                                                                           dtype=torch.int64),
+                                                               batch), T,
+            r"^logits: expected a floating-point torch\.Tensor"),
+        Row("tree-kernel-varlen", lambda: tree_attention(q, q, q, layout, kernel="varlen"), E,
+            r"^kernel: 'varlen' cannot compute a tree batch; expected one of 'auto', 'flash', "
+            r"'flex', 'sdpa'"),
+        Row("tree-kernel-flash-cpu", lambda: tree_attention(q, q, q, layout, kernel="flash"), E,
+            r"^kernel='flash' is not available: it needs CUDA tensors, got device 'cpu'"),
+        Row("tree-parent-later", lambda: check_tree([0, 2, 5], [1, -1], 5), E,
+            r"^tree_parents: segment 0 has parent 1; expected -1 or an earlier segment"),
+        Row("tree-not-preorder", lambda: check_tree([0, 1, 2, 3, 4], [-1, 0, -1, 0], 4), E,
+            r"^tree_parents: segment 3's parent 0 is not the segment before it or one of its "
+            r"ancestors; a tree's segments must be in preorder"),
+        Row("tree-bounds", lambda: check_tree([0, 2, 4], [-1, 0], 5), E,
+            r"^tree_cu_seqlens: expected bounds rising from 0 to the row's 5 tokens"),
+        Row("tree-positions-restart", lambda: check_tree([0, 2, 4], [-1, 0], 4, [0, 1, 0, 1]),
+            E, r"^position_ids: segment 1 starts at position 0; expected 2 \(continuing its "
+               r"parent 0\)"),
+        Row("tree-positions-jump", lambda: check_tree([0, 4], [-1], 4, [0, 1, 3, 4]), E,
+            r"^position_ids: position 3 at row position 2 does not follow 1 inside its segment"),
+        *hf_rows,
+    ]
+
+
 ROWS = (PACK + PLAN + MATERIALIZE + RAGGED + CONTEXT_PARALLEL + _datasets_rows() + _torch_rows()
-        + _context_parallel_torch_rows())
+        + _context_parallel_torch_rows() + _tree_rows())
 
 
 def _param(row: Row) -> Any:

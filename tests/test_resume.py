@@ -75,11 +75,26 @@ def lengths() -> np.ndarray:
 CP, CP_MODE = 2, "zigzag"
 
 
-def make_dataset(seed: int = 0, cp: bool = False) -> PackedDataset:
+def make_dataset(seed: int = 0, cp: bool = False, tree: bool = False) -> PackedDataset:
+    if tree:
+        return make_tree_dataset(seed)
     rows = [np.full(int(n), i + 1, dtype=np.int64) for i, n in enumerate(lengths())]
     collator = PackedCollator(max_len=MAX_LEN, backend="flash", overlong="split",
                               cp_size=CP if cp else None)
     return PackedDataset(rows, collator, group_tokens=2 * MAX_LEN, seed=seed)
+
+
+def make_tree_dataset(seed: int = 0) -> PackedDataset:
+    """RL rollouts: 15 prompts, 4 responses each, one tree per prompt (share_prefix)."""
+    rng = np.random.default_rng(1)
+    rows, groups = [], []
+    for g in range(15):
+        prompt = rng.integers(1, 64, int(rng.integers(4, 16)))
+        for _ in range(4):
+            rows.append(np.concatenate([prompt, rng.integers(1, 64, int(rng.integers(1, 6)))]))
+            groups.append(g)
+    collator = PackedCollator(max_len=MAX_LEN, backend="flash", share_prefix=True)
+    return PackedDataset(rows, collator, groups=groups, group_tokens=MAX_LEN, seed=seed)
 
 
 def make_sampler(ds: PackedDataset, ranks: int, rank: int) -> PackedSampler:
@@ -88,7 +103,10 @@ def make_sampler(ds: PackedDataset, ranks: int, rank: int) -> PackedSampler:
 
 
 def decode(batch: dict[str, Any]) -> tuple[int, ...]:
-    """The sample of each sequence of a flash-format batch."""
+    """The sample of each sequence of a flash-format batch (of a tree batch: its samples,
+    which it lists)."""
+    if "tree_parents" in batch:
+        return tuple(batch["sample_ids"].tolist())
     ids = batch["input_ids"].reshape(-1)
     starts = batch["cu_seq_lens_q"][:-1].long()
     return tuple((ids[starts] - 1).tolist())
@@ -115,9 +133,9 @@ def reassemble(shards: list[Any]) -> tuple[int, ...]:
     return tuple((row[list(cu[:-1])] - 1).tolist())
 
 
-def reference(ranks: int, rank: int, cp: bool = False) -> Run:
+def reference(ranks: int, rank: int, cp: bool = False, tree: bool = False) -> Run:
     """The uninterrupted run: the sampler's steps, read by ``samples()``."""
-    ds = make_dataset(cp=cp)
+    ds = make_dataset(cp=cp, tree=tree)
     sampler = make_sampler(ds, ranks, rank)
     out: Run = []
     for epoch in range(EPOCHS):
@@ -132,9 +150,11 @@ def stop_at(point: str, per_epoch: int) -> int:
             "between": per_epoch}[point]
 
 
-def check_every_piece_once(runs: list[Run], cp: bool = False) -> None:
-    """Over the ranks, each epoch holds every segment of the plan once."""
-    want = Counter(make_dataset(cp=cp).plan.sample_ids.tolist())
+def check_every_piece_once(runs: list[Run], cp: bool = False, tree: bool = False) -> None:
+    """Over the ranks, each epoch holds every segment of the plan once (every sample of a
+    plan of trees)."""
+    plan = make_dataset(cp=cp, tree=tree).plan
+    want = Counter((plan.path_sample_ids if tree else plan.sample_ids).tolist())
     for epoch in range(EPOCHS):
         got = Counter(i for run in runs for e, ids in run if e == epoch for i in ids)
         assert got == want, epoch
@@ -154,11 +174,12 @@ def test_the_data_has_a_split_sample_and_a_cut_remainder() -> None:
 # ------------------------------------------------------------------ plain DataLoader
 def plain(ranks: int, rank: int, workers: int, persistent: bool, stop: int | None,
           state: dict[str, Any] | None = None,
-          cp_rank: int | None = None) -> tuple[Run, dict[str, Any] | None]:
+          cp_rank: int | None = None, tree: bool = False
+          ) -> tuple[Run, dict[str, Any] | None]:
     """A training loop over a plain DataLoader, interrupted after ``stop`` micro-steps:
     the state is ``sampler.state_dict(consumed=k)``, ``k`` the batches this epoch's loop
     took (what ``enumerate`` counts). ``cp_rank``: a rank of the dp × cp mesh."""
-    ds = make_dataset(cp=cp_rank is not None)
+    ds = make_dataset(cp=cp_rank is not None, tree=tree)
     sampler = make_sampler(ds, ranks, rank)
     if state is not None:
         sampler.load_state_dict(pickle.loads(pickle.dumps(state)))
@@ -270,11 +291,12 @@ def test_a_state_between_epochs_with_either_loop(order: str, convention: str) ->
 # ------------------------------------------------------------------ StatefulDataLoader
 def stateful(ranks: int, rank: int, workers: int, stop: int | None,
              state: dict[str, Any] | None = None,
-             cp_rank: int | None = None) -> tuple[Run, dict[str, Any] | None]:
+             cp_rank: int | None = None, tree: bool = False
+             ) -> tuple[Run, dict[str, Any] | None]:
     """A loop over a StatefulDataLoader: the checkpoint is ``loader.state_dict()`` and the
     loop's own epoch counter (the next epoch once an epoch has ended)."""
     sdl = pytest.importorskip("torchdata.stateful_dataloader")
-    ds = make_dataset(cp=cp_rank is not None)
+    ds = make_dataset(cp=cp_rank is not None, tree=tree)
     sampler = make_sampler(ds, ranks, rank)
     loader = sdl.StatefulDataLoader(ds, batch_size=None, sampler=sampler,
                                     num_workers=workers,
@@ -364,6 +386,37 @@ def test_the_mesh_plan_is_made_for_context_parallelism() -> None:
     for p in range(ds.plan.num_packs):  # every pack fits MAX_LEN once padded
         assert fastpack.cp_layout(ds.plan.cu_seqlens(p), CP).padded_total <= MAX_LEN
     assert ds.steps.cp_work is not None and ds.steps.cp_work.shape == (len(ds), CP)
+
+
+# ------------------------------------------------------------------ trees
+def test_the_tree_data_cuts_a_step_between_trees() -> None:
+    ds = make_dataset(tree=True)
+    assert ds.plan.parents is not None and len(ds) % 2 == 1
+    cut = make_sampler(ds, 2, 0).schedule(0)
+    assert not cut.whole.all()  # 2 ranks cut the remainder, between trees only
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.parametrize("point", POINTS)
+@pytest.mark.parametrize("loader", ["plain-0", "plain-2", "stateful-0"])
+def test_tree_dataset(loader: str, point: str, ranks: int) -> None:
+    """A PackedDataset of shared-prefix trees (share_prefix=True) resumes exactly too: the
+    steps' samples before plus after equal the uninterrupted run, every sample once."""
+    kind, workers = loader.split("-")
+    runs = []
+    for rank in range(ranks):
+        want = reference(ranks, rank, tree=True)
+        stop = stop_at(point, len(want) // EPOCHS)
+        if kind == "plain":
+            head, state = plain(ranks, rank, int(workers), False, stop, tree=True)
+            tail, _ = plain(ranks, rank, int(workers), False, None, state, tree=True)
+        else:
+            head, state = stateful(ranks, rank, int(workers), stop, tree=True)
+            tail, _ = stateful(ranks, rank, int(workers), None, state, tree=True)
+        assert state is not None and len(head) == stop
+        assert head + tail == want
+        runs.append(head + tail)
+    check_every_piece_once(runs, tree=True)
 
 
 # ------------------------------------------------------------------ another plan

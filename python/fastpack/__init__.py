@@ -20,6 +20,7 @@ from ._materialize import IGNORE_INDEX, Ragged, as_ragged, loss_mask_from_spans,
 from ._options import PackOptions
 from ._plan import OVERLONG_POLICIES, STRATEGIES, Bucket, Plan, pack
 from ._stream import StreamPacker, StreamStats
+from ._tree import pack_trees, tree_rows
 
 
 def __getattr__(name: str) -> object:
@@ -63,4 +64,6 @@ __all__ = [
     "loss_mask_from_spans",
     "materialize",
     "pack",
+    "pack_trees",
+    "tree_rows",
 ]

@@ -23,6 +23,10 @@ __all__ = [
     "segment_targets",
     "step_sums",
     "pack_tokens",
+    "tree_expand",
+    "tree_items",
+    "tree_path_targets",
+    "tree_rows",
     "varlen",
 ]
 
@@ -117,6 +121,7 @@ def materialize(
     pad_to_multiple_of: int = 1,
     pad_id: int = 0,
     threads: int | None = None,
+    parents: np.ndarray | None = None,
 ) -> dict[str, Any]: ...
 def permutation(n: int, seed: int, threads: int | None = None) -> np.ndarray: ...
 def by_cost(cost: np.ndarray, seed: int, threads: int | None = None) -> np.ndarray: ...
@@ -141,6 +146,53 @@ def segment_targets(
     threads: int | None = None,
 ) -> np.ndarray: ...
 def flatten_int_lists(rows: list[Any], mask: bool = False) -> tuple[np.ndarray, np.ndarray]: ...
+def tree_items(
+    tokens: ListColumn,
+    groups: np.ndarray | None,
+    max_len: int,
+    overlong: str = "error",
+    split: bool = True,
+    threads: int | None = None,
+) -> dict[str, Any]: ...
+def tree_expand(
+    sample_ids: np.ndarray,
+    starts: np.ndarray,
+    seqlens: np.ndarray,
+    parents: np.ndarray,
+    item_offsets: np.ndarray,
+    path_sample_ids: np.ndarray,
+    path_ends: np.ndarray,
+    path_offsets: np.ndarray,
+    item_ids: np.ndarray,
+    item_pack_offsets: np.ndarray,
+) -> dict[str, Any]: ...
+def tree_path_targets(
+    sample_ids: np.ndarray,
+    starts: np.ndarray,
+    seqlens: np.ndarray,
+    pack_offsets: np.ndarray,
+    parents: np.ndarray,
+    path_sample_ids: np.ndarray,
+    path_ends: np.ndarray,
+    tokens: ListColumn,
+    labels: ListColumn | None = None,
+    loss_mask: ListColumn | None = None,
+    threads: int | None = None,
+) -> np.ndarray: ...
+def tree_rows(
+    sample_ids: np.ndarray,
+    starts: np.ndarray,
+    seqlens: np.ndarray,
+    pack_offsets: np.ndarray,
+    parents: np.ndarray,
+    path_sample_ids: np.ndarray,
+    path_ends: np.ndarray,
+    packs: np.ndarray,
+    tokens: ListColumn,
+    labels: ListColumn | None = None,
+    loss_mask: ListColumn | None = None,
+    threads: int | None = None,
+) -> dict[str, Any]: ...
 
 @final
 class ListColumn:

@@ -115,6 +115,12 @@ def gather(
     """
     if not isinstance(plan, Plan):
         raise FastpackTypeError(f"plan: expected a fastpack.Plan, got {type(plan).__name__}")
+    if plan.parents is not None:
+        raise FastpackError(
+            "plan: a plan of shared-prefix trees cannot be gathered into packed rows (a "
+            "segment continues its parent; the rows would lose the tree); build its batches "
+            "with PackedCollator(share_prefix=True)"
+        )
     handles, types, _ = list_columns(data, columns)
     schema, batches = prepare(
         plan, handles, types, packs, separator_id=separator_id, fill=fill,

@@ -553,22 +553,20 @@ def materialize(
     """
     if not isinstance(plan, Plan):
         raise FastpackTypeError(f"plan: expected a fastpack.Plan, got {type(plan).__name__}")
+    if plan.parents is not None:
+        raise FastpackError(
+            "plan: a plan of shared-prefix trees has no per-token labels (a shared token has "
+            "one next token per child); build its batch with fastpack.tree_rows or "
+            "PackedCollator(share_prefix=True)"
+        )
     layout = _choice("layout", layout, LAYOUTS)
-    multiple = 1 if pad_to_multiple_of is None else _int_arg(
-        "pad_to_multiple_of", pad_to_multiple_of, minimum=1, maximum=2**31 - 1
-    )
-    if pad_to is not None:
-        pad_to = _int_arg("pad_to", pad_to, minimum=0, maximum=2**63 - 1)
+    pad_to, multiple, pad_id = padding(pad_to, pad_to_multiple_of, pad_id)
     if separator_id is not None:
         separator_id = _int_arg("separator_id", separator_id, minimum=-(2**63),
                                 maximum=2**63 - 1)
     train_separators = _bool_arg("train_separators", train_separators)
-    pad_id = _int_arg("pad_id", pad_id, minimum=-(2**63), maximum=2**63 - 1)
     threads = _threads(threads)
-    dataset = tokens if _is_dataset(tokens) else None
-    token_data = as_ragged(tokens, name="tokens")
-    label_data = _side(labels, dataset, mask=False, name="labels")
-    mask_data = _side(loss_mask, dataset, mask=True, name="loss_mask")
+    token_data, label_data, mask_data = token_sources(tokens, labels, loss_mask)
     out: dict[str, Any] = _core.materialize(
         plan.sample_ids, plan.starts, plan.seqlens, plan.pack_offsets, plan.reserve,
         plan.strategy, plan.overlong, plan._packs(packs), token_data.column,
@@ -580,6 +578,27 @@ def materialize(
     for key in ("input_ids", "position_ids", "labels", "seq_idx"):
         out[key] = out[key].reshape(shape)
     return out
+
+
+def padding(pad_to: Any, pad_to_multiple_of: Any, pad_id: Any) -> tuple[int | None, int, int]:
+    """``(pad_to, multiple, pad_id)`` checked: the row width options of every row builder
+    (``materialize``, ``tree_rows``)."""
+    multiple = 1 if pad_to_multiple_of is None else _int_arg(
+        "pad_to_multiple_of", pad_to_multiple_of, minimum=1, maximum=2**31 - 1
+    )
+    if pad_to is not None:
+        pad_to = _int_arg("pad_to", pad_to, minimum=0, maximum=2**63 - 1)
+    return pad_to, multiple, _int_arg("pad_id", pad_id, minimum=-(2**63), maximum=2**63 - 1)
+
+
+def token_sources(
+    tokens: TokenData, labels: TokenData | str | None, loss_mask: TokenData | str | None
+) -> tuple[Ragged, Ragged | None, Ragged | None]:
+    """The token data with its labels and loss mask (column names of a dataset given as
+    ``tokens``), as the row builders read them."""
+    dataset = tokens if _is_dataset(tokens) else None
+    return (as_ragged(tokens, name="tokens"), _side(labels, dataset, mask=False, name="labels"),
+            _side(loss_mask, dataset, mask=True, name="loss_mask"))
 
 
 def _is_dataset(obj: Any) -> bool:

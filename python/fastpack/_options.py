@@ -152,6 +152,11 @@ class PackOptions:
     #: tensor-parallel size with sequence parallelism, an FP8 kernel's divisor (NeMo-RL's
     #: rules); needs ``cp_size``.
     pad_multiple: int = 1
+    #: Shared prefixes computed once: samples that start with the same tokens are packed
+    #: as trees, each shared token once (docs/shared_prefix.md). It plans tokens, not
+    #: lengths: ``PackedCollator``, ``PackedDataset`` and ``fastpack.pack_trees`` take it;
+    #: the entry points that plan lengths or streams refuse it.
+    share_prefix: bool = False
 
     def __post_init__(self) -> None:
         for name, check in _CHECKS.items():
@@ -194,6 +199,10 @@ class WithOptions:
     @property
     def reserve(self) -> int:
         return self.options.reserve
+
+    @property
+    def share_prefix(self) -> bool:
+        return self.options.share_prefix
 
 
 def _cap(options: PackOptions) -> tuple[str, int]:
@@ -272,6 +281,28 @@ def _check_pad_multiple(o: PackOptions, value: Any) -> int:
             f"expected a larger long_max_len"
         )
     return multiple
+def _check_share_prefix(o: PackOptions, value: Any) -> bool:
+    share = _bool_arg("share_prefix", value)
+    if not share:
+        return share
+    refused = {
+        "overlong": (o.overlong == "split", "a piece of a sample could not attend to the "
+                     "pieces before it; use 'error', 'truncate' or 'drop'"),
+        "strategy": (o.strategy == "wrapped", "it cuts every max_len tokens, through trees; "
+                     "use 'bfd', 'ffd' or 'next_fit'"),
+        "reserve": (o.reserve > 0, "slots after every sample, as a separator_id reserves: a "
+                    "tree's samples end inside it; put the separator in the samples' tokens"),
+        "long_max_len": (o.long_max_len is not None, "a tree larger than max_len is split, "
+                         "its prefix repeated; raise max_len instead"),
+        "cp_size": (o.cp_size is not None, "context parallelism of tree batches is not "
+                    "supported: a rank's shard would cut paths that its queries need"),
+    }
+    for name, (bad, why) in refused.items():
+        if bad:
+            raise FastpackError(
+                f"share_prefix: True does not take {name}={getattr(o, name)!r} ({why})"
+            )
+    return share
 
 
 #: Each option's check, in field order: ``check(options so far, value) -> value``.
@@ -287,6 +318,7 @@ _CHECKS: dict[str, Callable[[PackOptions, Any], Any]] = {
     "cp_size": _check_cp_size,
     "cp_mode": _check_cp_mode,
     "pad_multiple": _check_pad_multiple,
+    "share_prefix": _check_share_prefix,
 }
 
 _NAMES = tuple(f.name for f in dataclasses.fields(PackOptions))
@@ -307,6 +339,7 @@ class _Args(TypedDict, total=False):
     cp_size: int | None
     cp_mode: str
     pad_multiple: int
+    share_prefix: bool
 
 
 class PackArgs(_Args, total=False):

@@ -165,6 +165,7 @@ def _readonly(array: np.ndarray) -> np.ndarray:
 _ARRAYS: dict[str, type[np.signedinteger[Any]]] = {
     "sample_ids": np.int64, "starts": np.int64, "seqlens": np.int32, "pack_offsets": np.int64,
     "pack_caps": np.int32, "group_offsets": np.int64, "group_fills": np.int64,
+    "parents": np.int64, "path_sample_ids": np.int64, "path_ends": np.int64,
 }
 
 
@@ -218,7 +219,8 @@ def _with_metrics(fields: dict[str, Any]) -> dict[str, Any]:
         if fields.get(name) is not None:
             fields[name] = _plan_array(name, fields[name])
     segments = len(fields["seqlens"])
-    for name in ("sample_ids", "starts"):
+    for name in ("sample_ids", "starts", *(("parents",) if fields.get("parents") is not None
+                                           else ())):
         if len(fields[name]) != segments:
             raise FastpackError(
                 f"{name}: has {len(fields[name])} entries; seqlens has {segments} (one per "
@@ -284,6 +286,15 @@ class Plan:
 
     Every metric (``lower_bound``, ``efficiency``, the buckets' and the groups') is computed
     by the core with the plan; a *fill* is the number of tokens a pack or group holds.
+
+    A plan of shared-prefix trees (:func:`fastpack.pack_trees`) adds ``parents`` (int64
+    [S]: the segment whose tokens precede this one in its sample, ``-1`` for a root; a
+    segment's ``starts`` is then its first token's position in its sample, where it
+    continues its parent) and its *paths*: sample ``path_sample_ids[j]`` ends at segment
+    ``path_ends[j]`` (int64 [M], ascending), and is the segments from a root to there.
+    Every kept sample is exactly one path; a shared segment is in several.
+    ``sample_tokens`` counts the tokens of the kept samples in full (what packing them
+    without sharing would compute), ``total_tokens`` the tokens the plan computes.
     """
 
     _FIELDS = (
@@ -294,7 +305,8 @@ class Plan:
     )
     _OPTIONAL = (
         "long_max_len", "group_tokens", "group_offsets", "group_fills", "group_lower_bound",
-        "group_efficiency", "cp_size", "cp_mode", "pad_multiple",
+        "group_efficiency", "cp_size", "cp_mode", "pad_multiple", "parents",
+        "path_sample_ids", "path_ends", "sample_tokens",
     )
 
     __slots__ = (*_FIELDS, *_OPTIONAL, "buckets", "_pack_caps", "_options", "_order")
@@ -338,6 +350,11 @@ class Plan:
     cp_size: int | None
     cp_mode: str | None
     pad_multiple: int | None
+    #: Trees (see the class docs): each segment's parent, or None for a plan of sequences.
+    parents: np.ndarray | None
+    path_sample_ids: np.ndarray | None
+    path_ends: np.ndarray | None
+    sample_tokens: int | None
     buckets: tuple[Bucket, ...]
     _pack_caps: np.ndarray | None
     _options: PackOptions | None
@@ -391,7 +408,7 @@ class Plan:
                 reserve=self.reserve, shuffle=shuffle, seed=seed,
                 long_max_len=self.long_max_len, group_tokens=self.group_tokens,
                 cp_size=self.cp_size, cp_mode=self.cp_mode or "zigzag",
-                pad_multiple=self.pad_multiple or 1,
+                pad_multiple=self.pad_multiple or 1, share_prefix=self.parents is not None,
             )
         return self._options
 
@@ -538,6 +555,12 @@ class Plan:
                         f"({self.truncated_sequences:,} sequences)")
         if self.split_sequences:
             lost.append(f"split {self.split_sequences:,} sequences (no token lost)")
+        if self.sample_tokens is not None:
+            ratio = self.sample_tokens / self.total_tokens if self.total_tokens else 1.0
+            lines.append(
+                f"shared prefixes: {self.sample_tokens:,} sample tokens computed as "
+                f"{self.total_tokens:,} ({ratio:.2f}x fewer)"
+            )
         if self.empty_sequences:
             lost.append(f"skipped {self.empty_sequences:,} empty sequences")
         if self.cp_size is not None:
@@ -560,6 +583,13 @@ class Plan:
             + (f", num_groups={self.num_groups}" if self.group_tokens is not None else "")
             + ")"
         )
+
+
+#: The options :func:`pack` cannot honour (it plans lengths).
+PACK_REFUSES = {
+    "share_prefix": "trees are found from the samples' tokens, and pack() plans lengths; "
+                    "use fastpack.pack_trees(tokens, ...)",
+}
 
 
 def pack(
@@ -619,7 +649,7 @@ def pack(
     Sequences of length 0 are skipped and counted in ``empty_sequences``.
     """
     array = as_lengths(lengths)
-    opts = resolve(pack, options, max_len, kwargs)
+    opts = resolve(pack, options, max_len, kwargs, refuse=PACK_REFUSES)
     threads = _threads(threads)
     if threads is None and len(array) < _SMALL_INPUT:
         threads = 1  # waking a pool costs more than it saves here; the plan is the same

@@ -125,7 +125,10 @@ def pack_dataset(
     if options is None or max_len is not None or seq_length is not None:
         max_len = _max_len(max_len, seq_length)
     options, given = _trl_strategy(strategy, options, dict(kwargs))
-    opts = with_separator(pack_dataset, options, max_len, given, separator_id)
+    opts = with_separator(pack_dataset, options, max_len, given, separator_id, refuse={
+        "share_prefix": "its rows are packs of whole sequences, which cannot hold trees; "
+                        "train with PackedDataset(..., PackedCollator(share_prefix=True))",
+    })
     cache_file_name = None
     if map_kwargs is not None:
         keep_in_memory, cache_file_name, threads = _map_kwargs(

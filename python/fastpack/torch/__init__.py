@@ -23,6 +23,9 @@ Its modules are its layers:
 - :mod:`~fastpack.torch.context_parallel` — one packed row split across a context-parallel
   group (:func:`shard_for_context_parallel`) and the exact attention over the pieces
   (:func:`context_parallel_attention`).
+- :mod:`~fastpack.torch.tree` — tree batches (``share_prefix=True``: shared prefixes
+  computed once), their attention and :func:`per_sample` / :func:`token_logprobs`: every
+  sample's values, plain batch or tree.
 - :mod:`~fastpack.torch.hf` — Hugging Face integration (:func:`register_hf_attention`,
   :func:`check_model_batch`, :class:`PackedTrainerMixin` for the ``Trainer`` / TRL
   ``SFTTrainer`` on many ranks).
@@ -48,6 +51,7 @@ from .hf import PackedTrainerMixin, check_model_batch, register_hf_attention
 from .loss import WEIGHTINGS, packed_loss
 from .sampler import PackedSampler, Schedule, Step
 from .stream import SHARDINGS, PackedIterableDataset
+from .tree import per_sample, token_logprobs
 
 __all__ = [
     "BACKENDS",
@@ -70,7 +74,9 @@ __all__ = [
     "context_parallel_attention",
     "first_item",
     "packed_loss",
+    "per_sample",
     "register_hf_attention",
     "shard_for_context_parallel",
+    "token_logprobs",
     "varlen_attention",
 ]

@@ -430,15 +430,29 @@ def _document_block_tables(
         touch &= starts[:, None] - lasts[None, :] < sliding_window
         full &= lasts[:, None] - starts[None, :] < sliding_window
     partial = touch & ~full
+    return (doc_id, *_kv_blocks(partial), *_kv_blocks(full))
 
-    def ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        num = dense.sum(dim=-1, dtype=torch.int32)
-        idx = torch.argsort(dense.to(torch.int8), dim=-1, descending=True, stable=True)
-        return num[None, None], idx.to(torch.int32)[None, None]
 
-    kv_num, kv_idx = ordered(partial)
-    full_num, full_idx = ordered(full)
-    return doc_id, kv_num, kv_idx, full_num, full_idx
+def _kv_blocks(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(num_blocks, indices)`` of ``BlockMask.from_kv_blocks`` (``[1, 1, nb]`` and
+    ``[1, 1, nb, nb]``, int32) from a ``[nb, nb]`` bool table of query × key blocks."""
+    num = dense.sum(dim=-1, dtype=torch.int32)
+    idx = torch.argsort(dense.to(torch.int8), dim=-1, descending=True, stable=True)
+    return num[None, None], idx.to(torch.int32)[None, None]
+
+
+def _from_kv_blocks(tables: Sequence[torch.Tensor], total_tokens: int,
+                    mask_mod: Callable[..., torch.Tensor]) -> Any:
+    """A ``BlockMask`` of ``total_tokens`` from its tables (partial then full blocks, as
+    :func:`_kv_blocks` gives them) and ``mask_mod`` for the partial ones."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    kwargs: dict[str, Any] = {}
+    if "seq_lengths" in _signature_params(BlockMask.from_kv_blocks):
+        kwargs["seq_lengths"] = (total_tokens, total_tokens)
+    kv_num, kv_idx, full_num, full_idx = tables
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx,
+                                    BLOCK_SIZE=_FLEX_BLOCK_SIZE, mask_mod=mask_mod, **kwargs)
 
 
 def _document_mask_mod(
@@ -474,23 +488,11 @@ def _document_mask_mod(
 def _document_block_mask(
     cu: torch.Tensor, total_tokens: int, causal: bool, sliding_window: int | None = None
 ) -> Any:
-    from torch.nn.attention.flex_attention import BlockMask
-
-    doc_id, kv_num, kv_idx, full_num, full_idx = _document_block_tables(
+    doc_id, *tables = _document_block_tables(
         cu, total_tokens, _FLEX_BLOCK_SIZE, causal, sliding_window
     )
-    kwargs: dict[str, Any] = {}
-    if "seq_lengths" in _signature_params(BlockMask.from_kv_blocks):
-        kwargs["seq_lengths"] = (total_tokens, total_tokens)
-    return BlockMask.from_kv_blocks(
-        kv_num,
-        kv_idx,
-        full_num,
-        full_idx,
-        BLOCK_SIZE=_FLEX_BLOCK_SIZE,
-        mask_mod=_document_mask_mod(doc_id, causal, sliding_window),
-        **kwargs,
-    )
+    return _from_kv_blocks(tables, total_tokens,
+                           _document_mask_mod(doc_id, causal, sliding_window))
 
 
 def _softcap_score_mod(softcap: float) -> Callable[..., torch.Tensor]:
@@ -568,6 +570,23 @@ def _softcapped_attention(
     return torch.matmul(probs, v)
 
 
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None,
+    causal: bool, scale: float | None, softcap: float | None, gqa: dict[str, Any],
+) -> torch.Tensor:
+    """One attention call over ``(1, H, L, D)`` pieces (``gqa`` from :func:`_sdpa_gqa`):
+    soft-capped scores by hand (SDPA cannot), else SDPA with the ``allowed`` mask, or
+    causal (or not) without one. The per-sequence, per-segment and per-run loops share it."""
+    if softcap is not None:
+        return _softcapped_attention(q, k, v, allowed, causal, scale, softcap)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    if allowed is not None:
+        out: torch.Tensor = sdpa(q, k, v, attn_mask=allowed, scale=scale, **gqa)
+    else:
+        out = sdpa(q, k, v, is_causal=causal, scale=scale, **gqa)
+    return out
+
+
 def _sdpa_gqa(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softcap: float | None
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
@@ -593,7 +612,6 @@ def _sdpa_forward(
     sliding_window: int | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    sdpa = torch.nn.functional.scaled_dot_product_attention
     k, v, gqa = _sdpa_gqa(q, k, v, softcap)
     # Split (1, H, T, D) views along the tokens, once: every piece is already in SDPA's
     # layout, so a sequence costs one SDPA call and one transpose, and autograd backs the
@@ -615,12 +633,7 @@ def _sdpa_forward(
         allowed = None
         if sliding_window is not None and length > sliding_window:
             allowed = _window_mask(length, sliding_window, qs.device)
-        if softcap is not None:
-            out = _softcapped_attention(qs, ks, vs, allowed, causal, scale, softcap)
-        elif allowed is not None:
-            out = sdpa(qs, ks, vs, attn_mask=allowed, scale=scale, **gqa)
-        else:
-            out = sdpa(qs, ks, vs, is_causal=causal, scale=scale, **gqa)
+        out = _attend(qs, ks, vs, allowed, causal, scale, softcap, gqa)
         outs.append(out.transpose(1, 2))  # (1, L, H, D)
     if not outs:
         return q[:0]

@@ -22,7 +22,9 @@ from .._options import (
     with_separator,
 )
 from .._plan import Plan, pack
+from .._tree import group_codes, pack_trees, pair_keys, preference_samples, tree_rows
 from .formats import BACKENDS, MASK_MODES, RETURN_TENSORS, BatchFormat
+from .tree import flex_available, tree_batch
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -36,6 +38,12 @@ LOSS_MASK_KEYS = ("assistant_masks", "completion_mask", "loss_mask")
 #: labels and loss masks are packed; ``attention_mask`` (all ones: an unpadded sample) and
 #: ``position_ids`` (``0..n-1``) are checked and rebuilt per pack.
 KNOWN_KEYS = ("input_ids", "labels", *LOSS_MASK_KEYS, "attention_mask", "position_ids")
+#: The sample key whose value says which samples share their longest common prefix with
+#: ``share_prefix=True`` (RL rollouts of one prompt carry the prompt's id).
+GROUP_KEY = "group"
+#: The backends that can express a tree batch (``share_prefix=True``): fastpack's
+#: registered attention reads the tree, Hugging Face's flex attention its ``BlockMask``.
+TREE_BACKENDS = ("flash", "flex")
 #: The plan options a collator refuses: one batch is packed on its own, in order.
 _PER_PLAN = {
     name: "orders, buckets or groups the packs of a whole plan, not of one batch; pass it to "
@@ -73,6 +81,18 @@ class PackedCollator(WithOptions):
         return_seq_idx: add ``seq_idx`` (int32, segment index per token; Mamba / FLA).
         return_num_items: add ``num_items_in_batch`` (targets in the batch; the Trainer
             computes the same number itself, so this is for plain training loops).
+        share_prefix (an option: a keyword or in ``options``): compute shared prefixes
+            once: samples with the same ``group`` value
+            share their longest common token prefix (RL rollouts of one prompt), samples
+            without a ``group`` key share every common prefix (a trie: branching
+            conversations), and preference pairs (``prompt_ids`` / ``chosen_ids`` /
+            ``rejected_ids``, or token ids under ``chosen`` / ``rejected`` with or
+            without ``prompt``, TRL's names) share their prompt and stay in one pack. The
+            batch is a tree batch (see :mod:`fastpack.torch.tree`) for fastpack's
+            registered attention (``backend="flash"``; flash-attn with the prefix's keys
+            gathered on CUDA, per-segment SDPA on the CPU) or Hugging Face's
+            ``flex_attention`` (``backend="flex"``); ``max_len`` counts each shared token
+            once. Backends "sdpa", "eager" and "padded" cannot express a tree and raise.
         ignore_keys: per-token keys to drop without packing them. A sample's key that
             holds one number per token (a list, array or tensor as long as its
             ``input_ids``) and is none of :data:`KNOWN_KEYS` raises, naming it: a
@@ -158,6 +178,8 @@ class PackedCollator(WithOptions):
         self._known = frozenset((*KNOWN_KEYS, *([loss_mask_key] if isinstance(
             loss_mask_key, str) else []))) | self.ignore_keys
         self.threads = _threads(threads)
+        if self.options.share_prefix:
+            self._check_tree_options(mask, return_tensors, fixed_cu_seqlens, return_seq_idx)
         self.format = BatchFormat(
             backend=self.backend, mask=self.mask,
             return_tensors=_choice("return_tensors", return_tensors, RETURN_TENSORS),
@@ -170,6 +192,34 @@ class PackedCollator(WithOptions):
             strategy="next_fit" if self.layout == "flat" else self.options.strategy,
             shuffle=False,
         )
+
+    def _check_tree_options(self, mask: str, return_tensors: Any, fixed_cu_seqlens: Any,
+                            return_seq_idx: Any) -> None:
+        """Refuses, by name, every argument a tree batch cannot honour (the packing
+        options' own, ``overlong`` and the rest, are PackOptions')."""
+        if self.backend not in TREE_BACKENDS:
+            raise FastpackError(
+                f"share_prefix: backend={self.backend!r} cannot express a tree (its packed "
+                f"rows restart positions per sequence, so a response could not see its "
+                f"prefix); use backend='flash' with attn_implementation="
+                f"register_hf_attention(), or backend='flex' with 'flex_attention'"
+            )
+        refused = {
+            "mask": (mask, "position_ids" if self.backend == "flash" else mask),
+            "return_tensors": (return_tensors, "pt"),
+            "fixed_cu_seqlens": (fixed_cu_seqlens, None),
+            "return_seq_idx": (return_seq_idx, False),
+        }
+        for name, (value, accepted) in refused.items():
+            if value != accepted:
+                raise FastpackError(
+                    f"{name}: {value!r} does not apply with share_prefix=True (a tree batch "
+                    f"is one torch row whose attention_mask is the tree); expected "
+                    f"{accepted!r}"
+                )
+        reason = flex_available()
+        if reason is not None:
+            raise FastpackError(f"share_prefix: needs flex attention's BlockMask; {reason}")
 
     @property
     def layout(self) -> str:
@@ -194,6 +244,8 @@ class PackedCollator(WithOptions):
                     f"features: sample {i} is {type(f).__name__}; expected a dict with "
                     f"'input_ids'"
                 )
+        if self.share_prefix and pair_keys(features[0]) is not None:
+            return self._pairs(features)
         tokens = _from_rows(self._column(features, "input_ids"), mask=False, name="input_ids")
         lengths = tokens.lengths
         for i, f in enumerate(features):
@@ -214,11 +266,36 @@ class PackedCollator(WithOptions):
         loss_mask = None if key is None else _from_rows(
             self._column(features, key), mask=True, name=key
         )
-        if self.backend == "padded":
+        if self.share_prefix:
+            groups = None
+            if any(GROUP_KEY in f for f in features):
+                groups = group_codes(self._column(features, GROUP_KEY), len(features))
+            # One flat row holds every pack: the trees in the samples' order.
+            plan = pack_trees(tokens, groups=groups, options=self._batch_options,
+                              threads=self.threads)
+        elif self.backend == "padded":
             plan = self.plan(lengths, shuffle=False)
         else:
             plan = pack(lengths, options=self._batch_options, threads=self.threads)
         return self.batch(plan, tokens, None, labels=labels, loss_mask=loss_mask)
+
+    def _pairs(self, features: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        """Preference pairs as a tree batch: pair ``k`` is samples ``2k`` (chosen) and
+        ``2k + 1`` (rejected), sharing their prompt, in one pack."""
+        keys = pair_keys(features[0])
+        assert keys is not None
+        for i, f in enumerate(features):
+            extra = [k for k in ("input_ids", "labels", *LOSS_MASK_KEYS) if k in f]
+            if extra:
+                raise FastpackError(
+                    f"features: pair {i} has {extra[0]!r} beside {keys[1]!r} / {keys[2]!r}; a "
+                    f"preference pair is its prompt and two completions (the loss covers the "
+                    f"completions), so pass one or the other"
+                )
+        tokens, loss_mask, groups = preference_samples(features)
+        plan = pack_trees(tokens, groups=groups, split=False, options=self._batch_options,
+                          threads=self.threads)
+        return self.batch(plan, tokens, None, loss_mask=loss_mask)
 
     def check_keys(self, sample: Mapping[str, Any], index: int, length: int) -> None:
         """Raises if ``sample`` (number ``index``, of ``length`` tokens) carries a per-token
@@ -271,6 +348,11 @@ class PackedCollator(WithOptions):
         :func:`fastpack.pack`; shuffled with seed 0 by default). With the padded backend
         every sample is its own pack, in input order or shuffled by ``seed``."""
         opts, _ = layered(PackedCollator.plan, self.options, options, kwargs)
+        if opts.share_prefix:
+            raise FastpackError(
+                "share_prefix: True plans the samples' tokens, not their lengths; use "
+                "PackedDataset(tokens, collator) or fastpack.pack_trees(tokens, ...)"
+            )
         return self._plan(lengths, opts)
 
     def _plan(self, lengths: Any, options: PackOptions) -> Plan:
@@ -291,15 +373,66 @@ class PackedCollator(WithOptions):
         *,
         labels: TokenData | None = None,
         loss_mask: TokenData | None = None,
+        sample_ids: np.ndarray | None = None,
     ) -> dict[str, Any]:
-        """The batch of ``packs`` (default: all) of ``plan`` over ``tokens``."""
+        """The batch of ``packs`` (default: all) of ``plan`` over ``tokens``. Every batch
+        lists its samples — ``sample_ids`` (int64 [N]: indices into ``tokens``, or into
+        ``sample_ids`` when given), ``sample_tokens`` (the flattened row positions of each
+        sample's tokens, in order) and ``sample_offsets`` (int64 [N+1]) — which
+        :func:`fastpack.torch.per_sample` reads. A plan of trees gives a tree batch."""
+        if plan.parents is not None:
+            if not self.share_prefix:
+                raise FastpackError(
+                    "plan: a plan of shared-prefix trees needs a collator made with "
+                    "share_prefix=True"
+                )
+            rows = tree_rows(
+                plan, tokens, packs, labels=labels, loss_mask=loss_mask, pad_to=self.pad_to,
+                pad_to_multiple_of=self.pad_to_multiple_of, pad_id=self.pad_id,
+                threads=self.threads,
+            )
+            if sample_ids is not None:
+                rows["sample_ids"] = np.asarray(sample_ids, dtype=np.int64)[rows["sample_ids"]]
+            return tree_batch(rows, return_num_items=self.format.return_num_items)
         rows = materialize(
             plan, tokens, packs, labels=labels, loss_mask=loss_mask,
             separator_id=self.separator_id, train_separators=self.train_separators,
             layout=self.layout, pad_to=self.pad_to, pad_to_multiple_of=self.pad_to_multiple_of,
             pad_id=self.pad_id, threads=self.threads,
         )
-        return self.format(rows)
+        out = self.format(rows)
+        listed = _samples(plan, packs, rows, sample_ids)
+        conv = torch.from_numpy if self.return_tensors == "pt" else (lambda a: a)
+        out.update({key: conv(value) for key, value in listed.items()})
+        return out
+
+
+def _samples(plan: Plan, packs: Any, rows: dict[str, Any], mapping: np.ndarray | None
+             ) -> dict[str, np.ndarray]:
+    """The samples a plain batch holds, one per segment in row order: their ids, and each
+    one's tokens as flattened row positions (a row's padding is in no sample)."""
+    chosen = plan._packs(packs)
+    offsets = np.asarray(plan.pack_offsets, dtype=np.int64)
+    counts = offsets[chosen + 1] - offsets[chosen]
+    segments = (np.repeat(offsets[chosen] - np.cumsum(counts) + counts, counts)
+                + np.arange(int(counts.sum()), dtype=np.int64))
+    seqlens = np.asarray(plan.seqlens, dtype=np.int64)[segments]
+    ids = np.asarray(plan.sample_ids, dtype=np.int64)[segments]
+    if mapping is not None:
+        ids = np.asarray(mapping, dtype=np.int64)[ids]
+    sample_offsets = np.zeros(len(seqlens) + 1, dtype=np.int64)
+    np.cumsum(seqlens, out=sample_offsets[1:])
+    total = int(sample_offsets[-1])
+    width = int(rows["input_ids"].shape[-1])
+    if rows["input_ids"].shape[0] == 1:  # one flat row: the packs end to end, padding last
+        tokens = np.arange(total, dtype=np.int64)
+    else:  # a row per pack, each padded at its end
+        cumulative = np.concatenate(([0], np.cumsum(seqlens)))
+        fills = np.diff(cumulative[np.concatenate(([0], np.cumsum(counts)))])
+        starts = np.cumsum(fills) - fills
+        rows_of = np.repeat(np.arange(len(chosen), dtype=np.int64), fills)
+        tokens = rows_of * width + np.arange(total, dtype=np.int64) - np.repeat(starts, fills)
+    return {"sample_ids": ids, "sample_tokens": tokens, "sample_offsets": sample_offsets}
 
 
 def as_collator(value: Any) -> PackedCollator:

@@ -45,13 +45,14 @@ from .._checks import _choice, _int_arg
 from .._context_parallel import CP_MODES, CPLayout, check_cp, cp_layout
 from .._errors import FastpackError, FastpackTypeError
 from .attention import (
+    _attend,
     _check_qkv,
     _check_window_options,
     _repeat_kv,
     _sdpa_gqa,
-    _softcapped_attention,
     varlen_attention,
 )
+from .tree import SAMPLE_KEYS
 
 __all__ = [
     "CP_KERNELS", "CP_KEYS", "attend_gathered", "context_parallel_attention",
@@ -83,8 +84,9 @@ CP_KEYS = (
 
 #: Per-token keys of a flash batch that sharding rebuilds; other per-token keys raise.
 _TOKEN_KEYS = ("input_ids", "labels", "position_ids", "seq_idx")
-#: Keys of a flash batch that describe the whole row and do not pass to a rank.
-_ROW_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+#: Keys of a flash batch that describe the whole row and do not pass to a rank (a rank
+#: holds pieces of the samples, so ``per_sample`` does not apply to a shard).
+_ROW_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", *SAMPLE_KEYS)
 
 #: Queries x keys of one masked SDPA call on the CPU path (a block of a run's queries).
 _MASK_BUDGET = 1 << 22
@@ -414,10 +416,7 @@ def _runs_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                 allowed &= query_pos - key_pos < window
             qb = qs[:, :, i0:i1]
             kb, vb = ks[:, :, first:last], vs[:, :, first:last]
-            if softcap is not None:
-                out = _softcapped_attention(qb, kb, vb, allowed, True, scale, softcap)
-            else:
-                out = sdpa(qb, kb, vb, attn_mask=allowed, scale=scale, **gqa)
+            out = _attend(qb, kb, vb, allowed, True, scale, softcap, gqa)
             outs.append(out.transpose(1, 2))
     if not outs:
         return q[:0]

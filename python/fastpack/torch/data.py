@@ -19,7 +19,8 @@ from .._materialize import Ragged, TokenData, _is_dataset, as_ragged
 from .._options import PackArgs, PackOptions, WithOptions, check_plan, layered
 from .._plan import Plan
 from .._targets import segment_targets
-from .collator import PackedCollator, as_collator
+from .._tree import group_codes, pack_trees, path_targets
+from .collator import GROUP_KEY, PackedCollator, as_collator
 from .step import Step
 
 if TYPE_CHECKING:
@@ -59,6 +60,13 @@ class StepTable:
     as :func:`~fastpack.torch.shard_for_context_parallel` shards it, ``padded_tokens``
     (int64 [N]) and ``cp_work`` (int64 [N, cp]): the (query, key) pairs each CP rank's
     attention computes (:attr:`fastpack.CPLayout.work`); ``None`` otherwise.
+
+    A plan of trees (``share_prefix=True``) counts by its samples (its paths): a sample's
+    targets and its sequence are counted at its last segment (``segment_targets``,
+    ``segment_sequences``), and ``squared_tokens`` is attention's work, a segment of ``l``
+    tokens after a path of ``a`` costing ``l² + 2·a·l`` (``segment_work``): a tree of a
+    prompt of ``P`` tokens and responses ``Rᵢ`` costs ``P² + Σ(Rᵢ² + 2·P·Rᵢ)``. A step
+    of it is cut only at ``cuts`` (its trees' first segments), never inside a tree.
     """
 
     pack_offsets: np.ndarray
@@ -70,6 +78,9 @@ class StepTable:
     segment_targets: np.ndarray
     padded_tokens: np.ndarray | None = None
     cp_work: np.ndarray | None = None
+    segment_work: np.ndarray | None = None
+    segment_sequences: np.ndarray | None = None
+    cuts: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -101,8 +112,8 @@ class PackedDataset(torch.utils.data.Dataset, WithOptions):  # type: ignore[type
             without ``group_tokens``).
         plan: a precomputed plan over ``tokens`` (default: packed here); its groups are
             the steps unless ``packs_per_batch`` is given. It must have been made with the
-            options given here and the collator's ``max_len`` and ``reserve``
-            (``plan.options`` is compared).
+            options given here and the collator's ``max_len``, ``reserve`` and
+            ``share_prefix`` (``plan.options`` is compared).
         options, **kwargs: the options of the whole plan (:class:`fastpack.PackOptions`):
             ``group_tokens`` (a step is one group of the two-level plan: packs bin-packed
             under this token budget, so every step carries nearly the same tokens; at
@@ -110,6 +121,11 @@ class PackedDataset(torch.utils.data.Dataset, WithOptions):  # type: ignore[type
             sequences over ``max_len``, never mixed with short ones in a pack or a group),
             ``shuffle`` and ``seed`` (shuffle the packs, or groups, of the plan, once). The
             per-batch options are the collator's: given here, they must equal them.
+        groups: with a collator made with ``share_prefix=True``: one value per sample (or,
+            with a ``datasets.Dataset``, a column name); samples of one value share their
+            longest common prefix. Default: the dataset's ``group`` column when it has one,
+            else a trie over all samples. The plan is then :func:`fastpack.pack_trees`'s:
+            a tree is never cut across steps or ranks.
 
     Context parallelism: a collator with ``cp_size`` (and ``cp_mode``, ``pad_multiple``)
     plans every pack to fit ``max_len`` once padded for the CP group; every CP rank of a
@@ -136,10 +152,11 @@ class PackedDataset(torch.utils.data.Dataset, WithOptions):  # type: ignore[type
         packs_per_batch: int | None = None,
         plan: Plan | None = None,
         options: PackOptions | None = None,
+        groups: Any = None,
         **kwargs: Unpack[PackArgs],
     ) -> None:
         as_collator(collator)
-        dataset = tokens if _is_dataset(tokens) else None
+        dataset: Any = tokens if _is_dataset(tokens) else None
         self.tokens: Ragged = as_ragged(tokens)
         self.labels = _resolve(labels, dataset, mask=False)
         self.loss_mask = _resolve(loss_mask, dataset, mask=True)
@@ -151,13 +168,22 @@ class PackedDataset(torch.utils.data.Dataset, WithOptions):  # type: ignore[type
                 "packs_per_batch, group_tokens: pass one: a fixed number of packs per step, "
                 "or a token budget per step"
             )
-        if plan is None:
+        if groups is not None and not self.options.share_prefix:
+            raise FastpackError(
+                "groups: apply with a collator made with share_prefix=True (they say which "
+                "samples share a prefix)"
+            )
+        if plan is None and self.options.share_prefix:
+            plan = pack_trees(self.tokens, groups=_groups(groups, dataset, len(self.tokens)),
+                              options=self.options, threads=collator.threads)
+        elif plan is None:
             plan = collator._plan(self.tokens.lengths, self.options)
         elif not isinstance(plan, Plan):
             raise FastpackTypeError(f"plan: expected a fastpack.Plan, got {type(plan).__name__}")
         else:
             # What building the batches reads from the plan, and what the caller stated.
-            check_plan(plan.options, self.options, {"max_len", "reserve"} | stated)
+            check_plan(plan.options, self.options,
+                       {"max_len", "reserve", "share_prefix"} | stated)
         if plan.num_sequences != len(self.tokens):
             raise FastpackError(
                 f"plan: made from {plan.num_sequences} lengths, but the token data has "
@@ -195,6 +221,10 @@ class PackedDataset(torch.utils.data.Dataset, WithOptions):  # type: ignore[type
     def steps(self) -> StepTable:
         """The per-step arrays (computed once, on first use: one parallel pass in Rust over
         the labels or token ids and the loss mask)."""
+        if self.plan.parents is not None:
+            per_path = path_targets(self.plan, self.tokens, labels=self.labels,
+                                    loss_mask=self.loss_mask, threads=self.collator.threads)
+            return tree_step_table(self.plan, self.step_pack_offsets, per_path)
         per_segment = segment_targets(
             self.plan, self.tokens, labels=self.labels, loss_mask=self.loss_mask,
             separator_id=self.collator.separator_id,
@@ -221,13 +251,17 @@ class PackedDataset(torch.utils.data.Dataset, WithOptions):  # type: ignore[type
                 h.update(array.view(np.uint8).data)
             return h.hexdigest()[:16]
 
-        return {
+        fingerprint = {
             "num_steps": len(self), "num_packs": plan.num_packs,
             "num_segments": plan.num_segments, "num_sequences": plan.num_sequences,
             "steps": digest(self.step_pack_offsets, plan.pack_offsets),
             "sample_ids": digest(plan.sample_ids),
             "segments": digest(plan.starts, plan.seqlens),
         }
+        if plan.parents is not None:
+            assert plan.path_sample_ids is not None and plan.path_ends is not None
+            fingerprint["trees"] = digest(plan.parents, plan.path_sample_ids, plan.path_ends)
+        return fingerprint
 
     def _segments(self, index: int | Step) -> tuple[int, int, int, int]:
         """The packs ``p0:p1`` and segments ``lo:hi`` of step (or sampler ``Step``)
@@ -258,12 +292,19 @@ class PackedDataset(torch.utils.data.Dataset, WithOptions):  # type: ignore[type
     def samples(self, index: int | Step) -> np.ndarray:
         """The sample ids (indices into ``tokens``, int64, read-only) that step ``index``
         holds, one per segment in the order of the batch's sequences: a sample split into
-        pieces appears once per piece it has in the step. ``index`` is an ``int`` or a
-        :class:`~fastpack.torch.Step` from a :class:`PackedSampler` (then only the piece
-        of the step it names). Reads the plan only, builds no batch: log it, or check that
-        a resumed run sees every sample once."""
+        pieces appears once per piece it has in the step. In a plan of trees, the samples
+        whose paths end in the step, ascending (the batch's ``sample_ids``). ``index`` is an
+        ``int`` or a :class:`~fastpack.torch.Step` from a :class:`PackedSampler` (then only
+        the piece of the step it names). Reads the plan only, builds no batch: log it, or
+        check that a resumed run sees every sample once."""
         _, _, lo, hi = self._segments(index)
-        return self.plan.sample_ids[lo:hi]
+        plan = self.plan
+        if plan.path_ends is not None and plan.path_sample_ids is not None:
+            a, b = np.searchsorted(plan.path_ends, (lo, hi))
+            ids = np.sort(plan.path_sample_ids[a:b])
+            ids.flags.writeable = False
+            return ids
+        return plan.sample_ids[lo:hi]
 
     def __getitem__(self, index: int | Step) -> dict[str, Any]:
         step = index if isinstance(index, Step) else None
@@ -317,6 +358,36 @@ def cp_terms(plan: Plan, seqlens: np.ndarray,
     return padded, work.astype(np.int64).reshape(len(padded), plan.cp_size)
 
 
+def tree_step_table(plan: Plan, step_pack_offsets: np.ndarray, per_path: np.ndarray
+                    ) -> StepTable:
+    """The :class:`StepTable` of a plan of trees, given the targets of every path (from
+    :func:`fastpack._tree.path_targets`): each sample counted at its last segment."""
+    assert plan.parents is not None and plan.path_ends is not None
+    count = plan.num_segments
+    ends = np.asarray(plan.path_ends, dtype=np.int64)
+    per_path = np.asarray(per_path, dtype=np.int64)
+    per_segment = np.bincount(ends, weights=per_path, minlength=count).astype(np.uint32)
+    sequences = np.bincount(ends[per_path > 0], minlength=count).astype(np.uint32)
+    seqlens = np.asarray(plan.seqlens, dtype=np.int64)
+    work = seqlens * seqlens + 2 * np.asarray(plan.starts, dtype=np.int64) * seqlens
+    segments = np.asarray(plan.pack_offsets, dtype=np.int64)[step_pack_offsets]
+
+    def sums(values: np.ndarray) -> np.ndarray:
+        cumulative = np.concatenate(([0], np.cumsum(values, dtype=np.int64)))
+        return np.diff(cumulative[segments])
+
+    cuts = np.append(np.flatnonzero(np.asarray(plan.parents) < 0), count).astype(np.int64)
+    table = StepTable(
+        pack_offsets=step_pack_offsets, segment_offsets=segments, tokens=sums(seqlens),
+        squared_tokens=sums(work), targets=sums(per_segment), sequences=sums(sequences),
+        segment_targets=per_segment, segment_work=work, segment_sequences=sequences, cuts=cuts,
+    )
+    for array in (table.segment_offsets, table.tokens, table.squared_tokens, table.targets,
+                  table.sequences, table.segment_targets, work, sequences, cuts):
+        array.flags.writeable = False
+    return table
+
+
 def _sub_plan(plan: Plan, p0: int, p1: int, lo: int, hi: int) -> Plan:
     """Segments ``lo:hi`` of packs ``p0:p1`` as a plan of their own (views, plus the pack
     bounds inside): materializing it reads and checks only these segments.
@@ -354,7 +425,44 @@ def _sub_plan(plan: Plan, p0: int, p1: int, lo: int, hi: int) -> Plan:
         seed=plan.options.seed, cp_size=plan.cp_size, cp_mode=plan.cp_mode,
         pad_multiple=plan.pad_multiple,
     )
+    if plan.parents is not None:
+        fields.update(_sub_trees(plan, lo, hi))
     return Plan(fields)
+
+
+def _sub_trees(plan: Plan, lo: int, hi: int) -> dict[str, Any]:
+    """The tree arrays of segments ``lo:hi`` (whole trees: a cut inside one raises)."""
+    assert plan.parents is not None and plan.path_ends is not None
+    assert plan.path_sample_ids is not None
+    parents = np.asarray(plan.parents[lo:hi], dtype=np.int64)
+    if len(parents) and (parents[0] >= 0 or np.any((parents >= 0) & (parents < lo))):
+        raise FastpackError(
+            f"segments: {lo}..{hi} cuts through a tree (a segment's parent lies outside); a "
+            f"plan of trees is cut only where a tree begins"
+        )
+    a, b = (int(x) for x in np.searchsorted(plan.path_ends, (lo, hi)))
+    ends = np.asarray(plan.path_ends[a:b], dtype=np.int64)
+    return {
+        "parents": np.where(parents >= 0, parents - lo, -1),
+        "path_sample_ids": plan.path_sample_ids[a:b], "path_ends": ends - lo,
+        "sample_tokens": int((np.asarray(plan.starts)[ends]
+                              + np.asarray(plan.seqlens)[ends]).sum()),
+    }
+
+
+def _groups(groups: Any, dataset: Any, count: int) -> np.ndarray | None:
+    """The group codes of a dataset's samples: ``groups`` (values, or a column name of
+    ``dataset``), by default its ``group`` column if it has one, else None (a trie)."""
+    if isinstance(groups, str) or (groups is None and dataset is not None
+                                   and GROUP_KEY in dataset.column_names):
+        column = GROUP_KEY if groups is None else groups
+        if dataset is None or column not in dataset.column_names:
+            raise FastpackError(
+                f"groups: {column!r} names a column, which needs a datasets.Dataset with it "
+                f"as tokens"
+            )
+        groups = dataset[column]
+    return None if groups is None else group_codes(groups, count)
 
 
 

@@ -25,6 +25,7 @@ from .context_parallel import (
 from .data import PackedDataset, first_item
 from .loss import WEIGHTINGS, packed_loss
 from .sampler import BALANCES, PackedSampler, Step
+from .tree import is_tree_batch, tree_attention, tree_layout
 
 __all__ = [
     "PackedTrainerMixin", "StepBatches", "StepLoader", "check_model_batch",
@@ -356,6 +357,9 @@ def _attention(
     kv_len = key.shape[2]
     cu_seqlens = kwargs.get("cu_seq_lens_q")
     position_ids = kwargs.get("position_ids")
+    if kwargs.get("tree_parents") is not None:
+        return _tree(name, kernel, module, query, key, value, kwargs, scaling, dropout, causal,
+                     window, softcap)
     if cu_seqlens is not None:
         cu_k = kwargs.get("cu_seq_lens_k")
         if cu_k is not None and cu_k is not cu_seqlens and not torch.equal(
@@ -417,6 +421,24 @@ def _attention(
                   softcap, kwargs)
 
 
+def _packed_inputs(
+    name: str, module: torch.nn.Module, dropout: float, query: torch.Tensor,
+    key: torch.Tensor, value: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v of a packed batch (per sequence or a tree): dropout refused (it would be
+    dropped), cast to the autocast dtype as SDPA does under autocast."""
+    if dropout and module.training:
+        raise FastpackError(
+            f"{name}: attention dropout {dropout} is not supported on packed batches; "
+            f"set the model's attention dropout to 0"
+        )
+    device = query.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        query, key, value = (t.to(dtype) for t in (query, key, value))
+    return query, key, value
+
+
 def _packed(
     name: str,
     kernel: Kernel,
@@ -433,15 +455,7 @@ def _packed(
     softcap: float | None,
     validate: bool = True,
 ) -> tuple[torch.Tensor, None]:
-    if dropout and module.training:
-        raise FastpackError(
-            f"{name}: attention dropout {dropout} is not supported on packed batches; "
-            f"set the model's attention dropout to 0"
-        )
-    device = query.device.type
-    if torch.is_autocast_enabled(device):  # as SDPA does under autocast
-        dtype = torch.get_autocast_dtype(device)
-        query, key, value = (t.to(dtype) for t in (query, key, value))
+    query, key, value = _packed_inputs(name, module, dropout, query, key, value)
     rows, heads, width, dim = query.shape
     shape = (rows * width, max_len)
     validate = validate and not (
@@ -458,6 +472,40 @@ def _packed(
     if validate and isinstance(cu_seqlens, torch.Tensor):
         _CU_CHECKED.remember(cu_seqlens, shape)
     return out.reshape(rows, width, heads, dim), None  # as Hugging Face's sdpa returns
+
+
+def _tree(
+    name: str,
+    kernel: Kernel,
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kwargs: dict[str, Any],
+    scaling: float | None,
+    dropout: float,
+    causal: bool,
+    window: int | None,
+    softcap: float | None,
+) -> tuple[torch.Tensor, None]:
+    """A tree batch (``share_prefix=True``): each token over its path and its own past."""
+    rows, heads, width, dim = query.shape
+    if rows != 1 or key.shape[2] != width:
+        raise FastpackError(
+            f"{name}: a tree batch is one row with no KV cache; got {rows} rows and "
+            f"{key.shape[2]} keys for {width} queries (pass use_cache=False)"
+        )
+    if not causal:
+        raise FastpackError(f"{name}: a tree batch needs causal attention (a decoder)")
+    query, key, value = _packed_inputs(name, module, dropout, query, key, value)
+    positions = kwargs.get("position_ids")
+    layout = tree_layout(kwargs["tree_cu_seqlens"], kwargs["tree_parents"], width, positions)
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (T, heads, D)
+    out = tree_attention(
+        q, k, v, layout, softmax_scale=scaling, kernel=kernel, sliding_window=window,
+        softcap=softcap, positions=positions,
+    )
+    return out.reshape(1, width, heads, dim), None
 
 
 def _with_window(
@@ -586,6 +634,9 @@ def check_model_batch(model: Any, batch: dict[str, Any]) -> None:
       per-sequence mask;
     * rows of packed sequences without ``cu_seq_lens_q`` for ``flash_attention_*``, which
       reads the boundaries from the positions of a single row only;
+    * a tree batch (``share_prefix=True``) for anything but fastpack's attention and
+      ``"flex_attention"`` (and for flex, on sliding-window layers whose window is shorter
+      than a path: the batch's ``BlockMask`` has no window).
     * a context-parallel batch (:func:`~fastpack.torch.shard_for_context_parallel`) for
       anything but a context-parallel attention of its mode
       (``register_hf_attention(context_parallel_group=..., mode=...)``) — every other
@@ -620,6 +671,20 @@ def check_model_batch(model: Any, batch: dict[str, Any]) -> None:
         elif registered[1] != batch.get("cp_mode"):
             refuse(f"a context-parallel batch sharded with mode={batch.get('cp_mode')!r}",
                    f"shard with mode={registered[1]!r}, the attention's")
+        return
+
+    if is_tree_batch(batch):
+        if ours:
+            return
+        if impl != "flex_attention":
+            refuse("a tree batch (share_prefix=True)",
+                   "use attn_implementation=register_hf_attention() or 'flex_attention'")
+        longest = int(torch.as_tensor(positions).max()) + 1 if positions is not None else 0
+        if window is not None and longest > window:
+            refuse(f"a tree batch with paths of {longest} tokens on sliding-window layers "
+                   f"(sliding_window={window}: Hugging Face's flex attention uses the "
+                   f"batch's BlockMask as it is)",
+                   "use attn_implementation=register_hf_attention(), which honours the window")
         return
 
     if mask is not None and getattr(mask, "ndim", len(getattr(mask, "shape", ()))) == 4:
@@ -969,7 +1034,10 @@ class PackedTrainerMixin:
         self._check_format(model, inputs)
         parent: Any = super()
         accepts = bool(getattr(self, "model_accepts_loss_kwargs", False))
-        if not steps or (self.fastpack_weighting == "token" and accepts):
+        # A tree batch has no labels (a shared token has several next tokens): its loss is
+        # packed_loss over its target map.
+        tree = is_tree_batch(inputs)
+        if not tree and (not steps or (self.fastpack_weighting == "token" and accepts)):
             if steps and num_items_in_batch is None:
                 num_items_in_batch = steps["num_items_in_batch"]
             return parent.compute_loss(model, inputs, return_outputs=return_outputs,

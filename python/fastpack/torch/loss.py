@@ -77,7 +77,10 @@ def packed_loss(
         batch: the batch the logits come from; reads ``labels`` and, to find the
             sequences for ``"sequence"`` weighting, ``seq_idx``, ``cu_seq_lens_q`` or
             ``position_ids`` (first present; restarts mark new sequences), else one
-            sequence per row (the ``"padded"`` format).
+            sequence per row (the ``"padded"`` format). A tree batch
+            (``share_prefix=True``) has no ``labels``: its target map (``target_index``,
+            ``target_labels``, ``target_offsets``) lists every target of every sample,
+            each counted once with its own label, and its sequences are its samples.
         weighting: ``"token"`` (default) or ``"sequence"``.
         num_items_in_batch, num_sequences_in_batch: the normalisers; default: the
             batch's keys of those names (set by :class:`~fastpack.torch.PackedSampler`
@@ -111,6 +114,8 @@ def packed_loss(
             f"batch: expected the batch as a dict (a Mapping with 'labels'), got "
             f"{type(batch).__name__}"
         )
+    if "target_index" in batch:
+        return _tree_loss(logits, batch, weighting, num_items_in_batch, num_sequences_in_batch)
     if "labels" not in batch and "shift_labels" not in batch:
         raise FastpackError(f"batch: no 'labels' key (keys: {sorted(batch)})")
     if isinstance(ignore_index, (bool, np.bool_)) or not isinstance(
@@ -189,6 +194,31 @@ def packed_loss(
     per_sequence = sums / counts.clamp(min=1)  # 0 for sequences without targets
     n = _normaliser("num_sequences_in_batch", num_sequences_in_batch, batch, has_targets.sum())
     return per_sequence.sum() / n.to(per_sequence.device).clamp(min=1)
+
+
+def _tree_loss(
+    logits: torch.Tensor,
+    batch: Mapping[str, Any],
+    weighting: Weighting,
+    num_items_in_batch: Any,
+    num_sequences_in_batch: Any,
+) -> torch.Tensor:
+    """The loss of a batch with a target map (a tree batch): every target of every sample
+    once, with its own label, from the logit that predicts it (shared by the targets of
+    the samples that share a prefix)."""
+    from .tree import per_sample, token_logprobs
+
+    token_loss = -token_logprobs(logits, batch)
+    if weighting == "token":
+        n = _normaliser("num_items_in_batch", num_items_in_batch, batch,
+                        torch.tensor(token_loss.numel()))
+        return token_loss.sum() / n.to(token_loss.device).clamp(min=1)
+    means = per_sample(token_loss, batch, of="targets", reduction="mean")
+    assert isinstance(means, torch.Tensor)
+    counts = torch.as_tensor(batch["target_offsets"]).diff()
+    n = _normaliser("num_sequences_in_batch", num_sequences_in_batch, batch,
+                    (counts > 0).sum())
+    return means.sum() / n.to(means.device).clamp(min=1)
 
 
 def segment_ids(

@@ -7,13 +7,14 @@ evenly among the ranks is cut into smaller steps, or dropped and counted with
 ``drop_last``); the R steps that run at the same time carry nearly the same work; every
 micro-step knows the target tokens of its whole optimizer step.
 
-Cost model (``balance="flops"``): a step costs ``6·hidden_size·Σl + Σl²`` over its
-sequences' lengths ``l``. Per layer, the forward pass of a transformer with hidden size
+Cost model (``balance="flops"``): a step costs ``6·hidden_size·Σl + Σl²`` over its sequences'
+lengths ``l`` (over a plan of trees, ``Σl`` counts each shared token once and ``Σl²`` becomes
+attention's work: a prompt of ``P`` tokens with responses ``Rᵢ`` costs ``P² + Σ(Rᵢ² + 2·P·Rᵢ)``, see
+:class:`~fastpack.torch.StepTable`). Per layer, the forward pass of a transformer with hidden size
 ``h`` spends ``2·12h²`` FLOPs per token in its matrix products (``4h²`` for the attention
-projections, ``8h²`` for an MLP of width ``4h``) and ``4·h·l`` per token in attention
-(``QKᵀ`` and ``AV`` over ``l`` positions); divided by ``4h`` this is ``6h·l + l²`` per
-sequence, and the backward pass scales both terms alike. See docs/training.md for models
-of other shapes.
+projections, ``8h²`` for an MLP of width ``4h``) and ``4·h·l`` per token in attention (``QKᵀ`` and
+``AV`` over ``l`` positions); divided by ``4h`` this is ``6h·l + l²`` per sequence, and the backward
+pass scales both terms alike. See docs/training.md for models of other shapes.
 """
 
 from __future__ import annotations
@@ -362,6 +363,8 @@ _PLAN_PARTS = {
                   "lengths)",
     "segments": "the segments' offsets and lengths (max_len, overlong, reserve or data "
                 "lengths)",
+    "trees": "the trees: which segments continue which, and which samples they train "
+             "(share_prefix, the groups or the data's tokens)",
 }
 
 
@@ -392,11 +395,40 @@ def _seed(seed: int, epoch: int, stream: int) -> int:
     return int.from_bytes(digest.digest(), "little")
 
 
-def _segment_cost(sampler: PackedSampler, seqlens: np.ndarray) -> np.ndarray:
+def _segment_cost(sampler: PackedSampler, table: StepTable, lo: int, hi: int) -> np.ndarray:
+    seqlens = sampler.dataset.plan.seqlens[lo:hi]
     lengths = seqlens.astype(np.float64)
     if sampler.balance == "flops":
-        return 6.0 * sampler.hidden_size * lengths + lengths * lengths
+        work = _work(table, lo, hi, seqlens).astype(np.float64)
+        return 6.0 * sampler.hidden_size * lengths + work
     return lengths
+
+
+def _work(table: StepTable, lo: int, hi: int, seqlens: np.ndarray) -> np.ndarray:
+    """Attention's work of segments ``lo:hi`` (of lengths ``seqlens``): ``l²``, or in a
+    plan of trees ``l² + 2·a·l`` (``a`` tokens on the path before the segment)."""
+    if table.segment_work is not None:
+        return np.asarray(table.segment_work[lo:hi], dtype=np.int64)
+    lengths = np.asarray(seqlens, dtype=np.int64)
+    return lengths * lengths
+
+
+def _units(table: StepTable, steps: np.ndarray) -> np.ndarray:
+    """How many pieces each step can be cut into at most: its segments, or in a plan of
+    trees its trees (a tree is never cut)."""
+    seg = table.segment_offsets
+    if table.cuts is None:
+        return seg[steps + 1] - seg[steps]
+    return (np.searchsorted(table.cuts, seg[steps + 1])
+            - np.searchsorted(table.cuts, seg[steps]))
+
+
+def _cut_points(table: StepTable, lo: int, hi: int) -> np.ndarray:
+    """Where segments ``lo:hi`` may be cut, both ends included."""
+    if table.cuts is None:
+        return np.arange(lo, hi + 1, dtype=np.int64)
+    a, b = np.searchsorted(table.cuts, (lo, hi))
+    return np.append(table.cuts[a:b], hi).astype(np.int64)
 
 
 def _cost(sampler: PackedSampler, tokens: np.ndarray, squared: np.ndarray,
@@ -516,11 +548,10 @@ def _pool(
     the last ``remainder`` steps, plus as few whole global steps (R steps each) as give
     the pool enough segments for ``R·(x+1)`` non-empty pieces."""
     n = len(order)
-    seg = table.segment_offsets
     last = order[n - remainder :]
-    if int((seg[last + 1] - seg[last]).sum()) >= ranks:  # the usual case: enough to cut
+    if int(_units(table, last).sum()) >= ranks:  # the usual case: enough to cut
         return order[: n - remainder], last
-    segments = np.diff(seg)[order[::-1]]
+    segments = _units(table, order[::-1])
     available = np.cumsum(segments)
     extra = np.arange((n - remainder) // ranks + 1)
     sizes = remainder + ranks * extra
@@ -528,7 +559,8 @@ def _pool(
     if not len(feasible):
         raise FastpackError(
             f"num_replicas: {n} steps do not divide among {ranks} ranks and hold only "
-            f"{int(available[-1])} sequences, too few to cut the remainder into "
+            f"{int(available[-1])} {'sequences' if table.cuts is None else 'trees'}, too few "
+            f"to cut the remainder into "
             f"{ranks} non-empty steps per global step; pass drop_last=True (drops "
             f"{remainder} step(s), counted) or use fewer ranks"
         )
@@ -549,7 +581,7 @@ def _cut(
     if table.cp_work is not None and table.padded_tokens is not None:
         cp = (table.padded_tokens[pool], table.cp_work[pool])
     cost = _cost(sampler, table.tokens[pool], table.squared_tokens[pool], cp)
-    capacity = np.diff(seg)[pool]
+    capacity = _units(table, pool)
     parts = np.ones(len(pool), dtype=np.int64)
     heap = [(-float(c), i) for i, c in enumerate(cost) if capacity[i] > 1]
     heapq.heapify(heap)
@@ -568,8 +600,8 @@ def _cut(
         else:
             p0, p1 = int(packs[step]), int(packs[step + 1])
             bounds = (np.asarray(plan.pack_offsets[p0 : p1 + 1], dtype=np.int64)
-                      if p1 - p0 >= c else np.arange(lo, hi + 1, dtype=np.int64))
-            running = np.concatenate(([0.0], np.cumsum(_segment_cost(sampler, seqlens[lo:hi]))))
+                      if p1 - p0 >= c else _cut_points(table, lo, hi))
+            running = np.concatenate(([0.0], np.cumsum(_segment_cost(sampler, table, lo, hi))))
             at = running[bounds - lo]
             cuts = [lo]
             u = 0
@@ -593,6 +625,8 @@ def _cut(
     for j, (a, b) in enumerate(zip(lo_arr.tolist(), hi_arr.tolist())):
         lengths = seqlens[a:b].astype(np.int64)
         piece_targets = table.segment_targets[a:b]
-        terms[:, j] = (lengths.sum(), (lengths * lengths).sum(),
-                       piece_targets.sum(dtype=np.int64), np.count_nonzero(piece_targets))
+        sequences = (np.count_nonzero(piece_targets) if table.segment_sequences is None
+                     else int(table.segment_sequences[a:b].sum(dtype=np.int64)))
+        terms[:, j] = (lengths.sum(), _work(table, a, b, lengths).sum(),
+                       piece_targets.sum(dtype=np.int64), sequences)
     return (index, lo_arr, hi_arr, *terms)

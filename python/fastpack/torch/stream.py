@@ -467,7 +467,7 @@ class _Pass:
         assert tokens is not None
         return self.ds.collator.batch(
             rnd.plan, tokens, packs, labels=ragged("labels"),
-            loss_mask=ragged(self._mask_key(), mask=True),
+            loss_mask=ragged(self._mask_key(), mask=True), sample_ids=rnd.origins,
         )
 
     def state_dict(self) -> dict[str, Any]:

@@ -40,6 +40,9 @@ pub struct PlanRef<'a> {
     pub reserve: u64,
     pub strategy: Strategy,
     pub overlong: Overlong,
+    /// A plan of shared-prefix trees (see [`crate::tree`]): each segment's parent, `-1`
+    /// for a root. Its segments are pieces of their samples that continue their parents.
+    pub parents: Option<&'a [i64]>,
 }
 
 impl<'a> From<&'a Plan> for PlanRef<'a> {
@@ -52,6 +55,7 @@ impl<'a> From<&'a Plan> for PlanRef<'a> {
             reserve: plan.reserve,
             strategy: plan.strategy,
             overlong: plan.overlong,
+            parents: None,
         }
     }
 }
@@ -119,8 +123,23 @@ impl PlanRef<'_> {
     /// policy (a truncation keeps the sequence's start and leaves its reserved slots; the
     /// error and drop policies never cut a sequence). The rest of the segment, up to
     /// `seqlens[s]`, is reserved slots (separators). `s` must be a segment of the plan.
+    /// A segment of a tree plan is any piece of its sequence (the trees applied the
+    /// over-long policy when they were built; they reserve no slots).
     pub fn segment_source(&self, s: usize, len: u64) -> Result<(usize, usize)> {
         let (start, seqlen) = (self.starts[s], self.seqlens[s]);
+        if self.parents.is_some() {
+            if self.reserve > 0 || start < 0 || seqlen <= 0 || start as u64 + seqlen as u64 > len {
+                return Err(Error::invalid(
+                    "plan",
+                    format!(
+                        "segment {s} (sequence {}, start {start}, {seqlen} tokens) is not a piece \
+                         of its sequence of {len} tokens; was the plan made from this data?",
+                        self.sample_ids[s]
+                    ),
+                ));
+            }
+            return Ok((start as usize, seqlen as usize));
+        }
         let extended = len + self.reserve;
         let i = self.sample_ids[s];
         let mismatch = |why: &str| {
@@ -265,6 +284,13 @@ pub fn gather(
     columns: &[Column<'_>],
     opts: &GatherOptions,
 ) -> Result<Gathered> {
+    if plan.parents.is_some() {
+        return Err(Error::invalid(
+            "plan",
+            "is a plan of trees: its packs are not rows of whole sequences (a segment continues \
+             its parent), so they cannot be gathered into packed columns",
+        ));
+    }
     plan.check_packs(packs)?;
     let Some(first) = columns.first() else {
         return Err(Error::invalid("columns", "expected at least one column"));

@@ -55,6 +55,7 @@ pub mod pool;
 pub mod schedule;
 mod shuffle;
 pub mod targets;
+pub mod tree;
 mod two_level;
 
 pub use error::{Error, Result};

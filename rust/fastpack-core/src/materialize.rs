@@ -117,6 +117,9 @@ struct Piece {
     sources: usize,
     /// Position of the piece's first token inside its sequence's data.
     source_start: usize,
+    /// The position id of the piece's first token: 0, or in a tree plan its position in
+    /// its sample (a segment continues its parent).
+    first_position: i64,
     /// Where the sequence lies in the tokens, labels and mask (the last two only when
     /// given).
     rows: [Row; 3],
@@ -209,6 +212,7 @@ pub fn materialize(
                 seq_idx: *segs,
                 sources: 0,
                 source_start: 0,
+                first_position: 0,
                 rows: [NO_ROW; 3],
             });
         }
@@ -299,6 +303,7 @@ fn segment_piece(
         seq_idx,
         sources: sources_in,
         source_start,
+        first_position: if plan.parents.is_some() { plan.starts[s] } else { 0 },
         rows,
     })
 }
@@ -373,7 +378,7 @@ fn write_group(
         let ids = &mut slab.input_ids[range.clone()];
         let labels = &mut slab.labels[range.clone()];
         for (k, p) in slab.position_ids[range.clone()].iter_mut().enumerate() {
-            *p = k as i64;
+            *p = piece.first_position + k as i64;
         }
         slab.seq_idx[range].fill(piece.seq_idx);
         if piece.segment == PAD {

@@ -52,6 +52,13 @@ pub fn segment_targets(
     separator_id: Option<i64>,
     train_separators: bool,
 ) -> Result<Vec<u32>> {
+    if plan.parents.is_some() {
+        return Err(Error::invalid(
+            "plan",
+            "is a plan of trees, whose targets belong to samples, not segments; count them with \
+             tree::path_targets",
+        ));
+    }
     let segments = plan.seqlens.len();
     if plan.sample_ids.len() != segments || plan.starts.len() != segments {
         return Err(Error::invalid(
@@ -485,6 +492,7 @@ mod tests {
                 reserve: 0,
                 strategy: Planner::BestFitDecreasing,
                 overlong,
+                parents: None,
             };
             let gathered =
                 crate::gather::gather(&plan, &[0], &columns, &crate::gather::GatherOptions::new(1))

@@ -216,6 +216,7 @@ pub fn pack_tokens<'py>(
         reserve: 0,
         strategy: Strategy::BestFitDecreasing,
         overlong: Overlong::Error,
+        parents: None,
     };
     let packs = packs.as_slice()?;
     let tokens = py.detach(|| guarded(|| core::pack_tokens(&plan, packs))).map_err(to_py)?;
@@ -256,6 +257,7 @@ pub fn gather<'py>(
         reserve,
         strategy,
         overlong,
+        None,
     )?;
     let packs = packs.as_slice()?;
     let mut fill_bytes = Vec::with_capacity(fills.len());

@@ -15,6 +15,7 @@ mod context_parallel;
 mod materialize;
 mod schedule;
 mod targets;
+mod tree;
 
 /// Raises `fastpack.FastpackError` (a `ValueError`) with the core's message; a failed
 /// allocation raises `MemoryError`.
@@ -47,6 +48,7 @@ pub(crate) fn plan_ref<'a>(
     reserve: u64,
     strategy: &str,
     overlong: &str,
+    parents: Option<&'a [i64]>,
 ) -> PyResult<fastpack_core::materialize::PlanRef<'a>> {
     Ok(fastpack_core::materialize::PlanRef {
         sample_ids: sample_ids.as_slice()?,
@@ -56,6 +58,7 @@ pub(crate) fn plan_ref<'a>(
         reserve,
         strategy: Strategy::parse(strategy).map_err(to_py)?,
         overlong: Overlong::parse(overlong).map_err(to_py)?,
+        parents,
     })
 }
 
@@ -314,6 +317,8 @@ mod _core {
     use super::schedule::{by_cost, permutation, step_sums};
     #[pymodule_export]
     use super::targets::segment_targets;
+    #[pymodule_export]
+    use super::tree::{tree_expand, tree_items, tree_path_targets, tree_rows};
     #[pymodule_export]
     use super::{cu_seqlens, default_threads, pack, plan_metrics, varlen};
 }

@@ -18,7 +18,7 @@ use crate::{fastpack_error, guarded, plan_ref, to_py};
 #[pyo3(signature = (
     sample_ids, starts, seqlens, pack_offsets, reserve, strategy, overlong, packs,
     tokens, labels=None, loss_mask=None, separator_id=None, train_separators=false,
-    layout="flat", pad_to=None, pad_to_multiple_of=1, pad_id=0, threads=None
+    layout="flat", pad_to=None, pad_to_multiple_of=1, pad_id=0, threads=None, parents=None
 ))]
 #[allow(clippy::too_many_arguments)]
 pub fn materialize<'py>(
@@ -41,7 +41,9 @@ pub fn materialize<'py>(
     pad_to_multiple_of: u64,
     pad_id: i64,
     threads: Option<usize>,
+    parents: Option<PyReadonlyArray1<'py, i64>>,
 ) -> PyResult<Bound<'py, PyDict>> {
+    let parents = parents.as_ref().map(|p| p.as_slice()).transpose()?;
     let plan = plan_ref(
         &sample_ids,
         &starts,
@@ -50,6 +52,7 @@ pub fn materialize<'py>(
         reserve,
         strategy,
         overlong,
+        parents,
     )?;
     let layout = match layout {
         "flat" => Layout::Flat,

@@ -38,7 +38,7 @@ pub fn segment_targets<'py>(
     if !(sample_ids.is_contiguous() && starts.is_contiguous() && seqlens.is_contiguous()) {
         return Err(fastpack_error("plan: expected contiguous arrays"));
     }
-    let plan = plan_ref(&sample_ids, &starts, &seqlens, &[], reserve, strategy, overlong)?;
+    let plan = plan_ref(&sample_ids, &starts, &seqlens, &[], reserve, strategy, overlong, None)?;
     let sources = Sources {
         tokens: tokens.column(py)?,
         labels: labels.as_ref().map(|c| c.column(py)).transpose()?,
