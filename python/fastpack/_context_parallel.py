@@ -290,7 +290,7 @@ def pack_for_context_parallel(lengths: np.ndarray, options: PackOptions,
             f'overlong="truncate", "split" or "drop", or raise the cap'
         )
     zigzag = planned is not None
-    fields = _core.pack(planned if zigzag else lengths, cap, o.strategy, o.overlong,
+    fields = _core.pack(lengths if planned is None else planned, cap, o.strategy, o.overlong,
                         o.reserve, o.seed if o.shuffle else None, threads, None, long_cap,
                         o.group_tokens)
     if zigzag:
