@@ -591,6 +591,9 @@ CONTEXT_PARALLEL = [
     # Zigzag plans on padded lengths: a negative one was once planned as an empty sequence.
     Row("pack-cp-zigzag-negative", _pack(np.array([3, 5, -2], np.int8), 64, cp_size=2), E,
         r"^lengths: negative length -2 at index 2; lengths must be non-negative integers"),
+    Row("pack-cp-uint64-huge", _pack(np.array([3, 2**63 + 5], np.uint64), 64, cp_size=2), E,
+        r"^lengths: 1 sequence\(s\) longer than 64 tokens \(first at index 1, length "
+        r"9223372036854775813\): max_len \(64\) holds 64 once every sequence is padded"),
     Row("pack-cp-mode", _pack(cp_size=2, cp_mode="llama3"), E, r"^cp_mode: unknown value "
         r"'llama3'"),
     Row("pack-cp-long-max-len", _pack([3, 5], 8, cp_size=2, long_max_len=10), E,

@@ -272,6 +272,9 @@ def pack_for_context_parallel(lengths: np.ndarray, options: PackOptions,
     cap = o.max_len // d * d
     long_cap = None if o.long_max_len is None else o.long_max_len // d * d
     top = cap if long_cap is None else long_cap
+    given = lengths
+    if lengths.dtype == np.uint64:  # past 2^63 - 1 (no pack holds it) read as 2^63 - 1
+        lengths = np.minimum(lengths, np.iinfo(np.int64).max)
     if lengths.dtype not in (np.int32, np.int64):
         lengths = lengths.astype(np.int64)
     # One pass in the core: the padded lengths zigzag plans on, and the overlong ones.
@@ -282,7 +285,7 @@ def pack_for_context_parallel(lengths: np.ndarray, options: PackOptions,
         what = "every sequence" if o.cp_mode == "zigzag" else "every pack"
         raise FastpackError(
             f"lengths: {over} sequence(s) longer than {top} tokens (first at index "
-            f"{first}, length {int(lengths[first])}"
+            f"{first}, length {int(given[first])}"
             f"{f' + reserve {o.reserve}' if o.reserve else ''}): "
             f"{'long_max_len' if long_cap else 'max_len'} ({o.long_max_len or o.max_len}) "
             f"holds {top} once {what} is padded to a multiple of {d} (cp_size={o.cp_size}, "
