@@ -16,7 +16,7 @@ Without CUDA (and without --cpu-smoke) it prints "skipped: no CUDA" and exits 0.
    err <= max(2 * eps_bf16, 2 * err of torch's own bf16 SDPA run per sequence).
 2. Flex: compile time of the first call, and that later calls with new cu_seqlens (new
    mask_mod closures, other total lengths) do not recompile.
-3. Attention alone, forward+backward: packed varlen_attention per backend vs. padded
+3. Attention alone, forward+backward: packed varlen_attention per kernel vs. padded
    SDPA (key-padding mask) over the same documents.
 4. A random-init bf16 MistralForCausalLM (transformers; Llama with a sliding window
    shorter than the longest documents), forward+backward: padded batch
@@ -182,11 +182,11 @@ def reset_peak(torch: Any, device: Any) -> None:
 # -------------------------------------------------------------------- 1. correctness
 
 
-def run_case(am: ModuleType, backend: str, case: dict[str, Any]) -> list[float]:
+def run_case(am: ModuleType, kernel: str, case: dict[str, Any]) -> list[float]:
     """Relative errors of (out, dq, dk, dv) of one kernel against the fp32 reference."""
     xs = [t.detach().clone().requires_grad_(True) for t in case["qkv"]]
     out = am.varlen_attention(
-        *xs, case["cu"], case["max_len"], causal=case["causal"], kernel=backend,
+        *xs, case["cu"], case["max_len"], causal=case["causal"], kernel=kernel,
         **case.get("options", {}),
     )
     out.backward(case["grad_out"])
@@ -202,7 +202,7 @@ def check_correctness(
     total, max_len = sum(lengths), max(lengths)
     cu = torch.tensor(cumulative(lengths), dtype=torch.int32, device=device)
     eps = torch.finfo(dtype).eps
-    backends = am.available_kernels(torch.empty(1, device=device, dtype=dtype))
+    kernels = am.available_kernels(torch.empty(1, device=device, dtype=dtype))
     results: list[dict[str, Any]] = []
     variants: list[tuple[int, int, bool, dict[str, Any]]] = [
         (hq, hkv, causal, {}) for hq, hkv in cfg["check_heads"] for causal in (True, False)
@@ -235,16 +235,16 @@ def check_correctness(
         }
         # Baseline: torch's own SDPA kernels in bf16, one sequence at a time.
         baseline = run_case(am, "sdpa", case)
-        for backend in backends:
-            if backend == "flex" and cfg.get("flex_cases") is not None:
+        for kernel in kernels:
+            if kernel == "flex" and cfg.get("flex_cases") is not None:
                 if (hq, hkv, causal) not in cfg["flex_cases"] and not options:
                     continue
-            row: dict[str, Any] = {"backend": backend, "hq": hq, "hkv": hkv, "causal": causal,
+            row: dict[str, Any] = {"kernel": kernel, "hq": hq, "hkv": hkv, "causal": causal,
                                    **options}
-            refuses = backend == "varlen" and "softcap" in options
+            refuses = kernel == "varlen" and "softcap" in options
             t0 = time.perf_counter()
             try:
-                errs = run_case(am, backend, case)
+                errs = run_case(am, kernel, case)
             except Exception as exc:  # report and keep going
                 if refuses and type(exc).__name__ == "FastpackError":
                     row.update(ok=True, refused=str(exc)[:200])
@@ -276,16 +276,16 @@ def check_correctness(
     base = rel_err(
         am.varlen_attention(q, k, v, cu, max_len, softmax_scale=0.05, kernel="sdpa"), ref
     )
-    for backend in backends:
-        if backend in ("sdpa", "flex"):  # flex: one more compile for a scale we pass through
+    for kernel in kernels:
+        if kernel in ("sdpa", "flex"):  # flex: one more compile for a scale we pass through
             continue
         try:
             with torch.no_grad():
-                out = am.varlen_attention(q, k, v, cu, max_len, softmax_scale=0.05, kernel=backend)
+                out = am.varlen_attention(q, k, v, cu, max_len, softmax_scale=0.05, kernel=kernel)
             err = rel_err(out, ref)
             results.append(
                 {
-                    "backend": backend,
+                    "kernel": kernel,
                     "hq": hq,
                     "hkv": hkv,
                     "causal": True,
@@ -298,7 +298,7 @@ def check_correctness(
         except Exception as exc:
             results.append(
                 {
-                    "backend": backend,
+                    "kernel": kernel,
                     "softmax_scale": 0.05,
                     "ok": False,
                     "error": f"{type(exc).__name__}: {exc}"[:500],
@@ -356,11 +356,11 @@ def bench_attention(
     v = torch.randn(total, hkv, d, device=device, dtype=dtype, requires_grad=True)
     g = torch.randn(total, hq, d, device=device, dtype=dtype)
     rows = []
-    backends = am.available_kernels(q)
-    for backend in backends:
+    kernels = am.available_kernels(q)
+    for kernel in kernels:
 
-        def step(backend: str = backend) -> None:
-            out = am.varlen_attention(q, k, v, cu, max_len, kernel=backend, validate=False)
+        def step(kernel: str = kernel) -> None:
+            out = am.varlen_attention(q, k, v, cu, max_len, kernel=kernel, validate=False)
             out.backward(g)
 
         reset_peak(torch, device)
@@ -369,7 +369,7 @@ def bench_attention(
             rows.append(
                 {
                     "layout": "packed",
-                    "backend": backend,
+                    "kernel": kernel,
                     "tokens": total,
                     "ms": ms,
                     "peak_gib": peak_mem_gib(torch, device),
@@ -379,7 +379,7 @@ def bench_attention(
             rows.append(
                 {
                     "layout": "packed",
-                    "backend": backend,
+                    "kernel": kernel,
                     "error": f"{type(exc).__name__}: {exc}"[:500],
                 }
             )
@@ -409,7 +409,7 @@ def bench_attention(
         rows.append(
             {
                 "layout": "padded",
-                "backend": "sdpa+mask",
+                "kernel": "sdpa+mask",
                 "tokens": b * max_len,
                 "ms": ms,
                 "peak_gib": peak_mem_gib(torch, device),
@@ -419,7 +419,7 @@ def bench_attention(
         rows.append(
             {
                 "layout": "padded",
-                "backend": "sdpa+mask",
+                "kernel": "sdpa+mask",
                 "error": f"{type(exc).__name__}: {exc}"[:500],
             }
         )
@@ -528,11 +528,11 @@ def bench_model(
     )
 
     eps = torch.finfo(dtype).eps
-    for backend in am.available_kernels(torch.empty(1, device=device, dtype=dtype)):
+    for kernel in am.available_kernels(torch.empty(1, device=device, dtype=dtype)):
         if elapsed() > TIME_BUDGET_S:
-            rows.append({"layout": "packed", "attn": backend, "skipped": "time budget"})
+            rows.append({"layout": "packed", "attn": kernel, "skipped": "time budget"})
             continue
-        set_attn(model, register_hf_attention(f"fastpack_{backend}", kernel=backend))
+        set_attn(model, register_hf_attention(f"fastpack_{kernel}", kernel=kernel))
         reset_peak(torch, device)
         try:
             loss = step(packed)
@@ -541,7 +541,7 @@ def bench_model(
             rows.append(
                 {
                     "layout": "packed",
-                    "attn": backend,
+                    "attn": kernel,
                     "ok": False,
                     "error": f"{type(exc).__name__}: {exc}"[:500],
                 }
@@ -550,7 +550,7 @@ def bench_model(
         rows.append(
             {
                 "layout": "packed",
-                "attn": backend,
+                "attn": kernel,
                 "tokens_computed": total,
                 "real_tokens": total,
                 "ms": ms,
@@ -1053,20 +1053,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             "flash_attn": flash_version,
             "varlen_attn_params": sorted(am._signature_params(varlen_fn)) if varlen_fn else None,
             "flex_unavailable_reason": am._flex_unavailable_reason(),
-            "available_backends": am.available_kernels(probe),
+            "available_kernels": am.available_kernels(probe),
             "attention_module": am.__name__,
         },
         "config": {k: v for k, v in cfg.items() if k != "model_lengths"},
     }
     print(
         f"torch {torch.__version__} on {report['env']['device']}; "
-        f"backends: {report['env']['available_backends']}; flash-attn: {flash_version}"
+        f"kernels: {report['env']['available_kernels']}; flash-attn: {flash_version}"
     )
 
     sections: list[tuple[str, Callable[[], Any]]] = [
         ("correctness", lambda: check_correctness(torch, am, cfg, device, dtype)),
     ]
-    if "flex" in report["env"]["available_backends"] and cfg["flex_recompile_lengths"]:
+    if "flex" in report["env"]["available_kernels"] and cfg["flex_recompile_lengths"]:
         sections.append(
             ("flex_recompile", lambda: check_flex_recompiles(torch, am, cfg, device, dtype))
         )
@@ -1100,7 +1100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if isinstance(corr, list):
         print("\ncorrectness (rel err vs fp32 per-sequence SDPA; baseline = bf16 SDPA per seq)")
         for r in corr:
-            tag = f"{r['backend']:>6} hq={r.get('hq')} hkv={r.get('hkv')} causal={r.get('causal')}"
+            tag = f"{r['kernel']:>6} hq={r.get('hq')} hkv={r.get('hkv')} causal={r.get('causal')}"
             if "softmax_scale" in r:
                 tag += " scale=0.05"
             for option in ("sliding_window", "softcap"):

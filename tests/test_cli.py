@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import fastpack
+from fastpack import PackOptions
 from fastpack._offline.driver import pack_corpus
 from fastpack._offline.plan import file_keys, sharded_plan
 from fastpack._offline.settings import PackSettings
@@ -452,9 +453,9 @@ def test_packed_rows_are_the_plan_tokens_and_every_token_is_accounted(
     rows = check_output(tmp / "out", docs, max_len=max_len, overlong=overlong)
     lengths = np.array([len(d) for d in docs])
     if plan_shards == 1:
-        plan = s.plan_config.pack(lengths)
+        plan = fastpack.pack(lengths, options=s.options)
     else:
-        plan, _ = sharded_plan(lengths, plan_shards, s.plan_config,
+        plan, _ = sharded_plan(lengths, plan_shards, s.options,
                                keys=file_keys([len(f) for f in files]))
     assert report["packs"] == plan.num_packs == (rows.num_rows if plan.num_packs else 0)
     for p in range(plan.num_packs):
@@ -466,7 +467,7 @@ def test_packed_rows_are_the_plan_tokens_and_every_token_is_accounted(
 
 def test_sharded_plan_is_the_shards_plans_laid_end_to_end():
     lengths = np.random.default_rng(0).integers(1, 500, 5000)
-    config = PackSettings(max_len=512, overlong="split", shuffle=True).plan_config
+    config = PackOptions(512, overlong="split", shuffle=True)
     keys = np.arange(len(lengths), dtype=np.int64) * 3 + 11
     plan, counts = sharded_plan(lengths, 4, config, keys=keys)
     from fastpack._offline.plan import plan_shard, shard_of
@@ -482,7 +483,8 @@ def test_sharded_plan_is_the_shards_plans_laid_end_to_end():
         lo, hi = plan.pack_offsets[at], plan.pack_offsets[at + own.num_packs]
         assert np.array_equal(plan.sample_ids[lo:hi], members[own.sample_ids])
         at += own.num_packs
-    global_plan = config.pack(lengths)
+    global_plan = fastpack.pack(lengths, options=config)
+    assert plan.options == config  # what it was made with (each shard its own seed of it)
     assert plan.total_tokens == global_plan.total_tokens
     # Shards of 1,250 uniform lengths each leave more packs half full than one plan does;
     # at corpus scale the cost is far smaller (benches/results/cli.md).
@@ -547,16 +549,26 @@ def test_progress_lines_name_the_stage(tmp_path):
     assert code == 0 and "fastpack: lengths: done" in output
 
 
+def test_the_settings_keep_their_keys_and_order():
+    # report.json, the manifest and a run's state hold them: the same settings, the same
+    # bytes, and a run started by an earlier fastpack still resumes.
+    settings = PackSettings(max_len=64, columns=["labels"], overlong="split", seed=3)
+    assert list(settings.to_json()) == [
+        "max_len", "column", "columns", "text_column", "tokenizer", "strategy", "overlong",
+        "long_max_len", "group_tokens", "shuffle", "seed", "shard_rows", "plan_shards"]
+    assert settings.to_json()["columns"] == ["labels"]
+    assert PackSettings.from_json(json.loads(json.dumps(settings.to_json()))) == settings
+
+
 def test_sharded_plan_metrics_are_the_whole_inputs():
     # A plan joined from shards in Python reports the bounds of all its tokens: the same
     # lower bound as one global plan, its efficiency over its own packs, and per-bucket and
     # group metrics by the core's definitions.
     lengths = np.random.default_rng(1).integers(1, 3000, 4000)
-    config = PackSettings(max_len=1024, overlong="split", long_max_len=4096,
-                          group_tokens=8192).plan_config
+    config = PackOptions(1024, overlong="split", long_max_len=4096, group_tokens=8192)
     keys = np.arange(len(lengths), dtype=np.int64)
     joined, _ = sharded_plan(lengths, 3, config, keys=keys)
-    whole = config.pack(lengths)
+    whole = fastpack.pack(lengths, options=config)
     assert joined.total_tokens == whole.total_tokens
     assert joined.lower_bound == whole.lower_bound
     assert joined.efficiency == joined.total_tokens / int(joined.pack_caps.sum())
@@ -565,6 +577,28 @@ def test_sharded_plan_metrics_are_the_whole_inputs():
         assert mine.efficiency == mine.total_tokens / (mine.num_packs * mine.max_len)
     assert joined.group_lower_bound == whole.group_lower_bound
     assert joined.group_efficiency == joined.total_tokens / (joined.num_groups * 8192)
+
+
+def test_merged_report_of_plan_shards_is_the_joined_plans():
+    # Ray's planners each report their shard's numbers; merged, the report's metrics are
+    # the core's of the joined plan (never one place to compute them from arrays).
+    from fastpack._offline.plan import plan_shard, shard_of
+    from fastpack._offline.report import PlanStats
+
+    lengths = np.random.default_rng(2).integers(1, 3000, 3000)
+    settings = PackSettings(1024, overlong="split", long_max_len=4096, group_tokens=8192)
+    keys = np.arange(len(lengths), dtype=np.int64)
+    joined, _ = sharded_plan(lengths, 3, settings.options, keys=keys)
+    shard = shard_of(keys, 3)
+    parts = [PlanStats.of(plan_shard(lengths[shard == s], s, settings.options),
+                          lengths[shard == s], settings) for s in range(3)]
+    merged = PlanStats.merge(parts).report()
+    assert merged["lower_bound"] == joined.lower_bound
+    assert merged["efficiency"] == joined.efficiency
+    assert merged["groups"]["lower_bound"] == joined.group_lower_bound
+    assert merged["groups"]["efficiency"] == joined.group_efficiency
+    assert merged["packs_over_lower_bound"] == joined.num_packs - joined.lower_bound
+    assert PlanStats.of(joined, lengths, settings).report() == merged
 
 
 # ---------------------------------------------------------------------------------------
@@ -729,7 +763,7 @@ def test_plan_shards_take_any_seed(tmp_path, seed):
                           "--plan-shards", "2", "--seed", str(seed), "-q", "--no-plot")
     assert code == 0, output
     rows = check_output(tmp_path / "out", docs, max_len=128)
-    config = PackSettings(max_len=128, seed=seed).plan_config
+    config = PackSettings(max_len=128, seed=seed).options
     plan, _ = sharded_plan(np.array(lengths[0]), 2, config, keys=file_keys([len(docs)]))
     assert [r.as_py() for r in rows.column("seq_lengths")] == [
         plan.segments(p)[2].tolist() for p in range(plan.num_packs)]

@@ -425,6 +425,13 @@ def _torch_rows() -> list[Row]:
         Row("collator-overlong", collator(overlong="cut"), E, r"^overlong: unknown value"),
         Row("collator-padded-split", collator(backend="padded", overlong="split"), E,
             r"^overlong: 'split' does not apply to backend='padded'"),
+        Row("collator-padded-strategy", collator(backend="padded", strategy="bfd"), E,
+            r"^strategy: 'bfd' does not apply to backend='padded' \(one sample per row\); "
+            r"leave it out, or pass 'one_per_pack'"),
+        Row("dataset-padded-plan", lambda: PackedDataset(
+            tokens, PackedCollator(max_len=8, backend="padded"),
+            plan=fastpack.pack([3, 2], 8))[0], E,
+            r"^plan: made with strategy 'bfd', but backend='padded' needs one sample per row"),
         Row("collator-loss_mask_key", collator(loss_mask_key=1), T,
             r"^loss_mask_key: expected a key \(str\), None .* or False \(no mask\), got int"),
         Row("collator-mask_dtype", collator(mask_dtype=torch.int32), T,

@@ -92,7 +92,7 @@ def test_every_type_and_layout(lengths: list[int], value_type: Any, list_kind: s
     assert all(a.equals(b) for a, b in zip(one, batches))
 
 
-def test_datasets_mapping_and_fills() -> None:
+def test_datasets_mapping_and_separator_values() -> None:
     datasets = pytest.importorskip("datasets")
     seqs = [[1, 2, 3], [4, 5], [6], [7, 8, 9, 10]]
     ds = datasets.Dataset.from_dict({
@@ -101,7 +101,7 @@ def test_datasets_mapping_and_fills() -> None:
     }).select([3, 1])
     plan = fastpack.pack([4, 2], 8, reserve=1, strategy="next_fit", shuffle=False)
     out = pa.Table.from_batches(list(fastpack.gather(
-        plan, ds, separator_id=0, fill={"w": 2.5}))).to_pydict()
+        plan, ds, separator_id=0, separator_values={"w": 2.5}))).to_pydict()
     assert out["input_ids"] == [[7, 8, 9, 10, 0, 4, 5, 0]]
     assert out["labels"] == [[7, 8, 9, 10, -100, 4, 5, -100]]
     assert out["attention_mask"] == [[1] * 8]
@@ -112,8 +112,10 @@ def test_datasets_mapping_and_fills() -> None:
     ("kwargs", "message"),
     [
         ({}, "separator_id: the plan reserves 1 slot"),
-        ({"separator_id": 0, "fill": {"nope": 1}}, "fill: 'nope' is not a packed column"),
-        ({"separator_id": 0, "fill": {"small": 300}}, "fill: 300 for column 'small'"),
+        ({"separator_id": 0, "separator_values": {"nope": 1}},
+         "separator_values: 'nope' is not a packed column"),
+        ({"separator_id": 0, "separator_values": {"small": 300}},
+         "separator_values: 300 for column 'small'"),
         ({"separator_id": 0, "batch_tokens": 0}, "batch_tokens: got 0"),
         ({"separator_id": 0, "packs": [9]}, "out of range"),
         ({"separator_id": 0, "columns": ["input_ids", "text"]}, "column 'text' is string"),
@@ -135,3 +137,38 @@ def test_written_columns_cannot_be_packed() -> None:
     out = next(fastpack.gather(plan, table, columns=["input_ids", "position_ids"],
                                position_ids=False))
     assert out.column("position_ids").to_pylist() == [[0, 1]]
+
+
+def test_position_ids_are_int64_on_every_path() -> None:
+    # One dtype from the plan to the model (docs/core.md#words): every path that writes
+    # position ids writes int64, and the same values.
+    from fastpack._offline.layout import output_schema
+    from fastpack._offline.settings import PackSettings
+    from fastpack._stream import StreamPacker
+
+    seqs = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    plan = fastpack.pack([len(s) for s in seqs], 6, strategy="next_fit", shuffle=False)
+    want = [[0, 1, 2, 0, 1], [0, 1, 2, 3]]
+    rows = fastpack.materialize(plan, seqs, layout="rows")
+    assert rows["position_ids"].dtype == np.int64
+    assert plan.position_ids(0).dtype == np.int64
+    batch = next(fastpack.gather(plan, pa.table({"input_ids": seqs})))
+    assert batch.schema.field("position_ids").type == pa.list_(pa.int64())
+    assert batch.column("position_ids").to_pylist() == want
+    packer = StreamPacker(6, strategy="next_fit", shuffle=False)
+    flat = np.concatenate([np.asarray(s) for s in seqs])
+    offsets = np.cumsum([0] + [len(s) for s in seqs])
+    rnd = packer.push({"input_ids": (flat, offsets)}, final=True)
+    gathered = rnd.gather(rnd.take(rnd.remaining))
+    assert gathered.position_ids is not None and gathered.position_ids.dtype == np.int64
+    schema = output_schema(PackSettings(6), {"input_ids": "int32"})  # fastpack pack's shards
+    assert schema.field("position_ids").type == pa.list_(pa.int64())
+    datasets = pytest.importorskip("datasets")
+    from fastpack.hf import pack_dataset
+
+    table = datasets.Dataset.from_dict({"input_ids": seqs})
+    for packed in (pack_dataset(table, 6, strategy="next_fit", shuffle=False, position_ids=True),
+                   pack_dataset(table.to_iterable_dataset(), 6, strategy="next_fit",
+                                shuffle=False, position_ids=True)):
+        assert packed.features.arrow_schema.field("position_ids").type == pa.list_(pa.int64())
+        assert [r["position_ids"] for r in packed] == want

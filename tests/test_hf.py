@@ -233,14 +233,14 @@ def test_counts_are_logged_and_described(caplog: pytest.LogCaptureFixture) -> No
             "columns), text (not one number per token)") in packed.info.description
 
 
-def test_separators_go_to_the_token_column_and_fills_fit_their_types() -> None:
+def test_separators_go_to_the_token_column_and_fit_their_types() -> None:
     ds = _bad(tokens=[[5, 6], [7]], labels=pa.array([[5, 6], [7]], pa.list_(pa.uint32())))
     packed = pack_dataset(ds, 8, reserve=1, separator_id=2, strategy="next_fit",
                           columns=["tokens"])
     assert packed["tokens"] == [[5, 6, 2, 7, 2]]
-    # Without reserved slots, no fill is written, so -100 need not fit uint32 labels.
+    # Without reserved slots, no separator is written, so -100 need not fit uint32 labels.
     assert pack_dataset(ds, 8, strategy="next_fit")["labels"] == [[5, 6, 7]]
-    with pytest.raises(FastpackError, match="fill: -100 for column 'labels'"):
+    with pytest.raises(FastpackError, match="separator_values: -100 for column 'labels'"):
         pack_dataset(ds, 8, reserve=1, separator_id=2)
     with pytest.raises(FastpackError, match="reserve: got 1 reserved slots but no separator_id"):
         pack_dataset(ds, 8, reserve=1)

@@ -15,12 +15,16 @@ from typing import Any
 
 import numpy as np
 import pytest
+from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fastpack
+import fastpack.ray
 from fastpack import FastpackError, FastpackTypeError, PackOptions, StreamPacker
+from fastpack._offline.settings import PackSettings
 from fastpack._options import PLAN_OPTIONS, PackArgs, _Args
+from fastpack.cli import main as command
 
 try:
     import torch
@@ -47,12 +51,34 @@ def _with_max_len(kwargs: dict[str, Any]) -> dict[str, Any]:
     return kwargs if "options" in kwargs else {"max_len": MAX_LEN, **kwargs}
 
 
+class _Checked(Exception):
+    """Raised by a Ray dataset when it is first read: its options were checked by then."""
+
+
+class _UnreadDataset:
+    """Stands for a ``ray.data.Dataset``: ``fastpack.ray.pack_dataset`` checks its options
+    before it reads anything (so the table needs no Ray cluster)."""
+
+    def schema(self) -> Any:
+        raise _Checked
+
+
+def _ray_pack_dataset(**kwargs: Any) -> Any:
+    try:
+        return fastpack.ray.pack_dataset(_UnreadDataset(), **_with_max_len(kwargs))
+    except _Checked:
+        return None
+
+
 def entry_points() -> dict[str, Entry]:
     """Each entry point that packs, called with the options as keywords (``max_len`` is
-    the collator's for the datasets)."""
+    the collator's for the datasets). ``fastpack pack`` is its settings builder (the
+    command's flags go through it: see test_the_command_says_it_of_its_flag)."""
     points: dict[str, Entry] = {
         "pack": lambda **kw: fastpack.pack([3, 2], **_with_max_len(kw)),
         "StreamPacker": lambda **kw: StreamPacker(**_with_max_len(kw)),
+        "fastpack pack": lambda **kw: PackSettings(**_with_max_len(kw)),
+        "ray.pack_dataset": _ray_pack_dataset,
     }
     if datasets is not None:
         table = datasets.Dataset.from_dict({"input_ids": TOKENS})
@@ -103,7 +129,67 @@ def test_every_entry_point_says_the_same_of_a_bad_value(name: str, value: Any) -
     for point in points:
         got = _message(lambda point=point: POINTS[point](**{name: value}))  # type: ignore[misc]
         assert got == want, point
-    assert len(points) >= (2 if torch is None or datasets is None else 5)
+    assert len(points) >= (4 if torch is None or datasets is None else 7)
+
+
+#: The rows of the table a command line can spell: values as text, a flag per option but
+#: ``reserve`` (refused) and ``shuffle`` (``--shuffle/--no-shuffle``: no value to get wrong).
+_FLAG_ROWS = [(n, v) for n, v in _bad_values()
+              if n not in ("reserve", "shuffle") and not isinstance(v, list)]
+
+
+@pytest.mark.parametrize(("name", "value"), _FLAG_ROWS, ids=[f"{n}={v!r}" for n, v in _FLAG_ROWS])
+def test_the_command_says_it_of_its_flag(name: str, value: Any, tmp_path: Any) -> None:
+    # What PackOptions says, after the flag it came from; status 2, before any input is read.
+    _, want = _message(lambda: PackOptions(**{"max_len": MAX_LEN, name: value}))
+    flag = "--" + name.replace("_", "-")
+    args = ["pack", str(tmp_path / "missing.parquet"), "-o", str(tmp_path / "out"),
+            "--max-len", str(MAX_LEN), flag, str(value)]
+    result = CliRunner().invoke(command, args)
+    assert result.exit_code == 2
+    assert result.output == f"fastpack: error: {flag}: {want}\n"
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_command_and_ray_refuse_the_options_they_cannot_honour() -> None:
+    # reserve: neither writes a separator into the reserved slots; cp_size: neither pads
+    # its rows for a context-parallel group; share_prefix: neither writes trees.
+    want = (FastpackError, "reserve: got 1; fastpack pack writes no separator, so it reserves "
+                           "no slot after a document")
+    for point in ("fastpack pack", "ray.pack_dataset"):
+        assert _message(lambda point=point: POINTS[point](reserve=1)) == want  # type: ignore[misc]
+        assert _message(lambda point=point: POINTS[point](  # type: ignore[misc]
+            options=PackOptions(MAX_LEN, reserve=1))) == want
+        POINTS[point](reserve=0)  # the default is no slot: fine
+        assert _message(lambda point=point: POINTS[point](cp_size=2))[1].startswith(  # type: ignore[misc]
+            "cp_size: got 2; fastpack pack does not plan for context parallelism")
+        assert _message(lambda point=point: POINTS[point](share_prefix=True))[1].startswith(  # type: ignore[misc]
+            "share_prefix: got True; fastpack pack writes rows of whole documents")
+
+
+def test_the_command_and_ray_plan_with_their_options(monkeypatch: Any) -> None:
+    want = PackOptions(MAX_LEN, strategy="ffd", overlong="split", seed=9, long_max_len=16,
+                       group_tokens=32)
+    given = {name: getattr(want, name) for name in FIELDS if name not in ("max_len", "reserve")}
+    by_keywords = PackSettings(MAX_LEN, shard_rows=4, **given)
+    assert by_keywords.options == want == PackSettings(options=want, shard_rows=4).options
+    assert by_keywords == PackSettings.from_json(by_keywords.to_json())
+    seen: list[PackSettings] = []
+
+    class Pipeline:
+        def __init__(self, _ds: Any, settings: PackSettings, *_args: Any) -> None:
+            seen.append(settings)
+            raise _Checked
+
+    class Schemaless:
+        def schema(self) -> None:
+            return None
+
+    monkeypatch.setattr(fastpack.ray, "_Pipeline", Pipeline)
+    for kwargs in (given, {"options": want}):
+        with pytest.raises(_Checked):
+            fastpack.ray.pack_dataset(Schemaless(), **_with_max_len(kwargs))
+        assert seen.pop().options == want
 
 
 def test_every_option_has_a_keyword_a_check_and_a_wrong_type_row() -> None:
@@ -279,7 +365,7 @@ def _mostly(valid: st.SearchStrategy[Any], *invalid: Any) -> st.SearchStrategy[A
 
 
 _VALUES = {
-    "strategy": _mostly(st.sampled_from(["bfd", "ffd", "next_fit", "wrapped"]), "best", 1),
+    "strategy": _mostly(st.sampled_from(list(fastpack.STRATEGIES)), "best", 1),
     "overlong": _mostly(st.sampled_from(["error", "truncate", "split", "drop"]), "cut", None),
     "reserve": _mostly(st.integers(0, 10), -1, 1.0),
     "shuffle": _mostly(st.sampled_from([True, False, np.True_]), 1, "yes"),

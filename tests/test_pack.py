@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import pickle
+from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from invariants import check_plan
 
@@ -367,12 +368,41 @@ def test_a_slice_of_a_plan_has_its_own_metrics():
 
 
 def test_a_step_sub_plan_has_its_own_metrics():
-    pytest.importorskip("torch")
-    from fastpack.torch.data import _sub_plan
+    from fastpack._plan import sub_plan
 
     plan = fastpack.pack(np.arange(1, 60) % 17 + 1, 32, seed=3)
     lo, hi = int(plan.pack_offsets[1]), int(plan.pack_offsets[3]) - 1  # a cut step
-    sub = _sub_plan(plan, 1, 3, lo, hi)
+    sub = sub_plan(plan, 1, 3, lo, hi)
     tokens = int(plan.seqlens[lo:hi].sum())
     assert sub.num_packs == 2 and sub.total_tokens == tokens != plan.total_tokens
     assert sub.lower_bound == -(-tokens // 32) and sub.efficiency == tokens / (2 * 32)
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths=st.lists(st.integers(0, 40), max_size=40), data=st.data())
+def test_part_of_a_plan_is_a_plan_of_its_own(lengths: list[int], data: Any) -> None:
+    # The one way to take part of a plan (a step, a gather pass, a Ray task's packs): its
+    # segments, renamed or not, the plan's options, its own counts and metrics.
+    from fastpack._plan import sub_plan
+
+    plan = fastpack.pack(lengths, 8, overlong="truncate", long_max_len=16, seed=5)
+    assume(plan.num_packs > 0)
+    p0 = data.draw(st.integers(0, plan.num_packs - 1))
+    p1 = data.draw(st.integers(p0 + 1, plan.num_packs))
+    lo, hi = int(plan.pack_offsets[p0]), int(plan.pack_offsets[p1])
+    rename = data.draw(st.booleans())
+    ids = np.arange(hi - lo, dtype=np.int64)[::-1].copy() if rename else None
+    part = sub_plan(plan, p0, p1, sample_ids=ids)
+    assert part.sample_ids.tolist() == (ids if rename else plan.sample_ids[lo:hi]).tolist()
+    assert part.seqlens.tolist() == plan.seqlens[lo:hi].tolist()
+    assert part.pack_caps.tolist() == plan.pack_caps[p0:p1].tolist()
+    assert part.options == plan.options.replace(group_tokens=None)
+    assert part.num_sequences == hi - lo == sum(b.num_sequences for b in part.buckets)
+    assert part.truncated_tokens == part.dropped_tokens == part.empty_sequences == 0
+    tokens = int(plan.seqlens[lo:hi].sum())
+    assert part.total_tokens == tokens
+    assert part.efficiency == tokens / int(plan.pack_caps[p0:p1].sum())
+    for b in part.buckets:
+        mine = plan.pack_caps[p0:p1] == b.max_len
+        assert b.num_packs == int(mine.sum())
+        assert b.lower_bound == -(-b.total_tokens // b.max_len)

@@ -179,6 +179,12 @@ def test_pack_dataset_routes_documents_not_copies(cluster):
         ids, starts, seqlens = plan.segments(p)
         assert list(row["input_ids"]) == [int(t) for i, s, n in zip(ids, starts, seqlens)
                                           for t in docs[order[i]][s:s + n]]
+    # Over the cap with overlong="error": the planners find it with the command's rule
+    # and say it in the command's words, naming the document by its key.
+    with pytest.raises(fastpack.FastpackError, match=r"^key -?\d+, column 'input_ids': \d+ "
+                       r"tokens, longer than the cap of 32 \(and \d+ more over the cap in its "
+                       r"plan shard\); pass --overlong split, truncate or drop"):
+        pack_dataset(ds, 32, plan_shards=2)
 
 
 def test_pack_dataset_of_read_parquet_gives_the_commands_packs(cluster, tmp_path):

@@ -488,7 +488,7 @@ def test_samples_of_a_bad_index_raise() -> None:
 def test_a_step_plan_has_its_own_metrics(ds: PackedDataset, data: Any) -> None:
     """The review's s3: a one-pack sub-plan reported the whole plan's tokens, lower bound
     and efficiency."""
-    from fastpack.torch.data import _sub_plan
+    from fastpack._plan import sub_plan
 
     assume(len(ds) > 0)
     i = data.draw(st.integers(0, len(ds) - 1))
@@ -496,7 +496,7 @@ def test_a_step_plan_has_its_own_metrics(ds: PackedDataset, data: Any) -> None:
     if hi - lo > 1 and data.draw(st.booleans()):  # a cut piece of the step
         lo = data.draw(st.integers(lo, hi - 1))
         hi = data.draw(st.integers(lo + 1, hi))
-    sub = _sub_plan(ds.plan, p0, p1, lo, hi)
+    sub = sub_plan(ds.plan, p0, p1, lo, hi)
     seqlens = ds.plan.seqlens[lo:hi].astype(np.int64)
     total = int(seqlens.sum())
     assert sub.total_tokens == total and sub.num_segments == hi - lo

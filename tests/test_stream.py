@@ -335,9 +335,10 @@ def test_core_errors() -> None:
 
 def reference_rows(samples: dict[str, list[np.ndarray]], segments: list[list[tuple[int, int, int]]],
                    *, reserve: int, truncate: bool,
-                   fills: dict[str, Any]) -> list[dict[str, list[Any]]]:
+                   separators: dict[str, Any]) -> list[dict[str, list[Any]]]:
     """The rule, written out: a segment ``(sample, start, seqlen)`` holds the sample's
-    tokens from ``start`` (a truncated one, ``seqlen - reserve`` of them), then fills."""
+    tokens from ``start`` (a truncated one, ``seqlen - reserve`` of them), then its
+    column's separator value."""
     rows = []
     for pack in segments:
         row: dict[str, list[Any]] = {k: [] for k in samples}
@@ -346,7 +347,7 @@ def reference_rows(samples: dict[str, list[np.ndarray]], segments: list[list[tup
             end = n if not (truncate and q < n + reserve and start == 0) else q - reserve
             real = max(min(end - start, q), 0)
             for k, values in samples.items():
-                row[k] += values[i][start : start + real].tolist() + [fills[k]] * (q - real)
+                row[k] += values[i][start : start + real].tolist() + [separators[k]] * (q - real)
         rows.append(row)
     return rows
 
@@ -365,7 +366,7 @@ def test_round_gather_is_the_rule(lengths: list[int], max_len: int, buffer_size:
                                   strategy: str, overlong: str, reserve: int,
                                   dtype: str) -> None:
     # numpy only: every column keeps its dtype (bool too), truncated samples keep
-    # seqlen - reserve tokens, reserved slots hold the separator and the fills.
+    # seqlen - reserve tokens, reserved slots hold each column's separator value.
     assume(reserve < max_len)
     rng = np.random.default_rng(len(lengths))
     ids = [(i * 64 + np.arange(n) + 1).astype(dtype) for i, n in enumerate(lengths)]
@@ -376,7 +377,7 @@ def test_round_gather_is_the_rule(lengths: list[int], max_len: int, buffer_size:
     }
     packer = StreamPacker(max_len, buffer_size=buffer_size, strategy=strategy,
                           overlong=overlong, reserve=reserve, shuffle=True, seed=1)
-    fills = {"input_ids": 0, "labels": -100, "flags": False}
+    separators = {"input_ids": 0, "labels": -100, "flags": False}
     dtypes = {"input_ids": dtype, "labels": np.int64, "flags": bool}
     pos, got, plans = 0, [], []
     while not packer.finished:
@@ -401,7 +402,8 @@ def test_round_gather_is_the_rule(lengths: list[int], max_len: int, buffer_size:
                            int(plan.seqlens[s]))
                           for s in range(plan.pack_offsets[p], plan.pack_offsets[p + 1])])
     want = reference_rows(samples, plans, reserve=reserve,
-                          truncate=overlong == "truncate" and strategy != "wrapped", fills=fills)
+                          truncate=overlong == "truncate" and strategy != "wrapped",
+                          separators=separators)
     assert got == want
     written = sum(int(np.count_nonzero(r["input_ids"])) for r in got)
     s = packer.stats
@@ -416,12 +418,12 @@ def test_round_gather_errors() -> None:
     packs = rnd.take(rnd.remaining)
     with pytest.raises(FastpackError, match="separator_id: the plan reserves 1"):
         rnd.gather(packs)
-    with pytest.raises(FastpackError, match="fill: -100 for column 'labels' does not fit its "
+    with pytest.raises(FastpackError, match="separator_values: -100 for column 'labels' does not fit its "
                                             "type uint16"):
         rnd.gather(packs, separator_id=0)
-    with pytest.raises(FastpackError, match="fill: 'nope' is not a packed column"):
-        rnd.gather(packs, separator_id=0, fill={"nope": 1})
-    out = rnd.gather(packs, separator_id=0, fill={"labels": 7})
+    with pytest.raises(FastpackError, match="separator_values: 'nope' is not a packed column"):
+        rnd.gather(packs, separator_id=0, separator_values={"nope": 1})
+    out = rnd.gather(packs, separator_id=0, separator_values={"labels": 7})
     assert sorted(out.columns["labels"][out.columns["input_ids"] == 0].tolist()) == [7, 7]
     with pytest.raises(FastpackTypeError, match="integers, floats or booleans"):
         StreamPacker(8).push({"input_ids": (np.array(["a"]), np.array([0, 1]))})
@@ -1092,7 +1094,7 @@ def test_stream_rows_are_the_dataset_gather(
     assume(slots < max_len)
     packed = pack_iterable_dataset(source.to_iterable_dataset(), max_len, **options)
     if slots and not signed:
-        with pytest.raises(FastpackError, match="fill: -100 for column 'labels' does not fit"):
+        with pytest.raises(FastpackError, match="separator_values: -100 for column 'labels' does not fit"):
             list(packed)
         return
     got = list(packed)
@@ -1163,7 +1165,7 @@ def test_unsigned_labels_and_fixed_size_lists() -> None:
                                   "labels": datasets.List(datasets.Value("uint32"))})
     ds = datasets.Dataset.from_dict({"input_ids": [[5, 6], [7]], "labels": [[5, 6], [7]]},
                                     features=features)
-    with pytest.raises(FastpackError, match="fill: -100 for column 'labels' does not fit its "
+    with pytest.raises(FastpackError, match="separator_values: -100 for column 'labels' does not fit its "
                                             "type uint32"):
         list(pack_iterable_dataset(ds.to_iterable_dataset(), 8, separator_id=2))
     fixed = datasets.Features({"input_ids": datasets.List(datasets.Value("int64"), length=3),

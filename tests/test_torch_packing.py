@@ -9,6 +9,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -409,6 +411,56 @@ def test_padded_backend_honours_shuffle_and_seed() -> None:
     orders = [PackedDataset(tokens, collator, seed=s).plan.sample_ids.tolist() for s in (0, 0, 1)]
     assert orders[0] == orders[1] != orders[2]
     assert sorted(orders[0]) == kept and orders[0] != kept
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths=st.lists(st.integers(0, 20), max_size=12), max_len=st.integers(2, 16),
+       separator=st.booleans(), overlong=st.sampled_from(["error", "truncate"]),
+       shuffle=st.booleans(), seed=st.integers(0, 2**64 - 1))
+def test_the_padded_backend_plans_one_sample_per_pack_with_the_core(
+        lengths: list[int], max_len: int, separator: bool, overlong: str, shuffle: bool,
+        seed: int) -> None:
+    # What the padded baseline needs, written out plainly: every non-empty sample in a pack
+    # of its own, cut to max_len with its separator slot, in input order or shuffled.
+    collator = PackedCollator(max_len=max_len, backend="padded", overlong=overlong,
+                              separator_id=0 if separator else None)
+    reserve = int(separator)
+    extended = np.array(lengths, dtype=np.int64) + reserve
+    if overlong == "error" and any(n and n + reserve > max_len for n in lengths):
+        with pytest.raises(FastpackError, match=r"^lengths: \d+ sequence\(s\) longer than"):
+            collator.plan(lengths, shuffle=shuffle, seed=seed)
+        return
+    plan = collator.plan(lengths, shuffle=shuffle, seed=seed)
+    kept = np.flatnonzero(np.array(lengths, dtype=np.int64) > 0)
+    order = fastpack._core.permutation(len(kept), seed) if shuffle else np.arange(len(kept))
+    assert plan.sample_ids.tolist() == kept[order].tolist()
+    assert plan.seqlens.tolist() == np.minimum(extended, max_len)[kept][order].tolist()
+    assert plan.starts.tolist() == [0] * len(kept)
+    assert plan.pack_offsets.tolist() == list(range(len(kept) + 1))
+    cut = np.maximum(extended[kept] - max_len, 0)
+    assert (plan.truncated_sequences, plan.truncated_tokens) == (
+        int((cut > 0).sum()), int(cut.sum()))
+    assert plan.empty_sequences == len(lengths) - len(kept)
+    # The strategy the plan was made with is the collator's: one word, one planner.
+    assert plan.strategy == collator.strategy == "one_per_pack"
+    assert plan.options == collator.options.replace(shuffle=shuffle, seed=seed)
+    assert plan.efficiency == (plan.total_tokens / (len(kept) * max_len) if len(kept) else 1.0)
+
+
+def test_a_padded_batch_is_one_sample_per_row_planned_by_the_core() -> None:
+    features = [{"input_ids": list(range(1, n + 1))} for n in (3, 0, 5, 2)]
+    collator = PackedCollator(max_len=8, backend="padded", return_tensors="np")
+    batch = collator(features)
+    assert batch["input_ids"].tolist() == [[1, 2, 3, 0, 0], [1, 2, 3, 4, 5], [1, 2, 0, 0, 0]]
+    assert batch["attention_mask"].sum(axis=1).tolist() == [3, 5, 2]
+    with pytest.raises(FastpackError, match=r"^strategy: 'ffd' does not apply to "
+                                            r"backend='padded'"):
+        PackedCollator(max_len=8, backend="padded", strategy="ffd")
+    # A plan of several samples per pack would be masked as padding: refused.
+    data = PackedDataset([[1, 2], [3]], collator, plan=fastpack.pack([2, 1], 8))
+    with pytest.raises(FastpackError, match=r"^plan: made with strategy 'bfd', but "
+                                            r"backend='padded' needs one sample per row"):
+        data[0]
 
 
 @pytest.mark.parametrize(("sample", "key"), [

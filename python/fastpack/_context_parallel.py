@@ -16,31 +16,15 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import _core
-from ._checks import _choice, _int_arg, _threads
+from ._checks import _int_arg, _threads
 from ._errors import FastpackError, FastpackTypeError
-from ._options import CP_MODES, MAX_CP_SIZE, cp_divisor
+from ._options import CP_MODES, check_cp, cp_divisor
 
 if TYPE_CHECKING:
     from ._options import PackOptions
     from ._plan import Plan
 
 __all__ = ["CP_MODES", "CPLayout", "RankLayout", "cp_layout"]
-
-def check_cp(
-    cp_size: Any, mode: Any, pad_multiple: Any, *,
-    names: tuple[str, str, str] = ("cp_size", "mode", "pad_multiple"),
-) -> tuple[int, str, int]:
-    """The CP options checked, errors naming the arguments as the caller spells them."""
-    cp = _int_arg(names[0], cp_size, minimum=1, maximum=MAX_CP_SIZE)
-    mode = _choice(names[1], mode, CP_MODES)
-    multiple = _int_arg(names[2], pad_multiple, minimum=1, maximum=1 << 30)
-    if cp_divisor(cp, mode, multiple) > 1 << 30:
-        raise FastpackError(
-            f"{names[2]}: got {multiple}; with {names[0]}={cp} and {names[1]}={mode!r} lengths "
-            f"would be padded to multiples of {cp_divisor(cp, mode, multiple)}, more than 2^30; "
-            f"expected a smaller multiple"
-        )
-    return cp, mode, multiple
 
 
 def as_cu_seqlens(value: Any, name: str = "cu_seqlens") -> np.ndarray:
@@ -250,6 +234,22 @@ def cp_layout(
     return CPLayout(cp_size=cp, mode=mode, pad_multiple=multiple, cu_seqlens=cu,
                     cu_seqlens_padded=_readonly(padded),
                     work=_readonly(work.astype(np.int64)), threads=_threads(threads))
+
+
+def cp_rows(plan: Plan, seqlens: np.ndarray, offsets: np.ndarray,
+            work: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """Padded tokens (int64 [N]) and each CP rank's attention work (int64 [N, cp]; [N, 0]
+    with ``work=False``, which skips it) of the rows ``offsets[i]:offsets[i+1]`` of
+    ``seqlens`` (a plan's packs, a step's row, a piece of one), each sharded on its own for
+    the plan's CP group: the one reading of a CP plan's padding and work
+    (``Plan.pad_tokens``, ``StepTable``, the sampler's cost)."""
+    assert plan.cp_size is not None and plan.cp_mode is not None
+    padded, per_rank = _core.cp_streams(
+        np.ascontiguousarray(seqlens, dtype=np.int32), np.ascontiguousarray(offsets, np.int64),
+        plan.cp_size, plan.cp_mode, plan.pad_multiple or 1, work=work)
+    if per_rank is None:
+        return padded, np.empty((len(padded), 0), np.int64)
+    return padded, per_rank.astype(np.int64).reshape(len(padded), plan.cp_size)
 
 
 def pack_for_context_parallel(lengths: np.ndarray, options: PackOptions,

@@ -3,6 +3,7 @@ from typing import Any, final
 import numpy as np
 
 __all__ = [
+    "bucket_metrics",
     "by_cost",
     "ListColumn",
     "column_lengths",
@@ -55,6 +56,11 @@ def plan_metrics(
     long_max_len: int | None = None,
     group_offsets: np.ndarray | None = None,
     group_tokens: int | None = None,
+) -> dict[str, Any]: ...
+def bucket_metrics(
+    buckets: list[tuple[int, int, int, int]],
+    group_tokens: int | None = None,
+    num_groups: int = 0,
 ) -> dict[str, Any]: ...
 def default_threads() -> int: ...
 def cp_stream(
@@ -225,7 +231,7 @@ def gather(
     overlong: str,
     packs: np.ndarray,
     columns: list[ListColumn],
-    fills: list[bytes],
+    separator_values: list[bytes],
     position_ids: bool = True,
     threads: int | None = None,
 ) -> dict[str, Any]: ...

@@ -12,9 +12,13 @@ from . import _core
 from ._arrow import list_columns
 from ._checks import _int_arg, _threads
 from ._errors import FastpackError, FastpackTypeError
+from ._materialize import IGNORE_INDEX
 from ._plan import PackIndex, Plan
 
-__all__ = ["DEFAULT_BATCH_TOKENS", "Batches", "gather", "prepare"]
+__all__ = [
+    "DEFAULT_BATCH_TOKENS", "DEFAULT_SEPARATOR_VALUES", "WRITTEN", "Batches", "check_packable",
+    "gather", "prepare", "separators", "written_fields",
+]
 
 #: Tokens per output record batch (a batch ends at the first pack boundary past it):
 #: 4 Mi tokens is 16 MiB per int32 column, big enough that per-batch costs vanish and
@@ -22,16 +26,39 @@ __all__ = ["DEFAULT_BATCH_TOKENS", "Batches", "gather", "prepare"]
 DEFAULT_BATCH_TOKENS = 1 << 22
 _MAX_BATCH_TOKENS = 1 << 30  # int32 list offsets inside one batch
 
-IGNORE_INDEX = -100
-#: What a plan's reserved slots (separators) hold in the usual columns, unless `fill`
-#: says otherwise; any other column gets 0.
-DEFAULT_FILLS: dict[str, int] = {"labels": IGNORE_INDEX, "attention_mask": 1}
+#: The separator values of the usual columns: what a plan's reserved slots hold there,
+#: unless ``separator_values`` says otherwise (``input_ids``: ``separator_id``); any other
+#: column's is 0.
+DEFAULT_SEPARATOR_VALUES: dict[str, int] = {"labels": IGNORE_INDEX, "attention_mask": 1}
 
 
-def fill_bytes(name: str, value: Any, dtype: np.dtype, type_name: Any = None) -> bytes:
+#: The columns gather writes from the plan, never packed from the input: each segment's
+#: tokens (TRL's ``seq_lengths``, int32) and the position ids (int64: docs/core.md#words).
+#: Their one definition, for gather, the streams, ``hf.pack_dataset`` and the command.
+WRITTEN = ("seq_lengths", "position_ids")
+
+
+def written_fields(position_ids: bool = True) -> list[Any]:
+    """The Arrow fields of the columns gather writes (:data:`WRITTEN`), in output order."""
+    import pyarrow as pa
+
+    fields = [pa.field("seq_lengths", pa.list_(pa.int32()))]
+    if position_ids:
+        fields.append(pa.field("position_ids", pa.list_(pa.int64())))
+    return fields
+
+
+def check_packable(columns: Sequence[str], by: str) -> None:
+    """Raises if ``columns`` (to pack) names a column that ``by`` writes from the plan."""
+    written = [c for c in columns if c in WRITTEN]
+    if written:
+        raise FastpackError(
+            f"columns: {written[0]!r} is written by {by} from the plan; leave it out")
+
+
+def _separator_bytes(name: str, value: Any, dtype: np.dtype, type_name: Any) -> bytes:
     """``value`` as the little-endian bytes of one ``dtype`` value, or a FastpackError
-    naming the column and its type (``type_name``, else the dtype) when it does not fit.
-    The one check of a fill value: the Arrow gather and the stream both use it."""
+    naming the column and its type (``type_name``, else the dtype) when it does not fit."""
     if dtype.kind == "b":
         return bytes([1 if value else 0])
     try:
@@ -40,21 +67,47 @@ def fill_bytes(name: str, value: Any, dtype: np.dtype, type_name: Any = None) ->
             raise OverflowError
     except (OverflowError, ValueError, TypeError):
         raise FastpackError(
-            f"fill: {value!r} for column {name!r} does not fit its type "
+            f"separator_values: {value!r} for column {name!r} does not fit its type "
             f"{dtype if type_name is None else type_name}"
         ) from None
     return array.astype(dtype.newbyteorder("<")).tobytes()
 
 
-def _fill_bytes(name: str, value: Any, pa_type: Any) -> bytes:
-    value_type = pa_type.value_type
+def separators(
+    names: Sequence[str], dtypes: Sequence[np.dtype], reserve: int, separator_id: Any,
+    separator_values: Mapping[str, Any] | None, type_names: Sequence[Any] | None = None,
+) -> list[bytes]:
+    """Each column's separator value (``separator_values``, ``separator_id`` in
+    ``input_ids``, else :data:`DEFAULT_SEPARATOR_VALUES`), as the bytes the Rust gather
+    writes into a plan's reserved slots: the one check of them, for the Arrow gather and
+    the streams. ``dtypes``: the columns' value dtypes (``type_names``: how errors name
+    their types). Without reserved slots nothing is written, so no value need fit."""
+    values = dict(separator_values or {})
+    unknown = [k for k in values if k not in names]
+    if unknown:
+        raise FastpackError(
+            f"separator_values: {unknown[0]!r} is not a packed column ({', '.join(names)})")
+    if separator_id is not None:
+        values.setdefault("input_ids", _int_arg("separator_id", separator_id,
+                                                minimum=-(2**63)))
+    if reserve and "input_ids" in names and "input_ids" not in values:
+        raise FastpackError(
+            f"separator_id: the plan reserves {reserve} slot(s) after every sequence; "
+            f"pass the separator token id (or separator_values={{'input_ids': ...}})"
+        )
+    if not reserve:
+        return [b""] * len(names)
+    type_names = [None] * len(names) if type_names is None else type_names
+    return [_separator_bytes(n, values.get(n, DEFAULT_SEPARATOR_VALUES.get(n, 0)), d, t)
+            for n, d, t in zip(names, dtypes, type_names)]
+
+
+def _value_dtype(list_type: Any) -> np.dtype:
+    """The numpy dtype of an Arrow list type's values (booleans: ``bool``)."""
     import pyarrow as pa
 
-    if pa.types.is_boolean(value_type):
-        return bytes([1 if value else 0])
     # (not to_pandas_dtype(): that needs pandas, which a base install lacks)
-    dtype = pa.array([], type=value_type).to_numpy(zero_copy_only=False).dtype
-    return fill_bytes(name, value, dtype, value_type)
+    return pa.array([], type=list_type.value_type).to_numpy(zero_copy_only=False).dtype
 
 
 def _batches(pack_tokens: np.ndarray, batch_tokens: int) -> list[tuple[int, int]]:
@@ -77,7 +130,7 @@ def gather(
     *,
     columns: Sequence[str] | None = None,
     separator_id: int | None = None,
-    fill: Mapping[str, Any] | None = None,
+    separator_values: Mapping[str, Any] | None = None,
     position_ids: bool = True,
     batch_tokens: int = DEFAULT_BATCH_TOKENS,
     threads: int | None = None,
@@ -100,9 +153,9 @@ def gather(
             list of integers, floats or booleans per row). Each keeps its Arrow type.
         separator_id: written into ``input_ids`` at the plan's reserved slots (required
             when ``plan.reserve > 0`` and ``input_ids`` is packed).
-        fill: per column, the value of reserved slots (default: ``labels`` -100,
-            ``attention_mask`` 1, any other column 0).
-        position_ids: add ``position_ids`` (int32, restarting at 0 in every segment).
+        separator_values: per column, its separator value: what the reserved slots hold
+            (default: ``labels`` -100, ``attention_mask`` 1, any other column 0).
+        position_ids: add ``position_ids`` (int64, restarting at 0 in every segment).
         batch_tokens: tokens per record batch (each ends at the first pack boundary past
             it), bounding the memory of a batch in flight.
         threads: worker threads (default: ``RAYON_NUM_THREADS`` or all cores).
@@ -111,7 +164,7 @@ def gather(
         An iterator (with the output ``schema``, known up front) of record batches made as
         it is iterated: the chosen columns (a list per pack), ``seq_lengths``
         (list<int32>: every segment's tokens, reserved slots included, as TRL's
-        ``pack_dataset`` writes) and ``position_ids`` (list<int32>).
+        ``pack_dataset`` writes) and ``position_ids`` (list<int64>).
     """
     if not isinstance(plan, Plan):
         raise FastpackTypeError(f"plan: expected a fastpack.Plan, got {type(plan).__name__}")
@@ -123,7 +176,8 @@ def gather(
         )
     handles, types, _ = list_columns(data, columns)
     schema, batches = prepare(
-        plan, handles, types, packs, separator_id=separator_id, fill=fill,
+        plan, handles, types, packs, separator_id=separator_id,
+        separator_values=separator_values,
         position_ids=position_ids, batch_tokens=batch_tokens, threads=threads,
     )
     return Batches(schema, batches)
@@ -152,7 +206,7 @@ def prepare(
     packs: PackIndex | None,
     *,
     separator_id: int | None,
-    fill: Mapping[str, Any] | None,
+    separator_values: Mapping[str, Any] | None,
     position_ids: bool,
     batch_tokens: int,
     threads: int | None,
@@ -163,39 +217,16 @@ def prepare(
     batch_tokens = _int_arg("batch_tokens", batch_tokens, minimum=1, maximum=_MAX_BATCH_TOKENS)
     threads = _threads(threads)
     names = [h.name for h in handles]
-    taken = {"seq_lengths"} | ({"position_ids"} if position_ids else set())
-    clash = [n for n in names if n in taken]
-    if clash:
-        raise FastpackError(
-            f"columns: {clash[0]!r} is written by gather; leave it out of the packed columns"
-        )
-    fills = dict(fill or {})
-    unknown = [k for k in fills if k not in names]
-    if unknown:
-        raise FastpackError(f"fill: {unknown[0]!r} is not a packed column ({', '.join(names)})")
-    if separator_id is not None:
-        separator_id = _int_arg("separator_id", separator_id, minimum=-(2**63))
-        fills.setdefault("input_ids", separator_id)
-    if plan.reserve and "input_ids" in names and "input_ids" not in fills:
-        raise FastpackError(
-            f"separator_id: the plan reserves {plan.reserve} slot(s) after every sequence; "
-            f"pass the separator token id (or fill={{'input_ids': ...}})"
-        )
-    # Fills are only written into reserved slots: without any, no value needs to fit.
-    fill_bytes = [
-        _fill_bytes(n, fills.get(n, DEFAULT_FILLS.get(n, 0)), t) if plan.reserve else b""
-        for n, t in zip(names, types)
-    ]
+    check_packable([n for n in names if n != "position_ids" or position_ids], "gather")
+    slots = separators(names, [_value_dtype(t) for t in types], plan.reserve, separator_id,
+                       separator_values, [t.value_type for t in types])
     chosen = plan._packs(packs)
     pack_tokens = _core.pack_tokens(plan.seqlens, plan.pack_offsets, chosen)
     out_types = [_output_type(t) for t in types]
-    schema = pa.schema(
-        [pa.field(n, t) for n, t in zip(names, out_types)]
-        + [pa.field("seq_lengths", pa.list_(pa.int32()))]
-        + ([pa.field("position_ids", pa.list_(pa.int32()))] if position_ids else [])
-    )
+    schema = pa.schema([pa.field(n, t) for n, t in zip(names, out_types)]
+                       + written_fields(position_ids))
     return schema, _iterate(
-        plan, chosen, pack_tokens, batch_tokens, handles, out_types, fill_bytes, position_ids,
+        plan, chosen, pack_tokens, batch_tokens, handles, out_types, slots, position_ids,
         threads, schema,
     )
 
@@ -210,13 +241,13 @@ def _output_type(t: Any) -> Any:
 
 def _iterate(
     plan: Plan, chosen: np.ndarray, pack_tokens: np.ndarray, batch_tokens: int,
-    handles: list[Any], out_types: list[Any], fill_bytes: list[bytes], position_ids: bool,
+    handles: list[Any], out_types: list[Any], separators: list[bytes], position_ids: bool,
     threads: int | None, schema: Any,
 ) -> Iterator[Any]:
     for lo, hi in _batches(pack_tokens, batch_tokens):
         out = _core.gather(
             plan.sample_ids, plan.starts, plan.seqlens, plan.pack_offsets, plan.reserve,
-            plan.strategy, plan.overlong, chosen[lo:hi], handles, fill_bytes, position_ids,
+            plan.strategy, plan.overlong, chosen[lo:hi], handles, separators, position_ids,
             threads,
         )
         yield _record_batch(out, out_types, position_ids, schema)
@@ -256,7 +287,7 @@ def _record_batch(out: dict[str, Any], out_types: list[Any], position_ids: bool,
     )
     arrays.append(seq)
     if position_ids:
-        positions = pa.Array.from_buffers(pa.int32(), total,
+        positions = pa.Array.from_buffers(pa.int64(), total,
                                           [None, pa.py_buffer(out["position_ids"])])
-        arrays.append(list_of(pa.list_(pa.int32()), positions))
+        arrays.append(list_of(pa.list_(pa.int64()), positions))
     return pa.RecordBatch.from_arrays(arrays, schema=schema)

@@ -1,9 +1,11 @@
 """The packing options, defined and checked in one place: :class:`PackOptions`.
 
 Every entry point that packs — :func:`fastpack.pack`, :func:`fastpack.hf.pack_dataset`,
-``pack_iterable_dataset``, :class:`fastpack.StreamPacker`, and in ``fastpack.torch``
-``PackedCollator``, ``PackedDataset`` and ``PackedIterableDataset`` — takes the same
-options, as keywords or as one object, and checks them here, with the same messages::
+``pack_iterable_dataset``, :class:`fastpack.StreamPacker`, :func:`fastpack.ray.pack_dataset`,
+the ``fastpack pack`` command (its settings, ``_offline/settings.py``), and in
+``fastpack.torch`` ``PackedCollator``, ``PackedDataset`` and ``PackedIterableDataset`` —
+takes the same options, as keywords or as one object, and checks them here, with the same
+messages::
 
     fastpack.pack(lengths, 4096, strategy="ffd")
     fastpack.pack(lengths, options=fastpack.PackOptions(4096, strategy="ffd"))
@@ -21,7 +23,7 @@ Why this shape:
 - **Typed ``**kwargs`` in the signatures** (``**kwargs: Unpack[PackArgs]``, PEP 692):
   mypy and editors check each keyword's name and type at the call site and list them, and
   an option added here reaches every entry point without touching its signature. Spelling
-  the options out in each signature reads best in ``help()``, but it is the seven copies
+  the options out in each signature reads best in ``help()``, but it is the nine copies
   of one list, each checked its own way, that this module replaces. ``max_len`` stays a
   positional parameter (``pack(lengths, 4096)``), as does ``strategy`` of
   ``hf.pack_dataset`` (TRL's signature).
@@ -44,8 +46,10 @@ a ``StreamPacker``, a collator), never field by field, so that is all. It is a p
 option unless listed in :data:`PLAN_OPTIONS` (context parallelism's ``cp_size``,
 ``cp_mode`` and ``pad_multiple``, several budgets per pack, a collator's ``share_prefix``:
 per-batch). An entry point that cannot honour it refuses it by name (``refuse=``, as the
-streams refuse ``group_tokens``), so it is never silently ignored; ``tests/test_options.py``
-then checks it at every entry point without a new row.
+streams refuse ``group_tokens`` and the command ``reserve``), so it is never silently
+ignored; ``tests/test_options.py`` then checks it at every entry point without a new row.
+The command's settings take, check and record a new option unasked; a command line sets
+it once it has a flag in ``cli.py``.
 """
 
 from __future__ import annotations
@@ -63,13 +67,13 @@ if TYPE_CHECKING:
     from typing_extensions import Unpack
 
 __all__ = [
-    "CP_MODES", "GROUP_TOKENS_LIMIT", "MAX_CP_SIZE", "MAX_LEN_LIMIT", "OVERLONG_POLICIES",
-    "PLAN_OPTIONS", "STRATEGIES", "cp_divisor",
+    "CP_MODES", "GROUP_TOKENS_LIMIT", "MAX_CP_SIZE", "MAX_LEN_LIMIT", "MAX_PAD_DIVISOR",
+    "OVERLONG_POLICIES", "PLAN_OPTIONS", "STRATEGIES", "check_cp", "cp_divisor",
     "PackArgs", "PackOptions", "WithOptions", "check_plan", "layered", "resolve",
     "separator_reserve", "with_separator",
 ]
 
-STRATEGIES = ("bfd", "ffd", "next_fit", "wrapped")
+STRATEGIES = ("bfd", "ffd", "next_fit", "wrapped", "one_per_pack")
 OVERLONG_POLICIES = ("error", "truncate", "split", "drop")
 # The fit strategies keep an index over every capacity 0..=max_len (the core's limit).
 MAX_LEN_LIMIT = 2**24
@@ -98,6 +102,30 @@ def cp_divisor(cp_size: int, mode: str, pad_multiple: int) -> int:
     return cp_size * pad_multiple
 
 
+#: The largest ``pad_multiple``, and the largest multiple padded lengths may be rounded to.
+MAX_PAD_DIVISOR = 1 << 30
+
+
+def check_cp(
+    cp_size: Any, mode: Any, pad_multiple: Any, *,
+    names: tuple[str, str, str] = ("cp_size", "mode", "pad_multiple"),
+) -> tuple[int, str, int]:
+    """A context-parallel group (``cp_size``, its mode, ``pad_multiple``) checked: the one
+    check behind ``PackOptions``' fields and the functions about CP alone (``cp_layout``,
+    ``shard_for_context_parallel``), its errors naming the arguments as the caller spells
+    them (``names``)."""
+    cp = _int_arg(names[0], cp_size, minimum=1, maximum=MAX_CP_SIZE)
+    mode = _choice(names[1], mode, CP_MODES)
+    multiple = _int_arg(names[2], pad_multiple, minimum=1, maximum=MAX_PAD_DIVISOR)
+    d = cp_divisor(cp, mode, multiple)
+    if d > MAX_PAD_DIVISOR:
+        raise FastpackError(
+            f"{names[2]}: got {multiple}; with {names[0]}={cp} and {names[1]}={mode!r} lengths "
+            f"would be padded to multiples of {d}, more than 2^30; expected a smaller multiple"
+        )
+    return cp, mode, multiple
+
+
 #: Options about a whole plan's packs (their order, buckets and groups), not about how
 #: one batch of samples is packed: a dataset takes them, a collator refuses them.
 PLAN_OPTIONS = ("shuffle", "seed", "long_max_len", "group_tokens")
@@ -120,7 +148,8 @@ class PackOptions:
     max_len: int
     #: ``"bfd"`` best-fit decreasing (fewest packs), ``"ffd"`` first-fit decreasing,
     #: ``"next_fit"`` (keeps input order), ``"wrapped"`` (concatenate and cut every
-    #: ``max_len`` tokens; ``overlong`` does not apply).
+    #: ``max_len`` tokens; ``overlong`` does not apply), ``"one_per_pack"`` (every
+    #: sequence in a pack of its own, in input order: the padded baseline).
     strategy: str = "bfd"
     #: A sequence longer than ``max_len - reserve``: ``"error"`` (raise, giving how many
     #: and the first index), ``"truncate"``, ``"split"`` into pieces packed on their own,
@@ -236,9 +265,11 @@ def _check_group_tokens(o: PackOptions, value: Any) -> int | None:
 
 
 def _check_cp_size(o: PackOptions, value: Any) -> int | None:
-    if value is None:
-        return None
-    return _int_arg("cp_size", value, minimum=1, maximum=MAX_CP_SIZE)
+    return None if value is None else check_cp(value, "zigzag", 1, names=_CP_NAMES)[0]
+
+
+#: How ``PackOptions`` spells a context-parallel group's settings.
+_CP_NAMES = ("cp_size", "cp_mode", "pad_multiple")
 
 
 def _check_cp_mode(o: PackOptions, value: Any) -> str:
@@ -250,17 +281,15 @@ def _check_cp_mode(o: PackOptions, value: Any) -> str:
 
 
 def _check_pad_multiple(o: PackOptions, value: Any) -> int:
-    multiple = _int_arg("pad_multiple", value, minimum=1, maximum=1 << 30)
     if o.cp_size is None:
+        multiple = _int_arg("pad_multiple", value, minimum=1, maximum=MAX_PAD_DIVISOR)
         if multiple != 1:
             raise FastpackError(f"pad_multiple: got {multiple} without cp_size; pass cp_size "
                                 f"(context parallelism pads) or leave pad_multiple out")
         return multiple
+    _, _, multiple = check_cp(o.cp_size, o.cp_mode, value, names=_CP_NAMES)
     d = cp_divisor(o.cp_size, o.cp_mode, multiple)
     setting = f"cp_size={o.cp_size}, cp_mode={o.cp_mode!r} and pad_multiple={multiple}"
-    if d > 1 << 30:
-        raise FastpackError(f"pad_multiple: got {multiple}; with {setting} lengths would be "
-                            f"padded to multiples of {d}, more than 2^30")
     what = "every sequence" if o.cp_mode == "zigzag" else "every pack"
     caps = [("max_len", o.max_len)]
     if o.long_max_len is not None:
@@ -281,6 +310,8 @@ def _check_pad_multiple(o: PackOptions, value: Any) -> int:
             f"expected a larger long_max_len"
         )
     return multiple
+
+
 def _check_share_prefix(o: PackOptions, value: Any) -> bool:
     share = _bool_arg("share_prefix", value)
     if not share:

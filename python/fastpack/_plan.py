@@ -16,7 +16,7 @@ from ._options import OVERLONG_POLICIES, STRATEGIES, PackArgs, PackOptions, reso
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-__all__ = ["OVERLONG_POLICIES", "STRATEGIES", "Bucket", "Plan", "pack"]
+__all__ = ["OVERLONG_POLICIES", "STRATEGIES", "Bucket", "Plan", "pack", "sub_plan"]
 
 # Below this many sequences one thread (the calling one) is as fast as two and skips
 # waking the pool (medians, 2 cores: 3*10^4 SFT-like lengths 0.31 ms on 1 thread, 0.64 ms
@@ -422,10 +422,11 @@ class Plan:
         plain plan): zigzag pads every segment to a multiple of ``2·cp·pad_multiple``, the
         contiguous modes every pack to a multiple of ``cp·pad_multiple``. Not in
         ``total_tokens`` (the real ones); every padded pack fits ``max_len``."""
-        if self.cp_size is None or self.cp_mode is None or self.pad_multiple is None:
+        if self.cp_size is None:
             return 0
-        padded, _ = _core.cp_streams(self.seqlens, self.pack_offsets, self.cp_size,
-                                     self.cp_mode, self.pad_multiple, work=False)
+        from ._context_parallel import cp_rows
+
+        padded, _ = cp_rows(self, self.seqlens, self.pack_offsets, work=False)
         return int(padded.sum()) - self.total_tokens
 
     @property
@@ -585,6 +586,70 @@ class Plan:
         )
 
 
+def sub_plan(plan: Plan, p0: int, p1: int, lo: int | None = None, hi: int | None = None,
+             sample_ids: np.ndarray | None = None) -> Plan:
+    """Packs ``p0:p1`` of ``plan`` -- or segments ``lo:hi`` of them (a piece of a step may
+    cut a pack) -- as a plan of their own: the one way to take part of a plan (a step's
+    batch, the packs a gather pass or a Ray task writes). Arrays are views where they can
+    be; ``sample_ids`` renames the segments' samples (the rows of the data they are
+    gathered from; default: the plan's ids, indexing the whole input).
+
+    The part keeps the plan's options (caps, reserve, strategy, policy, shuffle, seed and
+    the context-parallel group) and each pack's cap, has no groups, and counts only what
+    it holds: each of its segments is one of its sequences (a piece of a split sample
+    trains as a sequence), in the bucket of its pack; what planning lost (empty, dropped,
+    truncated and split sequences) is the whole plan's to report, so a part counts none.
+    Its metrics are its own, computed by the core from its arrays. A part of a plan of
+    trees holds whole trees (a cut inside one raises) and the paths that end in it."""
+    bounds = np.asarray(plan.pack_offsets[p0 : p1 + 1], dtype=np.int64)
+    lo = int(bounds[0]) if lo is None else lo
+    hi = int(bounds[-1]) if hi is None else hi
+    inner = bounds[(bounds > lo) & (bounds < hi)]
+    offsets = np.concatenate(([lo], inner, [hi])).astype(np.int64) - lo
+    ids = plan.sample_ids[lo:hi] if sample_ids is None else sample_ids
+    fields: dict[str, Any] = {
+        "sample_ids": ids, "starts": plan.starts[lo:hi], "seqlens": plan.seqlens[lo:hi],
+        "pack_offsets": offsets, "num_sequences": hi - lo, "empty_sequences": 0,
+        "dropped_sequences": 0, "dropped_tokens": 0, "truncated_sequences": 0,
+        "truncated_tokens": 0, "split_sequences": 0,
+        **{name: getattr(plan.options, name) for name in (
+            "max_len", "reserve", "strategy", "overlong", "long_max_len", "shuffle", "seed")},
+        "cp_size": plan.cp_size, "cp_mode": plan.cp_mode, "pad_multiple": plan.pad_multiple,
+    }
+    if plan.long_max_len is not None:
+        # The pack of the whole plan each of the part's packs is (a piece of).
+        parents = p0 + np.searchsorted(bounds - lo, offsets[:-1], side="right") - 1
+        caps = np.ascontiguousarray(plan.pack_caps[parents], dtype=np.int32)
+        segments = np.repeat(caps, np.diff(offsets))
+        fields["pack_caps"] = caps
+        fields["buckets"] = [{"num_sequences": int(np.count_nonzero(segments == b.max_len))}
+                             for b in plan.buckets]
+    if plan.parents is not None:
+        fields.update(_sub_trees(plan, lo, hi))
+    return Plan(fields)
+
+
+def _sub_trees(plan: Plan, lo: int, hi: int) -> dict[str, Any]:
+    """The tree arrays of segments ``lo:hi`` (whole trees: a cut inside one raises)."""
+    assert plan.parents is not None and plan.path_ends is not None
+    assert plan.path_sample_ids is not None
+    parents = np.asarray(plan.parents[lo:hi], dtype=np.int64)
+    if len(parents) and (parents[0] >= 0 or np.any((parents >= 0) & (parents < lo))):
+        raise FastpackError(
+            f"segments: {lo}..{hi} cuts through a tree (a segment's parent lies outside); a "
+            f"plan of trees is cut only where a tree begins"
+        )
+    a, b = (int(x) for x in np.searchsorted(plan.path_ends, (lo, hi)))
+    ends = np.asarray(plan.path_ends[a:b], dtype=np.int64)
+    return {
+        "num_sequences": b - a,  # a tree's sequences are its paths
+        "parents": np.where(parents >= 0, parents - lo, -1),
+        "path_sample_ids": plan.path_sample_ids[a:b], "path_ends": ends - lo,
+        "sample_tokens": int((np.asarray(plan.starts)[ends]
+                              + np.asarray(plan.seqlens)[ends]).sum()),
+    }
+
+
 #: The options :func:`pack` cannot honour (it plans lengths).
 PACK_REFUSES = {
     "share_prefix": "trees are found from the samples' tokens, and pack() plans lengths; "
@@ -618,7 +683,9 @@ def pack(
 
             - ``strategy``: ``"bfd"`` best-fit decreasing (fewest packs), ``"ffd"``
               first-fit decreasing, ``"next_fit"`` (keeps input order), ``"wrapped"``
-              (concatenate and cut every ``max_len`` tokens; ``overlong`` does not apply).
+              (concatenate and cut every ``max_len`` tokens; ``overlong`` does not apply),
+              ``"one_per_pack"`` (every sequence, or piece of a split one, in a pack of its
+              own, in input order: the padded baseline).
             - ``overlong``: what to do with a sequence longer than ``max_len - reserve``:
               ``"error"`` (raise, giving how many and the first index), ``"truncate"``,
               ``"split"`` into pieces each packed on its own, or ``"drop"``. Every dropped

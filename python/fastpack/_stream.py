@@ -31,7 +31,7 @@ import numpy as np
 from . import _core
 from ._checks import _int_arg, _threads
 from ._errors import FastpackError, FastpackTypeError
-from ._gather import DEFAULT_FILLS, fill_bytes
+from ._gather import WRITTEN, check_packable, separators, written_fields
 from ._options import PackArgs, PackOptions, WithOptions, resolve, with_separator
 from ._plan import Plan, pack
 
@@ -42,8 +42,8 @@ __all__ = ["Gathered", "Round", "StreamPacker", "StreamStats", "pack_iterable_da
 
 logger = logging.getLogger("fastpack")
 
-#: A pack filled below this share of its cap waits for later samples (bfd/ffd).
-CARRY_FILL = 0.999
+#: A pack whose fill is below this share of its cap waits for later samples (bfd/ffd).
+CARRY_BELOW = 0.999
 #: At most this share of a window is carried into the next one, so each window reads at
 #: least half new samples and planning stays O(1) per sample.
 CARRY_SHARE = 0.5
@@ -58,7 +58,7 @@ STATE_VERSION = 1
 #: A ragged column in the Arrow list layout: row ``i`` is ``values[offsets[i]:offsets[i+1]]``.
 Column = tuple[np.ndarray, np.ndarray]
 
-_ORDERED = ("next_fit", "wrapped")
+_ORDERED = ("next_fit", "wrapped", "one_per_pack")
 
 #: The packing options a stream cannot honour, and why (see ``_options.resolve``).
 STREAM_REFUSES = {
@@ -155,40 +155,22 @@ class Round:
         packs: Any,
         *,
         separator_id: int | None = None,
-        fill: Mapping[str, Any] | None = None,
+        separator_values: Mapping[str, Any] | None = None,
         position_ids: bool = True,
     ) -> Gathered:
         """The rows of ``packs`` (pack indices of :attr:`plan`, say from :meth:`take`),
         copied by the same Rust gather as :func:`fastpack.gather`: a truncated sample
         keeps ``seqlen - reserve`` tokens and its separator, reserved slots hold
-        ``separator_id`` in ``input_ids`` and ``fill`` (default: ``labels`` -100,
-        ``attention_mask`` 1, other columns 0) elsewhere. numpy only."""
+        ``separator_id`` in ``input_ids`` and ``separator_values`` (default: ``labels``
+        -100, ``attention_mask`` 1, other columns 0) elsewhere. numpy only."""
         packs = np.asarray(packs, dtype=np.int64).reshape(-1)
         names = list(self.columns)
-        fills = dict(fill or {})
-        unknown = [k for k in fills if k not in names]
-        if unknown:
-            raise FastpackError(f"fill: {unknown[0]!r} is not a packed column "
-                                f"({', '.join(names)})")
-        if separator_id is not None:
-            fills.setdefault(LENGTH_COLUMN, _int_arg("separator_id", separator_id,
-                                                     minimum=-(2**63)))
-        reserve = self.plan.reserve
-        if reserve and LENGTH_COLUMN not in fills:
-            raise FastpackError(
-                f"separator_id: the plan reserves {reserve} slot(s) after every sequence; "
-                f"pass the separator token id (or fill={{'input_ids': ...}})"
-            )
         dtypes = [self.columns[n][0].dtype for n in names]
-        column_fills = [
-            fill_bytes(n, fills.get(n, DEFAULT_FILLS.get(n, 0)), d) if reserve else b""
-            for n, d in zip(names, dtypes)
-        ]
         plan = self.plan
+        slots = separators(names, dtypes, plan.reserve, separator_id, separator_values)
         out = _core.gather(
-            plan.sample_ids, plan.starts, plan.seqlens, plan.pack_offsets, reserve,
-            plan.strategy, plan.overlong, packs, self.handles(), column_fills, position_ids,
-            None,
+            plan.sample_ids, plan.starts, plan.seqlens, plan.pack_offsets, plan.reserve,
+            plan.strategy, plan.overlong, packs, self.handles(), slots, position_ids, None,
         )
         columns = {}
         for name, dtype, buf in zip(names, dtypes, out["columns"]):
@@ -248,7 +230,7 @@ class StreamPacker(WithOptions):
             so batches of that many packs never straddle two windows.
         threads: worker threads, as in :func:`fastpack.pack`.
 
-    Which packs wait: with ``"bfd"``/``"ffd"``, those filled below ``CARRY_FILL`` of
+    Which packs wait: with ``"bfd"``/``"ffd"``, those filled below ``CARRY_BELOW`` of
     their cap, least filled first, up to ``CARRY_SHARE`` of the window, and never a
     sample already carried ``MAX_CARRIES`` times. With ``"next_fit"``/``"wrapped"``, the
     last (still open) pack of each bucket waits, so the stream packs exactly as the
@@ -383,7 +365,10 @@ class StreamPacker(WithOptions):
         ends = plan.starts + plan.seqlens == lengths + self.reserve
         whole = ends & (plan.starts < lengths)
         carryable = np.logical_and.reduceat(whole, plan.pack_offsets[:-1])
-        if self.strategy in _ORDERED:
+        if self.strategy == "one_per_pack":
+            # A pack holds one sample and never more: waiting gains it nothing.
+            candidates = np.zeros(n_packs, dtype=bool)
+        elif self.strategy in _ORDERED:
             # The open pack of each bucket (packs come short bucket first, in order).
             last = np.zeros(n_packs, dtype=bool)
             boundary = np.flatnonzero(np.diff(caps)) if len(caps) > 1 else np.zeros(0, int)
@@ -392,7 +377,7 @@ class StreamPacker(WithOptions):
         else:
             oldest = np.maximum.reduceat(ages[plan.sample_ids], plan.pack_offsets[:-1])
             carryable &= oldest < MAX_CARRIES
-            candidates = carryable & (fill < CARRY_FILL * caps)
+            candidates = carryable & (fill < CARRY_BELOW * caps)
         limit = int(CARRY_SHARE * self.buffer_size)
         ratio = fill / caps
         order = np.lexsort((every, ratio))
@@ -692,14 +677,14 @@ def pack_iterable_dataset(
     ``seq_lengths`` and ``position_ids``; ``input_ids`` gives the lengths) is packed,
     keeping its Arrow type, and two columns are added: ``seq_lengths`` (int32, each
     segment's tokens, as TRL's ``pack_dataset`` writes it, so TRL's collators and
-    ``SFTTrainer`` read it) and ``position_ids`` (int32, restarting at 0 in every
+    ``SFTTrainer`` read it) and ``position_ids`` (int64, restarting at 0 in every
     segment). The rows are copied by the same Rust gather as for a ``Dataset``
     (:func:`fastpack.gather`), so a pack holds exactly what the Dataset path writes for
     it: a truncated row keeps ``max_len - reserve`` tokens and its separator; the
     reserved slots hold ``separator_id`` in ``input_ids``, -100 in ``labels``, 1 in
-    ``attention_mask`` and 0 in other columns (a fill that does not fit a column's type
-    raises). ``separator_id`` without ``reserve`` reserves one slot; ``reserve=0`` with
-    a separator, or ``reserve`` without one, raises.
+    ``attention_mask`` and 0 in other columns (a separator value that does not fit a
+    column's type raises). ``separator_id`` without ``reserve`` reserves one slot;
+    ``reserve=0`` with a separator, or ``reserve`` without one, raises.
 
     Each shard of the source is packed on its own by a :class:`StreamPacker` with a
     window of ``buffer_size`` samples, read as Arrow batches; the output has the
@@ -739,10 +724,7 @@ def pack_iterable_dataset(
         if LENGTH_COLUMN not in columns:
             raise FastpackError(f"columns: {columns} lacks {LENGTH_COLUMN!r}, which gives "
                                 "the lengths to pack")
-        written = [c for c in columns if c in _WRITTEN]
-        if written:
-            raise FastpackError(f"columns: {written[0]!r} is written by pack_dataset from "
-                                "the plan; leave it out")
+        check_packable(columns, "pack_dataset")
     known = _list_columns(dataset.features, columns) if dataset.features is not None else None
     features = None
     if known is not None:
@@ -752,7 +734,7 @@ def pack_iterable_dataset(
 
         schema = datasets.Features({k: dataset.features[k] for k in known}).arrow_schema
         out = [pa.field(k, _output_type(schema.field(k).type)) for k in known]
-        out += [pa.field(k, pa.list_(pa.int32())) for k in _WRITTEN]
+        out += written_fields()
         features = datasets.Features.from_arrow_schema(pa.schema(out))
     source = dataset
     n_shards = max(source.num_shards, 1)
@@ -765,10 +747,6 @@ def pack_iterable_dataset(
     ex_iterable = ArrowExamplesIterable(generate, {"shards": list(range(n_shards))})
     info = datasets.DatasetInfo(features=features)
     return datasets.IterableDataset(ex_iterable, info=info, split=dataset.split)
-
-
-#: Columns that the gather writes from the plan, never packed from the input.
-_WRITTEN = ("seq_lengths", "position_ids")
 
 
 def _list_columns(features: Any, columns: Sequence[str] | None) -> list[str]:
@@ -784,7 +762,7 @@ def _list_columns(features: Any, columns: Sequence[str] | None) -> list[str]:
         )
 
     if columns is None:
-        chosen = [k for k, f in features.items() if numeric_list(f) and k not in _WRITTEN]
+        chosen = [k for k, f in features.items() if numeric_list(f) and k not in WRITTEN]
         if LENGTH_COLUMN not in chosen:
             raise FastpackError(
                 f"dataset: no {LENGTH_COLUMN!r} list column to pack (columns: "
@@ -870,11 +848,11 @@ def _pack_shard(part: Any, packer: StreamPacker, columns: list[str] | None,
                           origins=np.arange(origin, origin + take, dtype=np.int64))
         origin += take
         packs = rnd.take(rnd.remaining)
-        if types is not None:  # even without packs: a fill that does not fit raises
-            fill = None if separator_id is None else {LENGTH_COLUMN: separator_id}
+        if types is not None:  # even without packs: a separator that does not fit raises
+            separators = None if separator_id is None else {LENGTH_COLUMN: separator_id}
             _, out = prepare(
                 rnd.plan, rnd.handles(), list(types.values()), packs, separator_id=None,
-                fill=fill, position_ids=True, batch_tokens=_BATCH_TOKENS,
+                separator_values=separators, position_ids=True, batch_tokens=_BATCH_TOKENS,
                 threads=packer.threads,
             )
             for record_batch in out:

@@ -14,7 +14,7 @@ import numpy as np
 
 from . import DISTRIBUTION
 from ._errors import FastpackError
-from ._plan import OVERLONG_POLICIES, STRATEGIES
+from ._options import OVERLONG_POLICIES, STRATEGIES, PackOptions
 
 __all__ = ["main"]
 
@@ -44,10 +44,6 @@ def _columns(_ctx: click.Context, _param: click.Parameter,
     return tuple(c.strip() for c in value.split(",") if c.strip())
 
 
-#: The largest --seed: fastpack.pack takes any unsigned 64-bit seed.
-MAX_SEED = 2**64 - 1
-
-
 def _need_plot(plot: bool | None) -> None:
     """--plot where no picture can be drawn: one line and status 2, before any work."""
     from ._offline.stats import check_plot
@@ -58,15 +54,20 @@ def _need_plot(plot: bool | None) -> None:
         _fail(FastpackError(f"{e}; or leave --plot out"))
 
 
+def _flagged(error: FastpackError) -> FastpackError:
+    """A packing option's error (``"seed: got ..."``, worded as every entry point words it)
+    with the flag it came from first: ``"--seed: seed: got ..."``."""
+    name = str(error).split(":", 1)[0]
+    return FastpackError(f"--{name.replace('_', '-')}: {error}")
+
+
 def _check_caps(caps: Sequence[int]) -> None:
     """Each cap as fastpack.pack accepts it, before any input is read."""
-    from ._plan import pack
-
     for cap in caps:
         try:
-            pack(np.zeros(0, np.int32), cap)
+            PackOptions(cap)
         except FastpackError as e:
-            _fail(FastpackError(f"--max-len: {e}"))
+            _fail(_flagged(e))
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -181,8 +182,7 @@ def stats(inputs: Sequence[str], caps: list[int], column: str, quiet: bool, batc
 @click.option("-o", "--output", "outdir", required=True, type=click.Path(file_okay=False),
               help="Output directory: shard-*.parquet, manifest.json, report.json, "
               "report.png.")
-@click.option("--max-len", type=click.IntRange(min=1), required=True,
-              help="Tokens per packed row.")
+@click.option("--max-len", type=int, required=True, help="Tokens per packed row.")
 @_input_options
 @click.option("--columns", "columns", callback=_columns, default=None,
               help="The other per-token columns to pack, comma-separated (e.g. "
@@ -195,23 +195,26 @@ def stats(inputs: Sequence[str], caps: list[int], column: str, quiet: bool, batc
 @click.option("--tokenizer", type=click.Path(), default=None,
               help="A Hugging Face tokenizer saved locally (save_pretrained directory); no "
               "network.")
-@click.option("--strategy", type=click.Choice(STRATEGIES), default="bfd", show_default=True,
+# The packing options are checked by fastpack.PackOptions (every entry point's messages),
+# not by click: their metavars list what is accepted.
+@click.option("--strategy", default="bfd", show_default=True,
+              metavar="[" + "|".join(STRATEGIES) + "]",
               help="bfd: best-fit decreasing (fewest packs); ffd; next_fit (keeps input "
-              "order); wrapped (concatenate and cut).")
-@click.option("--overlong", type=click.Choice(OVERLONG_POLICIES), default="error",
-              show_default=True,
+              "order); wrapped (concatenate and cut); one_per_pack (a document per row).")
+@click.option("--overlong", default="error", show_default=True,
+              metavar="[" + "|".join(OVERLONG_POLICIES) + "]",
               help="A document longer than the cap: stop with an error naming it, "
               "truncate it, split it into pieces, or drop it. Every token lost is reported.")
-@click.option("--long-max-len", type=click.IntRange(min=2), default=None,
+@click.option("--long-max-len", type=int, default=None,
               help="A second bucket: documents longer than --max-len go into packs of this "
               "many tokens.")
-@click.option("--group-tokens", type=click.IntRange(min=1), default=None,
+@click.option("--group-tokens", type=int, default=None,
               help="Two-level packing: order packs in groups of at most this many tokens "
               "(a step or micro-batch); group_offsets.npy gives the groups.")
 @click.option("--shuffle/--no-shuffle", default=True, show_default=True,
               help="Shuffle the pack order (--no-shuffle: packs come sorted by size).")
-@click.option("--seed", type=click.IntRange(min=0, max=MAX_SEED), default=0,
-              show_default=True, help="Seed of the shuffle (0 to 2^64-1).")
+@click.option("--seed", type=int, default=0, show_default=True,
+              help="Seed of the shuffle (0 to 2^64-1).")
 @click.option("--shard-rows", type=click.IntRange(min=1), default=None,
               help="Packed rows per parquet shard [default: 2^25 tokens' worth, e.g. 8192 "
               "at --max-len 4096].")
@@ -265,18 +268,17 @@ def pack(inputs: Sequence[str], outdir: str, max_len: int, column: str, quiet: b
                             "tokenized with the tokenizer"))
     if resume and overwrite:
         _fail(FastpackError("--resume and --overwrite exclude each other"))
-    if long_max_len is not None and long_max_len <= max_len:
-        _fail(FastpackError(f"--long-max-len: got {long_max_len}; expected more than "
-                            f"--max-len ({max_len})"))
     try:
-        budget = None if memory == "auto" else parse_size(memory)
         settings = PackSettings(
-            max_len=max_len, column=column, columns=columns, text_column=text_column,
+            max_len, column=column, columns=columns, text_column=text_column,
             tokenizer=str(Path(tokenizer).resolve()) if tokenizer else None,
             strategy=strategy, overlong=overlong, long_max_len=long_max_len,
             group_tokens=group_tokens, shuffle=shuffle, seed=seed, shard_rows=shard_rows,
             plan_shards=plan_shards)
-        settings.validate()
+    except FastpackError as e:
+        _fail(_flagged(e))
+    try:
+        budget = None if memory == "auto" else parse_size(memory)
         if ray_address is not None:
             from .ray import pack_files
 

@@ -23,7 +23,7 @@ from . import _core
 from ._arrow import dataset_parts, list_columns, per_token_columns
 from ._checks import _threads
 from ._errors import FastpackError, FastpackTypeError
-from ._gather import DEFAULT_BATCH_TOKENS, prepare
+from ._gather import DEFAULT_BATCH_TOKENS, WRITTEN, check_packable, prepare
 from ._options import PackOptions, _Args, with_separator
 from ._plan import Plan, pack
 
@@ -36,8 +36,6 @@ logger = logging.getLogger("fastpack")
 
 #: TRL's strategy names that fastpack spells differently.
 TRL_STRATEGIES = {"bfd_split": ("bfd", "split")}
-#: Columns pack_dataset writes itself.
-WRITTEN = ("seq_lengths", "position_ids")
 
 
 def _kind(dataset: Any) -> str:
@@ -80,8 +78,8 @@ def pack_dataset(
         max_len: tokens per pack (TRL's ``seq_length``, also accepted by that name).
         strategy: ``"bfd"`` (best fit decreasing, the fewest packs; the default),
             ``"ffd"``, ``"next_fit"`` (keeps row order), ``"wrapped"`` (concatenate and cut
-            every ``max_len`` tokens), or TRL's ``"bfd_split"`` (= ``"bfd"`` with
-            ``overlong="split"``).
+            every ``max_len`` tokens), ``"one_per_pack"`` (a row per sequence), or TRL's
+            ``"bfd_split"`` (= ``"bfd"`` with ``overlong="split"``).
         map_kwargs: TRL's ``Dataset.map`` arguments, where they mean something without a
             ``map``: ``keep_in_memory``, ``cache_file_name`` (where the result is
             written), ``num_proc`` (the thread count, if ``threads`` is not given),
@@ -97,9 +95,9 @@ def pack_dataset(
         columns: the per-token columns to pack (default: every column holding a list of
             numbers per row, except ``seq_lengths``/``position_ids``; other columns are
             left out). Each must have one value per token of ``input_ids``.
-        position_ids: also write ``position_ids`` (``list<int32>``, restarting at 0 in
+        position_ids: also write ``position_ids`` (``list<int64>``, restarting at 0 in
             every packed sequence). Off by default, as in TRL: its collator builds them
-            from ``seq_lengths``, and they would add half the bytes of two int32 columns.
+            from ``seq_lengths``, and they would add the bytes of two int32 columns.
         threads: worker threads (default: ``RAYON_NUM_THREADS`` or all cores); the
             result does not depend on it.
         keep_in_memory: for a dataset backed by cache files, keep the result in memory
@@ -263,11 +261,7 @@ def _choose_columns(dataset: Any, columns: Sequence[str] | None) -> list[str] | 
         return chosen
     if isinstance(columns, str):
         raise FastpackTypeError("columns: expected a list of column names, got a string")
-    written = [c for c in columns if c in WRITTEN]
-    if written:
-        raise FastpackError(
-            f"columns: {written[0]!r} is written by pack_dataset from the plan; leave it out"
-        )
+    check_packable(columns, "pack_dataset")
     return list(columns)
 
 
@@ -295,10 +289,10 @@ def _pack_one(
                        + message[len("lengths: "):].replace("sequence(s)", "row(s)")
                        .replace("at index", "at row"))
         raise FastpackError(message) from None
-    fill = None if separator_id is None else {names[first]: separator_id}
+    separators = None if separator_id is None else {names[first]: separator_id}
     schema, batches = prepare(
-        plan, handles, types, None, separator_id=None, fill=fill, position_ids=position_ids,
-        batch_tokens=batch_tokens, threads=threads,
+        plan, handles, types, None, separator_id=None, separator_values=separators,
+        position_ids=position_ids, batch_tokens=batch_tokens, threads=threads,
     )
     group = _group_of_packs(plan)
     if group is not None:

@@ -26,7 +26,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
@@ -35,7 +35,15 @@ from ._errors import FastpackError
 from ._offline.gather import shard_batches
 from ._offline.layout import output_schema, shard_name
 from ._offline.outdir import OutputDir, write_shard
-from ._offline.plan import ROW_BITS, mix64, plan_shard, plan_window, shard_of, sorted_unique
+from ._offline.plan import (
+    ROW_BITS,
+    mix64,
+    overlong_documents,
+    overlong_error,
+    plan_shard,
+    shard_of,
+    sorted_unique,
+)
 from ._offline.progress import log
 from ._offline.report import PlanStats, make_report
 from ._offline.scan import (
@@ -46,7 +54,7 @@ from ._offline.scan import (
     text_left_out,
     uneven_reason,
 )
-from ._offline.settings import PackSettings, token_columns
+from ._offline.settings import REFUSED, PackSettings, token_columns
 from ._offline.sources import (
     InputError,
     Source,
@@ -56,6 +64,11 @@ from ._offline.sources import (
     list_lengths,
 )
 from ._offline.stats import check_plot
+from ._options import PackArgs, PackOptions, resolve
+from ._plan import sub_plan
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["DOC", "content_keys", "pack_dataset", "pack_files", "read_files"]
 
@@ -240,15 +253,12 @@ class _Planner:
             if same.size:
                 result["duplicate"] = int(self.keys[same[0]])
                 return result
-        if settings.overlong == "error" and settings.strategy != "wrapped":
-            over = np.flatnonzero(lengths > settings.max_cap)
-            if over.size:
-                result["overlong"] = (int(self.keys[over[0]]), int(lengths[over[0]]),
-                                      int(over.size))
-                return result
-        shard = None if self.num_shards == 1 else self.shard
-        plan = settings.plan_config.pack(lengths) if shard is None else \
-            plan_shard(lengths, shard, settings.plan_config)
+        over = overlong_documents(lengths, settings)
+        if over.size:
+            result["overlong"] = (int(self.keys[over[0]]), int(lengths[over[0]]), int(over.size))
+            return result
+        plan = plan_shard(lengths, None if self.num_shards == 1 else self.shard,
+                          settings.options)
         self.plan_ = plan
         assert settings.shard_rows is not None
         rows = settings.shard_rows
@@ -319,7 +329,7 @@ class _Planner:
         p0 = out * self.settings.shard_rows
         p1 = min(p0 + self.settings.shard_rows, plan.num_packs)
         s0, s1 = int(plan.pack_offsets[p0]), int(plan.pack_offsets[p1])
-        return {"plan": plan_window(plan, p0, p1, self.keys[plan.sample_ids[s0:s1]]),
+        return {"plan": sub_plan(plan, p0, p1, sample_ids=self.keys[plan.sample_ids[s0:s1]]),
                 "first_pack": p0}
 
 
@@ -385,7 +395,7 @@ def _gather_stage(table: pa.Table, *, columns: list[str], planners: list[Any],
     if at.size and (at.max() >= len(keys) or (sorted_keys[at] != wanted).any()):
         raise FastpackError(f"output shard {out}: a document did not arrive")
     _check_collisions(sorted_keys, order, table.column(columns[0]))
-    window = plan_window(window, 0, window.num_packs, order[at])  # keys -> rows
+    window = sub_plan(window, 0, window.num_packs, sample_ids=order[at])  # keys -> rows
     schema = output_schema(settings_, dtypes)
     batches = shard_batches(table.select(columns), window, settings_, schema)
     if outdir is None:
@@ -489,11 +499,7 @@ class _Pipeline:
             if r["overlong"] is not None:
                 key, length, count = r["overlong"]
                 where = self.locate(key) if self.locate else {"path": f"key {key}"}
-                raise InputError(
-                    f"{length:,} tokens, longer than the cap of {settings.max_cap:,} "
-                    f"({count:,} such documents in its plan shard); pass --overlong split, "
-                    "truncate or drop (or a larger --long-max-len)", column=settings.column,
-                    **where)
+                raise overlong_error(length, count - 1, settings, " in its plan shard", **where)
         everything = [*self.columns, *self.candidates]
         for i, c in enumerate(self.candidates):
             if uneven >> i & 1:
@@ -574,19 +580,15 @@ def _schema_columns(ds: Any, column: str, order: str | None,
 
 def pack_dataset(
     ds: Any,
-    max_len: int,
+    max_len: int | None = None,
     *,
+    options: PackOptions | None = None,
     column: str = "input_ids",
     columns: Sequence[str] | None = None,
     order: str | None = None,
-    strategy: str = "bfd",
-    overlong: str = "error",
-    long_max_len: int | None = None,
-    group_tokens: int | None = None,
-    shuffle: bool = True,
-    seed: int = 0,
     shard_rows: int | None = None,
     plan_shards: int = 1,
+    **kwargs: Unpack[PackArgs],
 ) -> Any:
     """Packs a ``ray.data.Dataset`` of token lists into a ``ray.data.Dataset`` of packed
     rows: ``column`` and the other per-token columns packed, ``seq_lengths``,
@@ -604,16 +606,15 @@ def pack_dataset(
 
     The plan is made before this returns (the lengths pass runs now); the gather runs
     when the result is consumed. ``plan_shards=K`` plans in ``K`` independent shards (for
-    more lengths than one process holds; about half a pack more per shard). The other
-    arguments are those of :func:`fastpack.pack`, with its defaults (shuffled packs, seed
-    0); ``shard_rows`` packs are gathered per task.
+    more lengths than one process holds; about half a pack more per shard).
+    ``shard_rows`` packs are gathered per task. ``options`` and the keywords are the
+    packing options of :func:`fastpack.pack` (:class:`fastpack.PackOptions`, with its
+    defaults: shuffled packs, seed 0), checked before any data is read; ``reserve`` is
+    refused (no separator is written).
     """
-    settings = PackSettings(max_len=max_len, column=column,
-                            columns=None if columns is None else tuple(columns),
-                            strategy=strategy, overlong=overlong, long_max_len=long_max_len,
-                            group_tokens=group_tokens, shuffle=shuffle, seed=seed,
+    made = resolve(pack_dataset, options, max_len, kwargs, refuse=REFUSED)
+    settings = PackSettings(options=made, column=column, columns=columns,
                             shard_rows=shard_rows, plan_shards=plan_shards)
-    settings.validate()
     files = _read_of_files(ds) if order is None else None
     if files is not None:
         named, candidates, left_out = resolve_columns(expand_inputs(files), column, columns)
@@ -644,7 +645,6 @@ def pack_files(
     """``fastpack pack --ray``: files to parquet shards, byte for byte those of the
     single-machine path, with the same manifest, report and resume."""
     ray = _ray()
-    settings.validate()
     check_plot(plot)
     if not ray.is_initialized():
         try:

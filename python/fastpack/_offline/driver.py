@@ -24,7 +24,7 @@ pass's tokens) + one input batch (``BATCH_BYTES`` of decoded rows, or one parque
 group) + one output row group (``ROW_GROUP_TOKENS`` tokens). See docs/cli.md.
 
 ``fastpack.ray`` runs the same passes on a Ray cluster with these modules' pieces (the
-settings, the columns to pack, plan windows, the row gather, the output directory and the
+settings, the columns to pack, the over-the-cap rule, the row gather, the output directory and the
 report), byte for byte the same shards. ``fastpack stats`` is the lengths pass and
 :mod:`.stats`. The layers of fastpack and who owns what: docs/architecture.md.
 """
@@ -71,7 +71,6 @@ def pack_corpus(
     documents to a temporary file (as many bytes as the tokens), or, without ``spill``,
     read the inputs again for every pass. ``plot``: draw report.png (None: where
     matplotlib is installed; True: required, checked before any work)."""
-    settings.validate()
     check_plot(plot)
     seconds: dict[str, float] = {}
     clock = time.monotonic()

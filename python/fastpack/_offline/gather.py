@@ -20,10 +20,10 @@ import pyarrow as pa
 
 from .._errors import FastpackError
 from .._gather import gather
-from .._plan import Plan
+from .._plan import Plan, sub_plan
 from .layout import output_schema, row_group_packs, shard_bounds, shard_name
 from .outdir import OutputDir, write_shard
-from .plan import plan_window, sorted_unique
+from .plan import sorted_unique
 from .progress import Progress, human_bytes, log
 from .scan import Scan
 from .settings import PackSettings
@@ -163,7 +163,8 @@ def _batches(out: OutputDir, sources: Sequence[Source], scan: Scan, plan: Plan,
         del needed
         data = columns.arrow()
         first, last = groups[0][1], groups[-1][2]
-        window = plan_window(plan, first, last, np.searchsorted(kept, plan.sample_ids[lo:hi]))
+        window = sub_plan(plan, first, last,
+                          sample_ids=np.searchsorted(kept, plan.sample_ids[lo:hi]))
         for _, p, q in groups:
             yield gather_rows(data, window, range(p - first, q - first), names, schema)
         del columns, data, window

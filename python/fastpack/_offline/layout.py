@@ -9,13 +9,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pyarrow as pa
 
+from .._gather import written_fields
+
 if TYPE_CHECKING:
     from .settings import PackSettings
 
 __all__ = [
     "ROW_GROUP_TOKENS",
     "SHARD_TOKENS",
-    "WRITTEN",
     "default_shard_rows",
     "output_schema",
     "row_group_packs",
@@ -27,8 +28,6 @@ __all__ = [
 ROW_GROUP_TOKENS = 1 << 20
 # Tokens per shard when --shard-rows is not given (about 100 MB of zstd parquet).
 SHARD_TOKENS = 1 << 25
-# Columns the packing writes itself: an input's are never packed as token columns.
-WRITTEN = ("seq_lengths", "position_ids")
 
 
 def default_shard_rows(max_len: int) -> int:
@@ -54,11 +53,10 @@ def shard_name(i: int, n: int) -> str:
 
 def output_schema(settings: PackSettings, dtypes: dict[str, str]) -> pa.Schema:
     """The packed token columns (each in the dtype the lengths pass found it needs), then
-    the columns the packing writes."""
+    the columns the packing writes (``fastpack._gather.written_fields``)."""
     fields = [pa.field(c, pa.list_(pa.from_numpy_dtype(np.dtype(dtypes[c]))))
               for c in settings.token_columns]
-    fields.extend(pa.field(c, pa.list_(pa.int32())) for c in WRITTEN)
-    return pa.schema(fields)
+    return pa.schema(fields + written_fields())
 
 
 def row_group_packs(settings: PackSettings) -> int:

@@ -21,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 
 from .._errors import FastpackError
-from .layout import WRITTEN
+from .._gather import WRITTEN
 from .progress import log
 from .settings import PackSettings
 from .sources import Source

@@ -1,6 +1,6 @@
 """Pass 2, the plan: one global plan (``fastpack.pack``) over every document's length, or
-a sharded plan, and windows of it (the packs a gather pass or a worker writes, as a plan of
-their own).
+a sharded plan. (The packs a gather pass or a worker writes, as a plan of their own, are
+``fastpack._plan.sub_plan``'s.)
 
 Sharded plans: when one global plan does not fit one machine, documents are dealt to
 ``K`` plan shards by a hash of their key, each shard is packed on its own (best fit over
@@ -14,11 +14,11 @@ Each shard leaves about half a pack more than its share of one global plan: 10 s
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .._options import PackOptions
 from .._plan import Plan, pack
 from .sources import InputError, Source
 
@@ -28,14 +28,14 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ROW_BITS",
-    "PlanConfig",
     "check_overlong",
     "combine_plans",
     "file_keys",
     "make_plan",
     "mix64",
+    "overlong_documents",
+    "overlong_error",
     "plan_shard",
-    "plan_window",
     "shard_of",
     "shard_seed",
     "sharded_plan",
@@ -52,25 +52,39 @@ def make_plan(scan: Scan, settings: PackSettings,
     """The plan and the packs of each plan shard (one entry for a global plan)."""
     check_overlong(scan, settings, sources)
     if settings.plan_shards > 1:
-        return sharded_plan(scan.lengths, settings.plan_shards, settings.plan_config,
+        return sharded_plan(scan.lengths, settings.plan_shards, settings.options,
                             keys=file_keys(scan.file_rows))
-    plan = settings.plan_config.pack(scan.lengths)
+    plan = plan_shard(scan.lengths, None, settings.options)
     return plan, [plan.num_packs]
 
 
 def check_overlong(scan: Scan, settings: PackSettings, sources: Sequence[Source]) -> None:
     """With ``--overlong error``, names the first document longer than the cap."""
-    lengths = scan.lengths
-    if settings.overlong != "error" or settings.strategy == "wrapped" or not lengths.size:
-        return
-    over = np.flatnonzero(lengths > settings.max_cap)
+    over = overlong_documents(scan.lengths, settings)
     if over.size:
         path, row = scan.locate(int(over[0]), sources)
-        more = f" (and {over.size - 1:,} more over the cap)" if over.size > 1 else ""
-        raise InputError(
-            f"{int(lengths[over[0]]):,} tokens, longer than the cap of {settings.max_cap:,}"
-            f"{more}; pass --overlong split, truncate or drop (or a larger --long-max-len)",
-            path=path, row=row, column=settings.column)
+        raise overlong_error(int(scan.lengths[over[0]]), over.size - 1, settings,
+                             path=path, row=row)
+
+
+def overlong_documents(lengths: np.ndarray, settings: PackSettings) -> np.ndarray:
+    """The documents (indices into ``lengths``) that ``--overlong error`` refuses: longer
+    than the largest cap. None for another policy, nor for ``wrapped`` (which cuts every
+    document at the cap). The one rule, on one machine and in Ray's planners."""
+    if settings.overlong != "error" or settings.strategy == "wrapped" or not lengths.size:
+        return np.zeros(0, dtype=np.int64)
+    return np.flatnonzero(lengths > settings.max_cap)
+
+
+def overlong_error(length: int, more: int, settings: PackSettings, scope: str = "",
+                   **where: Any) -> InputError:
+    """The error naming a document of ``length`` tokens over the cap (``more``: how many
+    others are, in ``scope``; ``where``: its path and row)."""
+    others = f" (and {more:,} more over the cap{scope})" if more else ""
+    return InputError(
+        f"{length:,} tokens, longer than the cap of {settings.max_cap:,}{others}; pass "
+        "--overlong split, truncate or drop (or a larger --long-max-len)",
+        column=settings.column, **where)
 
 
 # ---------------------------------------------------------------------------------------
@@ -128,35 +142,21 @@ def shard_of(keys: np.ndarray, num_shards: int) -> np.ndarray:
     return (mix64(keys.view(np.uint64)) % np.uint64(num_shards)).astype(np.int64)
 
 
-@dataclass(frozen=True)
-class PlanConfig:
-    """What ``fastpack.pack`` is called with, for one plan or every shard of one."""
-
-    max_len: int
-    strategy: str = "bfd"
-    overlong: str = "error"
-    shuffle: bool = False
-    seed: int = 0
-    long_max_len: int | None = None
-    group_tokens: int | None = None
-
-    def pack(self, lengths: np.ndarray, *, shard: int | None = None,
-             threads: int | None = None) -> Plan:
-        seed = self.seed if shard is None else shard_seed(self.seed, shard)
-        return pack(lengths, self.max_len, strategy=self.strategy, overlong=self.overlong,
-                    shuffle=self.shuffle, seed=seed, long_max_len=self.long_max_len,
-                    group_tokens=self.group_tokens, threads=threads)
-
-
-def plan_shard(lengths: np.ndarray, shard: int, config: PlanConfig,
+def plan_shard(lengths: np.ndarray, shard: int | None, options: PackOptions,
                threads: int | None = None) -> Plan:
-    """The plan of one shard, from its documents' lengths in key order."""
-    return config.pack(lengths, shard=shard, threads=threads)
+    """The plan of one plan shard (None: the one global plan) from its documents' lengths
+    in key order: ``fastpack.pack`` with ``options``, each shard shuffled by its own seed
+    (:func:`shard_seed`)."""
+    if shard is not None:
+        options = options.replace(seed=shard_seed(options.seed, shard))
+    return pack(lengths, options=options, threads=threads)
 
 
-def combine_plans(plans: Sequence[Plan], sample_maps: Sequence[np.ndarray]) -> Plan:
+def combine_plans(plans: Sequence[Plan], sample_maps: Sequence[np.ndarray],
+                  options: PackOptions) -> Plan:
     """Plans laid end to end as one plan; ``sample_maps[k]`` maps plan ``k``'s sample ids to
-    global document ids."""
+    global document ids. The joined plan records ``options`` (``plan.options``: the shards
+    were made with them, each shuffled by its own seed derived from ``options.seed``)."""
     first = plans[0]
     fields: dict[str, Any] = {}
     fields["sample_ids"] = np.concatenate(
@@ -167,8 +167,9 @@ def combine_plans(plans: Sequence[Plan], sample_maps: Sequence[np.ndarray]) -> P
     fields["pack_offsets"] = np.concatenate(
         [np.zeros(1, dtype=np.int64)]
         + [p.pack_offsets[1:] + seg_base[k] for k, p in enumerate(plans)])
-    for name in ("max_len", "reserve", "strategy", "overlong", "long_max_len", "group_tokens"):
-        fields[name] = getattr(first, name)
+    for name in ("max_len", "reserve", "strategy", "overlong", "long_max_len", "group_tokens",
+                 "shuffle", "seed"):
+        fields[name] = getattr(options, name)
     for name in ("num_sequences", "empty_sequences", "dropped_sequences", "dropped_tokens",
                  "truncated_sequences", "truncated_tokens", "split_sequences", "total_tokens"):
         fields[name] = sum(getattr(p, name) for p in plans)
@@ -194,7 +195,7 @@ def combine_plans(plans: Sequence[Plan], sample_maps: Sequence[np.ndarray]) -> P
     return Plan(fields)
 
 
-def sharded_plan(lengths: np.ndarray, num_shards: int, config: PlanConfig,
+def sharded_plan(lengths: np.ndarray, num_shards: int, options: PackOptions,
                  keys: np.ndarray | None = None) -> tuple[Plan, list[int]]:
     """The sharded plan of documents ``0..N`` (keys: their own index unless given), the one
     a cluster computes shard by shard, and the packs of each shard."""
@@ -205,42 +206,6 @@ def sharded_plan(lengths: np.ndarray, num_shards: int, config: PlanConfig,
     plans, maps = [], []
     for s in range(num_shards):
         members = order[bounds[s]:bounds[s + 1]]
-        plans.append(plan_shard(lengths[members], s, config))
+        plans.append(plan_shard(lengths[members], s, options))
         maps.append(members.astype(np.int64))
-    return combine_plans(plans, maps), [p.num_packs for p in plans]
-
-
-# ---------------------------------------------------------------------------------------
-# windows of a plan
-
-
-def plan_window(plan: Plan, p: int, q: int, sample_ids: np.ndarray | None = None) -> Plan:
-    """Packs ``p:q`` of ``plan`` as a plan of their own: the plan's options (caps, reserve,
-    policies), these packs' segments -- their samples renamed ``sample_ids`` when given
-    (the rows of the data they are gathered from) -- and the counts and metrics of what
-    the window holds (what a plan lost is the whole plan's: a window holds none of it)."""
-    s0, s1 = int(plan.pack_offsets[p]), int(plan.pack_offsets[q])
-    ids = plan.sample_ids[s0:s1] if sample_ids is None else sample_ids
-    seqlens = plan.seqlens[s0:s1]
-    fields: dict[str, Any] = {
-        "sample_ids": np.ascontiguousarray(ids, dtype=np.int64),
-        "starts": plan.starts[s0:s1], "seqlens": seqlens,
-        "pack_offsets": np.asarray(plan.pack_offsets[p:q + 1], dtype=np.int64) - s0,
-        "max_len": plan.max_len, "reserve": plan.reserve, "strategy": plan.strategy,
-        "overlong": plan.overlong, "long_max_len": plan.long_max_len,
-        "num_sequences": len(sorted_unique(plan.sample_ids[s0:s1])),
-        "empty_sequences": 0, "dropped_sequences": 0, "dropped_tokens": 0,
-        "truncated_sequences": 0, "truncated_tokens": 0, "split_sequences": 0,
-        "total_tokens": int(seqlens.sum(dtype=np.int64)) - plan.reserve * (s1 - s0),
-    }
-    if plan.long_max_len is not None:
-        caps = np.asarray(plan.pack_caps[p:q])
-        fields["pack_caps"] = caps
-        # Each bucket's sequences: those with a segment in one of its packs here.
-        cap_of_segment = np.repeat(caps, np.diff(fields["pack_offsets"]))
-        window_ids = plan.sample_ids[s0:s1]
-        fields["buckets"] = [
-            {"num_sequences": len(sorted_unique(window_ids[cap_of_segment == cap]))}
-            for cap in (plan.max_len, plan.long_max_len)
-        ]
-    return Plan(fields)
+    return combine_plans(plans, maps, options), [p.num_packs for p in plans]

@@ -1,6 +1,8 @@
 """What a run reports: the plan's numbers (mergeable across plan shards), report.json,
 report.png and the summary a person reads -- every token dropped, truncated or split is
-counted, and every input column left out is named with the reason."""
+counted, and every input column left out is named with the reason. The metrics (lower
+bounds, efficiencies) are the core's, from the buckets' totals, so shards merged on Ray
+report what one plan of theirs would."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import _core
 from .._plan import Plan
 from .outdir import FORMAT, OutputDir
 from .progress import human_bytes
@@ -78,32 +81,38 @@ class PlanStats:
                    LengthHistogram.merge([p.lengths for p in parts]))
 
     @property
+    def metrics(self) -> dict[str, Any]:
+        """The core's metrics of these buckets and groups (``_core.bucket_metrics``)."""
+        return _core.bucket_metrics(
+            [(b["max_len"], b["documents"], b["packs"], b["tokens"]) for b in self.buckets],
+            self.group_cap, self.groups)
+
+    @property
     def lower_bound(self) -> int:
         """Fewest packs any plan can use: per bucket ``ceil(tokens / cap)``."""
-        return sum(-(-b["tokens"] // b["max_len"]) for b in self.buckets)
+        return int(self.metrics["lower_bound"])
 
     @property
     def efficiency(self) -> float:
-        capacity = sum(b["packs"] * b["max_len"] for b in self.buckets)
-        return self.packed_tokens / capacity if capacity else 1.0
+        """Tokens over the packs' capacity, each at its cap."""
+        return float(self.metrics["efficiency"])
 
     def report(self) -> dict[str, Any]:
+        metrics = self.metrics
         groups = None
         if self.group_cap is not None:
-            cap = self.group_cap
-            groups = {"group_tokens": cap, "groups": self.groups,
-                      "lower_bound": sum(-(-b["tokens"] // cap) for b in self.buckets),
-                      "efficiency": self.packed_tokens / (self.groups * cap)
-                      if self.groups else 1.0}
+            groups = {"group_tokens": self.group_cap, "groups": self.groups,
+                      "lower_bound": metrics["group_lower_bound"],
+                      "efficiency": metrics["group_efficiency"]}
         return {
             "documents": self.documents,
             "empty_documents": self.empty,
             "input_tokens": self.input_tokens,
             "packed_tokens": self.packed_tokens,
             "packs": self.packs,
-            "lower_bound": self.lower_bound,
-            "packs_over_lower_bound": self.packs - self.lower_bound,
-            "efficiency": self.efficiency,
+            "lower_bound": metrics["lower_bound"],
+            "packs_over_lower_bound": self.packs - metrics["lower_bound"],
+            "efficiency": metrics["efficiency"],
             "dropped": {"documents": self.dropped[0], "tokens": self.dropped[1]},
             "truncated": {"documents": self.truncated[0], "tokens": self.truncated[1]},
             "split": {"documents": self.split[0], "tokens": self.split[1]},
@@ -122,7 +131,8 @@ def _picture(out: OutputDir, stats: PlanStats, plot: bool | None) -> str:
     if missing:
         return f"report.png skipped: {missing}"
     settings = out.settings
-    caps = [settings.max_len] + ([settings.long_max_len] if settings.long_max_len else [])
+    long_max_len = settings.options.long_max_len
+    caps = [settings.max_len] + ([long_max_len] if long_max_len else [])
     try:
         plot_report(stats.lengths, stats.fill, caps,
                     f"{stats.packs:,} packs, efficiency {stats.efficiency:.3%} "

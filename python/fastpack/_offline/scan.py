@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyarrow as pa
 
-from .layout import WRITTEN
+from .._gather import WRITTEN
 from .progress import Progress, log
 from .settings import PackSettings, token_columns
 from .sources import InputError, Source, iter_batches, list_lengths, peek_columns

@@ -1,20 +1,40 @@
 """The settings of a ``fastpack pack`` run: everything that decides the output's bytes
-(a resumed run must match them), and ``--memory``'s sizes."""
+(a resumed run must match them), and ``--memory``'s sizes. The packing options in them are
+a :class:`fastpack.PackOptions`, taken and checked as every entry point takes them."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
+from .._checks import _int_arg
 from .._errors import FastpackError
-from .._plan import pack
+from .._options import PackArgs, PackOptions, WithOptions, resolve
 from .layout import default_shard_rows
-from .plan import PlanConfig
 
-__all__ = ["PackSettings", "parse_size", "token_columns"]
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+__all__ = ["REFUSED", "PackSettings", "parse_size", "token_columns"]
+
+#: The packing options the command (and ``fastpack.ray``) cannot honour, with why: given
+#: another value than the default, they raise, naming it (so they are always at their
+#: defaults, and the settings' JSON leaves them out).
+_NO_CP = ("fastpack pack does not plan for context parallelism (its rows are not padded for "
+          "a CP group); plan it where the rows are trained: PackedCollator(cp_size=...)")
+REFUSED = {
+    "reserve": "fastpack pack writes no separator, so it reserves no slot after a document",
+    "cp_size": _NO_CP, "cp_mode": _NO_CP, "pad_multiple": _NO_CP,
+    "share_prefix": "fastpack pack writes rows of whole documents, which cannot hold "
+                    "shared-prefix trees; train with PackedDataset(..., "
+                    "PackedCollator(share_prefix=True))",
+}
+
+#: The order of the settings in report.json, the manifest and the run's state (kept, so the
+#: same settings give the same bytes); options not listed here (a new one) follow.
+_ORDER = ("max_len", "column", "columns", "text_column", "tokenizer", "strategy", "overlong",
+          "long_max_len", "group_tokens", "shuffle", "seed", "shard_rows", "plan_shards")
 
 
 def parse_size(text: str) -> int:
@@ -42,12 +62,16 @@ def token_columns(column: str, columns: Sequence[str] | None) -> list[str]:
     return [column] + [c for c in columns or () if c != column]
 
 
-@dataclass(frozen=True)
-class PackSettings:
+@dataclass(frozen=True, init=False)
+class PackSettings(WithOptions):
     """Everything that decides the output's bytes: the same settings and inputs give the
-    same shards, and a run resumes only with the settings it started with."""
+    same shards, and a run resumes only with the settings it started with.
 
-    max_len: int
+    The packing options are ``options`` (a :class:`fastpack.PackOptions`, given as one or
+    as ``max_len`` and keywords, checked with every entry point's messages); ``reserve``
+    is refused (:data:`REFUSED`). The other fields are the command's own."""
+
+    options: PackOptions
     column: str = "input_ids"
     #: The other per-token columns to pack; None: every column of the inputs that holds
     #: one integer per token (:func:`~fastpack._offline.scan.resolve_columns`), as
@@ -55,25 +79,34 @@ class PackSettings:
     columns: tuple[str, ...] | None = None
     text_column: str | None = None
     tokenizer: str | None = None
-    strategy: str = "bfd"
-    overlong: str = "error"
-    long_max_len: int | None = None
-    group_tokens: int | None = None
-    shuffle: bool = True
-    seed: int = 0
+    #: Packs per output shard (default: 2^25 tokens' worth at ``max_len``).
     shard_rows: int | None = None
     plan_shards: int = 1
 
-    def __post_init__(self) -> None:
-        if self.shard_rows is None:
-            object.__setattr__(self, "shard_rows", default_shard_rows(self.max_len))
-
-    def validate(self) -> None:
-        """The argument checks of ``fastpack.pack`` (caps, policies, the seed), before any
-        input is read."""
-        pack(np.zeros(0, np.int32), self.max_len, strategy=self.strategy,
-             overlong=self.overlong, long_max_len=self.long_max_len,
-             group_tokens=self.group_tokens, seed=self.seed)
+    def __init__(
+        self,
+        max_len: int | None = None,
+        *,
+        options: PackOptions | None = None,
+        column: str = "input_ids",
+        columns: Sequence[str] | None = None,
+        text_column: str | None = None,
+        tokenizer: str | None = None,
+        shard_rows: int | None = None,
+        plan_shards: int = 1,
+        **kwargs: Unpack[PackArgs],
+    ) -> None:
+        made = resolve(PackSettings, options, max_len, kwargs, refuse=REFUSED)
+        rows = default_shard_rows(made.max_len) if shard_rows is None else _int_arg(
+            "shard_rows", shard_rows, minimum=1)
+        values = {
+            "options": made, "column": column,
+            "columns": None if columns is None else tuple(columns),
+            "text_column": text_column, "tokenizer": tokenizer, "shard_rows": rows,
+            "plan_shards": _int_arg("plan_shards", plan_shards, minimum=1),
+        }
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
 
     @property
     def token_columns(self) -> list[str]:
@@ -82,19 +115,22 @@ class PackSettings:
         return token_columns(self.column, self.columns)
 
     @property
-    def plan_config(self) -> PlanConfig:
-        return PlanConfig(self.max_len, self.strategy, self.overlong, self.shuffle, self.seed,
-                          self.long_max_len, self.group_tokens)
-
-    @property
     def max_cap(self) -> int:
-        return self.long_max_len or self.max_len
+        """The largest pack cap: ``long_max_len``, else ``max_len``."""
+        return self.options.long_max_len or self.max_len
 
     def to_json(self) -> dict[str, Any]:
-        return {**asdict(self),
-                "columns": None if self.columns is None else list(self.columns)}
+        """The settings as report.json, the manifest and the run's state hold them: the
+        options (all but the refused ones) and the command's own, in :data:`_ORDER`."""
+        values = {f.name: getattr(self.options, f.name) for f in fields(PackOptions)
+                  if f.name not in REFUSED}
+        values.update({f.name: getattr(self, f.name) for f in fields(self)
+                       if f.name != "options"})
+        if self.columns is not None:
+            values["columns"] = list(self.columns)
+        ordered = {name: values.pop(name) for name in _ORDER}
+        return {**ordered, **values}
 
     @classmethod
     def from_json(cls, value: dict[str, Any]) -> PackSettings:
-        columns = value["columns"]
-        return cls(**{**value, "columns": None if columns is None else tuple(columns)})
+        return cls(**value)

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import _core
 from .._errors import FastpackError
 from .._plan import pack
 
@@ -164,7 +165,7 @@ def compare(lengths: np.ndarray, caps: Sequence[int], *, batch_size: int = 32,
         for strategy in ("next_fit", "bfd"):
             plan = pack(lengths, cap, strategy=strategy, overlong="split", shuffle=False)
             row[strategy] = entry(plan.num_packs, plan.num_packs * cap)
-        lb = -(-tokens // cap)
+        lb = _core.bucket_metrics([(cap, len(pieces), 0, tokens)])["lower_bound"]
         row["lower_bound"] = entry(lb, lb * cap)
         results.append(row)
     return results

@@ -1,4 +1,4 @@
-"""The PyTorch layer: packed batches that every attention backend trains on correctly.
+"""The PyTorch layer: packed batches that every attention implementation trains on correctly.
 
 Its modules are its layers:
 

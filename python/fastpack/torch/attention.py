@@ -180,7 +180,7 @@ def _unavailable_reason(kernel: str, q: torch.Tensor) -> str | None:
 def available_kernels(q: torch.Tensor) -> list[str]:
     """Kernels that :func:`varlen_attention` could use for inputs like ``q``, in
     ``kernel="auto"`` priority order (``"sdpa"`` is always last and always there)."""
-    return [b for b in KERNELS[1:] if _unavailable_reason(b, q) is None]
+    return [k for k in KERNELS[1:] if _unavailable_reason(k, q) is None]
 
 
 def _resolve_kernel(kernel: str, q: torch.Tensor) -> str:
@@ -294,7 +294,7 @@ def _check_cu_values(host: torch.Tensor, total_tokens: int, max_seqlen: int) -> 
         )
 
 
-# -------------------------------------------------------------------------- backends
+# --------------------------------------------------------------------------- kernels
 
 
 def _repeat_kv(

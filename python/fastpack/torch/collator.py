@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from .. import _core
 from .._checks import _bool_arg, _choice, _int_arg, _threads
 from .._errors import FastpackError, FastpackTypeError
 from .._materialize import TokenData, _from_rows, materialize
@@ -38,6 +37,8 @@ LOSS_MASK_KEYS = ("assistant_masks", "completion_mask", "loss_mask")
 #: labels and loss masks are packed; ``attention_mask`` (all ones: an unpadded sample) and
 #: ``position_ids`` (``0..n-1``) are checked and rebuilt per pack.
 KNOWN_KEYS = ("input_ids", "labels", *LOSS_MASK_KEYS, "attention_mask", "position_ids")
+#: The padded backend's strategy: every sample in a row (a pack) of its own.
+_ONE_PER_ROW = "one_per_pack"
 #: The sample key whose value says which samples share their longest common prefix with
 #: ``share_prefix=True`` (RL rollouts of one prompt carry the prompt's id).
 GROUP_KEY = "group"
@@ -59,7 +60,8 @@ class PackedCollator(WithOptions):
         max_len: tokens per pack (row). Samples of a batch are bin-packed into packs of at
             most ``max_len`` tokens.
         backend: ``"flash"``, ``"sdpa"``, ``"eager"``, ``"flex"`` or ``"padded"`` — the
-            model's ``attn_implementation`` (``"padded"``: the unpacked baseline).
+            model's ``attn_implementation`` (``"padded"``: the unpacked baseline, one sample
+            per row: its strategy is ``"one_per_pack"``, and no other).
         mask: ``"position_ids"`` (default; no ``attention_mask``) or ``"explicit"``
             (sdpa / eager / flex only; see the module docs).
         pad_to_multiple_of: round the row width (flash: the flat row) up to a multiple.
@@ -134,10 +136,12 @@ class PackedCollator(WithOptions):
     ) -> None:
         # Every option is checked here, so a mistake fails where the collator is built,
         # not at the first batch.
+        self.backend = _choice("backend", backend, BACKENDS)
+        if self.backend == "padded" and options is None and "strategy" not in kwargs:
+            kwargs = {**kwargs, "strategy": _ONE_PER_ROW}  # the padded backend's default
         #: The packing options of every batch (and the base of a dataset's).
         self.options = with_separator(PackedCollator, options, max_len, kwargs, separator_id,
                                       refuse=_PER_PLAN)
-        self.backend = _choice("backend", backend, BACKENDS)
         self.mask = _choice("mask", mask, MASK_MODES)
         self.pad_to_multiple_of = None if pad_to_multiple_of is None else _int_arg(
             "pad_to_multiple_of", pad_to_multiple_of, minimum=1, maximum=2**31 - 1
@@ -150,16 +154,22 @@ class PackedCollator(WithOptions):
         )
         self.train_separators = _bool_arg("train_separators", train_separators)
         self.pad_id = _int_arg("pad_id", pad_id, minimum=-(2**63), maximum=2**63 - 1)
-        if self.backend == "padded" and self.overlong in ("split", "drop"):
-            raise FastpackError(
-                f"overlong: {self.overlong!r} does not apply to backend='padded' (one sample "
-                f"per row); expected 'error' or 'truncate'"
-            )
-        if self.backend == "padded" and self.options.cp_size is not None:
-            raise FastpackError(
-                f"cp_size: {self.options.cp_size} does not apply to backend='padded' (one "
-                f"sample per row); context parallelism shards packed rows: backend='flash'"
-            )
+        if self.backend == "padded":
+            if self.strategy != _ONE_PER_ROW:
+                raise FastpackError(
+                    f"strategy: {self.strategy!r} does not apply to backend='padded' (one "
+                    f"sample per row); leave it out, or pass {_ONE_PER_ROW!r}"
+                )
+            if self.overlong in ("split", "drop"):
+                raise FastpackError(
+                    f"overlong: {self.overlong!r} does not apply to backend='padded' (one "
+                    f"sample per row); expected 'error' or 'truncate'"
+                )
+            if self.options.cp_size is not None:
+                raise FastpackError(
+                    f"cp_size: {self.options.cp_size} does not apply to backend='padded' (one "
+                    f"sample per row); context parallelism shards packed rows: backend='flash'"
+                )
         if not (loss_mask_key is None or loss_mask_key is False or isinstance(loss_mask_key, str)):
             raise FastpackTypeError(
                 f"loss_mask_key: expected a key (str), None (the first of {LOSS_MASK_KEYS} "
@@ -187,7 +197,7 @@ class PackedCollator(WithOptions):
             return_seq_idx=return_seq_idx, return_num_items=return_num_items,
         )
         # One batch keeps its samples in order on the flat layout, where bin packing could
-        # only reorder them (the padded backend has its own planner).
+        # only reorder them.
         self._batch_options = self.options.replace(
             strategy="next_fit" if self.layout == "flat" else self.options.strategy,
             shuffle=False,
@@ -273,8 +283,6 @@ class PackedCollator(WithOptions):
             # One flat row holds every pack: the trees in the samples' order.
             plan = pack_trees(tokens, groups=groups, options=self._batch_options,
                               threads=self.threads)
-        elif self.backend == "padded":
-            plan = self.plan(lengths, shuffle=False)
         else:
             plan = pack(lengths, options=self._batch_options, threads=self.threads)
         return self.batch(plan, tokens, None, labels=labels, loss_mask=loss_mask)
@@ -346,7 +354,8 @@ class PackedCollator(WithOptions):
         per-batch options (``strategy`` whatever ``shuffle`` is), with the plan options
         given here (``shuffle``, ``seed``, ``long_max_len``, ``group_tokens``: see
         :func:`fastpack.pack`; shuffled with seed 0 by default). With the padded backend
-        every sample is its own pack, in input order or shuffled by ``seed``."""
+        (strategy ``"one_per_pack"``) every sample is its own pack, in input order or
+        shuffled by ``seed``."""
         opts, _ = layered(PackedCollator.plan, self.options, options, kwargs)
         if opts.share_prefix:
             raise FastpackError(
@@ -356,13 +365,12 @@ class PackedCollator(WithOptions):
         return self._plan(lengths, opts)
 
     def _plan(self, lengths: Any, options: PackOptions) -> Plan:
-        if self.backend == "padded":
-            if options.long_max_len is not None or options.group_tokens is not None:
-                raise FastpackError(
-                    "long_max_len/group_tokens: do not apply to backend='padded' (one sample "
-                    "per row)"
-                )
-            return _one_per_pack(np.asarray(lengths, dtype=np.int64), options)
+        if self.backend == "padded" and (
+                options.long_max_len is not None or options.group_tokens is not None):
+            raise FastpackError(
+                "long_max_len/group_tokens: do not apply to backend='padded' (one sample "
+                "per row)"
+            )
         return pack(lengths, options=options, threads=self.threads)
 
     def batch(
@@ -394,6 +402,13 @@ class PackedCollator(WithOptions):
             if sample_ids is not None:
                 rows["sample_ids"] = np.asarray(sample_ids, dtype=np.int64)[rows["sample_ids"]]
             return tree_batch(rows, return_num_items=self.format.return_num_items)
+        if self.backend == "padded" and plan.strategy != _ONE_PER_ROW:
+            # The padded format masks all but a row's first sequence as padding.
+            raise FastpackError(
+                f"plan: made with strategy {plan.strategy!r}, but backend='padded' needs one "
+                f"sample per row; plan with the collator (collator.plan) or strategy="
+                f"{_ONE_PER_ROW!r}"
+            )
         rows = materialize(
             plan, tokens, packs, labels=labels, loss_mask=loss_mask,
             separator_id=self.separator_id, train_separators=self.train_separators,
@@ -427,8 +442,7 @@ def _samples(plan: Plan, packs: Any, rows: dict[str, Any], mapping: np.ndarray |
     if rows["input_ids"].shape[0] == 1:  # one flat row: the packs end to end, padding last
         tokens = np.arange(total, dtype=np.int64)
     else:  # a row per pack, each padded at its end
-        cumulative = np.concatenate(([0], np.cumsum(seqlens)))
-        fills = np.diff(cumulative[np.concatenate(([0], np.cumsum(counts)))])
+        fills = plan.pack_fills[chosen]
         starts = np.cumsum(fills) - fills
         rows_of = np.repeat(np.arange(len(chosen), dtype=np.int64), fills)
         tokens = rows_of * width + np.arange(total, dtype=np.int64) - np.repeat(starts, fills)
@@ -476,46 +490,3 @@ def _check_unpacked(sample: Mapping[str, Any], index: int, length: int,
                 f"real tokens only, or ignore_keys=({key!r},) if it is meant to be dropped"
             )
 
-
-def _one_per_pack(lengths: np.ndarray, options: PackOptions) -> Plan:
-    """A plan with every sample in its own pack (the padded baseline), in order or, with
-    ``options.shuffle``, shuffled by ``options.seed``."""
-    max_len, reserve, overlong = options.max_len, options.reserve, options.overlong
-    seed = options.seed if options.shuffle else None
-    extended = lengths + reserve
-    over = extended > max_len
-    if over.any() and overlong == "error":
-        i = int(np.argmax(over))
-        raise FastpackError(
-            f"lengths: {int(over.sum())} sequence(s) longer than {max_len} tokens (first at "
-            f"index {i}, length {int(lengths[i])}); pass overlong='truncate' or raise max_len"
-        )
-    keep = lengths > 0
-    seqlens = np.minimum(extended, max_len)[keep]
-    sample_ids = np.flatnonzero(keep).astype(np.int64)
-    n = int(keep.sum())
-    if seed is not None and n:
-        order = _core.permutation(n, seed)
-        sample_ids, seqlens = sample_ids[order], seqlens[order]
-    total = int(seqlens.sum())
-    # This planner is Python (one sample per pack), so its metrics are computed here.
-    metrics = {
-        "lower_bound": -(-total // max_len), "efficiency": total / (n * max_len) if n else 1.0,
-    }
-    return Plan({
-        **metrics,
-        "buckets": [{"max_len": max_len, "num_sequences": n, "num_packs": n,
-                     "total_tokens": total, **metrics}],
-        "sample_ids": sample_ids,
-        "starts": np.zeros(n, dtype=np.int64),
-        "seqlens": seqlens.astype(np.int32),
-        "pack_offsets": np.arange(n + 1, dtype=np.int64),
-        "max_len": max_len, "reserve": reserve, "strategy": "next_fit",
-        "overlong": "truncate" if over.any() else "error",
-        "num_sequences": len(lengths), "empty_sequences": int((~keep).sum()),
-        "dropped_sequences": 0, "dropped_tokens": 0,
-        "truncated_sequences": int(over.sum()),
-        "truncated_tokens": int((extended - np.minimum(extended, max_len)).sum()),
-        "split_sequences": 0, "total_tokens": total,
-        "shuffle": options.shuffle, "seed": options.seed,
-    })

@@ -42,8 +42,10 @@ import numpy as np
 import torch
 
 from .._checks import _choice, _int_arg
-from .._context_parallel import CP_MODES, CPLayout, check_cp, cp_layout
+from .._context_parallel import CP_MODES, CPLayout, cp_layout
 from .._errors import FastpackError, FastpackTypeError
+from .._materialize import IGNORE_INDEX
+from .._options import check_cp
 from .attention import (
     _attend,
     _check_qkv,
@@ -90,8 +92,6 @@ _ROW_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", *
 
 #: Queries x keys of one masked SDPA call on the CPU path (a block of a run's queries).
 _MASK_BUDGET = 1 << 22
-
-IGNORE_INDEX = -100
 
 
 # ------------------------------------------------------------------------- sharding

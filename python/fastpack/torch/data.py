@@ -14,10 +14,11 @@ import torch
 
 from .. import _core
 from .._checks import _int_arg
+from .._context_parallel import cp_rows
 from .._errors import FastpackError, FastpackTypeError
 from .._materialize import Ragged, TokenData, _is_dataset, as_ragged
 from .._options import PackArgs, PackOptions, WithOptions, check_plan, layered
-from .._plan import Plan
+from .._plan import Plan, sub_plan
 from .._targets import segment_targets
 from .._tree import group_codes, pack_trees, path_targets
 from .collator import GROUP_KEY, PackedCollator, as_collator
@@ -63,8 +64,9 @@ class StepTable:
 
     A plan of trees (``share_prefix=True``) counts by its samples (its paths): a sample's
     targets and its sequence are counted at its last segment (``segment_targets``,
-    ``segment_sequences``), and ``squared_tokens`` is attention's work, a segment of ``l``
-    tokens after a path of ``a`` costing ``l² + 2·a·l`` (``segment_work``): a tree of a
+    ``segment_sequences``), and ``squared_tokens`` is attention's term of the cost (``Σl²``
+    over sequences), a segment of ``l`` tokens after a path of ``a`` counting ``l² + 2·a·l``
+    (``segment_squared``): a tree of a
     prompt of ``P`` tokens and responses ``Rᵢ`` costs ``P² + Σ(Rᵢ² + 2·P·Rᵢ)``. A step
     of it is cut only at ``cuts`` (its trees' first segments), never inside a tree.
     """
@@ -78,7 +80,7 @@ class StepTable:
     segment_targets: np.ndarray
     padded_tokens: np.ndarray | None = None
     cp_work: np.ndarray | None = None
-    segment_work: np.ndarray | None = None
+    segment_squared: np.ndarray | None = None
     segment_sequences: np.ndarray | None = None
     cuts: np.ndarray | None = None
 
@@ -310,7 +312,7 @@ class PackedDataset(torch.utils.data.Dataset, WithOptions):  # type: ignore[type
         step = index if isinstance(index, Step) else None
         p0, p1, lo, hi = self._segments(index)
         batch = self.collator.batch(
-            _sub_plan(self.plan, p0, p1, lo, hi), self.tokens, None,
+            sub_plan(self.plan, p0, p1, lo, hi), self.tokens, None,
             labels=self.labels, loss_mask=self.loss_mask,
         )
         if step is not None:
@@ -333,7 +335,7 @@ def step_table(plan: Plan, step_pack_offsets: np.ndarray, per_segment: np.ndarra
     tokens, squared, targets, sequences = _core.step_sums(plan.seqlens, per_segment, segments)
     padded = work = None
     if plan.cp_size is not None:
-        padded, work = cp_terms(plan, plan.seqlens, segments)
+        padded, work = cp_rows(plan, plan.seqlens, segments)
     table = StepTable(
         pack_offsets=step_pack_offsets, segment_offsets=segments, tokens=tokens,
         squared_tokens=squared, targets=targets, sequences=sequences,
@@ -344,18 +346,6 @@ def step_table(plan: Plan, step_pack_offsets: np.ndarray, per_segment: np.ndarra
         if array is not None:
             array.flags.writeable = False
     return table
-
-
-def cp_terms(plan: Plan, seqlens: np.ndarray,
-             offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Padded tokens (int64 [N]) and each CP rank's attention work (int64 [N, cp]) of the
-    rows ``offsets[i]:offsets[i+1]`` of ``seqlens``, for the plan's CP group."""
-    assert plan.cp_size is not None and plan.cp_mode is not None
-    padded, work = _core.cp_streams(
-        np.ascontiguousarray(seqlens, dtype=np.int32), np.ascontiguousarray(offsets, np.int64),
-        plan.cp_size, plan.cp_mode, plan.pad_multiple or 1)
-    assert work is not None
-    return padded, work.astype(np.int64).reshape(len(padded), plan.cp_size)
 
 
 def tree_step_table(plan: Plan, step_pack_offsets: np.ndarray, per_path: np.ndarray
@@ -369,7 +359,7 @@ def tree_step_table(plan: Plan, step_pack_offsets: np.ndarray, per_path: np.ndar
     per_segment = np.bincount(ends, weights=per_path, minlength=count).astype(np.uint32)
     sequences = np.bincount(ends[per_path > 0], minlength=count).astype(np.uint32)
     seqlens = np.asarray(plan.seqlens, dtype=np.int64)
-    work = seqlens * seqlens + 2 * np.asarray(plan.starts, dtype=np.int64) * seqlens
+    squared = seqlens * seqlens + 2 * np.asarray(plan.starts, dtype=np.int64) * seqlens
     segments = np.asarray(plan.pack_offsets, dtype=np.int64)[step_pack_offsets]
 
     def sums(values: np.ndarray) -> np.ndarray:
@@ -379,75 +369,14 @@ def tree_step_table(plan: Plan, step_pack_offsets: np.ndarray, per_path: np.ndar
     cuts = np.append(np.flatnonzero(np.asarray(plan.parents) < 0), count).astype(np.int64)
     table = StepTable(
         pack_offsets=step_pack_offsets, segment_offsets=segments, tokens=sums(seqlens),
-        squared_tokens=sums(work), targets=sums(per_segment), sequences=sums(sequences),
-        segment_targets=per_segment, segment_work=work, segment_sequences=sequences, cuts=cuts,
+        squared_tokens=sums(squared), targets=sums(per_segment), sequences=sums(sequences),
+        segment_targets=per_segment, segment_squared=squared, segment_sequences=sequences,
+        cuts=cuts,
     )
     for array in (table.segment_offsets, table.tokens, table.squared_tokens, table.targets,
-                  table.sequences, table.segment_targets, work, sequences, cuts):
+                  table.sequences, table.segment_targets, squared, sequences, cuts):
         array.flags.writeable = False
     return table
-
-
-def _sub_plan(plan: Plan, p0: int, p1: int, lo: int, hi: int) -> Plan:
-    """Segments ``lo:hi`` of packs ``p0:p1`` as a plan of their own (views, plus the pack
-    bounds inside): materializing it reads and checks only these segments.
-
-    Its metrics are its own (``total_tokens``, ``lower_bound``, ``efficiency``, each
-    bucket's, each pack's cap; a bucket's sequences are its segments: a piece of a split
-    sample trains as a sequence); it has no groups. The counts of what planning did to
-    the input (``num_sequences``, empty, dropped, truncated and split sequences) stay the
-    whole plan's: ``sample_ids`` still index the whole input."""
-    bounds = np.asarray(plan.pack_offsets[p0 : p1 + 1], dtype=np.int64)
-    inner = bounds[(bounds > lo) & (bounds < hi)]
-    offsets = np.concatenate(([lo], inner, [hi])).astype(np.int64)
-    seqlens = plan.seqlens[lo:hi]
-    total = int(seqlens.sum(dtype=np.int64))
-    if plan.long_max_len is None:  # one bucket, every cap max_len
-        buckets = [{"max_len": plan.max_len, "num_packs": len(offsets) - 1,
-                    "total_tokens": total, "num_sequences": hi - lo}]
-        caps = None
-    else:
-        # The pack of the whole plan each of the sub-plan's packs is (a part of).
-        parents = p0 + np.searchsorted(bounds, offsets[:-1], side="right") - 1
-        caps = np.ascontiguousarray(plan.pack_caps[parents], dtype=np.int32)
-        fills = np.add.reduceat(seqlens.astype(np.int64), offsets[:-1] - lo)
-        counts = np.diff(offsets)
-        mine = [caps == b.max_len for b in plan.buckets]
-        buckets = [{"max_len": b.max_len, "num_packs": int(np.count_nonzero(m)),
-                    "total_tokens": int(fills[m].sum()), "num_sequences": int(counts[m].sum())}
-                   for b, m in zip(plan.buckets, mine)]
-    fields: dict[str, Any] = {name: getattr(plan, name) for name in Plan._FIELDS
-                              if name not in ("lower_bound", "efficiency")}
-    fields.update(
-        sample_ids=plan.sample_ids[lo:hi], starts=plan.starts[lo:hi], seqlens=seqlens,
-        pack_offsets=offsets - lo, total_tokens=total, buckets=buckets,
-        long_max_len=plan.long_max_len, pack_caps=caps, shuffle=plan.options.shuffle,
-        seed=plan.options.seed, cp_size=plan.cp_size, cp_mode=plan.cp_mode,
-        pad_multiple=plan.pad_multiple,
-    )
-    if plan.parents is not None:
-        fields.update(_sub_trees(plan, lo, hi))
-    return Plan(fields)
-
-
-def _sub_trees(plan: Plan, lo: int, hi: int) -> dict[str, Any]:
-    """The tree arrays of segments ``lo:hi`` (whole trees: a cut inside one raises)."""
-    assert plan.parents is not None and plan.path_ends is not None
-    assert plan.path_sample_ids is not None
-    parents = np.asarray(plan.parents[lo:hi], dtype=np.int64)
-    if len(parents) and (parents[0] >= 0 or np.any((parents >= 0) & (parents < lo))):
-        raise FastpackError(
-            f"segments: {lo}..{hi} cuts through a tree (a segment's parent lies outside); a "
-            f"plan of trees is cut only where a tree begins"
-        )
-    a, b = (int(x) for x in np.searchsorted(plan.path_ends, (lo, hi)))
-    ends = np.asarray(plan.path_ends[a:b], dtype=np.int64)
-    return {
-        "parents": np.where(parents >= 0, parents - lo, -1),
-        "path_sample_ids": plan.path_sample_ids[a:b], "path_ends": ends - lo,
-        "sample_tokens": int((np.asarray(plan.starts)[ends]
-                              + np.asarray(plan.seqlens)[ends]).sum()),
-    }
 
 
 def _groups(groups: Any, dataset: Any, count: int) -> np.ndarray | None:
@@ -463,7 +392,6 @@ def _groups(groups: Any, dataset: Any, count: int) -> np.ndarray | None:
             )
         groups = dataset[column]
     return None if groups is None else group_codes(groups, count)
-
 
 
 def _resolve(data: Any, dataset: Any, *, mask: bool) -> Ragged | None:

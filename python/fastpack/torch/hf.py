@@ -5,9 +5,10 @@ implementation of transformers models (:func:`register_hf_attention`), and the
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import torch
@@ -79,39 +80,11 @@ def register_hf_attention(
         return _register_context_parallel(name, kernel, context_parallel_group, mode)
     if name is None:
         name = "fastpack_varlen"
-    if not isinstance(name, str) or not name:
-        raise FastpackTypeError(
-            f"name: expected a non-empty string (the attn_implementation to register), got "
-            f"{type(name).__name__} {name!r}"
-        )
     if not isinstance(kernel, str) or kernel not in KERNELS:
         raise FastpackError(
             f"kernel: expected one of {', '.join(map(repr, KERNELS))}, got {kernel!r}"
         )
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
-
-    chosen = cast(Kernel, kernel)
-    registered: str = name
-
-    def fastpack_varlen(
-        module: torch.nn.Module,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attention_mask: Any,
-        scaling: float | None = None,
-        dropout: float = 0.0,
-        **kwargs: Any,
-    ) -> tuple[torch.Tensor, None]:
-        return _attention(registered, chosen, module, query, key, value, attention_mask,
-                          scaling, dropout, kwargs)
-
-    AttentionInterface.register(name, fastpack_varlen)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(name, _fastpack_mask)
-    _REGISTERED.add(name)
-    _CONTEXT_PARALLEL.pop(name, None)
-    return name
+    return _register(name, functools.partial(_attention, cast(Kernel, kernel)), None)
 
 
 #: The attn_implementation names :func:`register_hf_attention` registered.
@@ -140,6 +113,14 @@ def _register_context_parallel(name: str | None, kernel: Any, group: Any,
         )
     if name is None:
         name = f"fastpack_cp_{mode}"
+    return _register(name, functools.partial(_cp_attention, kernel, group, mode), (group, mode))
+
+
+def _register(name: Any, attend: Callable[..., tuple[torch.Tensor, None]],
+              context_parallel: tuple[Any, str] | None) -> str:
+    """Registers ``attend(name, module, query, key, value, attention_mask, scaling,
+    dropout, kwargs)`` as the attention implementation ``name``, with fastpack's mask
+    function; ``context_parallel``: the ``(group, mode)`` it was registered for."""
     if not isinstance(name, str) or not name:
         raise FastpackTypeError(
             f"name: expected a non-empty string (the attn_implementation to register), got "
@@ -148,7 +129,9 @@ def _register_context_parallel(name: str | None, kernel: Any, group: Any,
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
-    def fastpack_context_parallel(
+    registered: str = name
+
+    def fastpack_attention(
         module: torch.nn.Module,
         query: torch.Tensor,
         key: torch.Tensor,
@@ -158,21 +141,24 @@ def _register_context_parallel(name: str | None, kernel: Any, group: Any,
         dropout: float = 0.0,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
-        return _cp_attention(name, kernel, group, mode, module, query, key, value,
-                             attention_mask, scaling, dropout, kwargs)
+        return attend(registered, module, query, key, value, attention_mask, scaling, dropout,
+                      kwargs)
 
-    AttentionInterface.register(name, fastpack_context_parallel)
+    AttentionInterface.register(name, fastpack_attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register(name, _fastpack_mask)
     _REGISTERED.add(name)
-    _CONTEXT_PARALLEL[name] = (group, mode)
+    if context_parallel is None:
+        _CONTEXT_PARALLEL.pop(name, None)
+    else:
+        _CONTEXT_PARALLEL[name] = context_parallel
     return name
 
 
 def _cp_attention(
-    name: str,
     kernel: str,
     group: Any,
     mode: str,
+    name: str,
     module: torch.nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -331,8 +317,8 @@ _PADDING_CHECKED = _OncePerBatch()
 
 
 def _attention(
-    name: str,
     kernel: Kernel,
+    name: str,
     module: torch.nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from .._errors import FastpackError, FastpackTypeError
+from .._materialize import IGNORE_INDEX
 
 __all__ = ["WEIGHTINGS", "packed_loss", "segment_ids"]
 
@@ -46,7 +47,7 @@ def packed_loss(
     weighting: Weighting = "token",
     num_items_in_batch: int | np.integer | np.ndarray | torch.Tensor | None = None,
     num_sequences_in_batch: int | np.integer | np.ndarray | torch.Tensor | None = None,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
 ) -> torch.Tensor:
     """Causal-LM cross-entropy of a packed batch, normalised over its optimizer step.
 

@@ -7,14 +7,15 @@ evenly among the ranks is cut into smaller steps, or dropped and counted with
 ``drop_last``); the R steps that run at the same time carry nearly the same work; every
 micro-step knows the target tokens of its whole optimizer step.
 
-Cost model (``balance="flops"``): a step costs ``6·hidden_size·Σl + Σl²`` over its sequences'
-lengths ``l`` (over a plan of trees, ``Σl`` counts each shared token once and ``Σl²`` becomes
-attention's work: a prompt of ``P`` tokens with responses ``Rᵢ`` costs ``P² + Σ(Rᵢ² + 2·P·Rᵢ)``, see
-:class:`~fastpack.torch.StepTable`). Per layer, the forward pass of a transformer with hidden size
-``h`` spends ``2·12h²`` FLOPs per token in its matrix products (``4h²`` for the attention
-projections, ``8h²`` for an MLP of width ``4h``) and ``4·h·l`` per token in attention (``QKᵀ`` and
-``AV`` over ``l`` positions); divided by ``4h`` this is ``6h·l + l²`` per sequence, and the backward
-pass scales both terms alike. See docs/training.md for models of other shapes.
+Cost model (``balance="flops"``): a step costs ``6·hidden_size·Σl + Σl²`` over its
+sequences' lengths ``l`` (over a plan of trees, ``Σl`` counts each shared token once and
+``Σl²`` becomes ``P² + Σ(Rᵢ² + 2·P·Rᵢ)`` for a prompt of ``P`` tokens with responses
+``Rᵢ``, see :class:`~fastpack.torch.StepTable`). Per layer, the forward pass of a
+transformer with hidden size ``h`` spends ``2·12h²`` FLOPs per token in its matrix products
+(``4h²`` for the attention projections, ``8h²`` for an MLP of width ``4h``) and ``4·h·l``
+per token in attention (``QKᵀ`` and ``AV`` over ``l`` positions); divided by ``4h`` this is
+``6h·l + l²`` per sequence, and the backward pass scales both terms alike. See
+docs/training.md for models of other shapes.
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ import torch
 
 from .. import _core
 from .._checks import _int_arg
+from .._context_parallel import cp_rows
 from .._errors import FastpackError, FastpackTypeError
-from .data import PackedDataset, StepTable, cp_terms
+from .data import PackedDataset, StepTable
 from .step import Step
 
 __all__ = ["BALANCES", "PackedSampler", "Schedule", "Step"]
@@ -399,16 +401,16 @@ def _segment_cost(sampler: PackedSampler, table: StepTable, lo: int, hi: int) ->
     seqlens = sampler.dataset.plan.seqlens[lo:hi]
     lengths = seqlens.astype(np.float64)
     if sampler.balance == "flops":
-        work = _work(table, lo, hi, seqlens).astype(np.float64)
-        return 6.0 * sampler.hidden_size * lengths + work
+        squared = _squared(table, lo, hi, seqlens).astype(np.float64)
+        return 6.0 * sampler.hidden_size * lengths + squared
     return lengths
 
 
-def _work(table: StepTable, lo: int, hi: int, seqlens: np.ndarray) -> np.ndarray:
-    """Attention's work of segments ``lo:hi`` (of lengths ``seqlens``): ``l²``, or in a
+def _squared(table: StepTable, lo: int, hi: int, seqlens: np.ndarray) -> np.ndarray:
+    """Attention's term of the cost of segments ``lo:hi`` (of lengths ``seqlens``): ``l²``, or in a
     plan of trees ``l² + 2·a·l`` (``a`` tokens on the path before the segment)."""
-    if table.segment_work is not None:
-        return np.asarray(table.segment_work[lo:hi], dtype=np.int64)
+    if table.segment_squared is not None:
+        return np.asarray(table.segment_squared[lo:hi], dtype=np.int64)
     lengths = np.asarray(seqlens, dtype=np.int64)
     return lengths * lengths
 
@@ -493,7 +495,7 @@ def _build(sampler: PackedSampler, epoch: int) -> Schedule:
             plan = sampler.dataset.plan
             rows = [plan.seqlens[a:b] for a, b in zip(p_lo.tolist(), p_hi.tolist())]
             offsets = np.concatenate(([0], np.cumsum([len(r) for r in rows])))
-            p_padded, p_work = cp_terms(plan, np.concatenate(rows), offsets)
+            p_padded, p_work = cp_rows(plan, np.concatenate(rows), offsets)
             cp = (np.concatenate((cp[0], p_padded)), np.concatenate((cp[1], p_work)))
     micro = len(index)
     assert micro % ranks == 0
@@ -627,6 +629,6 @@ def _cut(
         piece_targets = table.segment_targets[a:b]
         sequences = (np.count_nonzero(piece_targets) if table.segment_sequences is None
                      else int(table.segment_sequences[a:b].sum(dtype=np.int64)))
-        terms[:, j] = (lengths.sum(), _work(table, a, b, lengths).sum(),
+        terms[:, j] = (lengths.sum(), _squared(table, a, b, lengths).sum(),
                        piece_targets.sum(dtype=np.int64), sequences)
     return (index, lo_arr, hi_arr, *terms)

@@ -97,8 +97,8 @@ class PackedIterableDataset(
             ``long_max_len`` (``group_tokens`` raises: groups need the whole plan). The
             per-batch options are the collator's (``PackedCollator(strategy=...)``:
             ``"bfd"`` by default, ``"ffd"``, ``"next_fit"`` — keeps the order: the same
-            packs as the offline next fit — or ``"wrapped"``); given here, they must
-            equal them.
+            packs as the offline next fit —, ``"wrapped"`` or ``"one_per_pack"``); given
+            here, they must equal them.
 
     Keys: whether the batches have ``labels`` and which loss mask they read are fixed
     once per pass — from the source's ``features`` (a ``datasets.IterableDataset``) when

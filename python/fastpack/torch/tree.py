@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from .._errors import FastpackError, FastpackTypeError
+from .._materialize import IGNORE_INDEX
 from . import attention as _attention
 from .attention import (
     _FLEX_BLOCK_SIZE,
@@ -554,7 +555,7 @@ def targets(batch: Mapping[str, Any], device: torch.device
     follows = torch.ones(len(tokens), dtype=torch.bool, device=device)
     follows[offsets[:-1][offsets[:-1] < len(tokens)]] = False  # a sample's first token
     next_label = labels[tokens]
-    keep = follows & (next_label != -100)
+    keep = follows & (next_label != IGNORE_INDEX)
     keep_prev = torch.zeros_like(keep)
     keep_prev[:-1] = keep[1:]
     index = tokens[keep_prev]

@@ -557,10 +557,9 @@ impl<'a> Column<'a> {
 /// Rows per parallel task when scanning whole columns.
 const SCAN_ROWS: usize = 1 << 14;
 
-/// The row lengths of `columns[0]`, after checking that every other column has the same
-/// number of rows and, row by row, the same length: per-token columns (labels, masks)
-/// must line up with the tokens. The first bad row is reported, on any thread count.
-pub fn lengths(columns: &[Column<'_>]) -> Result<Vec<i64>> {
+/// The first of `columns` and the number of rows they all have: at least one column, and
+/// the first that has another number of rows is named. (The gather and [`lengths`].)
+pub(crate) fn same_rows<'c, 'a>(columns: &'c [Column<'a>]) -> Result<(&'c Column<'a>, usize)> {
     let Some(first) = columns.first() else {
         return Err(Error::invalid("columns", "expected at least one column"));
     };
@@ -578,6 +577,14 @@ pub fn lengths(columns: &[Column<'_>]) -> Result<Vec<i64>> {
             ));
         }
     }
+    Ok((first, rows))
+}
+
+/// The row lengths of `columns[0]`, after checking that every other column has the same
+/// number of rows and, row by row, the same length: per-token columns (labels, masks)
+/// must line up with the tokens. The first bad row is reported, on any thread count.
+pub fn lengths(columns: &[Column<'_>]) -> Result<Vec<i64>> {
+    let (first, rows) = same_rows(columns)?;
     let blocks: Vec<Result<Vec<i64>>> = (0..rows.div_ceil(SCAN_ROWS))
         .into_par_iter()
         .map(|b| {

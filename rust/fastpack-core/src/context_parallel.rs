@@ -36,9 +36,9 @@ use rayon::prelude::*;
 use crate::error::{Error, Result};
 use crate::memory::{try_fill_blocks, try_filled, try_with_capacity, Word};
 
-/// `n` zeros for an output that is written in full: a filled allocation (a fresh zeroed
+/// `n` zeros for an output that is written in full: zeros written up front (a fresh zeroed
 /// mapping, `memory::try_zeroed`'s choice for buffers mostly never written, costs more
-/// page faults than the fill saves here).
+/// page faults than writing them saves here).
 fn try_filled_zero<T: Word>(n: usize, what: &'static str) -> Result<Vec<T>> {
     try_filled(n, T::default(), what)
 }
@@ -313,14 +313,14 @@ pub fn rank_tokens(layout: &StreamLayout, rank: u64) -> Result<RankTokens> {
         .zip(out.sources.par_chunks_mut(TOKEN_BLOCK))
         .enumerate()
         .for_each(|(block, ((indices, positions), sources))| {
-            fill_tokens(layout, rank as i64, block * TOKEN_BLOCK, indices, positions, sources)
+            write_tokens(layout, rank as i64, block * TOKEN_BLOCK, indices, positions, sources)
         });
     Ok(out)
 }
 
 /// Writes local tokens `first..first + indices.len()` of `rank`, a run (consecutive
 /// stream positions of one sequence) at a time.
-fn fill_tokens(
+fn write_tokens(
     layout: &StreamLayout,
     rank: i64,
     first: usize,

@@ -25,7 +25,7 @@
 
 use rayon::prelude::*;
 
-use crate::column::{check_row_len, Column, Dtype, Row};
+use crate::column::{check_row_len, same_rows, Column, Dtype, Row};
 use crate::error::{Error, Result};
 use crate::memory::{self, SyncPtr};
 use crate::plan::{Overlong, Plan, Strategy};
@@ -212,18 +212,18 @@ fn output<T>(n: usize) -> Result<Vec<T>> {
 /// Options of [`gather`].
 #[derive(Debug, Clone)]
 pub struct GatherOptions {
-    /// For each column, the value written into the plan's reserved slots (separators):
-    /// the little-endian bytes of a value of the column's type (booleans: non-zero is
-    /// true). Only used when the plan reserves slots.
-    pub fills: Vec<[u8; 8]>,
+    /// For each column, its separator value: what the plan's reserved slots hold, as the
+    /// little-endian bytes of a value of the column's type (booleans: non-zero is true).
+    /// Only used when the plan reserves slots.
+    pub separator_values: Vec<[u8; 8]>,
     /// Also write `position_ids` (restarting at 0 in every segment).
     pub position_ids: bool,
 }
 
 impl GatherOptions {
-    /// Zero fills for `columns` columns, with position ids.
+    /// Separator values 0 for `columns` columns, with position ids.
     pub fn new(columns: usize) -> Self {
-        Self { fills: vec![[0; 8]; columns], position_ids: true }
+        Self { separator_values: vec![[0; 8]; columns], position_ids: true }
     }
 }
 
@@ -249,8 +249,8 @@ pub struct Gathered {
     /// Tokens of every segment (reserved slots included), in row order: TRL's
     /// `seq_lengths`.
     pub seq_lengths: Vec<i32>,
-    /// Empty unless asked for.
-    pub position_ids: Vec<i32>,
+    /// Empty unless asked for. int64, as every position id of fastpack (see docs/core.md).
+    pub position_ids: Vec<i64>,
 }
 
 impl Gathered {
@@ -292,28 +292,11 @@ pub fn gather(
         ));
     }
     plan.check_packs(packs)?;
-    let Some(first) = columns.first() else {
-        return Err(Error::invalid("columns", "expected at least one column"));
-    };
-    if opts.fills.len() != columns.len() {
-        return Err(Error::invalid(
-            "fills",
-            format!("got {} fill values for {} columns", opts.fills.len(), columns.len()),
-        ));
-    }
-    let rows = first.rows();
-    for c in &columns[1..] {
-        if c.rows() != rows {
-            return Err(Error::invalid(
-                "columns",
-                format!(
-                    "column '{}' has {} rows, column '{}' {rows}",
-                    c.name(),
-                    c.rows(),
-                    first.name()
-                ),
-            ));
-        }
+    let (first, rows) = same_rows(columns)?;
+    let (values, wanted) = (opts.separator_values.len(), columns.len());
+    if values != wanted {
+        let message = format!("got {values} separator values for {wanted} columns");
+        return Err(Error::invalid("separator_values", message));
     }
 
     // Segments in output order, with where each starts in the output.
@@ -388,7 +371,7 @@ pub fn gather(
             });
         }
     }
-    let mut position_ids: Vec<i32> = if opts.position_ids { output(total)? } else { Vec::new() };
+    let mut position_ids: Vec<i64> = if opts.position_ids { output(total)? } else { Vec::new() };
     let mut next_bytes = bytes.iter_mut();
     let targets: Vec<SyncPtr<u8>> = buffers
         .iter_mut()
@@ -441,18 +424,18 @@ pub fn gather(
                 };
                 let (data, rest) = out.split_at_mut(piece.sources * width);
                 column.values(row).copy_bytes(row.lo + piece.source_start, data);
-                let fill = fill_bytes(column.dtype(), &opts.fills[c]);
+                let separator = separator_bytes(column.dtype(), &opts.separator_values[c]);
                 for slot in rest.chunks_exact_mut(width) {
-                    slot.copy_from_slice(&fill[..width]);
+                    slot.copy_from_slice(&separator[..width]);
                 }
             }
             if opts.position_ids {
-                // SAFETY: as above, for the i32 position buffer.
+                // SAFETY: as above, for the i64 position buffer.
                 let out = unsafe {
                     std::slice::from_raw_parts_mut(positions.get().add(piece.out), piece.len)
                 };
                 for (j, p) in out.iter_mut().enumerate() {
-                    *p = j as i32;
+                    *p = j as i64;
                 }
             }
         }
@@ -489,12 +472,12 @@ pub fn gather(
     Ok(Gathered { offsets, columns: buffers, seq_offsets, seq_lengths, position_ids })
 }
 
-/// The fill value as written: booleans become one byte 0 / 1.
-fn fill_bytes(dtype: Dtype, fill: &[u8; 8]) -> [u8; 8] {
+/// A separator value as written: booleans become one byte 0 / 1.
+fn separator_bytes(dtype: Dtype, value: &[u8; 8]) -> [u8; 8] {
     if dtype == Dtype::Bool {
-        [(fill.iter().any(|&b| b != 0)) as u8, 0, 0, 0, 0, 0, 0, 0]
+        [(value.iter().any(|&b| b != 0)) as u8, 0, 0, 0, 0, 0, 0, 0]
     } else {
-        *fill
+        *value
     }
 }
 
@@ -578,8 +561,8 @@ mod tests {
             [column("input_ids", &data, None), Column::new("mask", vec![mask], None).unwrap()];
         let plan = pack(&[2u32, 3], &PackOptions { reserve: 1, ..PackOptions::new(8) }).unwrap();
         let mut opts = GatherOptions::new(2);
-        opts.fills[0] = 9i64.to_le_bytes();
-        opts.fills[1] = [1, 0, 0, 0, 0, 0, 0, 0];
+        opts.separator_values[0] = 9i64.to_le_bytes();
+        opts.separator_values[1] = [1, 0, 0, 0, 0, 0, 0, 0];
         let out = gather(&PlanRef::from(&plan), &[0], &columns, &opts).unwrap();
         // bfd puts the longer sequence first; separators after each.
         assert_eq!(as_i64(&out.columns[0]), [3, 4, 5, 9, 1, 2, 9]);
@@ -649,7 +632,7 @@ mod tests {
             let plan = pack(&row_lens, &opts).unwrap();
             let packs: Vec<i64> = (0..plan.num_packs() as i64).rev().collect();
             let mut gopts = GatherOptions::new(2);
-            gopts.fills = vec![(-7i64).to_le_bytes(), (-8i64).to_le_bytes()];
+            gopts.separator_values = vec![(-7i64).to_le_bytes(), (-8i64).to_le_bytes()];
             let pr = PlanRef::from(&plan);
             let one = crate::pool::install(Some(1), || gather(&pr, &packs, &columns, &gopts)).unwrap().unwrap();
             let many = crate::pool::install(Some(threads), || gather(&pr, &packs, &columns, &gopts)).unwrap().unwrap();
@@ -676,7 +659,7 @@ mod tests {
                     lwant.resize(len, -8);
                     prop_assert_eq!(&labs[at..at + len], &lwant[..]);
                     prop_assert_eq!(one.seq_lengths[seg], len as i32);
-                    let positions: Vec<i32> = (0..len as i32).collect();
+                    let positions: Vec<i64> = (0..len as i64).collect();
                     prop_assert_eq!(&one.position_ids[at..at + len], &positions[..]);
                     at += len;
                     seg += 1;

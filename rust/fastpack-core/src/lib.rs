@@ -70,5 +70,6 @@ pub use length::Length;
 pub use pack::{pack, pack_two_level};
 pub use plan::{Overlong, PackOptions, Plan, Stats, Strategy, MAX_ITEMS, MAX_LEN_LIMIT};
 pub use two_level::{
-    metrics, Bucket, Groups, Levels, Metrics, PlanArrays, TwoLevelPlan, GROUP_TOKENS_LIMIT,
+    bucket_metrics, metrics, Bucket, Groups, Levels, Metrics, PlanArrays, TwoLevelPlan,
+    GROUP_TOKENS_LIMIT,
 };

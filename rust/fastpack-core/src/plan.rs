@@ -21,10 +21,14 @@ pub enum Strategy {
     NextFit,
     /// Concatenate everything and cut every `max_len` tokens.
     Wrapped,
+    /// Every sequence (or piece of a split one) in a pack of its own, in input order: the
+    /// padded baseline, one sequence per row.
+    OnePerPack,
 }
 
 impl Strategy {
-    pub const NAMES: &'static str = "\"bfd\", \"ffd\", \"next_fit\" or \"wrapped\"";
+    pub const NAMES: &'static str =
+        "\"bfd\", \"ffd\", \"next_fit\", \"wrapped\" or \"one_per_pack\"";
 
     pub fn parse(name: &str) -> Result<Self> {
         match name {
@@ -32,6 +36,7 @@ impl Strategy {
             "ffd" => Ok(Self::FirstFitDecreasing),
             "next_fit" => Ok(Self::NextFit),
             "wrapped" => Ok(Self::Wrapped),
+            "one_per_pack" => Ok(Self::OnePerPack),
             other => Err(Error::invalid(
                 "strategy",
                 format!("unknown strategy {other:?}; expected one of {}", Self::NAMES),
@@ -45,6 +50,7 @@ impl Strategy {
             Self::FirstFitDecreasing => "ffd",
             Self::NextFit => "next_fit",
             Self::Wrapped => "wrapped",
+            Self::OnePerPack => "one_per_pack",
         }
     }
 }

@@ -9,10 +9,12 @@
 //! `group_tokens` tokens; the packs are laid out so each group's packs are contiguous, and
 //! `group_offsets` is the CSR one level up. Groups never mix buckets.
 //!
-//! Every metric (bounds, efficiencies, fills) is defined here, once: [`TwoLevelPlan`]
-//! reports them for the plans the core makes, and [`metrics`] computes the same ones from
-//! the arrays of a plan assembled elsewhere (a step's sub-plan, shards joined, a stream's
-//! window restored), which the Python layer calls instead of computing its own.
+//! Every metric (bounds, efficiencies, fills) is defined here, once: [`bucket_metrics`]
+//! makes them from each bucket's totals; [`TwoLevelPlan`] reports them for the plans the
+//! core makes, [`metrics`] computes the same ones from the arrays of a plan assembled
+//! elsewhere (a step's sub-plan, shards joined, a stream's window restored), and the
+//! report of plan shards that are never in one place (Ray's planners) merges the
+//! buckets' totals and calls [`bucket_metrics`]: the Python layer computes none itself.
 
 use crate::error::{Error, Result};
 use crate::plan::{PackOptions, Plan, Strategy, MAX_LEN_LIMIT};
@@ -152,15 +154,28 @@ impl TwoLevelPlan {
 
     /// Every metric of the plan.
     pub fn metrics(&self) -> Metrics {
+        let groups = self.groups.as_ref().map(|g| (g.num_groups() as u64, g.group_tokens));
         Metrics {
-            total_tokens: self.plan.stats.total_tokens,
-            lower_bound: self.lower_bound(),
-            efficiency: self.efficiency(),
-            buckets: self.buckets.clone(),
             group_fills: self.groups.as_ref().map(|g| g.group_fills.clone()),
-            group_lower_bound: self.group_lower_bound(),
-            group_efficiency: self.group_efficiency(),
+            ..bucket_metrics(self.buckets.clone(), groups)
         }
+    }
+}
+
+/// Every metric but the group fills, from each bucket's totals and, if grouped,
+/// `(num_groups, group_tokens)`: the one definition the others call. Every token is in a
+/// bucket, so `total_tokens` is their sum.
+pub fn bucket_metrics(buckets: Vec<Bucket>, groups: Option<(u64, u64)>) -> Metrics {
+    let total_tokens = buckets.iter().map(|b| b.total_tokens).sum();
+    Metrics {
+        total_tokens,
+        lower_bound: lower_bound(&buckets),
+        efficiency: efficiency(total_tokens, &buckets),
+        group_fills: None,
+        group_lower_bound: groups.map(|(_, budget)| group_lower_bound(&buckets, budget)),
+        group_efficiency: groups
+            .map(|(count, budget)| group_efficiency(total_tokens, count as usize, budget)),
+        buckets,
     }
 }
 
@@ -331,38 +346,27 @@ pub fn metrics(arrays: &PlanArrays<'_>) -> Result<Metrics> {
         bucket.total_tokens += fill;
         fills.push(fill as i64);
     }
-    let total_tokens = buckets.iter().map(|b| b.total_tokens).sum();
-    let (group_fills, group_lower_bound, group_efficiency) =
-        match (arrays.group_offsets, arrays.group_tokens) {
-            (None, None) => (None, None, None),
-            (_, Some(0)) => {
-                return Err(Error::invalid("group_tokens", "got 0; expected at least 1"))
-            }
-            (Some(offsets), Some(budget)) => {
-                check_offsets("group_offsets", offsets, num_packs, "packs")?;
-                let group_fills: Vec<i64> = offsets
+    let group_fills: Option<Vec<i64>> = match (arrays.group_offsets, arrays.group_tokens) {
+        (None, None) => None,
+        (_, Some(0)) => return Err(Error::invalid("group_tokens", "got 0; expected at least 1")),
+        (Some(offsets), Some(_)) => {
+            check_offsets("group_offsets", offsets, num_packs, "packs")?;
+            Some(
+                offsets
                     .windows(2)
                     .map(|w| fills[w[0] as usize..w[1] as usize].iter().sum())
-                    .collect();
-                let efficiency = group_efficiency(total_tokens, group_fills.len(), budget);
-                (Some(group_fills), Some(group_lower_bound(&buckets, budget)), Some(efficiency))
-            }
-            (Some(_), None) => {
-                return Err(Error::invalid("group_tokens", "missing: the plan has group_offsets"))
-            }
-            (None, Some(_)) => {
-                return Err(Error::invalid("group_offsets", "missing: the plan has group_tokens"))
-            }
-        };
-    Ok(Metrics {
-        total_tokens,
-        lower_bound: lower_bound(&buckets),
-        efficiency: efficiency(total_tokens, &buckets),
-        buckets,
-        group_fills,
-        group_lower_bound,
-        group_efficiency,
-    })
+                    .collect(),
+            )
+        }
+        (Some(_), None) => {
+            return Err(Error::invalid("group_tokens", "missing: the plan has group_offsets"))
+        }
+        (None, Some(_)) => {
+            return Err(Error::invalid("group_offsets", "missing: the plan has group_tokens"))
+        }
+    };
+    let groups = arrays.group_tokens.zip(group_fills.as_ref()).map(|(b, f)| (f.len() as u64, b));
+    Ok(Metrics { group_fills, ..bucket_metrics(buckets, groups) })
 }
 
 #[cfg(test)]
@@ -628,7 +632,8 @@ mod tests {
         prop_oneof![
             Just(Strategy::BestFitDecreasing),
             Just(Strategy::FirstFitDecreasing),
-            Just(Strategy::NextFit)
+            Just(Strategy::NextFit),
+            Just(Strategy::OnePerPack)
         ]
     }
 

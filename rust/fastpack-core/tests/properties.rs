@@ -14,11 +14,12 @@ fn cases(default: u32) -> u32 {
     std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(default)
 }
 
-const STRATEGIES: [Strategy; 4] = [
+const STRATEGIES: [Strategy; 5] = [
     Strategy::BestFitDecreasing,
     Strategy::FirstFitDecreasing,
     Strategy::NextFit,
     Strategy::Wrapped,
+    Strategy::OnePerPack,
 ];
 const POLICIES: [Overlong; 4] =
     [Overlong::Error, Overlong::Truncate, Overlong::Split, Overlong::Drop];
@@ -202,13 +203,19 @@ proptest! {
     fn order_preserving_strategies_keep_input_order(
         (lengths, max_len) in lengths_strategy(),
     ) {
-        for strategy in [Strategy::NextFit, Strategy::Wrapped] {
+        for strategy in [Strategy::NextFit, Strategy::Wrapped, Strategy::OnePerPack] {
             let plan = pack(&lengths, &opts(max_len, strategy, Overlong::Split, 0)).unwrap();
             let keys: Vec<(i64, i64)> = plan.sample_ids.iter().zip(&plan.starts).map(|(&a, &b)| (a, b)).collect();
             prop_assert!(keys.windows(2).all(|w| w[0] < w[1]));
             if strategy == Strategy::Wrapped && plan.num_packs() > 1 {
                 let fills = plan.pack_fills();
                 prop_assert!(fills[..fills.len() - 1].iter().all(|&f| f as u64 == max_len));
+            }
+            if strategy == Strategy::OnePerPack {
+                // One segment per pack: each sequence, or each piece of a split one.
+                prop_assert_eq!(plan.num_packs(), plan.num_segments());
+                let pieces: usize = lengths.iter().map(|&l| (l as u64).div_ceil(max_len) as usize).sum();
+                prop_assert_eq!(plan.num_packs(), pieces);
             }
         }
     }
@@ -375,12 +382,7 @@ fn an_input_changed_between_passes_is_an_error() {
     flaky!(Swaps, |l| 41 - l);
     let n = if cfg!(miri) { 400 } else { 200_000u32 };
     let base: Vec<u32> = (0..n).map(|i| i % 40 + 1).collect();
-    for strategy in [
-        Strategy::BestFitDecreasing,
-        Strategy::FirstFitDecreasing,
-        Strategy::NextFit,
-        Strategy::Wrapped,
-    ] {
+    for strategy in STRATEGIES {
         for (overlong, long) in [(Overlong::Split, None), (Overlong::Drop, Some(200))] {
             if long.is_some() && strategy == Strategy::Wrapped {
                 continue;

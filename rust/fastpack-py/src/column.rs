@@ -223,15 +223,15 @@ pub fn pack_tokens<'py>(
     Ok(tokens.into_pyarray(py))
 }
 
-/// `gather(plan arrays..., packs, columns, fills, position_ids, threads)`: the packs as
-/// packed columns; see `fastpack.gather`. `fills` holds each column's separator value as
-/// 8 little-endian bytes. Returns a dict of numpy arrays: `offsets`, `seq_offsets`
-/// (int64), `seq_lengths`, `position_ids` (int32), and `columns`, one entry per column:
+/// `gather(plan arrays..., packs, columns, separator_values, position_ids, threads)`: the
+/// packs as packed columns; see `fastpack.gather`. `separator_values` holds each column's
+/// separator value as 8 little-endian bytes. Returns a dict of numpy arrays: `offsets`,
+/// `seq_offsets`, `position_ids` (int64), `seq_lengths` (int32), and `columns`, one entry per column:
 /// its values (uint8..uint64 by width), or `(bits, len)` for booleans.
 #[pyfunction]
 #[pyo3(signature = (
     sample_ids, starts, seqlens, pack_offsets, reserve, strategy, overlong, packs, columns,
-    fills, position_ids=true, threads=None
+    separator_values, position_ids=true, threads=None
 ))]
 #[allow(clippy::too_many_arguments)]
 pub fn gather<'py>(
@@ -245,7 +245,7 @@ pub fn gather<'py>(
     overlong: &str,
     packs: PyReadonlyArray1<'py, i64>,
     columns: Vec<PyRef<'py, ListColumn>>,
-    fills: Vec<Vec<u8>>,
+    separator_values: Vec<Vec<u8>>,
     position_ids: bool,
     threads: Option<usize>,
 ) -> PyResult<Bound<'py, PyDict>> {
@@ -260,16 +260,16 @@ pub fn gather<'py>(
         None,
     )?;
     let packs = packs.as_slice()?;
-    let mut fill_bytes = Vec::with_capacity(fills.len());
-    for f in &fills {
+    let mut separators = Vec::with_capacity(separator_values.len());
+    for value in &separator_values {
         let mut b = [0u8; 8];
-        if f.len() > 8 {
-            return Err(fastpack_error("fills: expected at most 8 bytes per column"));
+        if value.len() > 8 {
+            return Err(fastpack_error("separator_values: expected at most 8 bytes per column"));
         }
-        b[..f.len()].copy_from_slice(f);
-        fill_bytes.push(b);
+        b[..value.len()].copy_from_slice(value);
+        separators.push(b);
     }
-    let opts = GatherOptions { fills: fill_bytes, position_ids };
+    let opts = GatherOptions { separator_values: separators, position_ids };
     let cols: Vec<Column<'_>> =
         columns.iter().map(|c| c.column(py).cloned()).collect::<PyResult<_>>()?;
     let out = py

@@ -2,8 +2,8 @@
 //! core's errors to `fastpack.FastpackError`. No algorithm lives here.
 
 use fastpack_core::{
-    layout, pack_two_level, pool, Error, Levels, Metrics, Overlong, PackOptions, PlanArrays,
-    Strategy, TwoLevelPlan,
+    layout, pack_two_level, pool, Bucket, Error, Levels, Metrics, Overlong, PackOptions,
+    PlanArrays, Strategy, TwoLevelPlan,
 };
 use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyMemoryError, PyRuntimeError};
@@ -297,6 +297,39 @@ fn plan_metrics<'py>(
     Ok(d)
 }
 
+/// Every metric of a plan known only by its buckets' totals — `(max_len, num_sequences,
+/// num_packs, total_tokens)` each — and, with `group_tokens`, its number of groups: the
+/// report of plan shards merged (`fastpack_core::bucket_metrics`, which every other
+/// metric of fastpack goes through). No group fills: totals cannot give them.
+#[pyfunction]
+#[pyo3(signature = (buckets, group_tokens=None, num_groups=0))]
+fn bucket_metrics<'py>(
+    py: Python<'py>,
+    buckets: Vec<(u64, u64, u64, u64)>,
+    group_tokens: Option<u64>,
+    num_groups: u64,
+) -> PyResult<Bound<'py, PyDict>> {
+    if let Some((i, _)) = buckets.iter().enumerate().find(|(_, b)| b.0 == 0) {
+        return Err(fastpack_error(&format!("buckets: bucket {i} has max_len 0; expected >= 1")));
+    }
+    if group_tokens == Some(0) {
+        return Err(fastpack_error("group_tokens: got 0; expected at least 1"));
+    }
+    let buckets = buckets
+        .into_iter()
+        .map(|(max_len, num_sequences, num_packs, total_tokens)| Bucket {
+            max_len,
+            num_sequences,
+            num_packs,
+            total_tokens,
+        })
+        .collect();
+    let metrics = fastpack_core::bucket_metrics(buckets, group_tokens.map(|b| (num_groups, b)));
+    let d = PyDict::new(py);
+    set_metrics(py, &d, metrics)?;
+    Ok(d)
+}
+
 /// The thread count used when `threads=None`.
 #[pyfunction]
 fn default_threads() -> usize {
@@ -320,5 +353,5 @@ mod _core {
     #[pymodule_export]
     use super::tree::{tree_expand, tree_items, tree_path_targets, tree_rows};
     #[pymodule_export]
-    use super::{cu_seqlens, default_threads, pack, plan_metrics, varlen};
+    use super::{bucket_metrics, cu_seqlens, default_threads, pack, plan_metrics, varlen};
 }

@@ -37,6 +37,8 @@ pub(crate) struct Rules {
     pub max_len: u64,
     pub reserve: u64,
     pub wrapped: bool,
+    /// Every sequence closes its pack (`one_per_pack`).
+    pub one_per_pack: bool,
     pub overlong: Overlong,
     pub route_long: bool,
 }
@@ -47,6 +49,7 @@ impl Rules {
             max_len: opts.max_len,
             reserve: opts.reserve,
             wrapped: opts.strategy == Strategy::Wrapped,
+            one_per_pack: opts.strategy == Strategy::OnePerPack,
             overlong: opts.overlong,
             route_long,
         }
@@ -269,7 +272,7 @@ mod tests {
     use super::*;
 
     fn rules(max_len: u64, reserve: u64, overlong: Overlong, route_long: bool) -> Rules {
-        Rules { max_len, reserve, wrapped: false, overlong, route_long }
+        Rules { max_len, reserve, wrapped: false, one_per_pack: false, overlong, route_long }
     }
 
     #[test]

@@ -1,6 +1,7 @@
-//! The order-preserving strategies, `next_fit` and `wrapped`: one sequential walk over the
-//! input, run twice — to count each pack's segments (their placement), then to write them
-//! (their replay).
+//! The order-preserving strategies, `next_fit`, `wrapped` and `one_per_pack`: one sequential
+//! walk over the input, run twice — to count each pack's segments (their placement), then
+//! to write them (their replay). `one_per_pack` is `next_fit` whose every sequence closes
+//! its pack (the padded baseline: one sequence, or piece of one, per pack).
 
 use crate::error::{Error, Result};
 use crate::length::Length;
@@ -73,6 +74,9 @@ fn walk<L: Length>(
                 }
             }
             _ => {}
+        }
+        if rules.one_per_pack {
+            fill = m; // closed: the next sequence opens a pack of its own
         }
     }
     cut

@@ -18,8 +18,8 @@
 //! 6. [`unpack`]: slot words become `sample_ids` and `seqlens`; split remainders get their
 //!    starts.
 //!
-//! The order-preserving strategies ([`in_order`]) tally (phase 1), walk the input once to
-//! count (3) and once more to write (5).
+//! The order-preserving strategies ([`in_order`]: `next_fit`, `wrapped`, `one_per_pack`)
+//! tally (phase 1), walk the input once to count (3) and once more to write (5).
 //!
 //! **Groups** (level 2, [`groups`]): each bucket's packs are bin-packed by their fills into
 //! groups of at most `group_tokens`, and the layout puts each group's packs together.
@@ -128,7 +128,7 @@ impl<'a, L: Length> Level1<'a, L> {
                 bucket.hist = Some(hist);
                 Ok((bucket, None))
             }
-            Strategy::NextFit | Strategy::Wrapped => {
+            Strategy::NextFit | Strategy::Wrapped | Strategy::OnePerPack => {
                 let (tally, routed) = histogram::tally(input, &rules)?;
                 bucket.stats = tally.check(input, &rules)?;
                 bucket.routed = routed;
