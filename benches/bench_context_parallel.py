@@ -12,12 +12,15 @@ What runs (``python benches/bench_context_parallel.py``; results in
    vectorised numpy version of TransformerEngine's ``thd_get_partitioned_indices``
    contract, and a per-sequence torch loop like ``get_batch_on_this_cp_rank``'s, both
    written here from the contract: TE's own needs CUDA).
-2. **A plan of 10^7 sequences** (SFT-like, ``max_len`` 4096): every pack's padded length,
-   every segment's padded length and every CP rank's attention work (``_core.cp_streams``,
-   what ``Plan.pad_tokens`` and the sampler's CP cost read), against the floor of copying
-   the arrays it writes (one ``np.copy`` of each: the layout's outputs are new arrays); and
+2. **A plan of 10^7 sequences** (SFT-like, ``max_len`` 4096): every pack's padded length
+   and every CP rank's attention work (``_core.cp_streams``, what ``Plan.pad_tokens`` and
+   the sampler's CP cost read), against the floor of copying the arrays it writes (one
+   ``np.copy`` of each: the layout's outputs are new arrays) and that of copying the
+   arrays it reads and writes (it reads far more than it writes); and
    ``fastpack.pack(..., cp_size=...)`` against the plain plan. Beside the medians, the best
    run of each and their ratio: on shared cores a few-millisecond call is often preempted.
+   ``--baseline DIR`` times another build's ``cp_streams`` and ``pack(cp_size)`` in the same
+   run (``DIR`` holds its ``fastpack`` package).
 3. **The CP attention** (``context_parallel_attention``, forward + backward, fp32, 8 query
    heads, 2 key/value heads, head dim 64) over one 16,384-token row (a 12,288-token
    document and shorter ones) on a gloo world of cp = 1, 2, 4 CPU processes: each rank's
@@ -169,31 +172,73 @@ def bench_one_pack(reps: int) -> list[str]:
     return rows
 
 
-def bench_plan(n: int, reps: int) -> list[str]:
+def baseline_core(folder: str) -> Any:
+    """The ``_core`` of another fastpack build (``folder`` holds its ``fastpack`` package),
+    loaded beside this one: the same calls timed in the same run."""
+    import importlib.util
+
+    path = next(Path(folder, "fastpack").glob("_core*.so"))
+    spec = importlib.util.spec_from_file_location("baseline._core", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def baseline_pack(folder: str, n: int, cp: int, mode: str, reps: int) -> float:
+    """Median seconds of ``pack(..., cp_size=cp)`` by the build in ``folder`` (its own
+    process: the Python side differs too)."""
+    code = (f"import sys; sys.path.insert(0, {str(HERE)!r}); "
+            "from bench_context_parallel import median_time; import fastpack; "
+            f"from bench_scale import gen_lengths; x = gen_lengths('sft', {n}, 0); "
+            f"print(median_time(lambda: fastpack.pack(x, 4096, cp_size={cp}, "
+            f"cp_mode={mode!r}), {reps}))")
+    env = dict(os.environ, PYTHONPATH=folder)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, check=True)
+    return float(out.stdout.split()[-1])
+
+
+def bench_plan(n: int, reps: int, baseline: str | None = None) -> list[str]:
     lengths = gen_lengths("sft", n, 0)
     plan = fastpack.pack(lengths, 4096)
-    rows = ["| cp | mode | segments | packs | pad tokens | bytes written | fastpack | "
-            "floor (copy) | ratio | best of each: ratio | pack(cp_size) | pack() |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    old = baseline_core(baseline) if baseline else None
+    rows = ["| cp | mode | segments | packs | pad tokens | bytes read / written | fastpack | "
+            "floor: copy of the bytes written | ratio | best of each: ratio | "
+            "copy of the bytes read and written | ratio | pack(cp_size) | pack() |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    if old is not None:
+        rows[0] += " baseline cp_streams | baseline pack(cp_size) |"
+        rows[1] += "---|---|"
     plain = median_time(lambda: fastpack.pack(lengths, 4096), max(3, reps // 2))
+    inputs = [plan.seqlens, plan.pack_offsets]
     for cp in (2, 8):
         for mode in ("zigzag", "contiguous"):
             run = partial(_core.cp_streams, plan.seqlens, plan.pack_offsets, cp, mode, 1)
-            out = run()
+            out = [a for a in run() if a is not None]
             nbytes = sum(a.nbytes for a in out)
+            nread = sum(a.nbytes for a in inputs)
             t = median_time(run, reps)
             t_best = BEST[0]
             floor = median_time(partial(copy_like, [np.ones(a.size, a.dtype) for a in out]),
                                 reps)
             floor_best = BEST[0]
+            floor_rw = median_time(partial(copy_like, inputs + out), reps)
             cp_plan = fastpack.pack(lengths, 4096, cp_size=cp, cp_mode=mode)
             t_pack = median_time(partial(fastpack.pack, lengths, 4096, cp_size=cp, cp_mode=mode),
                                  max(3, reps // 2))
-            rows.append(f"| {cp} | {mode} | {plan.num_segments:,} | {plan.num_packs:,} | "
-                        f"{cp_plan.pad_tokens:,} | {nbytes / 2**20:.1f} MiB | {t * 1e3:.1f} ms | "
-                        f"{floor * 1e3:.1f} ms | {t / floor:.2f}x | "
-                        f"{t_best / floor_best:.2f}x | {t_pack:.2f} s "
-                        f"({cp_plan.num_packs:,} packs) | {plain:.2f} s |")
+            row = (f"| {cp} | {mode} | {plan.num_segments:,} | {plan.num_packs:,} | "
+                   f"{cp_plan.pad_tokens:,} | {nread / 2**20:.1f} / {nbytes / 2**20:.1f} MiB | "
+                   f"{t * 1e3:.1f} ms | {floor * 1e3:.1f} ms | {t / floor:.2f}x | "
+                   f"{t_best / floor_best:.2f}x | {floor_rw * 1e3:.1f} ms | "
+                   f"{t / floor_rw:.2f}x | {t_pack:.2f} s ({cp_plan.num_packs:,} packs) | "
+                   f"{plain:.2f} s |")
+            if old is not None and baseline is not None:
+                t_old = median_time(partial(old.cp_streams, plan.seqlens, plan.pack_offsets,
+                                            cp, mode, 1), reps)
+                t_old_pack = baseline_pack(baseline, n, cp, mode, max(3, reps // 2))
+                row += f" {t_old * 1e3:.1f} ms | {t_old_pack:.2f} s |"
+            rows.append(row)
     return rows
 
 
@@ -284,11 +329,13 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--out", default=str(HERE / "results" / "context_parallel.md"))
     ap.add_argument("--skip-attention", action="store_true")
+    ap.add_argument("--baseline", help="a folder holding another fastpack build (its "
+                    "``fastpack`` package), timed beside this one on the plan")
     a = ap.parse_args()
     head = (f"`python benches/bench_context_parallel.py` on {environment()}, "
             f"{time.strftime('%Y-%m-%d')}; load average (1, 5, 15 min) at start {load()}")
     one = bench_one_pack(a.reps)
-    plan = bench_plan(int(a.plan_size), a.reps)
+    plan = bench_plan(int(a.plan_size), a.reps, a.baseline)
     attention = [] if a.skip_attention else bench_attention()
     text = [
         "# Context parallelism", "", head + f", at end {load()} (the machine is shared: "
@@ -302,10 +349,13 @@ def main() -> None:
         "arrays).", "",
         *one, "",
         f"## A plan of {int(a.plan_size):,} sequences (SFT-like, max_len 4096)", "",
-        "`_core.cp_streams`: every segment's padded length, every pack's padded tokens and "
-        "every CP rank's attention work (one pass, rayon). Floor: one copy of each array it "
-        "writes into a new array. `pack(cp_size)`: the whole CP-aware plan (padded lengths planned, real ones "
-        "mapped back), beside the plain plan.", "",
+        "`_core.cp_streams`: every pack's padded tokens and every CP rank's attention work "
+        "(one pass, rayon). Floors: one copy of each array it writes into a new array, and "
+        "one copy of each array it reads (the plan's `seqlens` and `pack_offsets`) and "
+        "writes. `pack(cp_size)`: the whole CP-aware plan (padded lengths planned, real "
+        "ones mapped back), beside the plain plan."
+        + (f" Baseline: the same calls by the build in `{a.baseline}`, same run."
+           if a.baseline else ""), "",
         *plan, "",
     ]
     if attention:

@@ -595,6 +595,12 @@ CONTEXT_PARALLEL = [
     Row("pack-cp-overlong", _pack([3, 8], 8, cp_size=2, cp_mode="contiguous", pad_multiple=3), E,
         r"^lengths: 1 sequence\(s\) longer than 6 tokens \(first at index 1, length 8\): "
         r"max_len \(8\) holds 6 once every pack is padded to a multiple of 6"),
+    # Zigzag plans on padded lengths: a negative one was once planned as an empty sequence.
+    Row("pack-cp-zigzag-negative", _pack(np.array([3, 5, -2], np.int8), 64, cp_size=2), E,
+        r"^lengths: negative length -2 at index 2; lengths must be non-negative integers"),
+    Row("pack-cp-uint64-huge", _pack(np.array([3, 2**63 + 5], np.uint64), 64, cp_size=2), E,
+        r"^lengths: 1 sequence\(s\) longer than 64 tokens \(first at index 1, length "
+        r"9223372036854775813\): max_len \(64\) holds 64 once every sequence is padded"),
     Row("pack-cp-mode", _pack(cp_size=2, cp_mode="llama3"), E, r"^cp_mode: unknown value "
         r"'llama3'"),
     Row("pack-cp-long-max-len", _pack([3, 5], 8, cp_size=2, long_max_len=10), E,

@@ -236,17 +236,20 @@ def cp_layout(
                     work=_readonly(work.astype(np.int64)), threads=_threads(threads))
 
 
-def cp_rows(plan: Plan, seqlens: np.ndarray,
-            offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Padded tokens (int64 [N]) and each CP rank's attention work (int64 [N, cp]) of the
-    rows ``offsets[i]:offsets[i+1]`` of ``seqlens`` (a plan's packs, a step's row, a piece
-    of one), each sharded on its own for the plan's CP group: the one reading of a CP
-    plan's padding and work (``Plan.pad_tokens``, ``StepTable``, the sampler's cost)."""
+def cp_rows(plan: Plan, seqlens: np.ndarray, offsets: np.ndarray,
+            work: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """Padded tokens (int64 [N]) and each CP rank's attention work (int64 [N, cp]; [N, 0]
+    with ``work=False``, which skips it) of the rows ``offsets[i]:offsets[i+1]`` of
+    ``seqlens`` (a plan's packs, a step's row, a piece of one), each sharded on its own for
+    the plan's CP group: the one reading of a CP plan's padding and work
+    (``Plan.pad_tokens``, ``StepTable``, the sampler's cost)."""
     assert plan.cp_size is not None and plan.cp_mode is not None
-    _, padded, work = _core.cp_streams(
+    padded, per_rank = _core.cp_streams(
         np.ascontiguousarray(seqlens, dtype=np.int32), np.ascontiguousarray(offsets, np.int64),
-        plan.cp_size, plan.cp_mode, plan.pad_multiple or 1)
-    return padded, work.astype(np.int64).reshape(len(padded), plan.cp_size)
+        plan.cp_size, plan.cp_mode, plan.pad_multiple or 1, work=work)
+    if per_rank is None:
+        return padded, np.empty((len(padded), 0), np.int64)
+    return padded, per_rank.astype(np.int64).reshape(len(padded), plan.cp_size)
 
 
 def pack_for_context_parallel(lengths: np.ndarray, options: PackOptions,
@@ -268,33 +271,39 @@ def pack_for_context_parallel(lengths: np.ndarray, options: PackOptions,
     d = cp_divisor(o.cp_size, o.cp_mode, o.pad_multiple)
     cap = o.max_len // d * d
     long_cap = None if o.long_max_len is None else o.long_max_len // d * d
-    real = lengths.astype(np.int64, copy=False)
-    extended = np.where(real > 0, real + o.reserve, 0)
     top = cap if long_cap is None else long_cap
-    over = extended > top
-    if over.any() and o.overlong == "error" and o.strategy != "wrapped":
-        i = int(np.argmax(over))
+    given = lengths
+    if lengths.dtype == np.uint64:  # past 2^63 - 1 (no pack holds it) read as 2^63 - 1
+        lengths = np.minimum(lengths, np.iinfo(np.int64).max)
+    if lengths.dtype not in (np.int32, np.int64):
+        lengths = lengths.astype(np.int64)
+    # One pass in the core: the padded lengths zigzag plans on, and the overlong ones.
+    planned, over, first, over_tokens, over_excess = _core.cp_plan_lengths(
+        lengths, o.cp_size, o.cp_mode, o.pad_multiple, o.reserve, top, threads)
+    if over and o.overlong == "error" and o.strategy != "wrapped":
+        assert first is not None
         what = "every sequence" if o.cp_mode == "zigzag" else "every pack"
         raise FastpackError(
-            f"lengths: {int(over.sum())} sequence(s) longer than {top} tokens (first at index "
-            f"{i}, length {int(real[i])}{f' + reserve {o.reserve}' if o.reserve else ''}): "
+            f"lengths: {over} sequence(s) longer than {top} tokens (first at index "
+            f"{first}, length {int(given[first])}"
+            f"{f' + reserve {o.reserve}' if o.reserve else ''}): "
             f"{'long_max_len' if long_cap else 'max_len'} ({o.long_max_len or o.max_len}) "
             f"holds {top} once {what} is padded to a multiple of {d} (cp_size={o.cp_size}, "
             f"cp_mode={o.cp_mode!r}, pad_multiple={o.pad_multiple}); pass "
             f'overlong="truncate", "split" or "drop", or raise the cap'
         )
-    zigzag = o.cp_mode == "zigzag"
-    planned = np.where(real > 0, -(-extended // d) * d - o.reserve, 0) if zigzag else lengths
-    fields = _core.pack(np.ascontiguousarray(planned), cap, o.strategy, o.overlong, o.reserve,
-                        o.seed if o.shuffle else None, threads, None, long_cap, o.group_tokens)
+    zigzag = planned is not None
+    fields = _core.pack(lengths if planned is None else planned, cap, o.strategy, o.overlong,
+                        o.reserve, o.seed if o.shuffle else None, threads, None, long_cap,
+                        o.group_tokens)
     if zigzag:
-        kept = extended[fields["sample_ids"]] - fields["starts"]
-        fields["seqlens"] = np.minimum(fields["seqlens"], kept).astype(np.int32)
-        lost = over & (o.strategy != "wrapped")
-        if o.overlong == "drop":
-            fields["dropped_tokens"] = int(real[lost].sum())
-        elif o.overlong == "truncate":
-            fields["truncated_tokens"] = int((extended[lost] - top).sum())
+        _core.cp_real_seqlens(fields["seqlens"], fields["sample_ids"], fields["starts"],
+                              lengths, o.reserve, threads)
+        if o.strategy != "wrapped":  # wrapped never drops nor truncates
+            if o.overlong == "drop":
+                fields["dropped_tokens"] = over_tokens
+            elif o.overlong == "truncate":
+                fields["truncated_tokens"] = over_excess
     if fields.get("pack_caps") is not None:
         assert o.long_max_len is not None
         fields["pack_caps"] = np.where(fields["pack_caps"] == cap, o.max_len,

@@ -7,8 +7,10 @@ __all__ = [
     "by_cost",
     "ListColumn",
     "column_lengths",
+    "cp_plan_lengths",
     "cp_rank_attention",
     "cp_rank_tokens",
+    "cp_real_seqlens",
     "cp_stream",
     "cp_streams",
     "cu_seqlens",
@@ -87,7 +89,25 @@ def cp_streams(
     mode: str,
     pad_multiple: int,
     threads: int | None = None,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]: ...
+    work: bool = True,
+) -> tuple[np.ndarray, np.ndarray | None]: ...
+def cp_plan_lengths(
+    lengths: np.ndarray,
+    cp_size: int,
+    mode: str,
+    pad_multiple: int,
+    reserve: int,
+    top: int,
+    threads: int | None = None,
+) -> tuple[np.ndarray | None, int, int | None, int, int]: ...
+def cp_real_seqlens(
+    seqlens: np.ndarray,
+    sample_ids: np.ndarray,
+    starts: np.ndarray,
+    lengths: np.ndarray,
+    reserve: int,
+    threads: int | None = None,
+) -> None: ...
 def materialize(
     sample_ids: np.ndarray,
     starts: np.ndarray,

@@ -426,7 +426,7 @@ class Plan:
             return 0
         from ._context_parallel import cp_rows
 
-        padded, _ = cp_rows(self, self.seqlens, self.pack_offsets)
+        padded, _ = cp_rows(self, self.seqlens, self.pack_offsets, work=False)
         return int(padded.sum()) - self.total_tokens
 
     @property

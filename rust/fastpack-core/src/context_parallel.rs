@@ -34,7 +34,7 @@
 use rayon::prelude::*;
 
 use crate::error::{Error, Result};
-use crate::memory::{try_filled, try_with_capacity, Word};
+use crate::memory::{try_fill_blocks, try_filled, try_with_capacity, Word};
 
 /// `n` zeros for an output that is written in full: zeros written up front (a fresh zeroed
 /// mapping, `memory::try_zeroed`'s choice for buffers mostly never written, costs more
@@ -530,7 +530,7 @@ fn zigzag_attention(layout: &StreamLayout, rank: i64) -> Result<RankAttention> {
 
 /// `Σ (p + 1)` over real positions `p` in `[a, b)` of a sequence of `len` real tokens: the
 /// keys those queries attend to, causally.
-fn causal_work(a: i64, b: i64, len: i64) -> u64 {
+fn causal_work(a: u64, b: u64, len: u64) -> u64 {
     let b = b.min(len);
     if b <= a {
         return 0;
@@ -538,10 +538,239 @@ fn causal_work(a: i64, b: i64, len: i64) -> u64 {
     tri(b) - tri(a)
 }
 
-/// `x (x + 1) / 2` for `0 <= x < 2^31` (cu_seqlens are int32): fits a u64.
-fn tri(x: i64) -> u64 {
-    let x = x as u64;
+/// `x (x + 1) / 2` for `0 <= x < 2^32` (lengths are int32): fits a u64.
+#[inline(always)]
+fn tri(x: u64) -> u64 {
     x * (x + 1) / 2
+}
+
+/// Division by a divisor fixed for a whole call (a CP group's `2·cp` chunks, its `cp`
+/// ranks, its padding multiple), for dividends below 2^32 (lengths and the padded totals
+/// of streams are int32): [`Shift`] when every divisor of the call is a power of two, as
+/// CP groups and their multiples usually are, else [`Reciprocal`]. The layout's loops are
+/// compiled once for each, so neither branches per item.
+trait Div: Copy + Send + Sync {
+    fn new(d: u64) -> Self;
+    /// `x / d`.
+    fn div(self, x: u64) -> u64;
+    /// `x` rounded up to a multiple of `d` (for `x + d - 1 < 2^32`).
+    fn round_up(self, x: u64) -> u64;
+}
+
+/// A power-of-two divisor: a shift, and a mask to round up.
+#[derive(Clone, Copy, Debug)]
+struct Shift {
+    shift: u32,
+    low: u64,
+}
+
+impl Div for Shift {
+    fn new(d: u64) -> Self {
+        debug_assert!(d.is_power_of_two());
+        Shift { shift: d.trailing_zeros(), low: d - 1 }
+    }
+    #[inline(always)]
+    fn div(self, x: u64) -> u64 {
+        x >> self.shift
+    }
+    #[inline(always)]
+    fn round_up(self, x: u64) -> u64 {
+        (x + self.low) & !self.low
+    }
+}
+
+/// Any divisor below 2^32: a multiply by `ceil(2^64 / d)` and a shift by 64 (`1` and 0 for
+/// `d = 1`), exact for every dividend below 2^32 (Lemire, Kaser and Kurz, "Faster
+/// remainder by direct computation", 2019).
+#[derive(Clone, Copy, Debug)]
+struct Reciprocal {
+    d: u64,
+    magic: u64,
+    shift: u32,
+}
+
+impl Div for Reciprocal {
+    fn new(d: u64) -> Self {
+        debug_assert!((1..1 << 32).contains(&d));
+        match d {
+            1 => Reciprocal { d, magic: 1, shift: 0 },
+            _ => Reciprocal { d, magic: u64::MAX / d + 1, shift: 64 },
+        }
+    }
+    #[inline(always)]
+    fn div(self, x: u64) -> u64 {
+        ((self.magic as u128 * x as u128) >> self.shift) as u64
+    }
+    #[inline(always)]
+    fn round_up(self, x: u64) -> u64 {
+        self.div(x + self.d - 1) * self.d
+    }
+}
+
+/// Calls `$run` with the divisor type the CP group's divisors allow (see [`Div`]).
+macro_rules! with_div {
+    ($spec:expr, $run:ident ( $($arg:expr),* )) => {{
+        let spec: CpSpec = $spec;
+        if spec.divisor().is_power_of_two() && spec.cp_size.is_power_of_two() {
+            $run(StreamRules::<Shift>::new(spec), $($arg),*)
+        } else {
+            $run(StreamRules::<Reciprocal>::new(spec), $($arg),*)
+        }
+    }};
+}
+
+/// What the layout of a stream needs besides its lengths, fixed for a whole call.
+#[derive(Clone, Copy, Debug)]
+struct StreamRules<D> {
+    spec: CpSpec,
+    cp: u64,
+    /// The padding divisor: each sequence's (zigzag) or the stream's (the other modes).
+    pad: D,
+    /// `2·cp` (zigzag's chunks per sequence).
+    chunks: D,
+    /// `cp` (the contiguous modes' slices of a stream).
+    ranks: D,
+}
+
+impl<D: Div> StreamRules<D> {
+    fn new(spec: CpSpec) -> Self {
+        let cp = spec.cp_size;
+        StreamRules {
+            spec,
+            cp,
+            pad: D::new(spec.divisor()),
+            chunks: D::new(2 * cp),
+            ranks: D::new(cp),
+        }
+    }
+
+    /// The stream's padded tokens, and each rank's attention work into `work` (`[cp]`,
+    /// every entry written) when given, from the real lengths of its sequences (each in
+    /// `0..2^31`; `spill`: `[cp]` zeros, left so). `None`: the padded stream would not fit
+    /// int32 `cu_seqlens` (`work` is then left unspecified).
+    #[inline(always)]
+    fn stream(&self, lens: &[i32], work: Option<&mut [u64]>, spill: &mut [u64]) -> Option<u64> {
+        if self.spec.chunked() {
+            return self.zigzag(lens, work, spill);
+        }
+        let lens = lens.iter().map(|&l| l as u64);
+        let padded = if self.spec.mode == CpMode::Zigzag {
+            // One rank: every sequence padded to `pad_multiple`, nothing cut.
+            lens.clone().map(|l| self.pad.round_up(l)).sum::<u64>()
+        } else {
+            // The sum checked first: the divisor takes dividends below 2^32.
+            let total = lens.clone().sum::<u64>();
+            if total > i32::MAX as u64 {
+                return None;
+            }
+            self.pad.round_up(total)
+        };
+        if padded > i32::MAX as u64 {
+            return None;
+        }
+        let Some(work) = work else { return Some(padded) };
+        if self.cp == 1 {
+            work[0] = lens.map(tri).sum();
+        } else if self.spec.mode == CpMode::Ulysses {
+            let total: u64 = lens.map(tri).sum();
+            let (share, rest) = (total / self.cp, total % self.cp);
+            for (r, w) in work.iter_mut().enumerate() {
+                *w = share + u64::from((r as u64) < rest);
+            }
+        } else {
+            self.contiguous_work(lens, self.ranks.div(padded), work);
+        }
+        Some(padded)
+    }
+
+    /// Zigzag, in one pass: a sequence of `P` padded tokens is cut into `2·cp` chunks of
+    /// `c = P / 2cp`; rank `r` holds chunks `r` and `2cp−1−r`, whose causal pairs add up
+    /// to `2cp·c² + c` on every rank, less what the pad removes: the pairs of positions
+    /// `len..P`, all in the top chunk (rank 0's) unless the pad is longer than a chunk. So
+    /// a sequence costs a few sums and one product, and only short sequences, in a
+    /// second pass, walk their chunks.
+    #[inline(always)]
+    fn zigzag(&self, lens: &[i32], work: Option<&mut [u64]>, spill: &mut [u64]) -> Option<u64> {
+        let (mut padded, mut sum_c, mut sum_c2, mut top) = (0u64, 0u64, 0u64, 0u64);
+        let mut spilled = false;
+        // Wrapping: a stream padded past int32 is refused below, whatever the sums hold;
+        // one that fits keeps every sum far below 2^64 (`Σc² <= (Σc)²`).
+        for &l in lens {
+            let len = l as u64;
+            let p = self.pad.round_up(len);
+            let c = self.chunks.div(p);
+            padded = padded.wrapping_add(p);
+            sum_c = sum_c.wrapping_add(c);
+            sum_c2 = sum_c2.wrapping_add(c.wrapping_mul(c));
+            // Rank 0's top chunk loses positions max(len, P - c)..P: tri(P) - tri(m).
+            let m = len.max(p - c);
+            top = top.wrapping_add((p - m).wrapping_mul(p + m + 1) / 2);
+            spilled |= len < p - c;
+        }
+        if padded > i32::MAX as u64 {
+            return None;
+        }
+        let Some(work) = work else { return Some(padded) };
+        if spilled {
+            for &l in lens {
+                let len = l as u64;
+                let p = self.pad.round_up(len);
+                let c = self.chunks.div(p);
+                if len < p - c {
+                    self.spill(len, p - c, c, spill);
+                }
+            }
+        }
+        let common = 2 * self.cp * sum_c2 + sum_c;
+        // Every rank's work written once; `spill` left all zero for the next stream.
+        for (w, s) in work.iter_mut().zip(spill.iter_mut()) {
+            *w = common - std::mem::take(s);
+        }
+        work[0] -= top;
+        Some(padded)
+    }
+
+    /// A pad longer than a chunk: the pairs it removes below the top chunk (positions
+    /// `len..hi`, `hi` the top chunk's start), chunk by chunk downwards, each to its
+    /// chunk's rank (chunk `q`'s: `q` in the first half, `2cp−1−q` in the second).
+    #[cold]
+    fn spill(&self, len: u64, mut hi: u64, c: u64, spill: &mut [u64]) {
+        let cp = self.cp;
+        let mut q = 2 * cp - 2;
+        loop {
+            let lo = hi - c;
+            let owner = if q < cp { q } else { 2 * cp - 1 - q };
+            spill[owner as usize] += tri(hi) - tri(lo.max(len));
+            if lo <= len {
+                return;
+            }
+            (hi, q) = (lo, q - 1);
+        }
+    }
+
+    /// Contiguous: rank `r` holds positions `[r·share, (r+1)·share)` of the stream (its
+    /// pad at the end); a sequence inside one slice adds `tri(len)` to it, one across
+    /// slices adds each slice its part. Each rank's work is written once, in order.
+    #[inline(always)]
+    fn contiguous_work(&self, lens: impl Iterator<Item = u64>, share: u64, work: &mut [u64]) {
+        let (mut r, mut bound, mut acc, mut start) = (0usize, share, 0u64, 0u64);
+        for len in lens {
+            let end = start + len;
+            if end <= bound {
+                acc += tri(len);
+            } else {
+                let mut from = start;
+                while end > bound && r + 1 < work.len() {
+                    work[r] = acc + causal_work(from - start, bound - start, len);
+                    (acc, r, from, bound) = (0, r + 1, bound, bound + share);
+                }
+                acc += causal_work(from - start, end - start, len);
+            }
+            start = end;
+        }
+        work[r] = acc;
+        work[r + 1..].fill(0);
+    }
 }
 
 /// Attention work of every rank of one stream: the (query, key) pairs its real queries
@@ -551,178 +780,271 @@ fn tri(x: i64) -> u64 {
 /// division to the first ranks, so the ranks' work adds up to the stream's).
 pub fn stream_work(layout: &StreamLayout) -> Vec<u64> {
     let cp = layout.spec.cp_size as usize;
-    let mut work = vec![0u64; cp];
-    add_work(
-        layout.spec,
-        (0..layout.num_sequences())
-            .map(|s| (layout.padded_start(s), layout.padded_len(s), layout.len(s))),
-        layout.padded_total(),
-        &mut work,
-    );
+    let lens: Vec<i32> = layout.cu_seqlens.windows(2).map(|w| w[1] - w[0]).collect();
+    let (mut work, mut spill) = (vec![0u64; cp], vec![0u64; cp]);
+    fn run<D: Div>(rules: StreamRules<D>, lens: &[i32], work: &mut [u64], spill: &mut [u64]) {
+        // The layout's padded total fits int32 (checked when it was made).
+        rules.stream(lens, Some(work), spill);
+    }
+    with_div!(layout.spec, run(&lens, &mut work, &mut spill));
     work
-}
-
-/// Adds each rank's work over sequences given as `(padded start, padded length, real
-/// length)`, in stream order, of a stream of `padded_total` tokens. No division per
-/// sequence: a plan's streams hold millions of them.
-fn add_work(
-    spec: CpSpec,
-    sequences: impl Iterator<Item = (i64, i64, i64)>,
-    padded_total: i64,
-    work: &mut [u64],
-) {
-    let cp = spec.cp_size as i64;
-    if spec.mode == CpMode::Ulysses {
-        let total: u64 = sequences.map(|(_, _, len)| tri(len)).sum();
-        for (r, w) in work.iter_mut().enumerate() {
-            *w += total / cp as u64 + u64::from((r as u64) < total % cp as u64);
-        }
-        return;
-    }
-    if spec.chunked() {
-        // A sequence with no pad gives every rank 2cp·c² + c pairs (chunks r and
-        // 2cp-1-r): that common part is summed once; each sequence then takes off, from
-        // the top chunk down, what its pad removes.
-        let chunks = Chunks::new(2 * cp);
-        let mut common = 0u64;
-        for (_, padded_len, len) in sequences {
-            let c = chunks.of(padded_len);
-            common += (2 * cp * c * c + c) as u64;
-            let mut q = 2 * cp - 1;
-            while q >= 0 && (q + 1) * c > len {
-                let (lo, hi) = (q * c, (q + 1) * c);
-                let owner = if q < cp { q } else { 2 * cp - 1 - q } as usize;
-                // Wrapping: the common part comes last, so the sum is exact.
-                work[owner] =
-                    work[owner].wrapping_sub(tri(hi) - tri(lo) - causal_work(lo, hi, len));
-                q -= 1;
-            }
-        }
-        for w in work.iter_mut() {
-            *w = w.wrapping_add(common);
-        }
-        return;
-    }
-    // Contiguous: rank r holds [r·share, (r+1)·share); a cursor follows the sequences.
-    let share = padded_total / cp;
-    if share == 0 {
-        return;
-    }
-    let mut r = 0i64;
-    for (start, _, len) in sequences {
-        while r + 1 < cp && (r + 1) * share <= start {
-            r += 1;
-        }
-        let end = start + len;
-        if end <= (r + 1) * share {
-            work[r as usize] += tri(len); // the usual case: one rank holds it all
-            continue;
-        }
-        let mut k = r;
-        while k < cp && k * share < end {
-            let (lo, hi) = (k * share, (k + 1) * share);
-            work[k as usize] += causal_work(lo.max(start) - start, hi.min(end) - start, len);
-            k += 1;
-        }
-    }
-}
-
-/// Division by a group's chunk count (`2·cp`), a shift when it is a power of two.
-struct Chunks {
-    count: i64,
-    shift: Option<u32>,
-}
-
-impl Chunks {
-    fn new(count: i64) -> Self {
-        let shift = (count as u64).is_power_of_two().then(|| count.trailing_zeros());
-        Chunks { count, shift }
-    }
-    /// The chunk length of a padded sequence of `padded_len` tokens (a multiple of it).
-    #[inline(always)]
-    fn of(&self, padded_len: i64) -> i64 {
-        match self.shift {
-            Some(s) => padded_len >> s,
-            None => padded_len / self.count,
-        }
-    }
 }
 
 /// Many streams at once (a plan's packs, or a dataset's steps): streams are CSR ranges
 /// `offsets[i]..offsets[i+1]` of `seqlens`.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct StreamsLayout {
-    /// Each segment's padded length (int32 [S]); in the contiguous modes the last segment
-    /// of each stream absorbs the stream's pad.
-    pub seqlens_padded: Vec<i32>,
     /// Each stream's padded tokens (int64 [P]).
     pub padded_tokens: Vec<i64>,
     /// Each stream's attention work per rank (uint64 [P * cp], row-major), as
-    /// [`stream_work`].
+    /// [`stream_work`]; empty when not asked for.
     pub work: Vec<u64>,
 }
 
-/// Streams per parallel task.
-const STREAM_BLOCK: usize = 1 << 12;
+/// Streams per parallel task: a few hundred tasks for a plan of 10^7 sequences, enough to
+/// balance two busy cores, few enough that a task's start costs nothing (a few under the
+/// tests, so their small plans cross blocks as real ones do).
+const STREAM_BLOCK: usize = if cfg!(any(test, miri)) { 3 } else { 1 << 12 };
 
-/// [`StreamsLayout`] of every stream, in parallel over blocks of streams (the same result
-/// on any number of threads).
-pub fn streams_layout(seqlens: &[i32], offsets: &[i64], spec: CpSpec) -> Result<StreamsLayout> {
+/// [`StreamsLayout`] of every stream, each output written once, in place, in parallel over
+/// blocks of streams (the same result on any number of threads); `with_work: false`
+/// computes only the padded tokens (`Plan.pad_tokens` reads nothing else).
+pub fn streams_layout(
+    seqlens: &[i32],
+    offsets: &[i64],
+    spec: CpSpec,
+    with_work: bool,
+) -> Result<StreamsLayout> {
     check_offsets(offsets, seqlens.len())?;
-    if let Some(i) = seqlens.iter().position(|&l| l < 0) {
-        return Err(Error::invalid(
+    let width = if with_work { spec.cp_size as usize } else { 0 };
+    let filled = with_div!(spec, fill_streams(seqlens, offsets, width))?;
+    match filled {
+        Ok((padded_tokens, work)) => Ok(StreamsLayout { padded_tokens, work }),
+        Err(Failure::Negative(i)) => Err(Error::invalid(
             "seqlens",
             format!("entry {i} is {}; expected non-negative lengths", seqlens[i]),
+        )),
+        Err(Failure::Overflow(real)) => Err(Error::overflow(
+            "cu_seqlens",
+            format!(
+                "padded to multiples of {} ({} mode, cp_size={}, pad_multiple={}) a stream of \
+                 {real} tokens would hold over 2^31 - 1 (cu_seqlens are int32)",
+                spec.divisor(),
+                spec.mode.name(),
+                spec.cp_size,
+                spec.pad_multiple
+            ),
+        )),
+    }
+}
+
+/// The blocks of [`streams_layout`], with the divisors of `rules`.
+#[allow(clippy::type_complexity)]
+fn fill_streams<D: Div>(
+    rules: StreamRules<D>,
+    seqlens: &[i32],
+    offsets: &[i64],
+    width: usize,
+) -> Result<std::result::Result<(Vec<i64>, Vec<u64>), Failure>> {
+    let (streams, cp) = (offsets.len() - 1, rules.cp as usize);
+    try_fill_blocks(
+        (streams, STREAM_BLOCK),
+        (streams * width, STREAM_BLOCK * width),
+        "the streams' layout",
+        |block, tokens, works| {
+            let o = &offsets[block * STREAM_BLOCK..=block * STREAM_BLOCK + tokens.capacity()];
+            let base = o[0];
+            let lens = &seqlens[base as usize..o[o.len() - 1] as usize];
+            // Checked before any arithmetic (the rules take lengths in 0..2^31), in one
+            // vectorised pass over the block (it stays in cache for the next).
+            if lens.iter().fold(0, |any, &l| any | l) < 0 {
+                let i = lens.iter().position(|&l| l < 0).unwrap_or(0);
+                return Err(Failure::Negative(base as usize + i));
+            }
+            let (mut one, mut spill) = (vec![0u64; width], vec![0u64; cp]);
+            for w in o.windows(2) {
+                let lens = &lens[(w[0] - base) as usize..(w[1] - base) as usize];
+                let want = (width > 0).then_some(&mut one[..]);
+                let Some(padded) = rules.stream(lens, want, &mut spill) else {
+                    return Err(Failure::Overflow(lens.iter().map(|&l| l as u64).sum()));
+                };
+                tokens.push(padded as i64);
+                for &w in &one {
+                    works.push(w);
+                }
+            }
+            Ok(())
+        },
+    )
+}
+
+/// Why a block of streams stopped.
+#[derive(Clone, Copy, Debug)]
+enum Failure {
+    /// `seqlens[i]` is negative.
+    Negative(usize),
+    /// A stream of these real tokens would be padded past int32.
+    Overflow(u64),
+}
+
+/// What planning packs for a CP group needs from the real lengths of a plan's sequences
+/// (see [`plan_lengths`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PlannedLengths {
+    /// Zigzag: each sequence's length as the packer plans it, `roundup(len + reserve, d) −
+    /// reserve` (an empty one stays 0), so every piece of it starts at a multiple of `d`;
+    /// empty in the other modes (they pad a pack's end: a smaller cap plans for it).
+    pub planned: Vec<i64>,
+    /// Sequences whose length plus `reserve` exceeds the top cap.
+    pub overlong: u64,
+    /// The first of them.
+    pub first_overlong: Option<usize>,
+    /// Their real tokens.
+    pub overlong_tokens: u64,
+    /// Their tokens (with `reserve`) beyond the top cap.
+    pub overlong_excess: u64,
+}
+
+/// Lengths per parallel task of [`plan_lengths`] and [`real_seqlens`].
+const LENGTH_BLOCK: usize = if cfg!(any(test, miri)) { 5 } else { 1 << 16 };
+
+/// One pass over a plan's real lengths for a CP group: the lengths the packer plans on
+/// (zigzag) and the sequences longer than `top` (the largest cap, rounded down to the
+/// padding divisor) with `reserve`, in parallel; a negative length is refused as the
+/// packer refuses it.
+pub fn plan_lengths<L: Copy + Into<i64> + Sync>(
+    lengths: &[L],
+    spec: CpSpec,
+    reserve: u64,
+    top: u64,
+) -> Result<PlannedLengths> {
+    #[derive(Clone, Copy, Default)]
+    struct Scan {
+        negative: Option<(usize, i64)>,
+        overlong: u64,
+        first: Option<usize>,
+        tokens: u64,
+        excess: u64,
+    }
+    let scan = lengths
+        .par_chunks(LENGTH_BLOCK)
+        .enumerate()
+        .map(|(b, chunk)| {
+            let mut s = Scan::default();
+            for (i, &l) in chunk.iter().enumerate() {
+                let l: i64 = l.into();
+                if l < 0 {
+                    s.negative = s.negative.or(Some((b * LENGTH_BLOCK + i, l)));
+                } else if l > 0 && (l as u64).saturating_add(reserve) > top {
+                    s.overlong += 1;
+                    s.first = s.first.or(Some(b * LENGTH_BLOCK + i));
+                    s.tokens = s.tokens.saturating_add(l as u64);
+                    s.excess = s.excess.saturating_add(l as u64 + reserve - top);
+                }
+            }
+            s
+        })
+        // In order: the first negative and overlong of the leftmost block win.
+        .reduce(Scan::default, |a, b| Scan {
+            negative: a.negative.or(b.negative),
+            overlong: a.overlong + b.overlong,
+            first: a.first.or(b.first),
+            tokens: a.tokens.saturating_add(b.tokens),
+            excess: a.excess.saturating_add(b.excess),
+        });
+    if let Some((i, v)) = scan.negative {
+        return Err(Error::invalid(
+            "lengths",
+            format!("negative length {v} at index {i}; lengths must be non-negative integers"),
         ));
     }
-    let streams = offsets.len() - 1;
-    let cp = spec.cp_size as usize;
-    let mut out = StreamsLayout {
-        seqlens_padded: try_filled_zero(seqlens.len(), "seqlens_padded")?,
-        padded_tokens: try_filled_zero(streams, "padded_tokens")?,
-        work: try_filled_zero(streams * cp, "work")?,
-    };
-    // Blocks of streams own disjoint ranges of every output.
-    let mut blocks = Vec::with_capacity(streams.div_ceil(STREAM_BLOCK));
-    let (mut segs, mut tokens, mut work) =
-        (&mut out.seqlens_padded[..], &mut out.padded_tokens[..], &mut out.work[..]);
-    for b in (0..streams).step_by(STREAM_BLOCK) {
-        let e = (b + STREAM_BLOCK).min(streams);
-        let (s, rest) = segs.split_at_mut((offsets[e] - offsets[b]) as usize);
-        let (t, rest_t) = tokens.split_at_mut(e - b);
-        let (w, rest_w) = work.split_at_mut((e - b) * cp);
-        blocks.push((b, s, t, w));
-        (segs, tokens, work) = (rest, rest_t, rest_w);
+    let mut planned = Vec::new();
+    if spec.mode == CpMode::Zigzag {
+        let d = spec.divisor();
+        let (filled, _) = try_fill_blocks(
+            (lengths.len(), LENGTH_BLOCK),
+            (0, 0),
+            "the planned lengths",
+            |b, out, _: &mut crate::memory::Fill<'_, u8>| {
+                for &l in &lengths[b * LENGTH_BLOCK..b * LENGTH_BLOCK + out.capacity()] {
+                    let l: i64 = l.into();
+                    out.push(match l {
+                        0 => 0,
+                        // Lengths past 2^62 tokens saturate (no pack holds them anyway).
+                        _ => {
+                            let extended = (l as u64).saturating_add(reserve).min(1 << 62);
+                            (round_up(extended, d) - reserve.min(extended)) as i64
+                        }
+                    });
+                }
+                Ok::<(), ()>(())
+            },
+        )?
+        .map_err(|()| Error::invalid("fastpack", "internal error: planned lengths"))?;
+        planned = filled;
     }
-    blocks.par_iter_mut().try_for_each(|(b, segs, tokens, work)| {
-        let base = offsets[*b];
-        for (i, (total, work)) in tokens.iter_mut().zip(work.chunks_mut(cp)).enumerate() {
-            let (lo, hi) = (offsets[*b + i], offsets[*b + i + 1]);
-            let lens = &seqlens[lo as usize..hi as usize];
-            let padded = &mut segs[(lo - base) as usize..(hi - base) as usize];
-            let mut acc = 0u64;
-            for (p, &l) in padded.iter_mut().zip(lens) {
-                let len = spec.sequence_padded(l as u64);
-                acc += len;
-                *p = len as i32; // checked below: no segment is longer than its stream
+    Ok(PlannedLengths {
+        planned,
+        overlong: scan.overlong,
+        first_overlong: scan.first,
+        overlong_tokens: scan.tokens,
+        overlong_excess: scan.excess,
+    })
+}
+
+/// A zigzag plan made on [`plan_lengths`]' lengths, mapped back to the real ones, in
+/// place: segment `k` (a piece of sequence `sample_ids[k]` from `starts[k]`, as the packer
+/// wrote it) keeps `min(seqlens[k], len + reserve − start)` tokens, the pad dropped. Every
+/// piece starts at a multiple of the divisor below its sequence's real end, so none is
+/// left empty.
+pub fn real_seqlens<L: Copy + Into<i64> + Sync>(
+    seqlens: &mut [i32],
+    sample_ids: &[i64],
+    starts: &[i64],
+    lengths: &[L],
+    reserve: u64,
+) -> Result<()> {
+    if sample_ids.len() != seqlens.len() || starts.len() != seqlens.len() {
+        return Err(Error::invalid(
+            "sample_ids",
+            format!(
+                "sample_ids and starts have {} and {} entries; seqlens has {}",
+                sample_ids.len(),
+                starts.len(),
+                seqlens.len()
+            ),
+        ));
+    }
+    let bad = seqlens
+        .par_chunks_mut(LENGTH_BLOCK)
+        .zip(sample_ids.par_chunks(LENGTH_BLOCK))
+        .zip(starts.par_chunks(LENGTH_BLOCK))
+        .enumerate()
+        .map(|(b, ((seqlens, ids), starts))| {
+            for (k, ((len, &id), &start)) in seqlens.iter_mut().zip(ids).zip(starts).enumerate() {
+                let Some(&real) = usize::try_from(id).ok().and_then(|i| lengths.get(i)) else {
+                    return Some(b * LENGTH_BLOCK + k);
+                };
+                let reserve = i64::try_from(reserve).unwrap_or(i64::MAX);
+                let kept = Into::<i64>::into(real).saturating_add(reserve).saturating_sub(start);
+                if kept <= 0 {
+                    return Some(b * LENGTH_BLOCK + k);
+                }
+                *len = (*len as i64).min(kept) as i32;
             }
-            let stream = spec.stream_padded(acc);
-            fit_i32(stream, spec)?;
-            if let Some(last) = padded.last_mut() {
-                *last += (stream - acc) as i32;
-            }
-            *total = stream as i64;
-            let mut start = 0i64;
-            let sequences = padded.iter().zip(lens).map(|(&p, &l)| {
-                let s = start;
-                start += p as i64;
-                (s, p as i64, l as i64)
-            });
-            add_work(spec, sequences, stream as i64, work);
-        }
-        Ok(())
-    })?;
-    Ok(out)
+            None
+        })
+        .reduce(|| None, |a, b| a.or(b));
+    match bad {
+        Some(k) => Err(Error::invalid(
+            "sample_ids",
+            format!(
+                "segment {k} (sample {}, from {}) is not a piece of lengths' sequences",
+                sample_ids[k], starts[k]
+            ),
+        )),
+        None => Ok(()),
+    }
 }
 
 fn check_offsets(offsets: &[i64], segments: usize) -> Result<()> {
@@ -834,8 +1156,13 @@ mod tests {
         assert!(big.to_string().contains("over 2^31 - 1"), "{big}");
         let layout = stream_layout(&[0, 8], s).unwrap();
         assert!(rank_tokens(&layout, 2).unwrap_err().to_string().starts_with("cp_rank: got 2"));
-        assert!(streams_layout(&[1, 2], &[0, 3], s).is_err());
-        assert!(streams_layout(&[1, -2], &[0, 2], s).is_err());
+        assert!(streams_layout(&[1, 2], &[0, 3], s, true).is_err());
+        let err = streams_layout(&[1, -2], &[0, 2], s, true).unwrap_err().to_string();
+        assert!(err.starts_with("seqlens: entry 1 is -2"), "{err}");
+        let err = streams_layout(&[i32::MAX - 1], &[0, 1], s, false).unwrap_err().to_string();
+        assert!(err.contains("over 2^31 - 1"), "{err}");
+        let err = streams_layout(&[i32::MAX, 1], &[0, 2], spec(2, CpMode::Ulysses, 1), true);
+        assert!(err.unwrap_err().to_string().contains("over 2^31 - 1"));
     }
 
     fn modes() -> impl Strategy<Value = CpMode> {
@@ -958,31 +1285,121 @@ mod tests {
             }
         }
 
-        /// Many streams at once equal each stream alone, on any number of threads.
+        /// Many streams at once (a random plan) equal a slow reference, stream by stream
+        /// and token by token: each stream's padded total from its `cu_seqlens_padded`,
+        /// each rank's work the sum over its real tokens of `position + 1` (Ulysses: the
+        /// stream's pairs split evenly), on any number of threads; without the work, the
+        /// same padded totals.
         #[test]
-        fn streams_equal_each_stream(
-            lengths in prop::collection::vec(0u32..30, 0..40),
-            cuts in prop::collection::vec(0usize..40, 0..6),
-            cp in 1u64..4,
+        fn streams_equal_a_token_by_token_reference(
+            lengths in prop::collection::vec(
+                prop_oneof![0u32..8, 0u32..80, 300u32..700], 0..40),
+            cuts in prop::collection::vec(0usize..40, 0..8),
+            cp in 1u64..10,
+            pm in 1u64..4,
             mode in modes(),
         ) {
-            let s = spec(cp, mode, 1);
+            let s = spec(cp, mode, pm);
             let mut offsets: Vec<i64> = cuts.iter().map(|&c| c.min(lengths.len()) as i64).collect();
             offsets.push(0);
             offsets.push(lengths.len() as i64);
             offsets.sort();
             let seqlens: Vec<i32> = lengths.iter().map(|&l| l as i32).collect();
-            let one = crate::pool::install(Some(1), || streams_layout(&seqlens, &offsets, s)).unwrap().unwrap();
-            let many = crate::pool::install(Some(3), || streams_layout(&seqlens, &offsets, s)).unwrap().unwrap();
-            prop_assert_eq!(&one, &many);
+            let run = |threads, with_work| {
+                crate::pool::install(Some(threads), || streams_layout(&seqlens, &offsets, s, with_work))
+                    .unwrap()
+                    .unwrap()
+            };
+            let one = run(1, true);
+            prop_assert_eq!(&one, &run(3, true));
+            let bare = run(2, false);
+            prop_assert_eq!(&bare.padded_tokens, &one.padded_tokens);
+            prop_assert!(bare.work.is_empty());
+            prop_assert_eq!(one.work.len(), (offsets.len() - 1) * cp as usize);
             for (i, w) in offsets.windows(2).enumerate() {
                 let stream = &lengths[w[0] as usize..w[1] as usize];
                 let layout = stream_layout(&cu_of(stream), s).unwrap();
                 prop_assert_eq!(one.padded_tokens[i], layout.padded_total());
-                let padded: Vec<i32> = layout.cu_seqlens_padded.windows(2).map(|p| p[1] - p[0]).collect();
-                prop_assert_eq!(&one.seqlens_padded[w[0] as usize..w[1] as usize], &padded[..]);
-                prop_assert_eq!(&one.work[i * cp as usize..(i + 1) * cp as usize], &stream_work(&layout)[..]);
+                let all: u64 = stream.iter().map(|&l| l as u64 * (l as u64 + 1) / 2).sum();
+                for r in 0..cp {
+                    let t = rank_tokens(&layout, r).unwrap();
+                    let mine: u64 = t.sources.iter().zip(&t.positions)
+                        .filter(|(&src, _)| src >= 0).map(|(_, &p)| p as u64 + 1).sum();
+                    let want = if mode == CpMode::Ulysses { all / cp + u64::from(r < all % cp) } else { mine };
+                    prop_assert_eq!(one.work[i * cp as usize + r as usize], want, "stream {} rank {}", i, r);
+                }
             }
+        }
+
+        /// The CP planning pass is its definition, item by item, across blocks and
+        /// threads; a zigzag plan split into pieces at multiples of the divisor (as the
+        /// packer splits) maps back to pieces that hold exactly each sequence's real tokens
+        /// (with `reserve`), none empty.
+        #[test]
+        fn planned_lengths_map_back_to_the_real_ones(
+            lengths in prop::collection::vec(prop_oneof![0i64..3, 0i64..100], 0..30),
+            cp in 1u64..5,
+            pm in 1u64..4,
+            mode in modes(),
+            reserve in 0u64..3,
+            top in 1u64..120,
+            pieces in 1u64..4,
+        ) {
+            let s = spec(cp, mode, pm);
+            let d = s.divisor();
+            let got = crate::pool::install(Some(3), || plan_lengths(&lengths, s, reserve, top))
+                .unwrap()
+                .unwrap();
+            let ext = |l: i64| if l > 0 { l as u64 + reserve } else { 0 };
+            let over: Vec<usize> = (0..lengths.len()).filter(|&i| ext(lengths[i]) > top).collect();
+            prop_assert_eq!(got.overlong, over.len() as u64);
+            prop_assert_eq!(got.first_overlong, over.first().copied());
+            prop_assert_eq!(got.overlong_tokens, over.iter().map(|&i| lengths[i] as u64).sum::<u64>());
+            prop_assert_eq!(got.overlong_excess, over.iter().map(|&i| ext(lengths[i]) - top).sum::<u64>());
+            if mode != CpMode::Zigzag {
+                prop_assert!(got.planned.is_empty());
+                return Ok(());
+            }
+            let want: Vec<i64> = lengths
+                .iter()
+                .map(|&l| if l > 0 { (ext(l).div_ceil(d) * d - reserve) as i64 } else { 0 })
+                .collect();
+            prop_assert_eq!(&got.planned, &want);
+            let cap = (pieces * d) as i64;
+            let (mut seqlens, mut ids, mut starts) = (vec![], vec![], vec![]);
+            for (i, &p) in got.planned.iter().enumerate().filter(|(_, &p)| p > 0) {
+                let padded = p + reserve as i64;
+                for start in (0..padded).step_by(cap as usize) {
+                    seqlens.push((padded - start).min(cap) as i32);
+                    ids.push(i as i64);
+                    starts.push(start);
+                }
+            }
+            crate::pool::install(Some(2), || real_seqlens(&mut seqlens, &ids, &starts, &lengths, reserve))
+                .unwrap()
+                .unwrap();
+            prop_assert!(seqlens.iter().all(|&l| l > 0));
+            let mut held = vec![0u64; lengths.len()];
+            for (&l, &i) in seqlens.iter().zip(&ids) {
+                held[i as usize] += l as u64;
+            }
+            prop_assert_eq!(held, lengths.iter().map(|&l| ext(l)).collect::<Vec<_>>());
+        }
+
+        /// The reciprocal divides exactly: every dividend and divisor below 2^32.
+        #[test]
+        fn divisor_divides_exactly(
+            x in prop_oneof![0u64..1 << 32, Just((1u64 << 32) - 1), (1u64 << 31)..1 << 32],
+            d in prop_oneof![1u64..64, 1u64..1 << 32, Just((1u64 << 31) + 1), Just((1u64 << 32) - 1)],
+        ) {
+            prop_assert_eq!(Reciprocal::new(d).div(x), x / d);
+            if x + d - 1 < 1 << 32 {
+                prop_assert_eq!(Reciprocal::new(d).round_up(x), x.div_ceil(d) * d);
+            }
+            let p = 1u64 << (d.ilog2() % 31);
+            prop_assert_eq!(Shift::new(p).div(x), x / p);
+            prop_assert_eq!(Reciprocal::new(p).div(x), x / p);
+            prop_assert_eq!(Shift::new(p).round_up(x), x.div_ceil(p) * p);
         }
     }
 
@@ -995,6 +1412,34 @@ mod tests {
         let layout = stream_layout(&[0, 4096], spec(4, CpMode::Contiguous, 1)).unwrap();
         let work = stream_work(&layout);
         assert!(work[3] > 6 * work[0], "{work:?}");
+    }
+
+    /// The shapes that cross each shortcut's boundary, with their work counted by hand:
+    /// a pad longer than a chunk (zigzag's second pass), one sequence across contiguous
+    /// slices, an empty stream, and the largest dividend and divisor.
+    #[test]
+    fn streams_at_the_boundaries() {
+        let work = |lengths: &[i32], s: CpSpec| {
+            let out = streams_layout(lengths, &[0, lengths.len() as i64], s, true).unwrap();
+            (out.padded_tokens, out.work)
+        };
+        // 5 tokens padded to 24, chunks of 3: rank 0 holds positions 0..3 (1+2+3) and
+        // 21..24 (pad), rank 1 positions 3..6 (4+5, 5..6 pad) and 18..21 (pad).
+        assert_eq!(work(&[5], spec(4, CpMode::Zigzag, 3)), (vec![24], vec![6, 9, 0, 0]));
+        // 20 tokens padded to 24, chunks of 6: rank 0 holds 0..6 and 18..24 (18, 19 real).
+        assert_eq!(work(&[20], spec(2, CpMode::Zigzag, 2)), (vec![24], vec![60, 150]));
+        // 300 tokens over two slices of 150: tri(150) and tri(300) - tri(150).
+        assert_eq!(work(&[300], spec(2, CpMode::Contiguous, 1)), (vec![300], vec![11325, 33825]));
+        assert_eq!(work(&[], spec(1, CpMode::Zigzag, 1)), (vec![0], vec![0]));
+        let err = plan_lengths(&[3i64, 0, -2, -5], spec(2, CpMode::Zigzag, 1), 0, 8).unwrap_err();
+        assert!(err.to_string().starts_with("lengths: negative length -2 at index 2"), "{err}");
+        let mut seqlens = vec![4, 4];
+        let err = real_seqlens(&mut seqlens, &[0, 1], &[0, 0], &[4i64], 0).unwrap_err();
+        assert!(err.to_string().starts_with("sample_ids: segment 1 (sample 1, from 0)"), "{err}");
+        let x = (1u64 << 32) - 1;
+        for d in [1, 2, 3, (1 << 31) + 1, x] {
+            assert_eq!(Reciprocal::new(d).div(x), x / d, "{d}");
+        }
     }
 
     #[test]

@@ -18,6 +18,8 @@
 //!   Zeroed buffers come from `calloc`, so pages nobody writes cost nothing.
 //! - [`prefault_zeroed`] and [`prefault_spare`]: a buffer's page faults paid on idle
 //!   threads.
+//! - [`fill_from`] and [`try_fill_blocks`]: fresh vectors written in parallel, each item
+//!   once, nothing zeroed first.
 
 use std::alloc::Layout;
 use std::sync::atomic::{AtomicI32, AtomicI64, AtomicU32, AtomicU64, AtomicUsize, Ordering};
@@ -513,6 +515,87 @@ pub(crate) fn fill_from<S: Send, T: Word>(
     // the loop wrote every item of every chunk: items `0..n` are written.
     unsafe { dst.set_len(n) };
     Ok(())
+}
+
+/// The uninitialized items of one block of a vector being filled (see [`try_fill_blocks`]),
+/// written front to back, each once.
+pub(crate) struct Fill<'a, T> {
+    out: &'a mut [std::mem::MaybeUninit<T>],
+    len: usize,
+}
+
+impl<T> Fill<'_, T> {
+    /// Items the block holds.
+    pub(crate) fn capacity(&self) -> usize {
+        self.out.len()
+    }
+
+    /// Writes the block's next item (panics past its end, like a slice).
+    #[inline(always)]
+    pub(crate) fn push(&mut self, value: T) {
+        self.out[self.len].write(value);
+        self.len += 1;
+    }
+}
+
+/// Two fresh vectors of `na` and `nb` items, cut into the same number of blocks (`a`'s of
+/// `a_block` items, `b`'s of `b_block`, the last ones shorter; `nb = 0`: every block of
+/// `b` empty), filled in parallel, block `c` by `write(c, a's block, b's block)`, without
+/// zeroing first. The first error of a block (in block order) is returned as is, and the
+/// vectors are then left empty; a block that returns `Ok` without writing each of its items
+/// is an internal error, never an unwritten item read.
+#[allow(clippy::type_complexity)]
+pub(crate) fn try_fill_blocks<A: Send, B: Send, E: Send>(
+    (na, a_block): (usize, usize),
+    (nb, b_block): (usize, usize),
+    what: &'static str,
+    write: impl Fn(usize, &mut Fill<'_, A>, &mut Fill<'_, B>) -> std::result::Result<(), E> + Sync,
+) -> Result<std::result::Result<(Vec<A>, Vec<B>), E>> {
+    use rayon::prelude::*;
+    let blocks = na.div_ceil(a_block.max(1));
+    if nb > 0 && nb.div_ceil(b_block.max(1)) != blocks {
+        return Err(Error::invalid("fastpack", format!("internal error: {what} blocks differ")));
+    }
+    let mut a = try_with_capacity::<A>(na, what)?;
+    let mut b = try_with_capacity::<B>(nb, what)?;
+    let mut parts = Vec::with_capacity(blocks);
+    let (mut rest_a, mut rest_b) =
+        (&mut a.spare_capacity_mut()[..na], &mut b.spare_capacity_mut()[..nb]);
+    for _ in 0..blocks {
+        let (ka, kb) = (a_block.min(rest_a.len()), b_block.min(rest_b.len()));
+        let (pa, ta) = std::mem::take(&mut rest_a).split_at_mut(ka);
+        let (pb, tb) = std::mem::take(&mut rest_b).split_at_mut(kb);
+        parts.push((Fill { out: pa, len: 0 }, Fill { out: pb, len: 0 }));
+        (rest_a, rest_b) = (ta, tb);
+    }
+    if !(rest_a.is_empty() && rest_b.is_empty()) {
+        return Err(Error::invalid("fastpack", format!("internal error: {what} blocks differ")));
+    }
+    let results: Vec<std::result::Result<bool, E>> = parts
+        .into_par_iter()
+        .enumerate()
+        .map(|(c, (mut fa, mut fb))| {
+            write(c, &mut fa, &mut fb)?;
+            Ok(fa.len == fa.out.len() && fb.len == fb.out.len())
+        })
+        .collect();
+    let mut complete = true;
+    for r in results {
+        match r {
+            Ok(done) => complete &= done,
+            Err(e) => return Ok(Err(e)),
+        }
+    }
+    if !complete {
+        return Err(Error::invalid("fastpack", format!("internal error: {what} left unwritten")));
+    }
+    // SAFETY: the blocks tile the first `na` (`nb`) spare items, and every block wrote each
+    // of its items (its `Fill` reached its end, one `write` per item).
+    unsafe {
+        a.set_len(na);
+        b.set_len(nb);
+    }
+    Ok(Ok((a, b)))
 }
 
 /// Faults in every page of an all-zero buffer (from [`try_zeroed`]), in parallel, by

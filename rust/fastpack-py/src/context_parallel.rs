@@ -4,7 +4,7 @@
 
 use fastpack_core::context_parallel::{self as core, CpMode, CpSpec, StreamLayout};
 use fastpack_core::{pool, Error};
-use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1};
+use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1, PyReadwriteArray1};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -117,14 +117,14 @@ pub fn cp_rank_attention<'py>(
     Ok(d)
 }
 
-type Streams<'py> =
-    (Bound<'py, PyArray1<i32>>, Bound<'py, PyArray1<i64>>, Bound<'py, PyArray1<u64>>);
+type Streams<'py> = (Bound<'py, PyArray1<i64>>, Option<Bound<'py, PyArray1<u64>>>);
 
-/// `cp_streams(seqlens, offsets, cp_size, mode, pad_multiple)`: `(seqlens_padded,
-/// padded_tokens, work)` of every stream `offsets[i]:offsets[i+1]` of `seqlens`; `work` is
-/// row-major [P * cp].
+/// `cp_streams(seqlens, offsets, cp_size, mode, pad_multiple, threads=None, work=True)`:
+/// `(padded_tokens, work)` of every stream `offsets[i]:offsets[i+1]` of `seqlens`; `work`
+/// is row-major [P * cp], or None with `work=False` (only the padded tokens computed).
 #[pyfunction]
-#[pyo3(signature = (seqlens, offsets, cp_size, mode, pad_multiple, threads=None))]
+#[pyo3(signature = (seqlens, offsets, cp_size, mode, pad_multiple, threads=None, work=true))]
+#[allow(clippy::too_many_arguments)]
 pub fn cp_streams<'py>(
     py: Python<'py>,
     seqlens: PyReadonlyArray1<'py, i32>,
@@ -133,16 +133,87 @@ pub fn cp_streams<'py>(
     mode: &str,
     pad_multiple: u64,
     threads: Option<usize>,
+    work: bool,
 ) -> PyResult<Streams<'py>> {
     let spec = spec(cp_size, mode, pad_multiple)?;
     let (s, o) = (contiguous("seqlens", &seqlens)?, contiguous("offsets", &offsets)?);
     let out = py
-        .detach(|| pool::install(threads, || guarded(|| core::streams_layout(s, o, spec))))
+        .detach(|| pool::install(threads, || guarded(|| core::streams_layout(s, o, spec, work))))
         .map_err(to_py)?
         .map_err(to_py)?;
+    Ok((out.padded_tokens.into_pyarray(py), work.then(|| out.work.into_pyarray(py))))
+}
+
+/// Calls `$run` with `$lengths` as a slice of int32 or int64 (the dtypes `pack` passes).
+macro_rules! with_lengths {
+    ($lengths:expr, |$l:ident| $run:expr) => {{
+        if let Ok(array) = $lengths.extract::<PyReadonlyArray1<'_, i64>>() {
+            let $l = contiguous("lengths", &array)?;
+            $run
+        } else if let Ok(array) = $lengths.extract::<PyReadonlyArray1<'_, i32>>() {
+            let $l = contiguous("lengths", &array)?;
+            $run
+        } else {
+            Err(fastpack_error("lengths: expected a 1-D int32 or int64 numpy array"))
+        }
+    }};
+}
+
+type Planned<'py> = (Option<Bound<'py, PyArray1<i64>>>, u64, Option<usize>, u64, u64);
+
+/// `cp_plan_lengths(lengths, cp_size, mode, pad_multiple, reserve, top, threads=None)`:
+/// `(planned, overlong, first_overlong, overlong_tokens, overlong_excess)` (see
+/// `PlannedLengths`; `planned` is None outside zigzag).
+#[pyfunction]
+#[pyo3(signature = (lengths, cp_size, mode, pad_multiple, reserve, top, threads=None))]
+#[allow(clippy::too_many_arguments)]
+pub fn cp_plan_lengths<'py>(
+    py: Python<'py>,
+    lengths: &Bound<'py, PyAny>,
+    cp_size: u64,
+    mode: &str,
+    pad_multiple: u64,
+    reserve: u64,
+    top: u64,
+    threads: Option<usize>,
+) -> PyResult<Planned<'py>> {
+    let spec = spec(cp_size, mode, pad_multiple)?;
+    let out = with_lengths!(lengths, |l| py
+        .detach(|| pool::install(threads, || guarded(|| core::plan_lengths(l, spec, reserve, top))))
+        .map_err(to_py)?
+        .map_err(to_py))?;
+    let zigzag = spec.mode == CpMode::Zigzag;
     Ok((
-        out.seqlens_padded.into_pyarray(py),
-        out.padded_tokens.into_pyarray(py),
-        out.work.into_pyarray(py),
+        zigzag.then(|| out.planned.into_pyarray(py)),
+        out.overlong,
+        out.first_overlong,
+        out.overlong_tokens,
+        out.overlong_excess,
     ))
+}
+
+/// `cp_real_seqlens(seqlens, sample_ids, starts, lengths, reserve, threads=None)`: a zigzag
+/// plan's `seqlens` (int32, written in place) mapped back from the planned lengths to the
+/// real ones (see `real_seqlens`).
+#[pyfunction]
+#[pyo3(signature = (seqlens, sample_ids, starts, lengths, reserve, threads=None))]
+pub fn cp_real_seqlens<'py>(
+    py: Python<'py>,
+    mut seqlens: PyReadwriteArray1<'py, i32>,
+    sample_ids: PyReadonlyArray1<'py, i64>,
+    starts: PyReadonlyArray1<'py, i64>,
+    lengths: &Bound<'py, PyAny>,
+    reserve: u64,
+    threads: Option<usize>,
+) -> PyResult<()> {
+    let (ids, st) = (contiguous("sample_ids", &sample_ids)?, contiguous("starts", &starts)?);
+    let out = seqlens
+        .as_slice_mut()
+        .map_err(|_| fastpack_error("seqlens: expected a contiguous array"))?;
+    with_lengths!(lengths, |l| py
+        .detach(|| {
+            pool::install(threads, || guarded(|| core::real_seqlens(out, ids, st, l, reserve)))
+        })
+        .map_err(to_py)?
+        .map_err(to_py))
 }

@@ -341,7 +341,9 @@ mod _core {
     #[pymodule_export]
     use super::column::{column_lengths, gather, pack_tokens, ListColumn};
     #[pymodule_export]
-    use super::context_parallel::{cp_rank_attention, cp_rank_tokens, cp_stream, cp_streams};
+    use super::context_parallel::{
+        cp_plan_lengths, cp_rank_attention, cp_rank_tokens, cp_real_seqlens, cp_stream, cp_streams,
+    };
     #[pymodule_export]
     use super::materialize::{flatten_int_lists, materialize};
     #[pymodule_export]
