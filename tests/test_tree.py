@@ -121,6 +121,29 @@ def test_an_oversized_group_is_split_with_its_prefix_charged_again() -> None:
         fastpack.pack_trees(rows, 22, groups=[0] * 5, split=False)
 
 
+def test_a_part_of_a_tree_plan_holds_whole_trees_and_counts_its_paths() -> None:
+    """sub_plan (a step's batch, one way for every path) of a plan of trees: its trees'
+    arrays re-based, its sequences its paths, its metrics its own; a cut inside a tree
+    raises."""
+    from fastpack._plan import sub_plan
+
+    rows = [[5, 6, 7, 1, 2], [5, 6, 7, 1, 3], [5, 6, 9], [8, 8, 4], [8, 8, 3, 3]]
+    plan = fastpack.pack_trees(rows, 8, groups=[0, 0, 0, 1, 1], shuffle=False)
+    # Group 0 (9 distinct tokens) is split, [5, 6] repeated: pack 0 holds [5, 6] -> {[7, 1,
+    # 2], [7, 1, 3]}; pack 1 group 1's tree [8, 8] -> {[4], [3, 3]} and [5, 6] -> [9].
+    assert plan.pack_offsets.tolist() == [0, 3, 8]
+    part = sub_plan(plan, 1, 2)
+    assert part.parents.tolist() == [-1, 0, 0, -1, 3]
+    assert part.path_ends.tolist() == [1, 2, 4]
+    assert part.path_sample_ids.tolist() == [3, 4, 2]
+    assert part.num_sequences == 3 and part.buckets[0].num_sequences == 3  # its paths
+    assert part.num_segments == 5
+    assert part.total_tokens == 8 and part.efficiency == 1.0
+    assert part.sample_tokens == len(rows[3]) + len(rows[4]) + len(rows[2])
+    with pytest.raises(FastpackError, match="cuts through a tree"):
+        sub_plan(plan, 1, 2, 4, 8)  # [3, 3] without its parent [8, 8]
+
+
 # --------------------------------------------------------------------------- the batch
 
 

@@ -41,7 +41,7 @@ class PlanStats:
     buckets: list[dict[str, int]]  # max_len, documents, packs, tokens
     group_cap: int | None
     groups: int
-    fill: np.ndarray  # packs per 1/FILL_BINS of fill
+    fill_histogram: np.ndarray  # packs per 1/FILL_BINS of their cap filled
     lengths: LengthHistogram
 
     @classmethod
@@ -53,8 +53,8 @@ class PlanStats:
                     "tokens": b.total_tokens} for b in plan.buckets] or [
             {"max_len": plan.max_len, "documents": plan.num_sequences - plan.empty_sequences,
              "packs": plan.num_packs, "tokens": plan.total_tokens}]
-        fill = plan.pack_fills / plan.pack_caps
-        counts = np.histogram(fill, bins=FILL_BINS, range=(0.0, 1.0))[0].astype(np.int64)
+        shares = plan.pack_fills / plan.pack_caps  # each pack's fill over its cap
+        counts = np.histogram(shares, bins=FILL_BINS, range=(0.0, 1.0))[0].astype(np.int64)
         return cls(plan.max_len, int(len(lengths)), plan.empty_sequences,
                    int(lengths.sum(dtype=np.int64)), plan.total_tokens, plan.num_packs,
                    (plan.dropped_sequences, plan.dropped_tokens),
@@ -77,7 +77,7 @@ class PlanStats:
         return cls(first.max_len, total("documents"), total("empty"), total("input_tokens"),
                    total("packed_tokens"), total("packs"), total("dropped"),
                    total("truncated"), total("split"), buckets, first.group_cap,
-                   total("groups"), np.sum([p.fill for p in parts], axis=0),
+                   total("groups"), np.sum([p.fill_histogram for p in parts], axis=0),
                    LengthHistogram.merge([p.lengths for p in parts]))
 
     @property
@@ -134,7 +134,7 @@ def _picture(out: OutputDir, stats: PlanStats, plot: bool | None) -> str:
     long_max_len = settings.options.long_max_len
     caps = [settings.max_len] + ([long_max_len] if long_max_len else [])
     try:
-        plot_report(stats.lengths, stats.fill, caps,
+        plot_report(stats.lengths, stats.fill_histogram, caps,
                     f"{stats.packs:,} packs, efficiency {stats.efficiency:.3%} "
                     f"(lower bound {stats.lower_bound:,})", out.path / "report.png")
     except Exception as e:  # the shards are written: a picture never undoes that

@@ -269,15 +269,16 @@ def plot_stats(lengths: np.ndarray, results: list[dict[str, Any]], path: Any) ->
     _save(fig, path)
 
 
-def plot_report(lengths: LengthHistogram, fill: np.ndarray, caps: Sequence[int],
+def plot_report(lengths: LengthHistogram, fill_histogram: np.ndarray, caps: Sequence[int],
                 title: str, path: Any) -> None:
     """report.png of a pack run: the length histogram with the caps, and how full the
-    packs are (``fill``: packs per 2% of fill)."""
+    packs are (``fill_histogram``: packs per 2% of their cap filled)."""
     fig, (left, right) = _figure(2)
     _histogram(left, lengths, caps)
-    edges = np.linspace(0, 100, len(fill) + 1)
-    right.bar(edges[:-1], fill, width=edges[1] - edges[0], align="edge", color="#55a868")
-    if fill.any():
+    edges = np.linspace(0, 100, len(fill_histogram) + 1)
+    right.bar(edges[:-1], fill_histogram, width=edges[1] - edges[0], align="edge",
+              color="#55a868")
+    if fill_histogram.any():
         right.set_yscale("log")
     right.set_xlabel("pack fill (% of its cap)")
     right.set_ylabel("packs")
