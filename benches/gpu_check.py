@@ -47,6 +47,11 @@ Without CUDA (and without --cpu-smoke) it prints "skipped: no CUDA" and exits 0.
    ``register_hf_attention(kernel=...)`` against the sample alone in fp32 (the bf16 SDPA
    run alone is the baseline), and the forward+backward time of the tree batch beside the
    same rollouts packed whole.
+7. A random-init Qwen2-VL (vision-language, mRoPE), documents with 0-3 images and a
+   video: ``PackedCollator(backend="flash", model_config=...)`` batches (``position_ids``
+   ``[4, 1, T]``, media in placeholder order) through sdpa, fastpack's attention and
+   ``flash_attention_2`` when flash-attn is installed: every document's logits against
+   the document alone (relative error), and forward+backward time packed vs padded.
 
 The sections are functions of (torch, attention module, config, device, dtype), so
 tests/test_attention.py runs this harness on the CPU with the CUDA kernels replaced by CPU
@@ -966,6 +971,120 @@ def doc_lengths(n: int, max_len: int, seed: int) -> list[int]:
     ]
 
 
+def check_vlm(torch: Any, cfg: dict[str, Any], device: Any, dtype: Any) -> dict[str, Any]:
+    """Section 5: packed vision-language batches on the device (see the module docs)."""
+    import transformers
+
+    from fastpack.torch import PackedCollator, register_hf_attention
+
+    v = cfg["vlm"]
+    image, video, start, end = 60, 61, 62, 63
+    config = transformers.Qwen2VLConfig(
+        text_config=dict(vocab_size=v["vocab"], hidden_size=v["hidden"],
+                         intermediate_size=4 * v["hidden"], num_hidden_layers=v["layers"],
+                         num_attention_heads=v["heads"], num_key_value_heads=v["heads"] // 2,
+                         rope_scaling={"type": "mrope", "mrope_section": v["mrope_section"]}),
+        vision_config=dict(depth=v["vision_layers"], embed_dim=v["vision_hidden"],
+                           hidden_size=v["hidden"], num_heads=v["vision_heads"]),
+        image_token_id=image, video_token_id=video, vision_start_token_id=start,
+        vision_end_token_id=end,
+    )
+    config.text_config.bos_token_id = config.text_config.eos_token_id = None
+    torch.manual_seed(0)
+    model = transformers.Qwen2VLForConditionalGeneration(config).to(device, dtype).eval()
+    patch_dim = 3 * 2 * 14 * 14
+    gen = torch.Generator().manual_seed(1)
+    docs = []
+    for d, (text, images, frames) in enumerate(v["docs"]):
+        ids = [100 + d] + list(range(200, 200 + text))
+        sample: dict[str, Any] = {}
+        grids = [[1, 2 * (4 + (d + k) % 8), 2 * (6 + (d * k) % 8)] for k in range(images)]
+        for g in grids:
+            ids += [start] + [image] * (g[1] * g[2] // 4) + [end]
+        if grids:
+            g = torch.tensor(grids)
+            sample["image_grid_thw"] = g
+            sample["pixel_values"] = torch.randn(int(g.prod(1).sum()), patch_dim, generator=gen)
+        if frames:
+            g = torch.tensor([[frames, 16, 16]])
+            ids += [start] + [video] * (frames * 64) + [end]
+            sample["video_grid_thw"] = g
+            sample["pixel_values_videos"] = torch.randn(frames * 256, patch_dim, generator=gen)
+        sample["input_ids"] = ids
+        docs.append(sample)
+
+    def to_device(batch: dict[str, Any]) -> dict[str, Any]:
+        out = {}
+        for k, x in batch.items():
+            if isinstance(x, torch.Tensor):
+                x = x.to(device)
+                if x.is_floating_point():
+                    x = x.to(dtype)
+            out[k] = x
+        return out
+
+    def alone(d: dict[str, Any]) -> Any:
+        ids = torch.tensor([d["input_ids"]])
+        types = (ids == image).int() + 2 * (ids == video).int()
+        inputs = to_device({k: x for k, x in d.items() if k != "input_ids"})
+        return model(input_ids=ids.to(device), mm_token_type_ids=types.to(device),
+                     **inputs).logits[0].float()
+
+    set_attn(model, "sdpa")
+    with torch.no_grad():
+        reference = [alone(d) for d in docs]
+    fastpack_name = register_hf_attention()
+    impls = ["sdpa", fastpack_name]
+    try:
+        import flash_attn  # noqa: F401
+
+        if device.type == "cuda":
+            impls.append("flash_attention_2")
+    except ImportError:
+        pass
+    rows = []
+    for impl in impls:
+        row: dict[str, Any] = {"impl": impl}
+        try:
+            set_attn(model, impl)
+            batch = PackedCollator(v["max_len"], backend="flash",
+                                   model_config=model.config)(docs)
+            inputs = to_device({k: x for k, x in batch.items() if k != "labels"})
+            with torch.no_grad():
+                logits = model(**inputs).logits.float()[0]
+            flat = batch["input_ids"][0].tolist()
+            worst = 0.0
+            for d, ref in zip(docs, reference):
+                at = flat.index(d["input_ids"][0])
+                got = logits[at:at + len(d["input_ids"])]
+                worst = max(worst, rel_err(got, ref))
+            row["rel_err"] = worst
+            row["ok"] = worst <= v["tol"]
+            labels = batch["labels"].to(device)
+
+            def packed_step(inputs: dict[str, Any] = inputs, labels: Any = labels) -> Any:
+                out = model(**inputs, labels=labels)
+                out.loss.backward()
+                return out.loss
+
+            row["packed_ms"] = timed(torch, packed_step, device, cfg["iters"], cfg["warmup"])
+            padded = PackedCollator(v["max_len"], backend="padded", model_config=model.config)
+            pinputs = to_device(padded(docs))
+
+            def padded_step(pinputs: dict[str, Any] = pinputs) -> Any:
+                out = model(**pinputs)
+                out.loss.backward()
+                return out.loss
+
+            set_attn(model, "sdpa")
+            row["padded_ms"] = timed(torch, padded_step, device, cfg["iters"], cfg["warmup"])
+        except Exception as exc:  # reported, and a failed check
+            row.update(ok=False, error=f"{type(exc).__name__}: {exc}")
+        rows.append(row)
+    set_attn(model, "sdpa")
+    return {"tokens": sum(len(d["input_ids"]) for d in docs), "rows": rows}
+
+
 def make_config(cpu_smoke: bool) -> dict[str, Any]:
     if cpu_smoke:
         return {
@@ -986,6 +1105,10 @@ def make_config(cpu_smoke: bool) -> dict[str, Any]:
             "iters": 2,
             "warmup": 1,
             "model": {"layers": 2, "intermediate": 128, "vocab": 512, "sliding_window": 8},
+            "vlm": {"vocab": 512, "hidden": 64, "layers": 2, "heads": 4,
+                    "mrope_section": [2, 3, 3], "vision_layers": 1, "vision_hidden": 32,
+                    "vision_heads": 2, "docs": [(5, 1, 0), (9, 0, 0), (3, 2, 2)],
+                    "max_len": 512, "tol": 1e-4},
             # (prompt, responses) per group; a chat: system prompt, then user turns
             "tree_groups": [(30, [5, 1, 12]), (7, [3, 9])],
             "tree_chat": [12, 6, 4],
@@ -1009,6 +1132,12 @@ def make_config(cpu_smoke: bool) -> dict[str, Any]:
         "iters": 5,
         "warmup": 2,
         "model": {"layers": 8, "intermediate": 5632, "vocab": 16384, "sliding_window": 1024},
+        "vlm": {"vocab": 16384, "hidden": 1536, "layers": 4, "heads": 12,
+                "mrope_section": [16, 24, 24], "vision_layers": 4, "vision_hidden": 1280,
+                "vision_heads": 16,
+                "docs": [(40 + 37 * d % 300, d % 4, 4 if d % 5 == 0 else 0)
+                         for d in range(16)],
+                "max_len": 32768, "tol": 3e-2},
         # GRPO-like: a prompt of 1,500 tokens, 8 responses across flex's 128 blocks; a
         # prompt of 200 with 4; a chat of 5 turns
         "tree_groups": [(1500, [20, 127, 128, 129, 300, 640, 1000, 1]), (200, [50, 90, 7, 400])],
@@ -1079,6 +1208,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     sections.append(("tree_correctness", lambda: check_tree(torch, tm, cfg, device, dtype)))
     if not args.skip_model:
         sections.append(("tree_model", lambda: bench_tree_model(torch, tm, cfg, device, dtype)))
+    if not args.skip_model:
+        sections.append(("vlm", lambda: check_vlm(torch, cfg, device, dtype)))
 
     for name, fn in sections:
         if name not in ("correctness", "tree_correctness") and elapsed() > TIME_BUDGET_S:
@@ -1156,6 +1287,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             print("  ", cpr)
             ok = False
+    vlm = report.get("vlm")
+    if vlm is not None:
+        print("\nvlm (Qwen2-VL, packed flash-format batch vs each document alone)")
+        for r in vlm.get("rows", [vlm]):
+            print("  ", r)
+            if r.get("ok") is False:
+                ok = False
     for key in ("tree_correctness", "tree_model"):
         section = report.get(key)
         rows = section if isinstance(section, list) else (section or {}).get("rows")

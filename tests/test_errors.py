@@ -292,6 +292,176 @@ RAGGED = [
 ]
 
 
+LIMITS = [
+    Row("limits-not-dict", _pack(limits=[(1, 2)]), T, r"^limits: expected a dict \{name: cap\}, "
+        r"e\.g\. \{'patches': 16384, 'images': 8\} \(pack\(\) also takes \{name: \(values, "
+        r"cap\)\}\), got list"),
+    Row("limits-tokens-name", _pack(limits={"tokens": ([1, 1], 2)}), E,
+        r"^limits: budget name 'tokens'; expected distinct non-empty strings other than "
+        r"'tokens'"),
+    Row("limits-spec", _pack(limits={"images": ([1, 1], 2), "patches": 3}), T,
+        r"^limits\['patches'\]: expected \(values, cap\)"),
+    Row("limits-cap-zero", _pack(limits={"images": ([1, 1], 0)}), E,
+        r"^limits\['images'\]: got 0; expected an integer in 1\.\.=4294967294 \(the most a "
+        r"pack holds\)"),
+    Row("limits-no-values", _pack(limits={"images": 2}), E,
+        r"^limits: \{'images': 2\} has no values per sequence; pass limits=\{name: \(values, "
+        r"cap\)\} to pack\(\)"),
+    Row("limits-length", _pack(limits={"images": ([1], 2)}), E,
+        r"^limits: limits\[\"images\"\]: 1 values for 2 sequences; expected one per sequence"),
+    Row("limits-negative", _pack(limits={"images": ([1, -1], 2)}), E,
+        r"^limits: limits\[\"images\"\]: negative value -1 at index 1"),
+    Row("limits-over-cap", _pack(limits={"images": ([1, 3], 2)}), E,
+        r"^limits: 1 sequence\(s\) over the \"images\" budget or another \(first at index 1: "
+        r"3 images over the cap of 2\); pass overlong=\"drop\""),
+    Row("limits-next-fit", _pack(strategy="next_fit", limits={"images": ([1, 1], 2)}), E,
+        r"^limits: strategy 'next_fit' keeps input order or cuts sequences; budgets besides "
+        r"tokens take 'bfd' or 'ffd'"),
+    Row("limits-split", _pack(overlong="split", limits={"images": ([1, 1], 2)}), E,
+        r"^limits: overlong='split' would cut a sequence, and the media it holds with it"),
+    Row("limits-too-many", _pack(limits={str(i): ([0, 0], 1) for i in range(5)}), E,
+        r"^limits: got 5 budgets; at most 4 besides tokens"),
+    Row("limits-with-cp", _pack(cp_size=2, limits={"images": ([1, 1], 2)}), E,
+        r"^limits: budgets besides tokens are not planned together with cp_size=2"),
+    Row("limits-with-share-prefix", lambda: fastpack.pack_trees([[1, 2], [1, 3]], 8,
+                                                                limits={"images": 2}), E,
+        r"^limits: budgets besides tokens are not planned together with share_prefix=True"),
+    Row("limits-stream", lambda: fastpack.StreamPacker(8, limits={"images": 2}), E,
+        r"^limits: got \{'images': 2\}; a stream's windows are packed on tokens only"),
+]
+
+
+def _vlm_rows() -> list[Row]:
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        return []
+    import fastpack.vlm as vlm
+    from fastpack.torch import PackedCollator, shard_for_context_parallel
+
+    qwen = transformers.Qwen2VLConfig(image_token_id=60, video_token_id=61,
+                                      vision_config={"spatial_merge_size": 2})
+    llava = transformers.LlavaConfig(image_token_id=60, image_seq_length=4)
+    image = {"input_ids": [1, 60, 60, 60, 60, 2], "image_grid_thw": torch.tensor([[1, 4, 4]]),
+             "pixel_values": torch.zeros(16, 24)}
+
+    def collate(*features: Any, config: Any = qwen, **kwargs: Any) -> Callable[[], Any]:
+        return lambda: PackedCollator(**{"max_len": 32, "model_config": config, **kwargs})(
+            list(features))
+
+    def without(key: str, **change: Any) -> dict[str, Any]:
+        return {k: v for k, v in {**image, **change}.items() if k != key}
+
+    vlm_flash = PackedCollator(32, backend="flash", model_config=qwen)([image])
+
+    return [
+        Row("vlm-unknown-family", lambda: PackedCollator(8, model_config=transformers.LlamaConfig()),
+            E, r"^config: model_type 'llama' is not a vision-language family fastpack packs; "
+            r"expected one of 'qwen2_vl'"),
+        Row("vlm-config-type", lambda: vlm.rope_index("qwen2_vl", [1, 2]), T,
+            r"^config: expected a Hugging Face model config \(model\.config\) or its dict, got "
+            r"str"),
+        Row("vlm-rope-plain-family", lambda: vlm.rope_index(llava, [1, 2]), E,
+            r"^config: llava takes plain positions, not mRoPE"),
+        Row("vlm-rope-placeholders", lambda: vlm.rope_index(qwen, [1, 60, 60, 60, 2],
+                                                            image_grid_thw=[[1, 4, 4]]), E,
+            r"^input_ids: image 0 has 3 placeholder token\(s\) from token 1, but its grid needs "
+            r"4 \(t·h·w / merge²\)"),
+        Row("vlm-rope-grids-left", lambda: vlm.rope_index(qwen, [1, 2], image_grid_thw=[[1, 4, 4]]),
+            E, r"^image_grid_thw: 1 image grid\(s\) given, but the placeholders use 0"),
+        Row("vlm-rope-grid-shape", lambda: vlm.rope_index(qwen, [1, 2], image_grid_thw=[1, 4, 4]),
+            E, r"^image_grid_thw: expected integers of shape \(n, 3\)"),
+        Row("vlm-rope-grid-merge", lambda: vlm.rope_index(qwen, [1] + [60] * 3,
+                                                          image_grid_thw=[[1, 3, 4]]), E,
+            r"^image_grid_thw: grid 0 is \(1, 3, 4\): h and w must be multiples of "
+            r"vision_config\.spatial_merge_size \(2\)"),
+        Row("vlm-rope-no-grid", lambda: vlm.rope_index(qwen, [1, 60, 60, 60, 60]), E,
+            r"^image_grid_thw: a image placeholder at token 1 has no grid left"),
+        Row("vlm-media-tokens-config", lambda: vlm.media_tokens([4], [4], {"patch_size": 14}), E,
+            r"^config: .* has no integer merge_size, min_pixels, max_pixels"),
+        Row("vlm-media-tokens-aspect", lambda: vlm.media_tokens(
+            [10], [2500], transformers.Qwen2VLImageProcessor()), E,
+            r"^heights: item 0: a 10x2500 image has an aspect ratio over 200"),
+        Row("vlm-media-tokens-frames", lambda: vlm.media_tokens(
+            [448], [448], {"video_processor_type": "Qwen3VLVideoProcessor", "patch_size": 16,
+                           "merge_size": 2, "temporal_patch_size": 2, "min_pixels": 4096,
+                           "max_pixels": 10**6}, frames=[1]), E,
+            r"^frames: item 0: got 1 frames; expected 2\.\.=4096 \(at least temporal_patch_size\)"),
+        Row("vlm-media-without-config", lambda: PackedCollator(32)([image]), E,
+            r"^features: sample 0 has the media key 'image_grid_thw', but the "
+            r"collator has no model_config"),
+        Row("vlm-grids-without-pixels", collate(without("pixel_values")), E,
+            r"^features: sample 0 'image_grid_thw': image grids without pixel_values"),
+        Row("vlm-pixels-without-grids", collate(without("image_grid_thw")), E,
+            r"^features: sample 0 'pixel_values': image pixel values without image_grid_thw"),
+        Row("vlm-placeholders-vs-grids", collate({"input_ids": [3]}, dict(
+            image, input_ids=[1, 60, 60, 60, 2])), E,
+            r"^features: sample 1 'image_grid_thw': its grids need 4 image placeholder token\(s\) "
+            r"\(t\*h\*w / 4\), the sample's input_ids hold 3"),
+        Row("vlm-pixels-vs-grids", collate(dict(image, pixel_values=torch.zeros(12, 24))), E,
+            r"^features: sample 0 'pixel_values': 12 rows, but its grids hold 16 patches"),
+        Row("vlm-placeholders-no-grids", collate({"input_ids": [1, 60, 60]}), E,
+            r"^features: sample 0 'image_grid_thw': missing, but the sample has 2 image "
+            r"placeholder token\(s\)"),
+        Row("vlm-seconds-wrong-family", collate(dict(image, second_per_grid_ts=[1.0])), E,
+            r"^features: sample 0 'second_per_grid_ts': applies to qwen2_5_vl, not qwen2_vl"),
+        Row("vlm-sizes-on-qwen", collate(dict(image, image_sizes=torch.tensor([[8, 8]]))), E,
+            r"^features: sample 0 'image_sizes': qwen2_vl reads image_grid_thw, not image_sizes"),
+        Row("vlm-video-on-llava", collate({"input_ids": [1, 2], "video_grid_thw": [[1, 2, 2]],
+                                           "pixel_values_videos": torch.zeros(4, 3)},
+                                          config=llava), E,
+            r"^features: sample 0 'pixel_values_videos': llava takes images as pixel_values \(and "
+            r"image_sizes\), not pixel_values_videos"),
+        Row("vlm-llava-placeholders", collate({"input_ids": [1, 60, 60, 60],
+                                               "pixel_values": torch.zeros(1, 3, 8, 8)},
+                                              config=llava), E,
+            r"^features: sample 0 'pixel_values': 1 image\(s\) need 4 placeholder tokens \(4 "
+            r"each\), the sample's input_ids hold 3"),
+        Row("vlm-overlong-split", lambda: PackedCollator(8, model_config=qwen, overlong="split"),
+            E, r"^overlong: 'split' would cut a sample's image placeholders from its pixels"),
+        Row("vlm-pad-is-placeholder", lambda: PackedCollator(8, model_config=qwen, pad_id=60), E,
+            r"^pad_id: 60 is the model's image or video placeholder token"),
+        Row("vlm-limits-without-config", lambda: PackedCollator(8, limits={"images": 2}), E,
+            r"^limits: \{'images': 2\} are counted from each sample's media; pass "
+            r"model_config=model\.config"),
+        Row("vlm-limits-padded", lambda: PackedCollator(8, backend="padded", model_config=qwen,
+                                                        limits={"images": 2}), E,
+            r"^limits: strategy 'one_per_pack' puts every sequence in a pack of its own \(the "
+            r"padded backend's\)"),
+        Row("vlm-limits-unknown-budget", collate(image, limits={"frames": 2}), E,
+            r"^limits: 'frames' is not counted from a sample's media; the budgets are "
+            r"'patches', 'images', 'videos'"),
+        Row("vlm-limits-plain-patches", collate({"input_ids": [1, 60, 60, 60, 60],
+                                                 "pixel_values": torch.zeros(1, 3, 8, 8)},
+                                                config=llava, limits={"patches": 8}), E,
+            r"^limits: a model with plain positions has no grids to count patches or videos "
+            r"from; its budget is 'images'"),
+        Row("vlm-plan-without-media", lambda: PackedCollator(
+            8, model_config=qwen, limits={"images": 2}).plan([3, 4]), E,
+            r"^media: limits \{'images': 2\} are counted from each sample's media; pass media="),
+        Row("vlm-collator-share-prefix", lambda: PackedCollator(
+            32, backend="flash", model_config=qwen, share_prefix=True), E,
+            r"^share_prefix: True with model_config \(qwen2_vl\): a tree batch carries no "
+            r"media and no mRoPE positions"),
+        Row("vlm-collator-cp", lambda: PackedCollator(32, backend="flash", model_config=qwen,
+                                                      cp_size=2), E,
+            r"^cp_size: 2 with model_config \(qwen2_vl\): vision-language batches are not "
+            r"sharded for context parallelism .*; pass one of model_config and cp_size"),
+        Row("vlm-shard-mrope-positions", lambda: shard_for_context_parallel(vlm_flash, 2, 0), E,
+            r"^position_ids: shape \(4, 1, 6\) holds mRoPE rows \(a vision-language batch of "
+            r"PackedCollator\(model_config=\.\.\.\)\); shard_for_context_parallel\(cp_size=2\) "
+            r"takes a text batch's positions \[1, T\]"),
+        Row("vlm-shard-media", lambda: shard_for_context_parallel(
+            {k: v for k, v in vlm_flash.items() if k != "position_ids"}, 2, 0), E,
+            r"^batch: 'pixel_values' is media of a vision-language batch; "
+            r"shard_for_context_parallel\(cp_size=2\) would split its placeholder tokens"),
+        Row("vlm-dataset-without-media", lambda: fastpack.torch.PackedDataset(
+            [[1, 2], [3]], PackedCollator(8, model_config=qwen)), E,
+            r"^media: the collator has a model_config; pass each sample's media"),
+    ]
+
+
 def _datasets_rows() -> list[Row]:
     try:
         import datasets
@@ -881,8 +1051,8 @@ def _tree_rows() -> list[Row]:
     ]
 
 
-ROWS = (PACK + PLAN + MATERIALIZE + RAGGED + CONTEXT_PARALLEL + _datasets_rows() + _torch_rows()
-        + _context_parallel_torch_rows() + _tree_rows())
+ROWS = (PACK + LIMITS + PLAN + MATERIALIZE + RAGGED + CONTEXT_PARALLEL + _datasets_rows()
+        + _torch_rows() + _context_parallel_torch_rows() + _vlm_rows() + _tree_rows())
 
 
 def _param(row: Row) -> Any:

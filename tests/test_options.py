@@ -153,7 +153,8 @@ def test_the_command_says_it_of_its_flag(name: str, value: Any, tmp_path: Any) -
 
 def test_the_command_and_ray_refuse_the_options_they_cannot_honour() -> None:
     # reserve: neither writes a separator into the reserved slots; cp_size: neither pads
-    # its rows for a context-parallel group; share_prefix: neither writes trees.
+    # its rows for a context-parallel group; share_prefix: neither writes trees; limits:
+    # neither has a document's use of a budget besides tokens.
     want = (FastpackError, "reserve: got 1; fastpack pack writes no separator, so it reserves "
                            "no slot after a document")
     for point in ("fastpack pack", "ray.pack_dataset"):
@@ -165,6 +166,8 @@ def test_the_command_and_ray_refuse_the_options_they_cannot_honour() -> None:
             "cp_size: got 2; fastpack pack does not plan for context parallelism")
         assert _message(lambda point=point: POINTS[point](share_prefix=True))[1].startswith(  # type: ignore[misc]
             "share_prefix: got True; fastpack pack writes rows of whole documents")
+        assert _message(lambda point=point: POINTS[point](limits={"images": 2}))[1].startswith(  # type: ignore[misc]
+            "limits: got {'images': 2}; fastpack pack plans token lengths only")
 
 
 def test_the_command_and_ray_plan_with_their_options(monkeypatch: Any) -> None:

@@ -75,13 +75,38 @@ def lengths() -> np.ndarray:
 CP, CP_MODE = 2, "zigzag"
 
 
-def make_dataset(seed: int = 0, cp: bool = False, tree: bool = False) -> PackedDataset:
-    if tree:
+def make_dataset(seed: int = 0, cp: bool = False, kind: str = "text") -> PackedDataset:
+    """The matrix's data: ``kind`` "text" (split samples, CP with ``cp``), "vlm" (media
+    under an image budget) or "tree" (RL rollouts as shared-prefix trees)."""
+    if kind == "vlm":
+        return vlm_dataset(seed)
+    if kind == "tree":
         return make_tree_dataset(seed)
     rows = [np.full(int(n), i + 1, dtype=np.int64) for i, n in enumerate(lengths())]
     collator = PackedCollator(max_len=MAX_LEN, backend="flash", overlong="split",
                               cp_size=CP if cp else None)
     return PackedDataset(rows, collator, group_tokens=2 * MAX_LEN, seed=seed)
+
+
+def vlm_dataset(seed: int = 0) -> PackedDataset:
+    """60 vision-language samples (Qwen2-VL placeholders, 0-3 images each) under an image
+    budget; sample ``i``'s text tokens are ``i + 1``, its placeholders 10^6."""
+    transformers = pytest.importorskip("transformers")
+    image = 10**6
+    config = transformers.Qwen2VLConfig(image_token_id=image, video_token_id=image + 1,
+                                        vision_config={"spatial_merge_size": 2})
+    samples = []
+    for i, n in enumerate(np.minimum(lengths(), 30)):
+        images = i % 4
+        sample: dict[str, Any] = {"input_ids": [i + 1] * int(n) + [image] * (4 * images)}
+        if images:
+            sample["image_grid_thw"] = [[1, 4, 4]] * images
+            sample["pixel_values"] = np.full((16 * images, 3), i, dtype=np.float32)
+        samples.append(sample)
+    collator = PackedCollator(max_len=MAX_LEN, backend="flash", model_config=config,
+                              limits={"images": 4})
+    return PackedDataset([s["input_ids"] for s in samples], collator, media=samples,
+                         group_tokens=2 * MAX_LEN, seed=seed)
 
 
 def make_tree_dataset(seed: int = 0) -> PackedDataset:
@@ -133,9 +158,9 @@ def reassemble(shards: list[Any]) -> tuple[int, ...]:
     return tuple((row[list(cu[:-1])] - 1).tolist())
 
 
-def reference(ranks: int, rank: int, cp: bool = False, tree: bool = False) -> Run:
+def reference(ranks: int, rank: int, cp: bool = False, kind: str = "text") -> Run:
     """The uninterrupted run: the sampler's steps, read by ``samples()``."""
-    ds = make_dataset(cp=cp, tree=tree)
+    ds = make_dataset(cp=cp, kind=kind)
     sampler = make_sampler(ds, ranks, rank)
     out: Run = []
     for epoch in range(EPOCHS):
@@ -150,11 +175,11 @@ def stop_at(point: str, per_epoch: int) -> int:
             "between": per_epoch}[point]
 
 
-def check_every_piece_once(runs: list[Run], cp: bool = False, tree: bool = False) -> None:
+def check_every_piece_once(runs: list[Run], cp: bool = False, kind: str = "text") -> None:
     """Over the ranks, each epoch holds every segment of the plan once (every sample of a
     plan of trees)."""
-    plan = make_dataset(cp=cp, tree=tree).plan
-    want = Counter((plan.path_sample_ids if tree else plan.sample_ids).tolist())
+    plan = make_dataset(cp=cp, kind=kind).plan
+    want = Counter((plan.path_sample_ids if kind == "tree" else plan.sample_ids).tolist())
     for epoch in range(EPOCHS):
         got = Counter(i for run in runs for e, ids in run if e == epoch for i in ids)
         assert got == want, epoch
@@ -174,12 +199,12 @@ def test_the_data_has_a_split_sample_and_a_cut_remainder() -> None:
 # ------------------------------------------------------------------ plain DataLoader
 def plain(ranks: int, rank: int, workers: int, persistent: bool, stop: int | None,
           state: dict[str, Any] | None = None,
-          cp_rank: int | None = None, tree: bool = False
+          cp_rank: int | None = None, kind: str = "text"
           ) -> tuple[Run, dict[str, Any] | None]:
     """A training loop over a plain DataLoader, interrupted after ``stop`` micro-steps:
     the state is ``sampler.state_dict(consumed=k)``, ``k`` the batches this epoch's loop
     took (what ``enumerate`` counts). ``cp_rank``: a rank of the dp × cp mesh."""
-    ds = make_dataset(cp=cp_rank is not None, tree=tree)
+    ds = make_dataset(cp=cp_rank is not None, kind=kind)
     sampler = make_sampler(ds, ranks, rank)
     if state is not None:
         sampler.load_state_dict(pickle.loads(pickle.dumps(state)))
@@ -291,12 +316,12 @@ def test_a_state_between_epochs_with_either_loop(order: str, convention: str) ->
 # ------------------------------------------------------------------ StatefulDataLoader
 def stateful(ranks: int, rank: int, workers: int, stop: int | None,
              state: dict[str, Any] | None = None,
-             cp_rank: int | None = None, tree: bool = False
-             ) -> tuple[Run, dict[str, Any] | None]:
+             cp_rank: int | None = None,
+             kind: str = "text") -> tuple[Run, dict[str, Any] | None]:
     """A loop over a StatefulDataLoader: the checkpoint is ``loader.state_dict()`` and the
     loop's own epoch counter (the next epoch once an epoch has ended)."""
     sdl = pytest.importorskip("torchdata.stateful_dataloader")
-    ds = make_dataset(cp=cp_rank is not None, tree=tree)
+    ds = make_dataset(cp=cp_rank is not None, kind=kind)
     sampler = make_sampler(ds, ranks, rank)
     loader = sdl.StatefulDataLoader(ds, batch_size=None, sampler=sampler,
                                     num_workers=workers,
@@ -340,6 +365,30 @@ def test_stateful_dataloader(workers: int, point: str, ranks: int) -> None:
         assert head + tail == want
         runs.append(head + tail)
     check_every_piece_once(runs)
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_vision_language_dataset_resumes_exactly(workers: int, ranks: int) -> None:
+    """The same matrix row for a vision-language PackedDataset (media, an image budget, the
+    sampler's vision cost in its balance): resumed mid-epoch, every step as uninterrupted;
+    each batch's media are its samples'."""
+    runs = []
+    for rank in range(ranks):
+        want = reference(ranks, rank, kind="vlm")
+        stop = stop_at("middle", len(want) // EPOCHS)
+        head, state = stateful(ranks, rank, workers, stop, kind="vlm")
+        assert state is not None and len(head) == stop
+        tail, _ = stateful(ranks, rank, workers, None, state, kind="vlm")
+        assert head + tail == want
+        runs.append(head + tail)
+    check_every_piece_once(runs, kind="vlm")
+    ds = make_dataset(kind="vlm")
+    batch = ds[0]
+    ids = decode(batch)
+    assert batch["pixel_values"][:, 0].unique().tolist() == sorted(
+        {i for i in ids if i % 4})
+    assert batch["position_ids"].shape[0] == 4
 
 
 # ------------------------------------------------------------------ a dp × cp mesh
@@ -390,7 +439,7 @@ def test_the_mesh_plan_is_made_for_context_parallelism() -> None:
 
 # ------------------------------------------------------------------ trees
 def test_the_tree_data_cuts_a_step_between_trees() -> None:
-    ds = make_dataset(tree=True)
+    ds = make_dataset(kind="tree")
     assert ds.plan.parents is not None and len(ds) % 2 == 1
     cut = make_sampler(ds, 2, 0).schedule(0)
     assert not cut.whole.all()  # 2 ranks cut the remainder, between trees only
@@ -405,18 +454,18 @@ def test_tree_dataset(loader: str, point: str, ranks: int) -> None:
     kind, workers = loader.split("-")
     runs = []
     for rank in range(ranks):
-        want = reference(ranks, rank, tree=True)
+        want = reference(ranks, rank, kind="tree")
         stop = stop_at(point, len(want) // EPOCHS)
         if kind == "plain":
-            head, state = plain(ranks, rank, int(workers), False, stop, tree=True)
-            tail, _ = plain(ranks, rank, int(workers), False, None, state, tree=True)
+            head, state = plain(ranks, rank, int(workers), False, stop, kind="tree")
+            tail, _ = plain(ranks, rank, int(workers), False, None, state, kind="tree")
         else:
-            head, state = stateful(ranks, rank, int(workers), stop, tree=True)
-            tail, _ = stateful(ranks, rank, int(workers), None, state, tree=True)
+            head, state = stateful(ranks, rank, int(workers), stop, kind="tree")
+            tail, _ = stateful(ranks, rank, int(workers), None, state, kind="tree")
         assert state is not None and len(head) == stop
         assert head + tail == want
         runs.append(head + tail)
-    check_every_piece_once(runs, tree=True)
+    check_every_piece_once(runs, kind="tree")
 
 
 # ------------------------------------------------------------------ another plan

@@ -18,17 +18,17 @@ from ._examples import example_lengths
 from ._gather import gather
 from ._materialize import IGNORE_INDEX, Ragged, as_ragged, loss_mask_from_spans, materialize
 from ._options import PackOptions
-from ._plan import OVERLONG_POLICIES, STRATEGIES, Bucket, Plan, pack
+from ._plan import OVERLONG_POLICIES, STRATEGIES, Bucket, LimitUse, Plan, pack
 from ._stream import StreamPacker, StreamStats
 from ._tree import pack_trees, tree_rows
 
 
 def __getattr__(name: str) -> object:
     # `fastpack.hf` imports on first use, so `import fastpack` stays light.
-    if name == "hf":
+    if name in ("hf", "vlm"):
         import importlib
 
-        return importlib.import_module(".hf", __name__)
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'fastpack' has no attribute {name!r}")
 
 
@@ -50,6 +50,7 @@ __all__ = [
     "FastpackError",
     "FastpackTypeError",
     "IGNORE_INDEX",
+    "LimitUse",
     "PackOptions",
     "Plan",
     "Ragged",

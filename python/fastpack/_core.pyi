@@ -18,9 +18,11 @@ __all__ = [
     "flatten_int_lists",
     "gather",
     "materialize",
+    "media_grids",
     "pack",
     "plan_metrics",
     "permutation",
+    "rope_index",
     "segment_targets",
     "step_sums",
     "pack_tokens",
@@ -42,7 +44,35 @@ def pack(
     shard_items: int | None = None,
     long_max_len: int | None = None,
     group_tokens: int | None = None,
+    limits: list[tuple[str, np.ndarray, int]] | None = None,
 ) -> dict[str, Any]: ...
+def rope_index(
+    input_ids: np.ndarray,
+    cu_seqlens: np.ndarray | None,
+    model_type: str,
+    image_token_id: int,
+    video_token_id: int,
+    spatial_merge_size: int,
+    tokens_per_second: float,
+    image_grid_thw: np.ndarray | None = None,
+    video_grid_thw: np.ndarray | None = None,
+    second_per_grid_ts: np.ndarray | None = None,
+    time_f32: bool = True,
+    text_row: bool = False,
+    threads: int | None = None,
+) -> np.ndarray: ...
+def media_grids(
+    heights: np.ndarray,
+    widths: np.ndarray,
+    frames: np.ndarray | None,
+    patch_size: int,
+    merge_size: int,
+    temporal_patch_size: int,
+    min_pixels: int,
+    max_pixels: int,
+    temporal: bool = False,
+    threads: int | None = None,
+) -> np.ndarray: ...
 def cu_seqlens(seqlens: np.ndarray, pack_offsets: np.ndarray, packs: np.ndarray) -> np.ndarray: ...
 def varlen(
     seqlens: np.ndarray, pack_offsets: np.ndarray, packs: np.ndarray, threads: int | None

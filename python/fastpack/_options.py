@@ -67,8 +67,9 @@ if TYPE_CHECKING:
     from typing_extensions import Unpack
 
 __all__ = [
-    "CP_MODES", "GROUP_TOKENS_LIMIT", "MAX_CP_SIZE", "MAX_LEN_LIMIT", "MAX_PAD_DIVISOR",
-    "OVERLONG_POLICIES", "PLAN_OPTIONS", "STRATEGIES", "check_cp", "cp_divisor",
+    "CP_MODES", "GROUP_TOKENS_LIMIT", "LIMIT_CAP", "MAX_CP_SIZE", "MAX_LEN_LIMIT", "MAX_LIMITS",
+    "MAX_PAD_DIVISOR", "OVERLONG_POLICIES", "PLAN_OPTIONS", "STRATEGIES", "check_cp",
+    "cp_divisor",
     "PackArgs", "PackOptions", "WithOptions", "check_plan", "layered", "resolve",
     "separator_reserve", "with_separator",
 ]
@@ -79,6 +80,9 @@ OVERLONG_POLICIES = ("error", "truncate", "split", "drop")
 MAX_LEN_LIMIT = 2**24
 # A group flattens into one varlen row whose cu_seqlens are int32.
 GROUP_TOKENS_LIMIT = 2**31 - 1
+# Budgets besides tokens (the core's MAX_LIMITS and LIMIT_CAP).
+MAX_LIMITS = 4
+LIMIT_CAP = 2**32 - 2
 
 #: Context parallelism's modes (see :func:`fastpack.cp_layout`). ``"zigzag"``: every
 #: sequence padded to a multiple of ``2·cp·pad_multiple`` and cut into ``2·cp`` chunks,
@@ -186,6 +190,13 @@ class PackOptions:
     #: lengths: ``PackedCollator``, ``PackedDataset`` and ``fastpack.pack_trees`` take it;
     #: the entry points that plan lengths or streams refuse it.
     share_prefix: bool = False
+    #: Budgets besides tokens, ``{name: cap}`` (at most 4; held as ``((name, cap), ...)``):
+    #: no pack holds more than ``cap`` of one. Each sequence's use comes with the data:
+    #: ``pack(lengths, limits={name: (values, cap)})``, or a collator's or dataset's
+    #: samples' media (``"patches"``, ``"images"``, ``"videos"``). Best or first fit on
+    #: tokens among the packs with room in every budget; a sequence is never cut, so one
+    #: over a budget follows ``overlong`` (``"error"`` or ``"drop"``, counted).
+    limits: Mapping[str, int] | tuple[tuple[str, int], ...] | None = None
 
     def __post_init__(self) -> None:
         for name, check in _CHECKS.items():
@@ -193,6 +204,11 @@ class PackOptions:
             checked = check(self, value)
             if checked is not value:  # normalised (np.int64 -> int): keep the plain value
                 object.__setattr__(self, name, checked)
+
+    @property
+    def budgets(self) -> tuple[tuple[str, int], ...]:
+        """``limits`` as checked: ``((name, cap), ...)``, empty without budgets."""
+        return self.limits or ()  # type: ignore[return-value]  # normalised by its check
 
     def replace(self, max_len: int | None = None, **changes: Unpack[PackArgs]) -> PackOptions:
         """A copy with ``changes`` (checked like any option)."""
@@ -336,6 +352,61 @@ def _check_share_prefix(o: PackOptions, value: Any) -> bool:
     return share
 
 
+def _check_limits(o: PackOptions, value: Any) -> tuple[tuple[str, int], ...] | None:
+    if value is None:
+        return None
+    pairs = value.items() if isinstance(value, Mapping) else value
+    if isinstance(value, (str, bytes)) or not isinstance(value, (Mapping, tuple)) or not all(
+            isinstance(p, tuple) and len(p) == 2 for p in pairs):
+        raise FastpackTypeError(
+            f"limits: expected a dict {{name: cap}}, e.g. {{'patches': 16384, 'images': 8}} "
+            f"(pack() also takes {{name: (values, cap)}}), got {type(value).__name__} {value!r}"
+        )
+    out: list[tuple[str, int]] = []
+    for name, cap in pairs:
+        if not isinstance(name, str) or not name or name == "tokens" or name in dict(out):
+            raise FastpackError(
+                f"limits: budget name {name!r}; expected distinct non-empty strings other than "
+                f"'tokens' (max_len is the token budget)"
+            )
+        out.append((name, _int_arg(f"limits[{name!r}]", cap, minimum=1, maximum=LIMIT_CAP,
+                                   why=" (the most a pack holds)")))
+    if not out:
+        return None
+    if len(out) > MAX_LIMITS:
+        raise FastpackError(f"limits: got {len(out)} budgets; at most {MAX_LIMITS} besides "
+                            f"tokens")
+    if o.strategy == "one_per_pack":
+        raise FastpackError(
+            "limits: strategy 'one_per_pack' puts every sequence in a pack of its own (the "
+            "padded backend's), where no budget has anything to limit; budgets besides "
+            "tokens take 'bfd' or 'ffd'"
+        )
+    if o.strategy not in ("bfd", "ffd"):
+        raise FastpackError(
+            f"limits: strategy {o.strategy!r} keeps input order or cuts sequences; budgets "
+            f"besides tokens take 'bfd' or 'ffd'"
+        )
+    if o.overlong not in ("error", "drop"):
+        raise FastpackError(
+            f"limits: overlong={o.overlong!r} would cut a sequence, and the media it holds "
+            f"with it; with budgets besides tokens use 'error' or 'drop'"
+        )
+    if o.cp_size is not None:
+        raise FastpackError(
+            f"limits: budgets besides tokens are not planned together with cp_size="
+            f"{o.cp_size} (the context-parallel plan pads the tokens and knows nothing of the "
+            f"media); pass one of them"
+        )
+    if o.share_prefix:
+        raise FastpackError(
+            "limits: budgets besides tokens are not planned together with share_prefix=True "
+            "(a tree is planned by its distinct tokens, and its samples' media would be "
+            "counted once per sample); pass one of them"
+        )
+    return tuple(out)
+
+
 #: Each option's check, in field order: ``check(options so far, value) -> value``.
 _CHECKS: dict[str, Callable[[PackOptions, Any], Any]] = {
     "max_len": lambda o, v: _int_arg("max_len", v, minimum=1, maximum=MAX_LEN_LIMIT),
@@ -350,6 +421,7 @@ _CHECKS: dict[str, Callable[[PackOptions, Any], Any]] = {
     "cp_mode": _check_cp_mode,
     "pad_multiple": _check_pad_multiple,
     "share_prefix": _check_share_prefix,
+    "limits": _check_limits,
 }
 
 _NAMES = tuple(f.name for f in dataclasses.fields(PackOptions))
@@ -371,6 +443,8 @@ class _Args(TypedDict, total=False):
     cp_mode: str
     pad_multiple: int
     share_prefix: bool
+    #: ``{name: cap}``; ``pack`` also takes ``{name: (values, cap)}``.
+    limits: Mapping[str, Any] | tuple[tuple[str, int], ...] | None
 
 
 class PackArgs(_Args, total=False):
@@ -464,7 +538,8 @@ def _refuse(options: PackOptions, refuse: Mapping[str, str]) -> None:
     for name, why in refuse.items():
         value = getattr(options, name)
         if value != _DEFAULTS[name]:
-            raise FastpackError(f"{name}: got {value!r}; {why}")
+            shown = dict(value) if name == "limits" else value  # as it is given: {name: cap}
+            raise FastpackError(f"{name}: got {shown!r}; {why}")
 
 
 def layered(

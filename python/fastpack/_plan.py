@@ -16,7 +16,7 @@ from ._options import OVERLONG_POLICIES, STRATEGIES, PackArgs, PackOptions, reso
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-__all__ = ["OVERLONG_POLICIES", "STRATEGIES", "Bucket", "Plan", "pack", "sub_plan"]
+__all__ = ["OVERLONG_POLICIES", "STRATEGIES", "Bucket", "LimitUse", "Plan", "pack", "sub_plan"]
 
 # Below this many sequences one thread (the calling one) is as fast as two and skips
 # waking the pool (medians, 2 cores: 3*10^4 SFT-like lengths 0.31 ms on 1 thread, 0.64 ms
@@ -262,6 +262,41 @@ class Bucket:
     efficiency: float
 
 
+@dataclass(frozen=True)
+class LimitUse:
+    """How a plan uses one budget besides tokens (``pack(..., limits=...)``)."""
+
+    name: str
+    #: The most any pack holds.
+    cap: int
+    #: Sum over the packed sequences.
+    total: int
+    #: ``ceil(total / cap)``: no plan can use fewer packs.
+    lower_bound: int
+    #: The fullest pack's use (at most ``cap``).
+    max_used: int
+
+
+def _limit_values(spec: Any) -> tuple[dict[str, Any] | Any, dict[str, np.ndarray] | None]:
+    """``limits={name: (values, cap)}`` split into the caps (the option) and the values
+    (int64, one per sequence); any other ``limits`` is left to the option's check."""
+    if not isinstance(spec, Mapping) or not any(
+            isinstance(v, (tuple, list)) for v in spec.values()):
+        return spec, None
+    caps: dict[str, Any] = {}
+    values: dict[str, np.ndarray] = {}
+    for name, pair in spec.items():
+        arg = f"limits[{name!r}]"
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2 or np.isscalar(pair[0]):
+            raise FastpackTypeError(
+                f"{arg}: expected (values, cap): one value per sequence and the most a pack "
+                f"holds, got {type(pair).__name__} {pair!r}"
+            )
+        values[name] = np.ascontiguousarray(as_lengths(pair[0], name=arg), dtype=np.int64)
+        caps[name] = pair[1]
+    return caps, values
+
+
 class Plan:
     """A packing plan: which segment of which sequence goes into which pack.
 
@@ -283,6 +318,10 @@ class Plan:
     (int64 [G+1]) and ``group_fills[g]`` tokens (int64 [G]), at most ``group_tokens``.
     Groups never mix buckets; shuffled, the groups are shuffled and packs stay in their
     group.
+
+    With ``limits`` (budgets besides tokens), ``limits`` maps each budget's name to its
+    :class:`LimitUse`: the packed total, the cap, the lower bound ``ceil(total / cap)``
+    and the fullest pack. A plan built from arrays (``Plan(fields)``) has none.
 
     Every metric (``lower_bound``, ``efficiency``, the buckets' and the groups') is computed
     by the core with the plan; a *fill* is the number of tokens a pack or group holds.
@@ -309,7 +348,7 @@ class Plan:
         "path_sample_ids", "path_ends", "sample_tokens",
     )
 
-    __slots__ = (*_FIELDS, *_OPTIONAL, "buckets", "_pack_caps", "_options", "_order")
+    __slots__ = (*_FIELDS, *_OPTIONAL, "buckets", "limits", "_pack_caps", "_options", "_order")
 
     sample_ids: np.ndarray
     starts: np.ndarray
@@ -356,6 +395,8 @@ class Plan:
     path_ends: np.ndarray | None
     sample_tokens: int | None
     buckets: tuple[Bucket, ...]
+    #: Each budget besides tokens, by name (empty without ``limits``).
+    limits: dict[str, LimitUse]
     _pack_caps: np.ndarray | None
     _options: PackOptions | None
     #: ``(shuffle, seed)`` of a plan assembled from its fields.
@@ -364,8 +405,10 @@ class Plan:
     def __init__(self, fields: dict[str, Any]) -> None:
         """A plan from its fields (the arrays and counts above). Every metric is computed
         by the core from the arrays, after checking them (see ``_with_metrics``); metrics
-        in ``fields`` are not read."""
+        in ``fields`` are not read, nor ``limits`` (the budgets' values are not in the
+        arrays)."""
         fields = _with_metrics(fields)
+        fields.pop("limits", None)
         self._set(fields)
         self._options = None
         self._order = (bool(fields.get("shuffle", False)), int(fields.get("seed", 0)))
@@ -393,6 +436,7 @@ class Plan:
         self.buckets = tuple(
             Bucket(name=names[i], **b) for i, b in enumerate(fields.get("buckets", ()))
         )
+        self.limits = {u["name"]: LimitUse(**u) for u in fields.get("limits", ())}
 
     @property
     def options(self) -> PackOptions:
@@ -536,6 +580,11 @@ class Plan:
                     f"{b.num_packs:,} packs, efficiency {b.efficiency:.4%}, "
                     f"lower bound {b.lower_bound:,}"
                 )
+        for use in self.limits.values():
+            lines.append(
+                f"{use.name}: {use.total:,} in all, at most {use.cap:,} per pack (fullest "
+                f"{use.max_used:,}); packs / lower bound {self.num_packs}/{use.lower_bound}"
+            )
         if self.group_fills is not None:
             fills = self.group_fills
             spread = (
@@ -582,6 +631,7 @@ class Plan:
             f"dropped_tokens={self.dropped_tokens}, truncated_tokens={self.truncated_tokens}"
             + (f", long_max_len={self.long_max_len}" if self.long_max_len is not None else "")
             + (f", num_groups={self.num_groups}" if self.group_tokens is not None else "")
+            + (f", limits={sorted(self.limits)}" if self.limits else "")
             + ")"
         )
 
@@ -712,11 +762,31 @@ def pack(
               contiguous modes a pack to a multiple of ``cp_size·pad_multiple``. The plan's
               ``seqlens`` and counts stay the real tokens; ``Plan.pad_tokens`` counts the
               padding.
+            - ``limits``: budgets besides tokens, ``{name: (values, cap)}`` (at most 4):
+              sequence ``i`` needs ``values[i]`` of the budget and no pack holds more than
+              ``cap`` — say ``{"patches": (patches, 16384), "images": (images, 8)}`` for a
+              vision-language dataset (see :func:`fastpack.vlm.media_tokens`). Best/first
+              fit on tokens among the packs with room in every budget; a sequence is never
+              cut (``overlong`` ``"error"`` or ``"drop"``, counted). ``Plan.limits`` gives
+              each budget's lower bound. With ``options`` holding the caps, ``limits`` here
+              gives the values (and the same caps).
 
     Sequences of length 0 are skipped and counted in ``empty_sequences``.
     """
     array = as_lengths(lengths)
+    values = None
+    if "limits" in kwargs:
+        caps, values = _limit_values(kwargs["limits"])
+        kwargs = {**kwargs, "limits": caps}  # type: ignore[typeddict-item]
     opts = resolve(pack, options, max_len, kwargs, refuse=PACK_REFUSES)
+    budgets = None
+    if opts.budgets:
+        if values is None:
+            raise FastpackError(
+                f"limits: {dict(opts.budgets)} has no values per sequence; pass limits={{name: "
+                f"(values, cap)}} to pack()"
+            )
+        budgets = [(name, values[name], cap) for name, cap in opts.budgets]
     threads = _threads(threads)
     if threads is None and len(array) < _SMALL_INPUT:
         threads = 1  # waking a pool costs more than it saves here; the plan is the same
@@ -727,6 +797,6 @@ def pack(
     fields = _core.pack(
         array, opts.max_len, opts.strategy, opts.overlong, opts.reserve,
         opts.seed if opts.shuffle else None, threads, None, opts.long_max_len,
-        opts.group_tokens,
+        opts.group_tokens, budgets,
     )
     return Plan._from_core(fields, opts)

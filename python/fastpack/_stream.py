@@ -65,6 +65,9 @@ STREAM_REFUSES = {
     "group_tokens": "groups of packs need the whole plan, and a stream is packed a window "
                     "at a time; plan the whole dataset (fastpack.pack, a datasets.Dataset) "
                     "for groups, or use None",
+    "limits": "a stream's windows are packed on tokens only; plan the whole dataset "
+              "(fastpack.pack with limits={name: (values, cap)}, PackedDataset, or "
+              "hf.pack_dataset of a datasets.Dataset) for budgets besides tokens, or use None",
     "share_prefix": "a stream is packed a window at a time, as rows of whole sequences; "
                     "plan the whole dataset (a PackedDataset) for trees, or use the "
                     "collator as a DataLoader's collate_fn",

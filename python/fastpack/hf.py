@@ -26,6 +26,7 @@ from ._errors import FastpackError, FastpackTypeError
 from ._gather import DEFAULT_BATCH_TOKENS, WRITTEN, check_packable, prepare
 from ._options import PackOptions, _Args, with_separator
 from ._plan import Plan, pack
+from .vlm import IMAGE_KEYS, VIDEO_KEYS, media_budgets
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -112,7 +113,17 @@ def pack_dataset(
             counted), ``reserve``, ``shuffle`` and ``seed`` (shuffle the packs: the
             default; ``bfd`` packs otherwise come sorted by fill), ``group_tokens``
             (packs ordered in groups of at most this many tokens, with a ``group``
-            column), ``long_max_len`` (rows over ``max_len`` go to packs of this cap).
+            column), ``long_max_len`` (rows over ``max_len`` go to packs of this cap),
+            ``limits`` (budgets besides tokens, ``{name: cap}`` with ``name`` one of
+            ``"patches"``, ``"images"``, ``"videos"``, counted from each row's
+            ``image_grid_thw`` / ``video_grid_thw``, or its ``pixel_values`` rows for
+            ``"images"`` of plain-position models: no pack holds more).
+
+    A vision-language dataset's media columns (``pixel_values``, ``image_grid_thw``,
+    ``pixel_values_videos``, ``video_grid_thw``, ``second_per_grid_ts``, ``image_sizes``)
+    are not per-token: each packed row gets its rows' media concatenated in the order of
+    their tokens (placeholder order), ready for ``PackedCollator(model_config=...)``'s
+    batch format or the model.
 
     Returns:
         A ``datasets.Dataset`` (or ``DatasetDict`` / ``IterableDataset``) in the input's
@@ -134,6 +145,13 @@ def pack_dataset(
         )
     threads = _threads(threads)
     if kind in ("IterableDataset", "IterableDatasetDict"):
+        media = _media_columns(dataset)
+        if media:
+            raise FastpackError(
+                f"dataset: a streamed dataset's media columns ({', '.join(media)}) are not "
+                f"packed (a stream packs per-token columns); use a datasets.Dataset, or "
+                f"remove_columns({media!r}) to pack the text alone"
+            )
         if cache_file_name is not None:
             raise FastpackError("map_kwargs: 'cache_file_name' applies to a Dataset; a "
                                 "stream is packed as it is read, into no file")
@@ -252,7 +270,8 @@ def _trl_strategy(strategy: Any, options: PackOptions | None,
 def _choose_columns(dataset: Any, columns: Sequence[str] | None) -> list[str] | None:
     if columns is None:
         table, _ = dataset_parts(dataset)
-        chosen = [c for c in per_token_columns(table) if c not in WRITTEN]
+        chosen = [c for c in per_token_columns(table)
+                  if c not in WRITTEN and c not in IMAGE_KEYS + VIDEO_KEYS]
         if not chosen:
             raise FastpackError(
                 "columns: no column holds a list of numbers per row; the dataset has "
@@ -280,8 +299,14 @@ def _pack_one(
     first = names.index("input_ids") if "input_ids" in names else 0
     order = [first] + [k for k in range(len(handles)) if k != first]
     lengths = _core.column_lengths([handles[k] for k in order], threads)
+    media = [c for c in _media_columns(dataset) if c not in names]
+    limits = None
+    if options.budgets:
+        mrope = "image_grid_thw" in media or "video_grid_thw" in media
+        values = media_budgets(dataset, [n for n, _ in options.budgets], mrope=mrope)
+        limits = {n: (values[n], cap) for n, cap in options.budgets}
     try:
-        plan = pack(lengths, options=options, threads=threads)
+        plan = pack(lengths, options=options, threads=threads, limits=limits)
     except FastpackError as e:
         message = str(e)
         if message.startswith("lengths: "):  # rows of the dataset, named as such
@@ -298,6 +323,11 @@ def _pack_one(
     if group is not None:
         schema = schema.append(pa.field("group", pa.int64()))
         batches = _with_groups(batches, group)
+    if media:
+        packed_media = {c: _packed_media(dataset, c, plan) for c in media}
+        for c, column in packed_media.items():
+            schema = schema.append(pa.field(c, column.type))
+        batches = _with_columns(batches, packed_media)
     summary = _summary(plan, names[first], dataset, skipped, columns is None, position_ids)
     features = datasets.Features.from_arrow_schema(schema)
     schema = pa.schema(schema, metadata=features.arrow_schema.metadata)
@@ -335,6 +365,46 @@ def _pack_one(
     (logger.warning if lost else logger.info)("pack_dataset%s: %s", where,
                                               summary.replace("\n", "; "))
     return packed
+
+
+def _media_columns(dataset: Any) -> list[str]:
+    names = getattr(dataset, "column_names", None) or []
+    if isinstance(names, Mapping):  # a DatasetDict: its splits share the columns
+        names = next(iter(names.values()), [])
+    return [c for c in IMAGE_KEYS + VIDEO_KEYS if c in names]
+
+
+def _packed_media(dataset: Any, name: str, plan: Plan) -> Any:
+    """Column ``name`` (a list per row: images, grids, patches) packed: each pack's rows'
+    lists concatenated in segment order (the order of their placeholders)."""
+    import pyarrow as pa
+
+    table, indices = dataset_parts(dataset)
+    column = table.column(name).combine_chunks()
+    if indices is not None:
+        column = column.take(pa.array(np.concatenate(indices)))
+    offsets = np.asarray(column.offsets, dtype=np.int64)
+    sample = np.asarray(plan.sample_ids, dtype=np.int64)
+    starts, counts = offsets[sample], np.diff(offsets)[sample]
+    # Each segment's items, end to end: one take of the column's values.
+    ends = np.cumsum(counts)
+    items = np.repeat(starts - (ends - counts), counts) + np.arange(int(ends[-1]) if len(
+        ends) else 0)
+    values = column.values.take(pa.array(items, type=pa.int64()))
+    pack_items = np.concatenate(([0], ends))[np.asarray(plan.pack_offsets, dtype=np.int64)]
+    if pack_items[-1] < 2**31:
+        return pa.ListArray.from_arrays(pa.array(pack_items, type=pa.int32()), values)
+    return pa.LargeListArray.from_arrays(pa.array(pack_items, type=pa.int64()), values)
+
+
+def _with_columns(batches: Any, columns: dict[str, Any]) -> Any:
+    at = 0
+    for batch in batches:
+        n = batch.num_rows
+        for name, column in columns.items():
+            batch = batch.append_column(name, column.slice(at, n))
+        yield batch
+        at += n
 
 
 def _group_of_packs(plan: Plan) -> np.ndarray | None:

@@ -29,6 +29,9 @@ REFUSED = {
     "share_prefix": "fastpack pack writes rows of whole documents, which cannot hold "
                     "shared-prefix trees; train with PackedDataset(..., "
                     "PackedCollator(share_prefix=True))",
+    "limits": "fastpack pack plans token lengths only, and budgets besides tokens need each "
+              "document's use of them; plan with fastpack.pack(lengths, limits={name: (values, "
+              "cap)}) or fastpack.hf.pack_dataset(..., limits=...)",
 }
 
 #: The order of the settings in report.json, the manifest and the run's state (kept, so the

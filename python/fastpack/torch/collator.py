@@ -11,7 +11,7 @@ import torch
 
 from .._checks import _bool_arg, _choice, _int_arg, _threads
 from .._errors import FastpackError, FastpackTypeError
-from .._materialize import TokenData, _from_rows, materialize
+from .._materialize import TokenData, _from_rows, as_ragged, materialize
 from .._options import (
     PLAN_OPTIONS,
     PackArgs,
@@ -22,7 +22,9 @@ from .._options import (
 )
 from .._plan import Plan, pack
 from .._tree import group_codes, pack_trees, pair_keys, preference_samples, tree_rows
+from ..vlm import VlmConfig
 from .formats import BACKENDS, MASK_MODES, RETURN_TENSORS, BatchFormat
+from .media import MEDIA_KEYS, media_batch, media_budgets, sample_media
 from .tree import flex_available, tree_batch
 
 if TYPE_CHECKING:
@@ -101,6 +103,15 @@ class PackedCollator(WithOptions):
             misspelled mask (``assistant_mask``) or labels (``label``) would otherwise
             silently train every token. Other keys — text (``messages``, ``prompt``,
             ``completion``), scalars and other metadata — are ignored.
+        model_config: a vision-language model's config (``model.config`` or its dict):
+            samples may carry the processor's media keys (``pixel_values``,
+            ``image_grid_thw``, ``pixel_values_videos``, ``video_grid_thw``,
+            ``second_per_grid_ts``, ``image_sizes``), concatenated in placeholder order;
+            mRoPE models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) get ``position_ids``
+            ``[4, rows, width]`` and ``mm_token_type_ids``; labels are -100 on every
+            placeholder. With ``limits`` (say ``{"patches": 16384, "images": 8}``) every
+            pack of a batch stays within them, each sample's use counted from its media
+            (:data:`fastpack.torch.media.MEDIA_BUDGETS`). See docs/vision_language.md.
 
     A sample with ``seq_lengths`` is already packed and raises, as does an
     ``attention_mask`` with zeros (a padded sample) or ``position_ids`` other than
@@ -132,6 +143,7 @@ class PackedCollator(WithOptions):
         return_num_items: bool = False,
         threads: int | None = None,
         ignore_keys: Sequence[str] = (),
+        model_config: Any = None,
         **kwargs: Unpack[PackArgs],
     ) -> None:
         # Every option is checked here, so a mistake fails where the collator is built,
@@ -188,6 +200,49 @@ class PackedCollator(WithOptions):
         self._known = frozenset((*KNOWN_KEYS, *([loss_mask_key] if isinstance(
             loss_mask_key, str) else []))) | self.ignore_keys
         self.threads = _threads(threads)
+        #: What the collator reads of a vision-language model's config (None: text only).
+        self.vlm = None if model_config is None else VlmConfig.of(model_config)
+        if self.vlm is not None:
+            self._known |= frozenset(MEDIA_KEYS)
+            if self.overlong in ("truncate", "split"):
+                raise FastpackError(
+                    f"overlong: {self.overlong!r} would cut a sample's image placeholders "
+                    f"from its pixels; with model_config use 'error' or 'drop'"
+                )
+            if self.vlm.mrope and self.backend == "flex" and self.mask == "explicit":
+                raise FastpackError(
+                    f"mask: 'explicit' with backend='flex' makes a flex BlockMask, and Hugging "
+                    f"Face runs {self.vlm.model_type} without flex attention; use "
+                    f"backend='flash' or 'sdpa'"
+                )
+            if self.options.share_prefix:
+                raise FastpackError(
+                    f"share_prefix: True with model_config ({self.vlm.model_type}): a tree "
+                    f"batch carries no media and no mRoPE positions (a response's would "
+                    f"continue its prefix's compressed positions, not its tokens); pass one of "
+                    f"model_config and share_prefix"
+                )
+            if self.options.cp_size is not None:
+                raise FastpackError(
+                    f"cp_size: {self.options.cp_size} with model_config "
+                    f"({self.vlm.model_type}): vision-language batches are not sharded for "
+                    f"context parallelism (shard_for_context_parallel would split the image "
+                    f"placeholders and the mRoPE positions across ranks, not the media); pass "
+                    f"one of model_config and cp_size"
+                )
+            placeholders = {self.vlm.image_token_id, self.vlm.video_token_id} - {None}
+            for name, token in (("pad_id", self.pad_id), ("separator_id", self.separator_id)):
+                if token is not None and token in placeholders:
+                    raise FastpackError(
+                        f"{name}: {token} is the model's image or video placeholder token; "
+                        f"pick another id"
+                    )
+        if self.options.budgets and self.vlm is None:
+            raise FastpackError(
+                f"limits: {dict(self.options.budgets)} are counted from each sample's media; "
+                f"pass model_config=model.config (or pack the dataset with fastpack.pack("
+                f"lengths, limits={{name: (values, cap)}}))"
+            )
         if self.options.share_prefix:
             self._check_tree_options(mask, return_tensors, fixed_cu_seqlens, return_seq_idx)
         self.format = BatchFormat(
@@ -197,9 +252,11 @@ class PackedCollator(WithOptions):
             return_seq_idx=return_seq_idx, return_num_items=return_num_items,
         )
         # One batch keeps its samples in order on the flat layout, where bin packing could
-        # only reorder them.
+        # only reorder them; under budgets besides tokens the fit strategy places them (the
+        # order of the media follows).
+        flat = self.layout == "flat" and not self.options.budgets
         self._batch_options = self.options.replace(
-            strategy="next_fit" if self.layout == "flat" else self.options.strategy,
+            strategy="next_fit" if flat else self.options.strategy,
             shuffle=False,
         )
 
@@ -283,9 +340,17 @@ class PackedCollator(WithOptions):
             # One flat row holds every pack: the trees in the samples' order.
             plan = pack_trees(tokens, groups=groups, options=self._batch_options,
                               threads=self.threads)
+        elif self.options.budgets:
+            assert self.vlm is not None
+            values = media_budgets(features, [n for n, _ in self.options.budgets],
+                                   mrope=self.vlm.mrope)
+            limits = {n: (values[n], cap) for n, cap in self.options.budgets}
+            plan = pack(lengths, options=self._batch_options, threads=self.threads,
+                        limits=limits)
         else:
             plan = pack(lengths, options=self._batch_options, threads=self.threads)
-        return self.batch(plan, tokens, None, labels=labels, loss_mask=loss_mask)
+        return self.batch(plan, tokens, None, labels=labels, loss_mask=loss_mask,
+                          media=features if self.vlm is not None else None)
 
     def _pairs(self, features: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         """Preference pairs as a tree batch: pair ``k`` is samples ``2k`` (chosen) and
@@ -314,7 +379,14 @@ class PackedCollator(WithOptions):
                 f"unpacked samples (one sequence each), or its rows with the boundaries "
                 f"straight to the model"
             )
-        for key in sample.keys() - self._known:
+        for key in sorted(sample.keys() - self._known, key=str):
+            if key in MEDIA_KEYS and sample[key] is not None:
+                raise FastpackError(
+                    f"features: sample {index} has the media key {key!r}, but the collator "
+                    f"has no model_config, so its images would be packed without their "
+                    f"positions; pass PackedCollator(..., model_config=model.config), or "
+                    f"ignore_keys=({key!r},) to drop it"
+                )
             if length and _per_token(sample[key], length):
                 close = difflib.get_close_matches(str(key), KNOWN_KEYS, n=1)
                 hint = f"did you mean {close[0]!r}? " if close else ""
@@ -348,23 +420,36 @@ class PackedCollator(WithOptions):
         return next((k for k in LOSS_MASK_KEYS if any(k in f for f in features)), None)
 
     def plan(
-        self, lengths: Any, *, options: PackOptions | None = None, **kwargs: Unpack[PackArgs]
+        self, lengths: Any, *, options: PackOptions | None = None, media: Any = None,
+        **kwargs: Unpack[PackArgs]
     ) -> Plan:
         """The plan this collator uses for samples of these lengths (a whole dataset): its
         per-batch options (``strategy`` whatever ``shuffle`` is), with the plan options
         given here (``shuffle``, ``seed``, ``long_max_len``, ``group_tokens``: see
         :func:`fastpack.pack`; shuffled with seed 0 by default). With the padded backend
         (strategy ``"one_per_pack"``) every sample is its own pack, in input order or
-        shuffled by ``seed``."""
+        shuffled by ``seed``. With ``limits``, ``media`` (the samples, or a
+        ``datasets.Dataset`` with their grid columns) gives each sample's use of every
+        budget."""
         opts, _ = layered(PackedCollator.plan, self.options, options, kwargs)
         if opts.share_prefix:
             raise FastpackError(
                 "share_prefix: True plans the samples' tokens, not their lengths; use "
                 "PackedDataset(tokens, collator) or fastpack.pack_trees(tokens, ...)"
             )
-        return self._plan(lengths, opts)
+        return self._plan(lengths, opts, media)
 
-    def _plan(self, lengths: Any, options: PackOptions) -> Plan:
+    def _plan(self, lengths: Any, options: PackOptions, media: Any = None) -> Plan:
+        if options.budgets:
+            if media is None or self.vlm is None:
+                raise FastpackError(
+                    f"media: limits {dict(options.budgets)} are counted from each sample's "
+                    f"media; pass media= (the samples, or a datasets.Dataset with their "
+                    f"image_grid_thw / video_grid_thw columns)"
+                )
+            values = media_budgets(media, [n for n, _ in options.budgets], mrope=self.vlm.mrope)
+            return pack(lengths, options=options, threads=self.threads,
+                        limits={n: (values[n], cap) for n, cap in options.budgets})
         if self.backend == "padded" and (
                 options.long_max_len is not None or options.group_tokens is not None):
             raise FastpackError(
@@ -382,12 +467,15 @@ class PackedCollator(WithOptions):
         labels: TokenData | None = None,
         loss_mask: TokenData | None = None,
         sample_ids: np.ndarray | None = None,
+        media: Any = None,
     ) -> dict[str, Any]:
         """The batch of ``packs`` (default: all) of ``plan`` over ``tokens``. Every batch
         lists its samples — ``sample_ids`` (int64 [N]: indices into ``tokens``, or into
         ``sample_ids`` when given), ``sample_tokens`` (the flattened row positions of each
         sample's tokens, in order) and ``sample_offsets`` (int64 [N+1]) — which
-        :func:`fastpack.torch.per_sample` reads. A plan of trees gives a tree batch."""
+        :func:`fastpack.torch.per_sample` reads. A plan of trees gives a tree batch. With a
+        ``model_config``, ``media[i]`` is sample ``i``'s dict of media keys (a list of
+        samples, a ``datasets.Dataset``, anything indexable like ``tokens``)."""
         if plan.parents is not None:
             if not self.share_prefix:
                 raise FastpackError(
@@ -416,10 +504,33 @@ class PackedCollator(WithOptions):
             pad_id=self.pad_id, threads=self.threads,
         )
         out = self.format(rows)
+        if self.vlm is not None:
+            out.update(self._media(plan, tokens, packs, rows, media))
         listed = _samples(plan, packs, rows, sample_ids)
         conv = torch.from_numpy if self.return_tensors == "pt" else (lambda a: a)
         out.update({key: conv(value) for key, value in listed.items()})
         return out
+
+
+    def _media(self, plan: Plan, tokens: TokenData, packs: Any, rows: dict[str, Any],
+               media: Any) -> dict[str, Any]:
+        """The media keys of the batch's rows (see :func:`fastpack.torch.media.media_batch`):
+        every chosen sample's media, checked, in the order its placeholders take."""
+        assert self.vlm is not None
+        if media is None:
+            raise FastpackError(
+                "media: the collator has a model_config; pass each sample's media (its "
+                "dict of pixel_values, image_grid_thw, ...) as media="
+            )
+        chosen = plan._packs(packs)
+        offsets = np.asarray(plan.pack_offsets)
+        order: Any = np.concatenate([np.asarray(plan.sample_ids[a:b]) for a, b in zip(
+            offsets[chosen].tolist(), offsets[chosen + 1].tolist())]) if len(chosen) else []
+        ragged = as_ragged(tokens)
+        checked = [sample_media(self.vlm, media[i], i, np.asarray(ragged[i]))
+                   for i in np.asarray(order, dtype=np.int64).tolist()]
+        return media_batch(self.vlm, checked, rows, padded=self.backend == "padded",
+                           return_tensors=self.return_tensors, threads=self.threads)
 
 
 def _samples(plan: Plan, packs: Any, rows: dict[str, Any], mapping: np.ndarray | None

@@ -46,6 +46,7 @@ from .._context_parallel import CP_MODES, CPLayout, cp_layout
 from .._errors import FastpackError, FastpackTypeError
 from .._materialize import IGNORE_INDEX
 from .._options import check_cp
+from ..vlm import MEDIA_KEYS
 from .attention import (
     _attend,
     _check_qkv,
@@ -140,7 +141,8 @@ def shard_for_context_parallel(
 
     Raises:
         FastpackError: a batch that is not one flat row with ``cu_seq_lens_q``, one already
-            sharded, ``position_ids`` that do not restart at every sequence, a per-token
+            sharded, a vision-language batch (mRoPE ``position_ids`` ``[4, 1, T]`` or
+            media keys), ``position_ids`` that do not restart at every sequence, a per-token
             key it cannot shard, or bad CP options.
     """
     if not isinstance(batch, Mapping):
@@ -152,6 +154,7 @@ def shard_for_context_parallel(
             f"of cp_size={batch['cp_size']}); shard the full batch once on every rank"
         )
     cp, mode, multiple = check_cp(cp_size, mode, pad_multiple)
+    _refuse_vision_language(batch, cp)
 
     rank = _int_arg("cp_rank", cp_rank, minimum=0, maximum=cp - 1, why=f" (cp_size is {cp})")
     pad_id = _int_arg("pad_id", pad_id, minimum=-(2**63), maximum=2**63 - 1)
@@ -193,6 +196,29 @@ def shard_for_context_parallel(
                 f"{', '.join(_TOKEN_KEYS)}); drop it or split it with layout.indices(rank)"
             )
     return _shard(batch, layout, rank, ids, device, pad_id, numpy_in)
+
+
+def _refuse_vision_language(batch: Mapping[str, Any], cp: int) -> None:
+    """A vision-language batch is not sharded: its mRoPE rows would need the per-document
+    t/h/w positions cut with the tokens, and its media (every image's patches, in
+    placeholder order) would stay whole on every rank while the placeholders are split."""
+    positions = batch.get("position_ids")
+    shape = tuple(getattr(positions, "shape", ()))
+    if len(shape) == 3:
+        raise FastpackError(
+            f"position_ids: shape {shape} holds mRoPE rows (a vision-language batch of "
+            f"PackedCollator(model_config=...)); shard_for_context_parallel(cp_size={cp}) "
+            f"takes a text batch's positions [1, T]: vision-language batches are not sharded "
+            f"for context parallelism"
+        )
+    media = [k for k in MEDIA_KEYS if batch.get(k) is not None]
+    if media:
+        raise FastpackError(
+            f"batch: {media[0]!r} is media of a vision-language batch; "
+            f"shard_for_context_parallel(cp_size={cp}) would split its placeholder tokens "
+            f"across ranks but not the media: vision-language batches are not sharded for "
+            f"context parallelism"
+        )
 
 
 def _shard(batch: Mapping[str, Any], layout: CPLayout, rank: int, ids: torch.Tensor,

@@ -22,6 +22,7 @@ from .._plan import Plan, sub_plan
 from .._targets import segment_targets
 from .._tree import group_codes, pack_trees, path_targets
 from .collator import GROUP_KEY, PackedCollator, as_collator
+from .media import vision_cost
 from .step import Step
 
 if TYPE_CHECKING:
@@ -80,12 +81,33 @@ class StepTable:
     segment_targets: np.ndarray
     padded_tokens: np.ndarray | None = None
     cp_work: np.ndarray | None = None
+    #: Each segment's vision encoder cost (float64 [S]; see
+    #: :func:`fastpack.torch.media.vision_cost`), or None without media.
+    segment_vision: np.ndarray | None = None
     segment_squared: np.ndarray | None = None
     segment_sequences: np.ndarray | None = None
     cuts: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    @cached_property
+    def vision(self) -> np.ndarray:
+        """Each step's vision encoder cost (float64 [N]; zeros without media)."""
+        return self.vision_between(self.segment_offsets[:-1], self.segment_offsets[1:])
+
+    @cached_property
+    def _vision_cumulative(self) -> np.ndarray | None:
+        if self.segment_vision is None:
+            return None
+        return np.concatenate(([0.0], np.cumsum(self.segment_vision)))
+
+    def vision_between(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        """The vision cost of segments ``lo[i]:hi[i]`` for every ``i`` (float64)."""
+        cumulative = self._vision_cumulative
+        if cumulative is None:
+            return np.zeros(len(lo), dtype=np.float64)
+        return cumulative[hi] - cumulative[lo]
 
 
 class PackedDataset(torch.utils.data.Dataset, WithOptions):  # type: ignore[type-arg]
@@ -112,6 +134,11 @@ class PackedDataset(torch.utils.data.Dataset, WithOptions):  # type: ignore[type
             ``datasets.Dataset``).
         packs_per_batch: a step is this many packs (rows), in plan order (default 1
             without ``group_tokens``).
+        media: with a vision-language collator (``model_config``), each sample's media
+            keys, indexed like ``tokens``: the samples, or a ``datasets.Dataset`` with the
+            media columns (default: ``tokens`` itself when it is a Dataset). The collator's
+            ``limits`` are counted from it, each step's batch takes its samples' media,
+            and :class:`PackedSampler` balances the vision encoder's cost per step.
         plan: a precomputed plan over ``tokens`` (default: packed here); its groups are
             the steps unless ``packs_per_batch`` is given. It must have been made with the
             options given here and the collator's ``max_len``, ``reserve`` and
@@ -153,12 +180,22 @@ class PackedDataset(torch.utils.data.Dataset, WithOptions):  # type: ignore[type
         loss_mask: TokenData | str | None = None,
         packs_per_batch: int | None = None,
         plan: Plan | None = None,
+        media: Any = None,
         options: PackOptions | None = None,
         groups: Any = None,
         **kwargs: Unpack[PackArgs],
     ) -> None:
         as_collator(collator)
         dataset: Any = tokens if _is_dataset(tokens) else None
+        if collator.vlm is not None and media is None:
+            if dataset is None:
+                raise FastpackError(
+                    "media: the collator has a model_config; pass each sample's media "
+                    "(media=the samples, or a datasets.Dataset with their media columns)"
+                )
+            media = dataset  # its rows carry the media columns
+        #: Each sample's media (with a vision-language collator), indexed like ``tokens``.
+        self.media = media
         self.tokens: Ragged = as_ragged(tokens)
         self.labels = _resolve(labels, dataset, mask=False)
         self.loss_mask = _resolve(loss_mask, dataset, mask=True)
@@ -179,7 +216,7 @@ class PackedDataset(torch.utils.data.Dataset, WithOptions):  # type: ignore[type
             plan = pack_trees(self.tokens, groups=_groups(groups, dataset, len(self.tokens)),
                               options=self.options, threads=collator.threads)
         elif plan is None:
-            plan = collator._plan(self.tokens.lengths, self.options)
+            plan = collator._plan(self.tokens.lengths, self.options, media)
         elif not isinstance(plan, Plan):
             raise FastpackTypeError(f"plan: expected a fastpack.Plan, got {type(plan).__name__}")
         else:
@@ -232,7 +269,12 @@ class PackedDataset(torch.utils.data.Dataset, WithOptions):  # type: ignore[type
             separator_id=self.collator.separator_id,
             train_separators=self.collator.train_separators, threads=self.collator.threads,
         )
-        return step_table(self.plan, self.step_pack_offsets, per_segment)
+        vision = None
+        vlm = self.collator.vlm
+        if vlm is not None and vlm.mrope and self.media is not None:
+            vision = vision_cost(self.media, vlm.vision_hidden_size)[
+                np.asarray(self.plan.sample_ids)]
+        return step_table(self.plan, self.step_pack_offsets, per_segment, vision)
 
     @cached_property
     def fingerprint(self) -> dict[str, Any]:
@@ -313,7 +355,7 @@ class PackedDataset(torch.utils.data.Dataset, WithOptions):  # type: ignore[type
         p0, p1, lo, hi = self._segments(index)
         batch = self.collator.batch(
             sub_plan(self.plan, p0, p1, lo, hi), self.tokens, None,
-            labels=self.labels, loss_mask=self.loss_mask,
+            labels=self.labels, loss_mask=self.loss_mask, media=self.media,
         )
         if step is not None:
             for key in ("num_items_in_batch", "num_sequences_in_batch"):
@@ -327,9 +369,11 @@ class PackedDataset(torch.utils.data.Dataset, WithOptions):  # type: ignore[type
         return (self[i] for i in range(len(self)))
 
 
-def step_table(plan: Plan, step_pack_offsets: np.ndarray, per_segment: np.ndarray) -> StepTable:
+def step_table(plan: Plan, step_pack_offsets: np.ndarray, per_segment: np.ndarray,
+               segment_vision: np.ndarray | None = None) -> StepTable:
     """The :class:`StepTable` of steps ``step_pack_offsets`` (CSR over the plan's packs)
-    given the targets of every segment (from :func:`fastpack._targets.segment_targets`)."""
+    given the targets of every segment (from :func:`fastpack._targets.segment_targets`)
+    and, with media, each segment's vision cost."""
     segments = np.asarray(plan.pack_offsets, dtype=np.int64)[step_pack_offsets]
     per_segment = np.ascontiguousarray(per_segment, dtype=np.uint32)
     tokens, squared, targets, sequences = _core.step_sums(plan.seqlens, per_segment, segments)
@@ -340,6 +384,7 @@ def step_table(plan: Plan, step_pack_offsets: np.ndarray, per_segment: np.ndarra
         pack_offsets=step_pack_offsets, segment_offsets=segments, tokens=tokens,
         squared_tokens=squared, targets=targets, sequences=sequences,
         segment_targets=per_segment, padded_tokens=padded, cp_work=work,
+        segment_vision=segment_vision,
     )
     for array in (table.segment_offsets, table.tokens, table.squared_tokens,
                   table.targets, table.sequences, table.segment_targets, padded, work):

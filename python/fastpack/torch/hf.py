@@ -16,6 +16,7 @@ import torch
 from .._checks import _choice
 from .._context_parallel import CP_MODES
 from .._errors import FastpackError, FastpackTypeError
+from ..vlm import MROPE_FAMILIES
 from .attention import KERNELS, Kernel, varlen_attention
 from .collator import LOSS_MASK_KEYS, PackedCollator
 from .context_parallel import (
@@ -270,6 +271,15 @@ def _position_starts(position_ids: torch.Tensor, rows: int, width: int) -> torch
     wherever the position does not follow the previous one (Hugging Face's
     ``find_packed_sequence_indices`` rule)."""
     host = position_ids.detach().to("cpu", torch.int64)
+    if host.ndim == 3 and host.shape[0] == 4:
+        host = host[0]  # mRoPE [4, B, T]: row 0 is the text position, where documents restart
+    elif host.ndim == 3:
+        raise FastpackError(
+            f"position_ids: got shape {tuple(position_ids.shape)}: 3-D positions without the "
+            f"text row (expected [4, batch, tokens], row 0 restarting in every document), so "
+            f"the documents' boundaries cannot be read; build the batch with "
+            f"PackedCollator(model_config=...)"
+        )
     if host.ndim == 1:
         host = host[None]
     if host.ndim != 2 or host.shape[-1] != width or host.shape[0] not in (1, rows):
@@ -368,6 +378,11 @@ def _attention(
         return _packed(name, kernel, module, query, key, value, cu_seqlens, max_len, causal,
                        scaling, dropout, window, softcap)
     if attention_mask is None and q_len == kv_len:
+        if position_ids is None and not causal:
+            # A bidirectional call with no boundaries is one whole sequence: a vision
+            # encoder's image (Qwen-VL towers call once per image).
+            return _dense(name, module, query, key, value, None, scaling, dropout, False,
+                          softcap, kwargs)
         if position_ids is None:
             raise FastpackError(
                 f"{name}: {type(module).__name__} passed neither cu_seq_lens_q nor "
@@ -626,7 +641,11 @@ def check_model_batch(model: Any, batch: dict[str, Any]) -> None:
     * a context-parallel batch (:func:`~fastpack.torch.shard_for_context_parallel`) for
       anything but a context-parallel attention of its mode
       (``register_hf_attention(context_parallel_group=..., mode=...)``) — every other
-      attention would attend within one rank's tokens — and an unsharded batch for one.
+      attention would attend within one rank's tokens — and an unsharded batch for one;
+    * for mRoPE models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): ``position_ids`` of 3 rows (no
+      text row: the model then builds no per-document mask) or 2-D beside media (no
+      mRoPE for the images); ``PackedCollator(model_config=...)`` gives ``[4, rows,
+      width]``.
     """
     if not isinstance(batch, dict):
         raise FastpackTypeError(f"batch: expected a dict, got {type(batch).__name__}")
@@ -636,6 +655,7 @@ def check_model_batch(model: Any, batch: dict[str, Any]) -> None:
     mask = batch.get("attention_mask")
     positions = batch.get("position_ids")
     window = _window(config)
+    mrope = getattr(config, "model_type", None) in MROPE_FAMILIES
 
     def refuse(what: str, fix: str) -> None:
         raise FastpackError(f"batch: {what} with attn_implementation={impl!r} "
@@ -673,6 +693,17 @@ def check_model_batch(model: Any, batch: dict[str, Any]) -> None:
                    "use attn_implementation=register_hf_attention(), which honours the window")
         return
 
+    if isinstance(positions, torch.Tensor) and positions.ndim == 3:
+        if positions.shape[0] != 4:
+            refuse(f"position_ids of shape {tuple(positions.shape)} (mRoPE rows without the "
+                   f"text row, so no per-document mask)",
+                   "build the batch with PackedCollator(model_config=model.config): "
+                   "[4, rows, width], row 0 the text position")
+        positions = positions[0]  # the text row: where documents restart
+    elif mrope and isinstance(positions, torch.Tensor) and (
+            "image_grid_thw" in batch or "video_grid_thw" in batch):
+        refuse("2-D position_ids beside images or videos (no mRoPE for them)",
+               "build the batch with PackedCollator(model_config=model.config)")
     if mask is not None and getattr(mask, "ndim", len(getattr(mask, "shape", ()))) == 4:
         from torch.nn.attention.flex_attention import BlockMask
 

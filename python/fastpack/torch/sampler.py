@@ -16,6 +16,11 @@ transformer with hidden size ``h`` spends ``2·12h²`` FLOPs per token in its ma
 per token in attention (``QKᵀ`` and ``AV`` over ``l`` positions); divided by ``4h`` this is
 ``6h·l + l²`` per sequence, and the backward pass scales both terms alike. See
 docs/training.md for models of other shapes.
+
+With a vision-language :class:`PackedDataset` (media), a step also pays its vision
+encoder: per encoder layer ``6·w·p + p²`` for every frame of ``p`` patches (encoder width
+``w``), scaled by ``(vision layers · w) / (text layers · hidden_size)`` into the same
+units, so ranks that share a global step carry about the same images as well as tokens.
 """
 
 from __future__ import annotations
@@ -142,7 +147,8 @@ class PackedSampler(torch.utils.data.Sampler):  # type: ignore[type-arg]
         drop_last: drop the ``len(dataset) % num_replicas`` steps that do not divide
             evenly (counted in :meth:`schedule`), instead of cutting them into
             ``num_replicas`` smaller steps.
-        balance: ``"flops"`` balances ``6·hidden_size·Σl + Σl²`` per global step,
+        balance: ``"flops"`` balances ``6·hidden_size·Σl + Σl²`` per global step (plus
+            the vision encoder's cost with media: see the module docs),
             ``"tokens"`` balances Σl, ``None`` keeps the (shuffled) order.
         hidden_size: the ``h`` of the cost model (see the module docs, docs/training.md).
         accumulation_steps: micro-steps per optimizer step; every micro-step carries the
@@ -434,9 +440,10 @@ def _cut_points(table: StepTable, lo: int, hi: int) -> np.ndarray:
 
 
 def _cost(sampler: PackedSampler, tokens: np.ndarray, squared: np.ndarray,
-          cp: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+          cp: tuple[np.ndarray, np.ndarray] | None = None,
+          vision: np.ndarray | float = 0.0) -> np.ndarray:
     if sampler.balance == "flops":
-        return _flops(sampler, tokens, squared, cp)
+        return _flops(sampler, tokens, squared, cp) + vision
     return (tokens if cp is None else cp[0]).astype(np.float64)
 
 
@@ -451,6 +458,19 @@ def _flops(sampler: PackedSampler, tokens: np.ndarray, squared: np.ndarray,
     ranks = work.shape[1]
     return (6.0 * sampler.hidden_size * padded / ranks
             + 2.0 * work.max(axis=1, initial=0).astype(np.float64))
+
+
+def _vision(sampler: PackedSampler, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """The vision encoder's cost of segments ``lo:hi`` in the cost's units (a text layer's
+    FLOPs over ``4·hidden_size``): its per-layer work times ``vision layers · vision width
+    / (text layers · hidden_size)``; zeros without media."""
+    table = sampler.dataset.steps
+    vlm = sampler.dataset.collator.vlm
+    if table.segment_vision is None or vlm is None:
+        return np.zeros(len(lo), dtype=np.float64)
+    ratio = (vlm.vision_layers * vlm.vision_hidden_size) / (
+        max(vlm.text_layers, 1) * sampler.hidden_size)
+    return ratio * table.vision_between(lo, hi)
 
 
 def _build(sampler: PackedSampler, epoch: int) -> Schedule:
@@ -500,6 +520,7 @@ def _build(sampler: PackedSampler, epoch: int) -> Schedule:
     micro = len(index)
     assert micro % ranks == 0
     g = micro // ranks
+    vision = _vision(sampler, lo, hi)
 
     if sampler.balance is None:
         # The epoch's (shuffled) order as it is: whole steps, then the pieces.
@@ -510,7 +531,7 @@ def _build(sampler: PackedSampler, epoch: int) -> Schedule:
         # Steps of similar cost run together: sort by cost (ties broken at random, so the
         # company a step keeps changes every epoch), cut into global steps of R, then
         # shuffle the global steps. Both in Rust: millions of steps per epoch.
-        cost = _cost(sampler, tokens, squared, cp)
+        cost = _cost(sampler, tokens, squared, cp, vision)
         layout = _core.by_cost(cost, _seed(sampler.seed, epoch, 1)).astype(np.int64)
         layout = layout.reshape(g, ranks)
         if sampler.shuffle:
@@ -532,7 +553,7 @@ def _build(sampler: PackedSampler, epoch: int) -> Schedule:
         micro_hi=hi,
         micro_whole=whole,
         micro_tokens=tokens,
-        micro_cost=_flops(sampler, tokens, squared, cp),
+        micro_cost=_flops(sampler, tokens, squared, cp) + vision,
         micro_cp_work=None if cp is None else cp[1],
         micro_targets=targets,
         num_items=np.repeat(per_opt_items, repeats).astype(np.int64),
@@ -582,7 +603,8 @@ def _cut(
     cp = None
     if table.cp_work is not None and table.padded_tokens is not None:
         cp = (table.padded_tokens[pool], table.cp_work[pool])
-    cost = _cost(sampler, table.tokens[pool], table.squared_tokens[pool], cp)
+    cost = _cost(sampler, table.tokens[pool], table.squared_tokens[pool], cp,
+                 _vision(sampler, seg[pool], seg[pool + 1]))
     capacity = _units(table, pool)
     parts = np.ones(len(pool), dtype=np.int64)
     heap = [(-float(c), i) for i, c in enumerate(cost) if capacity[i] > 1]
@@ -603,7 +625,10 @@ def _cut(
             p0, p1 = int(packs[step]), int(packs[step + 1])
             bounds = (np.asarray(plan.pack_offsets[p0 : p1 + 1], dtype=np.int64)
                       if p1 - p0 >= c else _cut_points(table, lo, hi))
-            running = np.concatenate(([0.0], np.cumsum(_segment_cost(sampler, table, lo, hi))))
+            per = _segment_cost(sampler, table, lo, hi)
+            if sampler.balance == "flops":
+                per = per + _vision(sampler, np.arange(lo, hi), np.arange(lo + 1, hi + 1))
+            running = np.concatenate(([0.0], np.cumsum(per)))
             at = running[bounds - lo]
             cuts = [lo]
             u = 0

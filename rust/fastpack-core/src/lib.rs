@@ -57,6 +57,7 @@ mod shuffle;
 pub mod targets;
 pub mod tree;
 mod two_level;
+pub mod vlm;
 
 pub use error::{Error, Result};
 
@@ -67,7 +68,8 @@ pub(crate) fn proptest_cases(default: u32) -> u32 {
     std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(default)
 }
 pub use length::Length;
-pub use pack::{pack, pack_two_level};
+pub use pack::limits::{Limit, LimitUse, LIMIT_CAP, MAX_LIMITS};
+pub use pack::{pack, pack_limited, pack_two_level};
 pub use plan::{Overlong, PackOptions, Plan, Stats, Strategy, MAX_ITEMS, MAX_LEN_LIMIT};
 pub use two_level::{
     bucket_metrics, metrics, Bucket, Groups, Levels, Metrics, PlanArrays, TwoLevelPlan,

@@ -123,6 +123,8 @@ pub struct TwoLevelPlan {
     /// The short bucket, then the long one if `long_max_len` was given.
     pub buckets: Vec<Bucket>,
     pub groups: Option<Groups>,
+    /// How the plan uses each budget besides tokens (empty without `limits`).
+    pub limits: Vec<crate::LimitUse>,
 }
 
 impl TwoLevelPlan {

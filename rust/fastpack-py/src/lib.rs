@@ -2,7 +2,7 @@
 //! core's errors to `fastpack.FastpackError`. No algorithm lives here.
 
 use fastpack_core::{
-    layout, pack_two_level, pool, Bucket, Error, Levels, Metrics, Overlong, PackOptions,
+    layout, pack_limited, pool, Bucket, Error, Levels, Limit, Metrics, Overlong, PackOptions,
     PlanArrays, Strategy, TwoLevelPlan,
 };
 use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1, PyUntypedArrayMethods};
@@ -16,6 +16,7 @@ mod materialize;
 mod schedule;
 mod targets;
 mod tree;
+mod vlm;
 
 /// Raises `fastpack.FastpackError` (a `ValueError`) with the core's message; a failed
 /// allocation raises `MemoryError`.
@@ -149,6 +150,19 @@ fn plan_to_dict<'py>(py: Python<'py>, out: TwoLevelPlan) -> PyResult<Bound<'py, 
     if let Some(caps) = out.pack_caps {
         d.set_item("pack_caps", caps.into_pyarray(py))?;
     }
+    if !out.limits.is_empty() {
+        let uses = PyList::empty(py);
+        for u in &out.limits {
+            let ud = PyDict::new(py);
+            ud.set_item("name", &u.name)?;
+            ud.set_item("cap", u.cap)?;
+            ud.set_item("total", u.total)?;
+            ud.set_item("lower_bound", u.lower_bound)?;
+            ud.set_item("max_used", u.max_used)?;
+            uses.append(ud)?;
+        }
+        d.set_item("limits", uses)?;
+    }
     if let Some(groups) = out.groups {
         d.set_item("group_tokens", groups.group_tokens)?;
         d.set_item("group_offsets", groups.group_offsets.into_pyarray(py))?;
@@ -158,14 +172,14 @@ fn plan_to_dict<'py>(py: Python<'py>, out: TwoLevelPlan) -> PyResult<Bound<'py, 
 }
 
 macro_rules! pack_dtypes {
-    ($py:expr, $lengths:expr, $opts:expr, $levels:expr, $threads:expr, $($t:ty),*) => {{
+    ($py:expr, $lengths:expr, $opts:expr, $levels:expr, $limits:expr, $threads:expr, $($t:ty),*) => {{
         $(
             if let Ok(array) = $lengths.extract::<PyReadonlyArray1<$t>>() {
                 let slice = array.as_slice().map_err(|_| fastpack_error(
                     "lengths: expected a contiguous array"))?;
-                let (opts, levels) = (&$opts, &$levels);
+                let (opts, levels, limits) = (&$opts, &$levels, &$limits);
                 let result = $py.detach(|| {
-                    pool::install($threads, || guarded(|| pack_two_level(slice, opts, levels)))
+                    pool::install($threads, || guarded(|| pack_limited(slice, opts, levels, limits)))
                 });
                 let plan = result.map_err(to_py)?.map_err(to_py)?;
                 return plan_to_dict($py, plan);
@@ -175,10 +189,11 @@ macro_rules! pack_dtypes {
 }
 
 /// `pack(lengths, max_len, strategy, overlong, reserve, seed, threads, shard_items,
-/// long_max_len, group_tokens)`: `lengths` is a 1-D contiguous numpy integer array (the
-/// Python layer converts anything else once); returns a dict of the plan's arrays and counts.
+/// long_max_len, group_tokens, limits)`: `lengths` is a 1-D contiguous numpy integer array
+/// (the Python layer converts anything else once), `limits` a list of `(name, values, cap)`
+/// with int64 values; returns a dict of the plan's arrays and counts.
 #[pyfunction]
-#[pyo3(signature = (lengths, max_len, strategy="bfd", overlong="error", reserve=0, seed=None, threads=None, shard_items=None, long_max_len=None, group_tokens=None))]
+#[pyo3(signature = (lengths, max_len, strategy="bfd", overlong="error", reserve=0, seed=None, threads=None, shard_items=None, long_max_len=None, group_tokens=None, limits=None))]
 #[allow(clippy::too_many_arguments)]
 fn pack<'py>(
     py: Python<'py>,
@@ -192,10 +207,21 @@ fn pack<'py>(
     shard_items: Option<usize>,
     long_max_len: Option<u64>,
     group_tokens: Option<u64>,
+    limits: Option<Vec<(String, PyReadonlyArray1<'py, i64>, u64)>>,
 ) -> PyResult<Bound<'py, PyDict>> {
     let opts = options(max_len, strategy, overlong, reserve, seed, shard_items)?;
     let levels = Levels { long_max_len, group_tokens };
-    pack_dtypes!(py, lengths, opts, levels, threads, i64, i32, u32, u16, u64, u8, i8, i16);
+    let limits = limits.unwrap_or_default();
+    let budgets = limits
+        .iter()
+        .map(|(name, values, cap)| {
+            let values = values.as_slice().map_err(|_| {
+                fastpack_error(&format!("limits[{name:?}]: expected a contiguous array"))
+            })?;
+            Ok(Limit { name, values, cap: *cap })
+        })
+        .collect::<PyResult<Vec<_>>>()?;
+    pack_dtypes!(py, lengths, opts, levels, budgets, threads, i64, i32, u32, u16, u64, u8, i8, i16);
     Err(fastpack_error("lengths: expected a 1-D numpy array of an integer dtype"))
 }
 
@@ -352,6 +378,8 @@ mod _core {
     use super::targets::segment_targets;
     #[pymodule_export]
     use super::tree::{tree_expand, tree_items, tree_path_targets, tree_rows};
+    #[pymodule_export]
+    use super::vlm::{media_grids, rope_index};
     #[pymodule_export]
     use super::{bucket_metrics, cu_seqlens, default_threads, pack, plan_metrics, varlen};
 }

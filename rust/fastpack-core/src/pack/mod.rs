@@ -33,6 +33,7 @@ mod classify;
 mod groups;
 mod histogram;
 mod in_order;
+pub(crate) mod limits;
 mod order;
 mod placement;
 mod replay;
@@ -48,6 +49,7 @@ use crate::two_level::{Bucket, Groups, Levels, TwoLevelPlan};
 
 use classify::Rules;
 use histogram::Histogram;
+use limits::{Limit, LimitedRuns, Needs};
 use placement::{PackCounts, Placement};
 use sort::Sorted;
 
@@ -142,9 +144,11 @@ impl<'a, L: Length> Level1<'a, L> {
         }
     }
 
-    fn placement(&self) -> Option<Placement<'_>> {
+    /// The fit placement; under several budgets, the one that replays `runs`.
+    fn placement<'s>(&'s self, runs: Option<&'s LimitedRuns>) -> Option<Placement<'s>> {
         let hist = self.hist.as_ref()?;
-        Some(Placement::new(hist, self.strategy, self.rules.max_len, self.shard_items))
+        let placement = Placement::new(hist, self.strategy, self.rules.max_len, self.shard_items);
+        Some(placement.with_runs(runs))
     }
 
     /// Sortable items: the length of the scratch the sort needs.
@@ -194,8 +198,32 @@ pub fn pack_two_level<L: Length>(
     opts: &PackOptions,
     levels: &Levels,
 ) -> Result<TwoLevelPlan> {
+    pack_limited(lengths, opts, levels, &[])
+}
+
+/// [`pack_two_level`] under budgets besides tokens: every pack also holds at most
+/// `limit.cap` of each `limit`'s values (see the `limits` module).
+///
+/// ```
+/// use fastpack_core::{pack_limited, Levels, Limit, PackOptions};
+/// let images = [1i64, 1, 0, 1];
+/// let limits = [Limit { name: "images", values: &images, cap: 1 }];
+/// let out = pack_limited(&[2u32, 2, 2, 2], &PackOptions::new(8), &Levels::default(), &limits)
+///     .unwrap();
+/// assert_eq!(out.plan.num_packs(), 3); // 8 tokens fit one pack, 3 images need 3
+/// assert_eq!(out.limits[0].lower_bound, 3);
+/// ```
+pub fn pack_limited<L: Length>(
+    lengths: &[L],
+    opts: &PackOptions,
+    levels: &Levels,
+    limits: &[Limit<'_>],
+) -> Result<TwoLevelPlan> {
     opts.validate()?;
     levels.validate(opts)?;
+    if !limits.is_empty() {
+        limits::validate(limits, opts, lengths.len())?;
+    }
     if lengths.len() as u64 > MAX_ITEMS {
         return Err(Error::overflow(
             "lengths",
@@ -205,15 +233,26 @@ pub fn pack_two_level<L: Length>(
     #[cfg(feature = "trace")]
     let start = std::time::Instant::now();
 
+    // Items over a budget besides tokens: refused, or dropped (counted) before packing.
+    let screened =
+        if limits.is_empty() { None } else { Some(limits::screen(lengths, limits, opts)?) };
+    let input = match screened.as_ref().and_then(|s| s.kept.as_ref()) {
+        Some((kept, ids)) => Input { lengths: kept.as_slice(), ids: Some(ids.as_slice()) },
+        None => Input { lengths, ids: None },
+    };
     // Buckets, and the count of every segment they will write.
     let short_rules = Rules::new(opts, levels.long_max_len.is_some());
-    let input = Input { lengths, ids: None };
     let (mut short, short_counts) = Level1::count(input, short_rules, opts)?;
     // The long bucket: the routed positions, in input order, and a compact copy of their
     // lengths (the input is not read again).
-    let routed = std::mem::take(&mut short.routed);
+    let mut routed = std::mem::take(&mut short.routed);
     let mut long_lengths = memory::try_with_capacity::<L>(routed.len(), "the long bucket")?;
-    long_lengths.extend(routed.iter().map(|&i| lengths[i as usize]));
+    long_lengths.extend(routed.iter().map(|&j| input.lengths[j as usize]));
+    if let Some(ids) = input.ids {
+        for j in routed.iter_mut() {
+            *j = ids[*j as usize];
+        }
+    }
     let mut buckets = vec![short];
     let mut in_order_counts = vec![short_counts];
     if let Some(long_max_len) = levels.long_max_len {
@@ -244,37 +283,69 @@ pub fn pack_two_level<L: Length>(
         scratch.push(memory::try_with_capacity::<i32>(b.items(), "the sorted order")?);
     }
 
-    // Placement and layout, alongside the counting sort and the outputs' page faults.
-    let (laid, sorted) = rayon::join(
-        || {
-            let laid = lay_out(&buckets, in_order_counts, opts, levels);
-            trace!(start, "  placement (counting) and layout");
-            laid
-        },
-        || -> Result<Vec<Option<Sorted>>> {
-            let orders = std::iter::once(&mut seqlens).chain(scratch.iter_mut());
-            let mut sorted = Vec::with_capacity(buckets.len());
-            for (bucket, order) in buckets.iter().zip(orders) {
-                sorted.push(match &bucket.hist {
-                    Some(hist) => {
-                        let max_len = bucket.rules.max_len as usize;
-                        let tiles = sort::tiling(hist, max_len)?.over(order, "the sorted order")?;
-                        Some(sort::sort(bucket.input, &bucket.rules, hist, tiles)?)
-                    }
-                    None => None,
-                });
-            }
-            trace!(start, "  counting sort");
-            // The replay writes the outputs at random slots, sequentially: fault them in
-            // now, on the threads the placement leaves idle.
-            memory::prefault_spare(&mut sample_ids);
-            if buckets.iter().any(Level1::any_split) {
-                memory::prefault_zeroed(&mut starts);
-            }
-            trace!(start, "  prefault");
-            Ok(sorted)
-        },
-    );
+    // The counting sort (and the outputs' page faults), alongside the placement and the
+    // layout; under several budgets the placement reads the sorted order, so it follows.
+    // Under several budgets, each fit bucket's needs at its sorted positions (the sort
+    // writes them).
+    let k = limits.len();
+    let mut needs: Vec<Vec<u32>> = Vec::with_capacity(buckets.len());
+    for b in &buckets {
+        let n = if k > 0 && b.hist.is_some() { b.items() * k } else { 0 };
+        needs.push(memory::try_zeroed::<u32>(n, "the items' needs")?);
+    }
+    let mut sort_all = || -> Result<Vec<Option<Sorted>>> {
+        let orders = std::iter::once(&mut seqlens).chain(scratch.iter_mut());
+        let mut sorted = Vec::with_capacity(buckets.len());
+        for ((bucket, order), need) in buckets.iter().zip(orders).zip(needs.iter_mut()) {
+            sorted.push(match &bucket.hist {
+                Some(hist) => {
+                    let max_len = bucket.rules.max_len as usize;
+                    let tiles = sort::tiling(hist, max_len)?.over(order, "the sorted order")?;
+                    let writer = (k > 0).then(|| Needs::new(need, limits));
+                    Some(sort::sort(bucket.input, &bucket.rules, hist, tiles, writer.as_ref())?)
+                }
+                None => None,
+            });
+        }
+        trace!(start, "  counting sort");
+        // The replay writes the outputs at random slots, sequentially: fault them in
+        // now, on the threads the placement leaves idle.
+        memory::prefault_spare(&mut sample_ids);
+        if buckets.iter().any(Level1::any_split) {
+            memory::prefault_zeroed(&mut starts);
+        }
+        trace!(start, "  prefault");
+        Ok(sorted)
+    };
+    let mut runs: Vec<Option<LimitedRuns>> = buckets.iter().map(|_| None).collect();
+    let (laid, sorted) = if limits.is_empty() {
+        rayon::join(
+            || {
+                let laid = lay_out(&buckets, &runs, in_order_counts, opts, levels);
+                trace!(start, "  placement (counting) and layout");
+                laid
+            },
+            sort_all,
+        )
+    } else {
+        let sorted = sort_all()?;
+        for (b, bucket) in buckets.iter().enumerate() {
+            let Some(placement) = bucket.placement(None) else { continue };
+            let hist = bucket.hist.as_ref().expect("a fit bucket");
+            let budgeted = limits::Budgeted {
+                hist,
+                needs: &needs[b],
+                limits,
+                best: placement.is_best(),
+                max_len: bucket.rules.max_len as u32,
+                shards: placement.shards(),
+            };
+            runs[b] = Some(limits::place(&budgeted, |shard, len| placement.range(shard, len))?);
+        }
+        drop(needs);
+        trace!(start, "  placement under the budgets");
+        (lay_out(&buckets, &runs, in_order_counts, opts, levels), Ok(sorted))
+    };
     let mut laid = laid?;
     let sorted = sorted?;
     trace!(start, "joined");
@@ -294,7 +365,7 @@ pub fn pack_two_level<L: Length>(
             let slots = match (&bucket.hist, &sorted[b]) {
                 (Some(hist), Some(sorted)) => {
                     let order: &[i32] = if b == 0 { &seqlens } else { &scratch[b - 1] };
-                    let placement = bucket.placement().expect("a fit bucket");
+                    let placement = bucket.placement(runs[b].as_ref()).expect("a fit bucket");
                     let fit = replay::FitBucket { hist, placement: &placement, order, sorted };
                     replay::write_fit(&fit, cursors, &counts.shard_packs, &start_slots)?
                 }
@@ -327,6 +398,10 @@ pub fn pack_two_level<L: Length>(
 
     // The plan and its metrics.
     let mut stats = Stats { num_sequences: lengths.len() as u64, ..Stats::default() };
+    if let Some(s) = &screened {
+        stats.dropped_sequences += s.dropped_sequences;
+        stats.dropped_tokens += s.dropped_tokens as u64;
+    }
     for b in &buckets {
         let s = &b.stats;
         stats.empty_sequences += s.empty_sequences;
@@ -338,6 +413,8 @@ pub fn pack_two_level<L: Length>(
         stats.total_tokens += s.total_tokens;
     }
     let bucket_metrics = buckets.iter().zip(&laid.counts).map(|(b, c)| b.bucket(c.packs)).collect();
+    let placed: Vec<&LimitedRuns> = runs.iter().flatten().collect();
+    let limit_uses = limits::uses(limits, &placed);
     let plan = Plan {
         sample_ids,
         starts,
@@ -354,6 +431,7 @@ pub fn pack_two_level<L: Length>(
         pack_caps: laid.pack_caps.take(),
         buckets: bucket_metrics,
         groups: laid.groups.take(),
+        limits: limit_uses,
     })
 }
 
@@ -361,6 +439,7 @@ pub fn pack_two_level<L: Length>(
 /// or as placed) and lay them out.
 fn lay_out<L: Length>(
     buckets: &[Level1<'_, L>],
+    runs: &[Option<LimitedRuns>],
     in_order_counts: Vec<Option<PackCounts>>,
     opts: &PackOptions,
     levels: &Levels,
@@ -369,11 +448,11 @@ fn lay_out<L: Length>(
     #[cfg(feature = "trace")]
     let start = std::time::Instant::now();
     let mut counts = Vec::with_capacity(buckets.len());
-    for (bucket, counted) in buckets.iter().zip(in_order_counts) {
+    for ((bucket, counted), runs) in buckets.iter().zip(in_order_counts).zip(runs) {
         counts.push(match counted {
             Some(c) => c,
             None => {
-                let placement = bucket.placement().expect("a fit bucket");
+                let placement = bucket.placement(runs.as_ref()).expect("a fit bucket");
                 placement.count(bucket.hist.as_ref().map_or(0, Histogram::full_pieces), fills)?
             }
         });

@@ -17,6 +17,7 @@ use crate::memory;
 use crate::plan::Strategy;
 
 use super::histogram::Histogram;
+use super::limits::LimitedRuns;
 
 /// `emit(pack, first_sorted_position, count, len)`.
 pub(crate) trait Emit: FnMut(u32, usize, usize, u32) {}
@@ -24,19 +25,16 @@ impl<F: FnMut(u32, usize, usize, u32)> Emit for F {}
 
 pub(crate) const NONE: u32 = u32::MAX;
 
-/// Open packs by remaining capacity: a list of packs per capacity and a 64-ary bitset tree
-/// over capacities `0..=max_len`, so "the smallest capacity >= len" costs O(log64 max_len).
-pub(crate) struct CapacityIndex {
+/// A set of capacities `0..=max` as a 64-ary bitset tree: "the smallest member `>= need`"
+/// costs O(log64 max).
+pub(crate) struct RoomSet {
     levels: Vec<Vec<u64>>,
-    head: Vec<u32>,
-    pub(crate) next: Vec<u32>,
 }
 
-impl CapacityIndex {
-    /// An empty index over capacities `0..=max_len`, with room for about `packs` packs.
-    pub(crate) fn new(max_len: usize, packs: usize) -> Result<Self> {
+impl RoomSet {
+    pub(crate) fn new(max: usize) -> Result<Self> {
         let mut levels = Vec::new();
-        let mut bits = max_len + 1;
+        let mut bits = max + 1;
         loop {
             let words = bits.div_ceil(64);
             levels.push(memory::try_zeroed::<u64>(words, "the capacity index")?);
@@ -45,18 +43,11 @@ impl CapacityIndex {
             }
             bits = words;
         }
-        let head = memory::try_filled(max_len + 1, NONE, "the capacity index")?;
-        let next = memory::try_with_capacity(packs, "the capacity index")?;
-        Ok(Self { levels, head, next })
+        Ok(Self { levels })
     }
 
-    /// A new pack (or group), with no capacity listed yet.
     #[inline(always)]
-    pub(crate) fn open(&mut self) -> Result<()> {
-        memory::try_push(&mut self.next, NONE, "the capacity index")
-    }
-
-    fn set(&mut self, mut bit: usize) {
+    pub(crate) fn insert(&mut self, mut bit: usize) {
         for level in &mut self.levels {
             let word = &mut level[bit >> 6];
             let was_empty = *word == 0;
@@ -68,7 +59,8 @@ impl CapacityIndex {
         }
     }
 
-    fn clear(&mut self, mut bit: usize) {
+    #[inline(always)]
+    pub(crate) fn remove(&mut self, mut bit: usize) {
         for level in &mut self.levels {
             let word = &mut level[bit >> 6];
             *word &= !(1u64 << (bit & 63));
@@ -79,8 +71,9 @@ impl CapacityIndex {
         }
     }
 
-    /// Smallest capacity `>= need` that has an open pack.
-    pub(crate) fn find_at_least(&self, need: usize) -> Option<usize> {
+    /// Smallest member `>= need`.
+    #[inline(always)]
+    pub(crate) fn first_at_least(&self, need: usize) -> Option<usize> {
         let mut level = 0;
         let mut bit = need;
         let found = loop {
@@ -106,19 +99,49 @@ impl CapacityIndex {
         }
         Some(bit)
     }
+}
+
+/// Open packs by remaining capacity: a list of packs per capacity and the set of
+/// capacities that have one, so "the smallest capacity >= len" costs O(log64 max_len).
+pub(crate) struct CapacityIndex {
+    rooms: RoomSet,
+    head: Vec<u32>,
+    pub(crate) next: Vec<u32>,
+}
+
+impl CapacityIndex {
+    /// An empty index over capacities `0..=max_len`, with room for about `packs` packs.
+    pub(crate) fn new(max_len: usize, packs: usize) -> Result<Self> {
+        let rooms = RoomSet::new(max_len)?;
+        let head = memory::try_filled(max_len + 1, NONE, "the capacity index")?;
+        let next = memory::try_with_capacity(packs, "the capacity index")?;
+        Ok(Self { rooms, head, next })
+    }
+
+    /// A new pack (or group), with no capacity listed yet.
+    #[inline(always)]
+    pub(crate) fn open(&mut self) -> Result<()> {
+        memory::try_push(&mut self.next, NONE, "the capacity index")
+    }
+
+    /// Smallest capacity `>= need` that has an open pack.
+    #[inline(always)]
+    pub(crate) fn find_at_least(&self, need: usize) -> Option<usize> {
+        self.rooms.first_at_least(need)
+    }
 
     pub(crate) fn pop(&mut self, capacity: usize) -> u32 {
         let pack = self.head[capacity];
         self.head[capacity] = self.next[pack as usize];
         if self.head[capacity] == NONE {
-            self.clear(capacity);
+            self.rooms.remove(capacity);
         }
         pack
     }
 
     pub(crate) fn push(&mut self, capacity: usize, pack: u32) {
         if self.head[capacity] == NONE {
-            self.set(capacity);
+            self.rooms.insert(capacity);
         }
         self.next[pack as usize] = self.head[capacity];
         self.head[capacity] = pack;
@@ -268,6 +291,8 @@ pub(crate) struct Placement<'h> {
     shards: usize,
     /// About how many packs a shard opens: room reserved up front for per-pack state.
     packs_hint: usize,
+    /// Under several budgets: the runs placed already (see `limits`), replayed by `run`.
+    limited: Option<&'h LimitedRuns>,
 }
 
 impl<'h> Placement<'h> {
@@ -288,7 +313,32 @@ impl<'h> Placement<'h> {
             hist,
             shards,
             packs_hint,
+            limited: None,
         }
+    }
+
+    /// The placement under several budgets: `runs` were placed over the same shards.
+    pub(crate) fn with_runs(mut self, runs: Option<&'h LimitedRuns>) -> Self {
+        self.limited = runs;
+        self
+    }
+
+    pub(crate) fn shards(&self) -> usize {
+        self.shards
+    }
+
+    pub(crate) fn is_best(&self) -> bool {
+        self.best
+    }
+
+    /// The sorted positions `(first, count)` of shard `shard`'s items of length `len`: an
+    /// even share of every length's items.
+    #[inline(always)]
+    pub(crate) fn range(&self, shard: usize, len: u32) -> (usize, usize) {
+        let h = self.hist.counts[len as usize];
+        let lo = h * shard / self.shards;
+        let hi = h * (shard + 1) / self.shards;
+        (self.hist.bucket_start[len as usize] + lo, hi - lo)
     }
 
     pub(crate) fn max_len(&self) -> u64 {
@@ -302,13 +352,11 @@ impl<'h> Placement<'h> {
         shard: usize,
         emit: &mut dyn FnMut(u32, usize, usize, u32),
     ) -> Result<u32> {
-        let (counts, starts, shards) = (&self.hist.counts, &self.hist.bucket_start, self.shards);
-        let bucket = move |len: u32| {
-            let h = counts[len as usize];
-            let lo = h * shard / shards;
-            let hi = h * (shard + 1) / shards;
-            (starts[len as usize] + lo, hi - lo)
-        };
+        if let Some(limited) = self.limited {
+            let range = |len: u32| self.range(shard, len);
+            return Ok(limited.run(shard, &self.hist.present, range, emit));
+        }
+        let bucket = move |len: u32| self.range(shard, len);
         if self.best {
             best_fit(self.max_len, &self.hist.present, bucket, self.packs_hint, emit)
         } else {

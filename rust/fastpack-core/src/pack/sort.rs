@@ -10,6 +10,7 @@ use crate::memory::{self, Cursors, Slots, Tiles, Tiling};
 
 use super::classify::{Class, Rules};
 use super::histogram::Histogram;
+use super::limits::Needs;
 use super::Input;
 
 /// What the sort hands to the replay besides the order itself.
@@ -46,7 +47,9 @@ pub(crate) fn tiling(hist: &Histogram, max_len: usize) -> Result<Tiling> {
 }
 
 /// Writes the sorted order into `order` (`order[pos]` = the input index of the item at
-/// sorted position `pos`, as `u32` bits): longest first, each length in input order.
+/// sorted position `pos`, as `u32` bits): longest first, each length in input order; with
+/// budgets besides tokens, each item's needs at its sorted position too (`needs`), so the
+/// placement reads them in order instead of at random.
 ///
 /// Each chunk writes its own ranges through their cursors. A chunk that finds other counts
 /// than the histogram did (the caller changed the array between the two passes) finds a
@@ -57,6 +60,7 @@ pub(crate) fn sort<L: Length>(
     rules: &Rules,
     hist: &Histogram,
     mut order: Tiles<'_, i32>,
+    needs: Option<&Needs<'_>>,
 ) -> Result<Sorted> {
     let items = hist.items();
     let splits = hist.tally.split_sequences as usize;
@@ -87,10 +91,20 @@ pub(crate) fn sort<L: Length>(
             .enumerate()
             .map(|(c, (lengths, cursors))| {
                 let base = c * chunks.len;
-                // One loop per kind of id, so the common one (the input itself) is a count.
-                match input.ids {
-                    None => sort.run(c, lengths, cursors, |j| (base + j) as u32),
-                    Some(ids) => sort.run(c, lengths, cursors, |j| ids[base + j]),
+                // One loop per kind of id, so the common one (the input itself) is a count;
+                // the needs are written by their own loops (none: nothing more to do).
+                let none = |_: usize, _: u32| true;
+                match (input.ids, needs) {
+                    (None, None) => sort.run(c, lengths, cursors, |j| (base + j) as u32, none),
+                    (Some(ids), None) => sort.run(c, lengths, cursors, |j| ids[base + j], none),
+                    (None, Some(n)) => {
+                        let write = |pos, id| n.write(pos, id);
+                        sort.run(c, lengths, cursors, |j| (base + j) as u32, write)
+                    }
+                    (Some(ids), Some(n)) => {
+                        let write = |pos, id| n.write(pos, id);
+                        sort.run(c, lengths, cursors, |j| ids[base + j], write)
+                    }
                 }
             })
             .collect();
@@ -115,7 +129,8 @@ struct Chunk<'a> {
 
 impl Chunk<'_> {
     /// Sorts chunk `c` (its lengths, the cursors of its ranges, the id of its `j`-th
-    /// length); `false` if it finds other counts than the histogram did.
+    /// length), calling `also(pos, id)` for every whole item placed (`false`: a slot out
+    /// of bounds); `false` if it finds other counts than the histogram did.
     #[inline(always)]
     fn run<L: Length>(
         &self,
@@ -123,6 +138,7 @@ impl Chunk<'_> {
         lengths: &[L],
         mut cursors: Cursors<'_, i32>,
         id: impl Fn(usize) -> u32,
+        also: impl Fn(usize, u32) -> bool,
     ) -> bool {
         let (rules, hist) = (self.rules, self.hist);
         let mut r = hist.split_before[c] as usize;
@@ -155,6 +171,8 @@ impl Chunk<'_> {
                     Some(bits) => _ = bits.fetch_or(1 << (pos & 63), Ordering::Relaxed),
                     None => return false,
                 }
+            } else if !also(pos, entry) {
+                return false;
             }
         }
         let split_end = hist.split_before[c + 1] as usize;

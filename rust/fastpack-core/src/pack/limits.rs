@@ -1,0 +1,790 @@
+//! Several budgets per pack: tokens (`max_len`) and up to [`MAX_LIMITS`] others (image
+//! patches, images, frames, ...), each with its own per-item values and per-pack cap.
+//!
+//! The fit strategies keep their order — items sorted by tokens, longest first, each
+//! length in input order — and their rule on tokens, restricted to the packs whose every
+//! other budget still has room for the item: best fit takes the pack with the least token
+//! room, first fit the lowest-numbered one. An item is never cut (an image is never
+//! split); one over any budget follows `overlong` (`"error"` or `"drop"`, counted).
+//!
+//! Unlike the one-budget placement, items of one length are not interchangeable here, so
+//! the placement reads every item's needs — written at its sorted position by the
+//! counting sort, read here in order — and runs once, after the sort, recording each
+//! position's pack; the layout and the replay read those. Consecutive items of one
+//! length with identical needs go to one pack while it has room: the pack that best fits
+//! the first stays the best fit for an identical next one (the packs that could not take
+//! the first cannot take it either), so the per-item rule stays exact.
+//!
+//! **Best fit**: the rooms that have a pack (the one-budget placement's bitset tree) give
+//! the least token room `>= len`, whose list usually holds a pack with room in every
+//! budget. When it does not, a max-tree over token rooms `0..=max_len` whose leaves hold,
+//! per budget, `1 +` the largest room of their packs (0: none) is searched rightwards,
+//! descending only where every budget's maximum admits the item. The maxima are exact
+//! (raised when a pack is put in a list, recomputed from the list when the pack taken
+//! out held one), so a leaf misleads only when one pack has the most room in one budget
+//! and another in the next: then no pack of it takes the item and the search moves on.
+//! **First fit**: a max-tree over the packs themselves (token room and every budget's).
+//!
+//! The placement is deterministic and depends on the data only (shards as for one
+//! budget), never on the thread count.
+
+use rayon::prelude::*;
+
+use crate::error::{Error, Result};
+use crate::length::Length;
+use crate::memory::{self, Slots};
+use crate::plan::{Overlong, PackOptions, Strategy};
+
+use super::histogram::Histogram;
+use super::placement::RoomSet;
+
+/// Budgets besides tokens a plan can have.
+pub const MAX_LIMITS: usize = 4;
+/// Largest per-pack cap of a budget (values and rooms are held as `u32`, maxima as `1 +`).
+pub const LIMIT_CAP: u64 = u32::MAX as u64 - 1;
+
+/// One budget besides tokens: item `i` needs `values[i]`, a pack holds at most `cap`.
+#[derive(Debug, Clone, Copy)]
+pub struct Limit<'a> {
+    pub name: &'a str,
+    pub values: &'a [i64],
+    pub cap: u64,
+}
+
+/// How a plan uses one budget.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LimitUse {
+    pub name: String,
+    pub cap: u64,
+    /// Sum over the packed items.
+    pub total: u64,
+    /// `ceil(total / cap)`: no plan can use fewer packs.
+    pub lower_bound: u64,
+    /// The fullest pack's use (at most `cap`).
+    pub max_used: u64,
+}
+
+fn arg_name(limit: &Limit<'_>) -> String {
+    format!("limits[{:?}]", limit.name)
+}
+
+/// Checks the limits against the options and the input, before anything is read.
+pub(crate) fn validate(limits: &[Limit<'_>], opts: &PackOptions, items: usize) -> Result<()> {
+    if limits.len() > MAX_LIMITS {
+        return Err(Error::invalid(
+            "limits",
+            format!("got {} budgets; at most {MAX_LIMITS} besides tokens", limits.len()),
+        ));
+    }
+    for (i, l) in limits.iter().enumerate() {
+        if l.name.is_empty() || limits[..i].iter().any(|o| o.name == l.name) {
+            return Err(Error::invalid(
+                "limits",
+                format!("budget names must be non-empty and distinct, got {:?}", l.name),
+            ));
+        }
+        if !(1..=LIMIT_CAP).contains(&l.cap) {
+            return Err(Error::invalid(
+                "limits",
+                format!("{}: cap {} out of range; expected 1..={LIMIT_CAP}", arg_name(l), l.cap),
+            ));
+        }
+        if l.values.len() != items {
+            return Err(Error::invalid(
+                "limits",
+                format!(
+                    "{}: {} values for {items} sequences; expected one per sequence",
+                    arg_name(l),
+                    l.values.len()
+                ),
+            ));
+        }
+    }
+    if !matches!(opts.strategy, Strategy::BestFitDecreasing | Strategy::FirstFitDecreasing) {
+        return Err(Error::invalid(
+            "limits",
+            format!(
+                "strategy {:?} keeps input order or cuts sequences; budgets besides tokens \
+                 take \"bfd\" or \"ffd\"",
+                opts.strategy.name()
+            ),
+        ));
+    }
+    if matches!(opts.overlong, Overlong::Truncate | Overlong::Split) {
+        return Err(Error::invalid(
+            "limits",
+            format!(
+                "overlong={:?} would cut an item, and the media it holds with it; with budgets \
+                 besides tokens use \"error\" or \"drop\"",
+                opts.overlong.name()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The items over a budget, dropped (counted) or refused.
+pub(crate) struct Screened<L> {
+    /// The kept items' lengths and input indices; `None`: every item is kept.
+    pub kept: Option<(Vec<L>, Vec<u32>)>,
+    pub dropped_sequences: u64,
+    pub dropped_tokens: u128,
+}
+
+/// One parallel pass over every budget's values: a negative value is an error; an item
+/// over a budget is an error under `overlong="error"`, dropped and counted under
+/// `"drop"`.
+pub(crate) fn screen<L: Length>(
+    lengths: &[L],
+    limits: &[Limit<'_>],
+    opts: &PackOptions,
+) -> Result<Screened<L>> {
+    const CHUNK: usize = 1 << 16;
+    // Per chunk: (first negative, first over, over count).
+    type Found = (Option<(usize, usize)>, Option<(usize, usize)>, u64);
+    let found: Vec<Found> = (0..lengths.len().div_ceil(CHUNK))
+        .into_par_iter()
+        .map(|c| {
+            let (lo, hi) = (c * CHUNK, ((c + 1) * CHUNK).min(lengths.len()));
+            let (mut negative, mut over, mut count) = (None, None, 0u64);
+            for (i, len) in lengths.iter().enumerate().take(hi).skip(lo) {
+                let mut is_over = false;
+                for (d, l) in limits.iter().enumerate() {
+                    let v = l.values[i];
+                    if v < 0 {
+                        negative = negative.or(Some((i, d)));
+                    } else if v as u64 > l.cap && !is_over && len.to_u64() != Some(0) {
+                        is_over = true;
+                        over = over.or(Some((i, d)));
+                    }
+                }
+                count += is_over as u64;
+            }
+            (negative, over, count)
+        })
+        .collect();
+    if let Some((i, d)) = found.iter().find_map(|f| f.0) {
+        let l = &limits[d];
+        return Err(Error::invalid(
+            "limits",
+            format!(
+                "{}: negative value {} at index {i}; values must be non-negative integers",
+                arg_name(l),
+                l.values[i]
+            ),
+        ));
+    }
+    let count: u64 = found.iter().map(|f| f.2).sum();
+    let Some((first, d)) = found.iter().find_map(|f| f.1) else {
+        return Ok(Screened { kept: None, dropped_sequences: 0, dropped_tokens: 0 });
+    };
+    let l = &limits[d];
+    if opts.overlong == Overlong::Error {
+        return Err(Error::invalid(
+            "limits",
+            format!(
+                "{count} sequence(s) over the {:?} budget or another (first at index {first}: \
+                 {} {} over the cap of {}); pass overlong=\"drop\" (counted) or raise the cap",
+                l.name, l.values[first], l.name, l.cap
+            ),
+        ));
+    }
+    // An empty sequence holds nothing to drop: it stays empty (counted as such).
+    let over = |i: usize| {
+        lengths[i].to_u64() != Some(0) && limits.iter().any(|l| l.values[i] as u64 > l.cap)
+    };
+    let kept_count = lengths.len() - count as usize;
+    let mut kept_lengths = memory::try_with_capacity::<L>(kept_count, "the kept sequences")?;
+    let mut kept_ids = memory::try_with_capacity::<u32>(kept_count, "the kept sequences")?;
+    let mut dropped_tokens = 0u128;
+    for (i, &len) in lengths.iter().enumerate() {
+        if over(i) {
+            // A negative length is kept, so the packing reports it as it always does.
+            match len.to_u64() {
+                Some(n) => dropped_tokens += n as u128,
+                None => {
+                    kept_lengths.push(len);
+                    kept_ids.push(i as u32);
+                }
+            }
+        } else {
+            kept_lengths.push(len);
+            kept_ids.push(i as u32);
+        }
+    }
+    let dropped_sequences = (lengths.len() - kept_lengths.len()) as u64;
+    Ok(Screened { kept: Some((kept_lengths, kept_ids)), dropped_sequences, dropped_tokens })
+}
+
+/// Writes each item's needs at its sorted position during the counting sort: `K` values
+/// per position (the values were screened: each at most its cap, below 2^32).
+pub(crate) struct Needs<'a> {
+    slots: Slots<'a, u32>,
+    limits: &'a [Limit<'a>],
+}
+
+impl<'a> Needs<'a> {
+    pub(crate) fn new(buffer: &'a mut [u32], limits: &'a [Limit<'a>]) -> Self {
+        Self { slots: Slots::new(buffer), limits }
+    }
+
+    /// `false` if `pos` is out of the buffer (the caller changed the input meanwhile).
+    #[inline(always)]
+    pub(crate) fn write(&self, pos: usize, id: u32) -> bool {
+        let k = self.limits.len();
+        self.limits
+            .iter()
+            .enumerate()
+            .all(|(d, l)| self.slots.try_set(pos * k + d, l.values[id as usize] as u32))
+    }
+}
+
+/// A bucket's placement under several budgets: the pack of every sorted position (each
+/// shard numbers its packs from 0), each shard's packs, and each budget's use.
+pub(crate) struct LimitedRuns {
+    pub pack_of: Vec<u32>,
+    pub shard_packs: Vec<u32>,
+    /// Per budget: (sum, fullest pack) over every pack of the bucket.
+    pub used: Vec<(u64, u64)>,
+}
+
+impl LimitedRuns {
+    /// Replays shard `shard`: `emit(pack, first sorted position, count, len)` for each run
+    /// of consecutive positions in one pack, in placement order.
+    pub(crate) fn run(
+        &self,
+        shard: usize,
+        lens: &[u32],
+        range: impl Fn(u32) -> (usize, usize),
+        emit: &mut dyn FnMut(u32, usize, usize, u32),
+    ) -> u32 {
+        for &len in lens {
+            let (first, count) = range(len);
+            let mut pos = first;
+            while pos < first + count {
+                let pack = self.pack_of[pos];
+                let k = self.pack_of[pos..first + count].iter().take_while(|&&p| p == pack).count();
+                emit(pack, pos, k, len);
+                pos += k;
+            }
+        }
+        self.shard_packs[shard]
+    }
+}
+
+/// A best/first-fit bucket to place under `limits`: `needs` holds each sorted position's
+/// needs (`limits.len()` values each); `shards` as the one-budget placement cuts them.
+pub(crate) struct Budgeted<'a> {
+    pub hist: &'a Histogram,
+    pub needs: &'a [u32],
+    pub limits: &'a [Limit<'a>],
+    pub best: bool,
+    pub max_len: u32,
+    pub shards: usize,
+}
+
+/// Places `bucket`; `range(shard, len)` gives the sorted positions `(first, count)` of
+/// length `len` in a shard.
+pub(crate) fn place(
+    bucket: &Budgeted<'_>,
+    range: impl Fn(usize, u32) -> (usize, usize) + Sync,
+) -> Result<LimitedRuns> {
+    match bucket.limits.len() {
+        1 => place_k::<1, 2>(bucket, &range),
+        2 => place_k::<2, 3>(bucket, &range),
+        3 => place_k::<3, 4>(bucket, &range),
+        4 => place_k::<4, 5>(bucket, &range),
+        n => Err(Error::invalid("limits", format!("got {n} budgets; expected 1..={MAX_LIMITS}"))),
+    }
+}
+
+/// `K` budgets; first fit's tree has `L = K + 1` lanes (tokens first).
+fn place_k<const K: usize, const L: usize>(
+    bucket: &Budgeted<'_>,
+    range: &(impl Fn(usize, u32) -> (usize, usize) + Sync),
+) -> Result<LimitedRuns> {
+    let Budgeted { hist, needs, limits, best, max_len, shards } = *bucket;
+    let items = needs.len() / K;
+    let mut caps = [0u32; K];
+    for d in 0..K {
+        caps[d] = limits[d].cap as u32;
+    }
+    let mut pack_of = memory::try_zeroed::<u32>(items, "the placement")?;
+    // Shards own disjoint positions (each its share of every length): the writes go
+    // through slots, each position once.
+    let placed: Vec<Result<Placed<K>>> = {
+        let slots = Slots::new(&mut pack_of);
+        let need = |pos: usize| -> [u32; K] {
+            let mut n = [0u32; K];
+            n.copy_from_slice(&needs[pos * K..pos * K + K]);
+            n
+        };
+        (0..shards)
+            .into_par_iter()
+            .map(|shard| {
+                let positions = |len: u32| range(shard, len);
+                if best {
+                    let fit = BestFit::<K>::new(max_len, caps)?;
+                    place_shard(fit, hist, &positions, &need, &slots)
+                } else {
+                    let fit = FirstFit::<K, L>::new(max_len, caps);
+                    place_shard(fit, hist, &positions, &need, &slots)
+                }
+            })
+            .collect()
+    };
+    let mut shard_packs = Vec::with_capacity(shards);
+    let mut used = vec![(0u64, 0u64); K];
+    for r in placed {
+        let (packs, f) = r?;
+        shard_packs.push(packs);
+        for d in 0..K {
+            used[d].0 += f[d].0;
+            used[d].1 = used[d].1.max(f[d].1);
+        }
+    }
+    Ok(LimitedRuns { pack_of, shard_packs, used })
+}
+
+/// A shard's packs and, per budget, (sum, fullest pack).
+type Placed<const K: usize> = (u32, [(u64, u64); K]);
+
+/// One shard under the rule `fit`: each position's pack into `pack_of`; returns the
+/// shard's packs and each budget's (sum, fullest pack).
+fn place_shard<const K: usize, F: Fit<K>>(
+    mut fit: F,
+    hist: &Histogram,
+    positions: &impl Fn(u32) -> (usize, usize),
+    need: &impl Fn(usize) -> [u32; K],
+    pack_of: &Slots<'_, u32>,
+) -> Result<(u32, [(u64, u64); K])> {
+    for &len in &hist.present {
+        let (first, count) = positions(len);
+        let (mut pos, end) = (first, first + count);
+        while pos < end {
+            let n = need(pos);
+            let (pack, room, mut left) = match fit.take(len, &n) {
+                Some(taken) => taken,
+                None => fit.open()?,
+            };
+            let mut room = room - len;
+            sub(&mut left, &n);
+            pack_of.set(pos, pack);
+            pos += 1;
+            // A run: the pack stays the rule's choice for identical items while it has room.
+            while pos < end && room >= len && need(pos) == n && covers(&left, &n) {
+                room -= len;
+                sub(&mut left, &n);
+                pack_of.set(pos, pack);
+                pos += 1;
+            }
+            fit.put(pack, room, left)?;
+        }
+    }
+    Ok((fit.packs(), fit.used()))
+}
+
+#[inline(always)]
+fn covers<const K: usize>(have: &[u32; K], need: &[u32; K]) -> bool {
+    (0..K).all(|d| have[d] >= need[d])
+}
+
+#[inline(always)]
+fn sub<const K: usize>(have: &mut [u32; K], need: &[u32; K]) {
+    for d in 0..K {
+        have[d] -= need[d];
+    }
+}
+
+/// Adds a pack's use of every budget (its cap less its room) to (sum, fullest pack).
+fn add_used<const K: usize>(acc: &mut [(u64, u64); K], caps: &[u32; K], left: &[u32; K]) {
+    for ((sum, most), (cap, room)) in acc.iter_mut().zip(caps.iter().zip(left)) {
+        let used = (cap - room) as u64;
+        *sum += used;
+        *most = (*most).max(used);
+    }
+}
+
+#[inline(always)]
+fn lane_max<const K: usize>(a: [u32; K], b: [u32; K]) -> [u32; K] {
+    let mut m = a;
+    for d in 0..K {
+        m[d] = m[d].max(b[d]);
+    }
+    m
+}
+
+/// A placement rule over open packs.
+trait Fit<const K: usize> {
+    /// Takes the pack the rule picks for an item of `len` tokens and needs `need`, out of
+    /// the index: `(pack, token room, other rooms)`.
+    fn take(&mut self, len: u32, need: &[u32; K]) -> Option<(u32, u32, [u32; K])>;
+    /// A new, empty pack (taken).
+    fn open(&mut self) -> Result<(u32, u32, [u32; K])>;
+    /// Puts a taken pack back with its rooms.
+    fn put(&mut self, pack: u32, room: u32, left: [u32; K]) -> Result<()>;
+    fn packs(&self) -> u32;
+    /// Per budget: (sum, fullest pack) over the packs.
+    fn used(&self) -> [(u64, u64); K];
+}
+
+/// An open pack of best fit, listed under its token room: its rooms in every budget.
+#[derive(Clone, Copy)]
+struct Entry<const K: usize> {
+    pack: u32,
+    left: [u32; K],
+}
+
+/// Children of a node of best fit's max-tree: one cache line of lanes for two budgets.
+const FAN: usize = 16;
+
+/// Best fit on tokens (see the module docs): the rooms that have a pack (a bitset tree,
+/// the usual answer in a few word operations), each room's packs with their budgets'
+/// rooms side by side (a short scan of contiguous memory) and, for the items their least
+/// room cannot take, a 16-ary max-tree of every budget's rooms.
+struct BestFit<const K: usize> {
+    max_len: u32,
+    caps: [u32; K],
+    present: RoomSet,
+    /// `levels[0][room]`, per budget, `1 +` the largest room of a pack of that token room
+    /// (0: none); `levels[k + 1][i]` the lane maxima of `levels[k][16i..16i + 16]`.
+    levels: Vec<Vec<[u32; K]>>,
+    /// The open packs of each token room (their order is free: ties of token room go to
+    /// the first that fits).
+    lists: Vec<Vec<Entry<K>>>,
+    packs: u32,
+    /// Per budget: sum and fullest pack, of the packs that closed (no token room left).
+    closed: [(u64, u64); K],
+}
+
+impl<const K: usize> BestFit<K> {
+    fn new(max_len: u32, caps: [u32; K]) -> Result<Self> {
+        let mut levels = Vec::new();
+        let mut width = max_len as usize + 1;
+        loop {
+            let mut level = memory::try_with_capacity::<[u32; K]>(width, "the budget index")?;
+            level.resize(width, [0; K]);
+            levels.push(level);
+            if width == 1 {
+                break;
+            }
+            width = width.div_ceil(FAN);
+        }
+        let mut lists = memory::try_with_capacity(max_len as usize + 1, "the budget index")?;
+        lists.resize_with(max_len as usize + 1, Vec::new);
+        Ok(Self {
+            max_len,
+            caps,
+            present: RoomSet::new(max_len as usize)?,
+            levels,
+            lists,
+            packs: 0,
+            closed: [(0, 0); K],
+        })
+    }
+
+    #[inline(always)]
+    fn admits(lanes: &[u32; K], need: &[u32; K]) -> bool {
+        (0..K).all(|d| lanes[d] > need[d])
+    }
+
+    /// The leftmost room under node `i` of level `k` (which admits `need`) that admits it.
+    fn descend(&self, k: usize, i: usize, need: &[u32; K]) -> Option<usize> {
+        if k == 0 {
+            return Some(i);
+        }
+        let below = &self.levels[k - 1];
+        let end = (FAN * (i + 1)).min(below.len());
+        for (c, lanes) in below.iter().enumerate().take(end).skip(FAN * i) {
+            if Self::admits(lanes, need) {
+                if let Some(room) = self.descend(k - 1, c, need) {
+                    return Some(room);
+                }
+            }
+        }
+        None
+    }
+
+    /// The first room at or after `from` whose maxima admit `need`.
+    fn first_leaf(&self, from: usize, need: &[u32; K]) -> Option<usize> {
+        let (mut k, mut i) = (0, from);
+        loop {
+            let level = &self.levels[k];
+            let end = ((i / FAN + 1) * FAN).min(level.len());
+            for (j, lanes) in level.iter().enumerate().take(end).skip(i) {
+                if Self::admits(lanes, need) {
+                    if let Some(room) = self.descend(k, j, need) {
+                        return Some(room);
+                    }
+                }
+            }
+            k += 1;
+            i = i / FAN + 1;
+            if k == self.levels.len() || i >= self.levels[k].len() {
+                return None;
+            }
+        }
+    }
+
+    /// Takes a pack of room `room` that covers `need`, if one does.
+    #[inline(always)]
+    fn take_from(&mut self, room: usize, need: &[u32; K]) -> Option<Entry<K>> {
+        let list = &mut self.lists[room];
+        let at = list.iter().position(|e| covers(&e.left, need))?;
+        let entry = list.swap_remove(at);
+        if list.is_empty() {
+            self.present.remove(room);
+        }
+        // The room's maxima stay exact: lowered when the pack taken held one.
+        let held = self.levels[0][room];
+        if (0..K).any(|d| entry.left[d] + 1 == held[d]) {
+            let lanes =
+                self.lists[room].iter().fold([0u32; K], |m, e| lane_max(m, e.left.map(|r| r + 1)));
+            self.lower(room, lanes);
+        }
+        Some(entry)
+    }
+
+    /// Room `room`'s maxima lowered to `lanes`, and its ancestors' recomputed.
+    fn lower(&mut self, room: usize, lanes: [u32; K]) {
+        if self.levels[0][room] == lanes {
+            return;
+        }
+        self.levels[0][room] = lanes;
+        let mut i = room;
+        for k in 1..self.levels.len() {
+            i /= FAN;
+            let below = &self.levels[k - 1];
+            let end = (FAN * (i + 1)).min(below.len());
+            let m = below[FAN * i..end].iter().fold([0u32; K], |m, l| lane_max(m, *l));
+            if m == self.levels[k][i] {
+                break;
+            }
+            self.levels[k][i] = m;
+        }
+    }
+
+    /// Room `room`'s maxima raised to hold `lanes`, and its ancestors'.
+    fn raise(&mut self, room: usize, lanes: [u32; K]) {
+        let mut i = room;
+        for level in &mut self.levels {
+            let m = lane_max(level[i], lanes);
+            if m == level[i] {
+                break;
+            }
+            level[i] = m;
+            i /= FAN;
+        }
+    }
+}
+
+impl<const K: usize> Fit<K> for BestFit<K> {
+    fn take(&mut self, len: u32, need: &[u32; K]) -> Option<(u32, u32, [u32; K])> {
+        // From the least room that has a pack (usually one of its packs takes the item),
+        // the rooms whose budgets' maxima admit it.
+        let mut from = self.present.first_at_least(len as usize)?;
+        while from <= self.max_len as usize {
+            let room = self.first_leaf(from, need)?;
+            if let Some(e) = self.take_from(room, need) {
+                return Some((e.pack, room as u32, e.left));
+            }
+            from = room + 1;
+        }
+        None
+    }
+
+    fn open(&mut self) -> Result<(u32, u32, [u32; K])> {
+        self.packs += 1;
+        Ok((self.packs - 1, self.max_len, self.caps))
+    }
+
+    fn put(&mut self, pack: u32, room: u32, left: [u32; K]) -> Result<()> {
+        if room == 0 {
+            add_used(&mut self.closed, &self.caps, &left);
+            return Ok(());
+        }
+        let r = room as usize;
+        let list = &mut self.lists[r];
+        if list.len() == list.capacity() {
+            // Doubling from 4: most rooms hold a few packs, so their lists stay small.
+            memory::try_reserve(list, list.len().max(4), "the budget index")?;
+        }
+        list.push(Entry { pack, left });
+        if list.len() == 1 {
+            self.present.insert(r);
+        }
+        self.raise(r, left.map(|x| x + 1));
+        Ok(())
+    }
+
+    fn packs(&self) -> u32 {
+        self.packs
+    }
+
+    fn used(&self) -> [(u64, u64); K] {
+        let mut out = self.closed;
+        for entry in self.lists.iter().flatten() {
+            add_used(&mut out, &self.caps, &entry.left);
+        }
+        out
+    }
+}
+
+/// First fit: a max-tree over the packs, lane 0 their token room, lanes `1..L` the other
+/// budgets' rooms.
+struct FirstFit<const K: usize, const L: usize> {
+    max_len: u32,
+    caps: [u32; K],
+    size: usize,
+    tree: Vec<[u32; L]>,
+    packs: u32,
+}
+
+impl<const K: usize, const L: usize> FirstFit<K, L> {
+    fn new(max_len: u32, caps: [u32; K]) -> Self {
+        Self { max_len, caps, size: 1024, tree: vec![[0; L]; 2048], packs: 0 }
+    }
+
+    fn lanes(len: u32, need: &[u32; K]) -> [u32; L] {
+        let mut n = [0u32; L];
+        n[0] = len;
+        n[1..].copy_from_slice(need);
+        n
+    }
+
+    #[inline(always)]
+    fn admits(&self, node: usize, need: &[u32; L]) -> bool {
+        (0..L).all(|d| self.tree[node][d] >= need[d])
+    }
+
+    fn descend(&self, node: usize, need: &[u32; L]) -> Option<usize> {
+        if node >= self.size {
+            return Some(node - self.size);
+        }
+        for child in [2 * node, 2 * node + 1] {
+            if self.admits(child, need) {
+                if let Some(leaf) = self.descend(child, need) {
+                    return Some(leaf);
+                }
+            }
+        }
+        None
+    }
+
+    fn set(&mut self, leaf: usize, lanes: [u32; L]) {
+        let mut node = leaf + self.size;
+        self.tree[node] = lanes;
+        while node > 1 {
+            node >>= 1;
+            self.tree[node] = lane_max(self.tree[2 * node], self.tree[2 * node + 1]);
+        }
+    }
+
+    fn grow(&mut self) -> Result<()> {
+        let size = self.size * 2;
+        let mut tree = memory::try_with_capacity::<[u32; L]>(2 * size, "the budget index")?;
+        tree.resize(2 * size, [0; L]);
+        tree[size..size + self.size].copy_from_slice(&self.tree[self.size..]);
+        for i in (1..size).rev() {
+            tree[i] = lane_max(tree[2 * i], tree[2 * i + 1]);
+        }
+        self.size = size;
+        self.tree = tree;
+        Ok(())
+    }
+}
+
+impl<const K: usize, const L: usize> Fit<K> for FirstFit<K, L> {
+    fn take(&mut self, len: u32, need: &[u32; K]) -> Option<(u32, u32, [u32; K])> {
+        let want = Self::lanes(len, need);
+        if !self.admits(1, &want) {
+            return None;
+        }
+        let leaf = self.descend(1, &want)?;
+        let lanes = self.tree[leaf + self.size];
+        let mut left = [0u32; K];
+        left.copy_from_slice(&lanes[1..]);
+        Some((leaf as u32, lanes[0], left))
+    }
+
+    fn open(&mut self) -> Result<(u32, u32, [u32; K])> {
+        if self.packs as usize == self.size {
+            self.grow()?;
+        }
+        self.packs += 1;
+        Ok((self.packs - 1, self.max_len, self.caps))
+    }
+
+    fn put(&mut self, pack: u32, room: u32, left: [u32; K]) -> Result<()> {
+        let mut lanes = [0u32; L];
+        lanes[0] = room;
+        lanes[1..].copy_from_slice(&left);
+        self.set(pack as usize, lanes);
+        Ok(())
+    }
+
+    fn packs(&self) -> u32 {
+        self.packs
+    }
+
+    fn used(&self) -> [(u64, u64); K] {
+        let mut out = [(0u64, 0u64); K];
+        let leaves = &self.tree[self.size..self.size + self.packs as usize];
+        for lanes in leaves {
+            let mut left = [0u32; K];
+            left.copy_from_slice(&lanes[1..]);
+            add_used(&mut out, &self.caps, &left);
+        }
+        out
+    }
+}
+
+/// How the plan uses each budget, from every bucket's use.
+pub(crate) fn uses(limits: &[Limit<'_>], buckets: &[&LimitedRuns]) -> Vec<LimitUse> {
+    limits
+        .iter()
+        .enumerate()
+        .map(|(d, l)| {
+            let total: u64 = buckets.iter().map(|b| b.used[d].0).sum();
+            let max_used = buckets.iter().map(|b| b.used[d].1).max().unwrap_or(0);
+            LimitUse {
+                name: l.name.to_string(),
+                cap: l.cap,
+                total,
+                lower_bound: total.div_ceil(l.cap),
+                max_used,
+            }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn best_fit_skips_packs_without_room_in_a_budget() {
+        let mut fit = BestFit::<1>::new(10, [2]).unwrap();
+        // Pack 0: room 3 tokens, no room for images; pack 1: room 5, one image left.
+        let (p0, _, _) = fit.open().unwrap();
+        fit.put(p0, 3, [0]).unwrap();
+        let (p1, _, _) = fit.open().unwrap();
+        fit.put(p1, 5, [1]).unwrap();
+        // A 2-token item with an image: pack 0 fits on tokens but not on images.
+        assert_eq!(fit.take(2, &[1]).map(|t| t.0), Some(p1));
+        // A 2-token text item: pack 0 (the least room).
+        assert_eq!(fit.take(2, &[0]).map(|t| t.0), Some(p0));
+        assert!(fit.take(2, &[0]).is_none());
+    }
+
+    #[test]
+    fn first_fit_takes_the_lowest_pack_with_room_in_every_budget() {
+        let mut fit = FirstFit::<1, 2>::new(10, [2]);
+        for (room, left) in [(6, 0), (2, 2), (8, 1)] {
+            let (p, _, _) = fit.open().unwrap();
+            fit.put(p, room, [left]).unwrap();
+        }
+        assert_eq!(fit.take(3, &[1]).map(|t| t.0), Some(2));
+        assert_eq!(fit.take(3, &[0]).map(|t| t.0), Some(0));
+    }
+}
