@@ -110,6 +110,11 @@ def main() -> None:
               f"{len(sampler)} steps per rank per epoch, loss {result.training_loss:.6f}")
         Path(a.out).mkdir(parents=True, exist_ok=True)
         torch.save(trainer.model.state_dict(), Path(a.out) / "weights.pt")
+    if torch.distributed.is_initialized():
+        # Leave together: a rank that exits while another still uses gloo's connections
+        # can abort at interpreter exit after its work is done.
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
