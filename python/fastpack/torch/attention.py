@@ -322,6 +322,19 @@ def _flash_forward(
     softcap: float | None = None,
 ) -> torch.Tensor:
     # flash-attn handles GQA natively when Hq is a multiple of Hkv.
+    kwargs = _flash_options(fn, sliding_window, softcap)
+    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+    return fn(
+        q, k, v, cu, cu, max_seqlen, max_seqlen, dropout_p=0.0, softmax_scale=scale,
+        causal=causal, **kwargs,
+    )
+
+
+def _flash_options(
+    fn: Callable[..., Any], sliding_window: int | None, softcap: float | None
+) -> dict[str, Any]:
+    """flash-attn's keyword arguments for a window and a soft cap, refusing a build that
+    lacks them (an older flash-attn would silently attend over everything)."""
     params = _signature_params(fn)
     kwargs: dict[str, Any] = {}
     if sliding_window is not None:
@@ -335,11 +348,7 @@ def _flash_forward(
             raise _error(f"kernel='flash': this flash-attn has no softcap (added in 2.6); "
                          f"cannot apply softcap={softcap}")
         kwargs["softcap"] = softcap
-    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-    return fn(
-        q, k, v, cu, cu, max_seqlen, max_seqlen, dropout_p=0.0, softmax_scale=scale,
-        causal=causal, **kwargs,
-    )
+    return kwargs
 
 
 def _torch_varlen_forward(

@@ -47,7 +47,6 @@ from .attention import (
     _from_kv_blocks,
     _kv_blocks,
     _sdpa_gqa,
-    _signature_params,
     _softcap_score_mod,
 )
 
@@ -473,18 +472,7 @@ def _tree_flash(
     assert fn is not None
     index, cu_k, longest_q, longest_k = layout.gathered(q.device)
     cu_q = torch.as_tensor(layout.bounds, dtype=torch.int32).to(q.device)
-    kwargs: dict[str, Any] = {}
-    params = _signature_params(fn)
-    if window is not None:
-        if "window_size" not in params:
-            raise FastpackError(f"kernel='flash': this flash-attn has no window_size; cannot "
-                                f"apply sliding_window={window}")
-        kwargs["window_size"] = (window - 1, 0)
-    if softcap is not None:
-        if "softcap" not in params:
-            raise FastpackError(f"kernel='flash': this flash-attn has no softcap (added in "
-                                f"2.6); cannot apply softcap={softcap}")
-        kwargs["softcap"] = softcap
+    kwargs = _attention._flash_options(fn, window, softcap)
     kg, vg = (t.index_select(0, index).contiguous() for t in (k, v))
     out: torch.Tensor = fn(
         q.contiguous(), kg, vg, cu_q, cu_k, longest_q, longest_k, dropout_p=0.0,
