@@ -11,9 +11,9 @@ import numpy as np
 from . import _core
 from ._arrow import list_columns
 from ._checks import _int_arg, _threads
-from ._errors import FastpackError, FastpackTypeError
+from ._errors import FastpackError
 from ._materialize import IGNORE_INDEX
-from ._plan import PackIndex, Plan
+from ._plan import PackIndex, Plan, flat_plan
 
 __all__ = [
     "DEFAULT_BATCH_TOKENS", "DEFAULT_SEPARATOR_VALUES", "WRITTEN", "Batches", "check_packable",
@@ -166,14 +166,10 @@ def gather(
         (list<int32>: every segment's tokens, reserved slots included, as TRL's
         ``pack_dataset`` writes) and ``position_ids`` (list<int64>).
     """
-    if not isinstance(plan, Plan):
-        raise FastpackTypeError(f"plan: expected a fastpack.Plan, got {type(plan).__name__}")
-    if plan.parents is not None:
-        raise FastpackError(
-            "plan: a plan of shared-prefix trees cannot be gathered into packed rows (a "
-            "segment continues its parent; the rows would lose the tree); build its batches "
-            "with PackedCollator(share_prefix=True)"
-        )
+    plan = flat_plan(
+        plan, "cannot be gathered into packed rows (a segment continues its parent; the rows "
+        "would lose the tree); build its batches with PackedCollator(share_prefix=True)"
+    )
     handles, types, _ = list_columns(data, columns)
     schema, batches = prepare(
         plan, handles, types, packs, separator_id=separator_id,

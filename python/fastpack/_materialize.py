@@ -19,7 +19,7 @@ from . import _core
 from ._arrow import _aligned, dataset_parts, list_column
 from ._checks import _bool_arg, _choice, _int_arg, _threads
 from ._errors import FastpackError, FastpackTypeError
-from ._plan import PackIndex, Plan, as_lengths
+from ._plan import PackIndex, Plan, as_lengths, flat_plan
 
 __all__ = ["IGNORE_INDEX", "Ragged", "as_ragged", "loss_mask_from_spans", "materialize"]
 
@@ -551,14 +551,10 @@ def materialize(
     In every segment the label of the first position is -100, so no sequence is trained
     to predict the next one's first token, and positions restart at 0.
     """
-    if not isinstance(plan, Plan):
-        raise FastpackTypeError(f"plan: expected a fastpack.Plan, got {type(plan).__name__}")
-    if plan.parents is not None:
-        raise FastpackError(
-            "plan: a plan of shared-prefix trees has no per-token labels (a shared token has "
-            "one next token per child); build its batch with fastpack.tree_rows or "
-            "PackedCollator(share_prefix=True)"
-        )
+    plan = flat_plan(
+        plan, "has no per-token labels (a shared token has one next token per child); build "
+        "its batch with fastpack.tree_rows or PackedCollator(share_prefix=True)"
+    )
     layout = _choice("layout", layout, LAYOUTS)
     pad_to, multiple, pad_id = padding(pad_to, pad_to_multiple_of, pad_id)
     if separator_id is not None:

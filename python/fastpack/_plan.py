@@ -800,3 +800,13 @@ def pack(
         opts.group_tokens, budgets,
     )
     return Plan._from_core(fields, opts)
+
+
+def flat_plan(plan: object, instead: str, name: str = "plan") -> Plan:
+    """``plan`` if it is a plan of flat rows; a plan of shared-prefix trees raises with
+    ``instead`` (why its rows cannot be made this way, and what makes them)."""
+    if not isinstance(plan, Plan):
+        raise FastpackTypeError(f"{name}: expected a fastpack.Plan, got {type(plan).__name__}")
+    if plan.parents is not None:
+        raise FastpackError(f"{name}: a plan of shared-prefix trees {instead}")
+    return plan
