@@ -1,0 +1,58 @@
+"""Planning bench_vlm's mix of 10^6 items under each subset of its budgets, in one warm
+process: tokens only, tokens + patches, tokens + images, all three. The variants run in
+turn, 9 rounds; the table gives the median of the last 8 (wall clock) and the ratio to
+tokens only. bench_vlm.py times the same plans in fresh processes (first call and warm).
+
+    python benches/bench_vlm_budgets.py [--items 1000000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_vlm  # noqa: E402
+
+import fastpack  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--items", type=int, default=1_000_000)
+    ap.add_argument("--rounds", type=int, default=9)
+    a = ap.parse_args()
+    data = bench_vlm.mix(a.items)
+    patches = (data["patches"], bench_vlm.MAX_PATCHES)
+    images = (data["images"], bench_vlm.MAX_IMAGES)
+    variants: dict[str, dict[str, Any]] = {
+        "tokens only": {},
+        "tokens + patches": {"limits": {"patches": patches}},
+        "tokens + images": {"limits": {"images": images}},
+        "tokens + patches + images": {"limits": {"patches": patches, "images": images}},
+    }
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    packs: dict[str, int] = {}
+    for _ in range(a.rounds):
+        for name, kwargs in variants.items():
+            start = time.perf_counter()
+            plan = fastpack.pack(data["lengths"], bench_vlm.MAX_LEN, shuffle=False,
+                                 overlong="drop", **kwargs)
+            times[name].append(time.perf_counter() - start)
+            packs[name] = plan.num_packs
+    print(f"{bench_vlm.cpu()}, load {os.getloadavg()[0]:.1f}; {a.items:,} items\n")
+    print("| budgets | warm median | ÷ tokens only | packs |\n|---|---:|---:|---:|")
+    base = statistics.median(times["tokens only"][1:])
+    for name in variants:
+        median = statistics.median(times[name][1:])
+        print(f"| {name} | {median * 1e3:.1f} ms | {median / base:.2f}× | {packs[name]:,} |")
+
+
+if __name__ == "__main__":
+    main()
