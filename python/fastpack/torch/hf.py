@@ -26,6 +26,7 @@ from .context_parallel import (
 )
 from .data import PackedDataset, first_item
 from .loss import WEIGHTINGS, packed_loss
+from .mixers import current_layout
 from .sampler import BALANCES, PackedSampler, Step
 from .tree import is_tree_batch, tree_attention, tree_layout
 
@@ -383,6 +384,12 @@ def _attention(
             # encoder's image (Qwen-VL towers call once per image).
             return _dense(name, module, query, key, value, None, scaling, dropout, False,
                           softcap, kwargs)
+        active = current_layout(rows, q_len) if position_ids is None and causal else None
+        if active is not None:  # a prepared model's batch: its boundaries, read once
+            cu, longest = active
+            return _packed(name, kernel, module, query, key, value,
+                           cu.to(device=query.device, dtype=torch.int32), longest, causal,
+                           scaling, dropout, window, softcap, validate=False)
         if position_ids is None:
             raise FastpackError(
                 f"{name}: {type(module).__name__} passed neither cu_seq_lens_q nor "
