@@ -742,6 +742,12 @@ def check_model_batch(model: Any, batch: dict[str, Any]) -> None:
                    f"(sliding_window={window})",
                    "use mask='position_ids' (the default) or backend='flash'")
         return
+    if not ours and getattr(config, "model_type", None) in _MASK_WITHOUT_POSITIONS and (
+            _packs_sequences(batch)):
+        refuse("packed rows on a model that builds its attention mask without position_ids "
+               "(every token would see the whole row)",
+               "use attn_implementation=register_hf_attention() with prepare_model(model), "
+               "or an explicit mask (mask='explicit')")
     if ours or "cu_seq_lens_q" in batch or positions is None:
         return
     if not isinstance(positions, torch.Tensor):
@@ -795,11 +801,16 @@ def _packs_sequences(batch: dict[str, Any]) -> bool:
 _MIXING_NAMES = re.compile(
     r"Mamba|Mixer|ShortConv|DeltaNet|DeltaAttention|LinearAttention|Lightning|Recurrent|"
     r"Rwkv|RWKV|Retention|Hyena|SSM|Rglru|RgLru|Xlstm|xLSTM|TimeMix", re.ASCII)
+#: Classes that hold layers rather than mix tokens themselves (their layers are checked).
+_CONTAINERS = re.compile(r"(Model|For[A-Z]\w*|Block|DecoderLayer|MLP|Experts|Norm|Output)$")
 #: Parameters of a recurrent state (Mamba's decay and step, RWKV's decay).
 _STATE_PARAMETERS = ("A_log", "dt_bias", "time_decay", "time_first", "recurrent_param")
 #: Submodules that run on the media of a vision-language or audio batch, not on its row.
 _MEDIA_TOWERS = re.compile(r"(^|\.)(visual|vision_tower|vision_model|vision_encoder|"
                            r"audio_tower|audio_model|audio_encoder|multi_modal_projector)(\.|$)")
+#: Model types whose model builds the attention mask without the positions, so Hugging
+#: Face's attentions never see where packed sequences restart.
+_MASK_WITHOUT_POSITIONS = ("granitemoehybrid",)
 #: Model types whose attention adds ALiBi biases outside the attention interface.
 _ALIBI_TYPES = ("bloom", "mpt")
 
@@ -808,8 +819,6 @@ def _mixing_reason(module: torch.nn.Module) -> str | None:
     """Why ``module`` mixes tokens along the sequence (by its class and what it holds),
     or ``None``."""
     cls = type(module).__name__
-    if _MIXING_NAMES.search(cls) and not cls.endswith(("MLP", "Experts", "Norm")):
-        return "its class is a token mixer fastpack does not know"
     for child in module.children():
         if isinstance(child, torch.nn.Conv1d) and child.kernel_size[0] > 1:
             return (f"it convolves over the sequence (Conv1d, kernel {child.kernel_size[0]}): "
@@ -817,6 +826,8 @@ def _mixing_reason(module: torch.nn.Module) -> str | None:
     for name, _ in module.named_parameters(recurse=False):
         if name in _STATE_PARAMETERS:
             return f"it carries a recurrent state along the sequence (parameter {name})"
+    if _MIXING_NAMES.search(cls) and not _CONTAINERS.search(cls):
+        return "its class is a token mixer fastpack does not know"
     return None
 
 
