@@ -27,7 +27,7 @@ from .context_parallel import (
 )
 from .data import PackedDataset, first_item
 from .loss import WEIGHTINGS, packed_loss
-from .mixers import current_layout
+from .mixers import current_layout, prepare_model, token_mixers
 from .sampler import BALANCES, PackedSampler, Step
 from .tree import is_tree_batch, tree_attention, tree_layout
 
@@ -990,6 +990,8 @@ class PackedTrainerMixin:
                 f" got {transformers.__version__}"
             )
         super().__init__(*args, **kwargs)
+        if any(token_mixers(self.model)):  # type: ignore[attr-defined]
+            prepare_model(self.model)  # type: ignore[attr-defined]  # mixers exact when packed
         if not self.args.average_tokens_across_devices:  # type: ignore[attr-defined]
             raise FastpackError(
                 "average_tokens_across_devices: must be True with PackedTrainerMixin: the "
