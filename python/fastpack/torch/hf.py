@@ -6,6 +6,7 @@ implementation of transformers models (:func:`register_hf_attention`), and the
 from __future__ import annotations
 
 import functools
+import re
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -26,6 +27,7 @@ from .context_parallel import (
 )
 from .data import PackedDataset, first_item
 from .loss import WEIGHTINGS, packed_loss
+from .mixers import current_layout, prepare_model, token_mixers
 from .sampler import BALANCES, PackedSampler, Step
 from .tree import is_tree_batch, tree_attention, tree_layout
 
@@ -345,6 +347,14 @@ def _attention(
             f"register_hf_attention(context_parallel_group=group, mode=...) registers"
         )
     window = kwargs.pop("sliding_window", None)
+    if window is None:
+        # Some models (Qwen2-MoE) keep the window in the layer and its mask only.
+        window = getattr(module, "sliding_window", None) or None
+    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
+        raise FastpackError(
+            f"{name}: {type(module).__name__} adds attention sinks, which {name} does not "
+            f"honour; use attn_implementation='eager' with PackedCollator(backend='eager')"
+        )
     softcap = kwargs.pop("softcap", None)
     causal = kwargs.pop("is_causal", None)
     if causal is None:
@@ -383,6 +393,12 @@ def _attention(
             # encoder's image (Qwen-VL towers call once per image).
             return _dense(name, module, query, key, value, None, scaling, dropout, False,
                           softcap, kwargs)
+        active = current_layout(rows, q_len) if position_ids is None and causal else None
+        if active is not None:  # a prepared model's batch: its boundaries, read once
+            cu, longest = active
+            return _packed(name, kernel, module, query, key, value,
+                           cu.to(device=query.device, dtype=torch.int32), longest, causal,
+                           scaling, dropout, window, softcap, validate=False)
         if position_ids is None:
             raise FastpackError(
                 f"{name}: {type(module).__name__} passed neither cu_seq_lens_q nor "
@@ -662,6 +678,9 @@ def check_model_batch(model: Any, batch: dict[str, Any]) -> None:
                             f"({type(config).__name__}) would not compute the unpacked "
                             f"model; {fix}")
 
+    if _packs_sequences(batch):
+        _check_mixing(model, config, batch, impl, ours, refuse)
+
     sharded = "cp_size" in batch
     if sharded or impl in _CONTEXT_PARALLEL:
         registered = _CONTEXT_PARALLEL.get(impl)
@@ -723,6 +742,12 @@ def check_model_batch(model: Any, batch: dict[str, Any]) -> None:
                    f"(sliding_window={window})",
                    "use mask='position_ids' (the default) or backend='flash'")
         return
+    if not ours and getattr(config, "model_type", None) in _MASK_WITHOUT_POSITIONS and (
+            _packs_sequences(batch)):
+        refuse("packed rows on a model that builds its attention mask without position_ids "
+               "(every token would see the whole row)",
+               "use attn_implementation=register_hf_attention() with prepare_model(model), "
+               "or an explicit mask (mask='explicit')")
     if ours or "cu_seq_lens_q" in batch or positions is None:
         return
     if not isinstance(positions, torch.Tensor):
@@ -744,6 +769,125 @@ def check_model_batch(model: Any, batch: dict[str, Any]) -> None:
     if impl.startswith("flash_attention") and rows.shape[0] > 1:
         refuse(f"{rows.shape[0]} packed rows without cu_seq_lens_q",
                "use PackedCollator(backend='flash')")
+
+
+def _packs_sequences(batch: dict[str, Any]) -> bool:
+    """Whether a row of the batch holds more than one sequence (or a tree, or a piece of
+    one shared by context-parallel ranks): where a layer that mixes tokens along the row
+    must keep them apart."""
+    if is_tree_batch(batch) or "cp_size" in batch:
+        return True
+    cu = batch.get("cu_seq_lens_q")
+    if cu is not None:
+        return len(cu) > 2
+    mask = batch.get("attention_mask")
+    if mask is not None and getattr(mask, "ndim", 2) == 4:
+        return True  # an explicit mask: block-diagonal rows
+    positions = batch.get("position_ids")
+    if not isinstance(positions, torch.Tensor):
+        return False
+    if positions.ndim == 3:
+        positions = positions[0]
+    rows = positions.reshape(-1, positions.shape[-1])
+    starts = rows[:, 1:] - rows[:, :-1] != 1
+    if isinstance(mask, torch.Tensor) and mask.ndim == 2:
+        real = mask.to(torch.bool).reshape(rows.shape)
+        starts &= real[:, 1:] & real[:, :-1]
+    return bool(starts.any())
+
+
+#: Module classes, by name, that mix tokens along the sequence beyond softmax attention
+#: and that fastpack does not keep apart (a new architecture is refused until proven).
+_MIXING_NAMES = re.compile(
+    r"Mamba|Mixer|ShortConv|DeltaNet|DeltaAttention|LinearAttention|Lightning|Recurrent|"
+    r"Rwkv|RWKV|Retention|Hyena|SSM|Rglru|RgLru|Xlstm|xLSTM|TimeMix", re.ASCII)
+#: Classes that hold layers rather than mix tokens themselves (their layers are checked).
+_CONTAINERS = re.compile(r"(Model|For[A-Z]\w*|Block|DecoderLayer|MLP|Experts|Norm|Output)$")
+#: Parameters of a recurrent state (Mamba's decay and step, RWKV's decay).
+_STATE_PARAMETERS = ("A_log", "dt_bias", "time_decay", "time_first", "recurrent_param")
+#: Submodules that run on the media of a vision-language or audio batch, not on its row.
+_MEDIA_TOWERS = re.compile(r"(^|\.)(visual|vision_tower|vision_model|vision_encoder|"
+                           r"audio_tower|audio_model|audio_encoder|multi_modal_projector)(\.|$)")
+#: Model types whose model builds the attention mask without the positions, so Hugging
+#: Face's attentions never see where packed sequences restart.
+_MASK_WITHOUT_POSITIONS = ("granitemoehybrid",)
+#: Model types whose attention adds ALiBi biases outside the attention interface.
+_ALIBI_TYPES = ("bloom", "mpt")
+
+
+def _mixing_reason(module: torch.nn.Module) -> str | None:
+    """Why ``module`` mixes tokens along the sequence (by its class and what it holds),
+    or ``None``."""
+    cls = type(module).__name__
+    for child in module.children():
+        if isinstance(child, torch.nn.Conv1d) and child.kernel_size[0] > 1:
+            return (f"it convolves over the sequence (Conv1d, kernel {child.kernel_size[0]}): "
+                    f"the window reads the previous sequence's tokens")
+    for name, _ in module.named_parameters(recurse=False):
+        if name in _STATE_PARAMETERS:
+            return f"it carries a recurrent state along the sequence (parameter {name})"
+    if _MIXING_NAMES.search(cls) and not _CONTAINERS.search(cls):
+        return "its class is a token mixer fastpack does not know"
+    return None
+
+
+def _check_mixing(model: Any, config: Any, batch: dict[str, Any], impl: str, ours: bool,
+                  refuse: Callable[[str, str], None]) -> None:
+    """Refuses a packed batch for a model with a layer that would mix its sequences: a
+    known token mixer :func:`~fastpack.torch.prepare_model` has not prepared (or one it
+    cannot keep apart on this batch), any other module that mixes tokens, ALiBi, attention
+    sinks on fastpack's attention, and bidirectional attention."""
+    from .mixers import MIXERS, is_prepared
+
+    kind = getattr(config, "model_type", None)
+    if kind in _ALIBI_TYPES or getattr(config, "alibi", False):
+        refuse(f"packed rows on a model with ALiBi position biases ({kind})",
+               "fastpack does not add ALiBi per sequence (the biases run across the row); "
+               "use PackedCollator(backend='padded')")
+    if getattr(config, "is_decoder", None) is False:
+        refuse(f"packed rows on a model whose attention is bidirectional ({kind}, "
+               f"is_decoder=False: every token sees the whole row, the next sequences too)",
+               "set is_decoder=True in the config for a causal LM, or use backend='padded'")
+    inner = model
+    for attr in ("module", "_orig_mod"):
+        inner = getattr(inner, attr, inner)
+    if not isinstance(inner, torch.nn.Module):
+        return
+    prepared = is_prepared(inner)
+    known: list[str] = []
+    for path, module in inner.named_modules():
+        if any(path == k or path.startswith(k + ".") for k in known) or _MEDIA_TOWERS.search(path):
+            continue
+        cls = type(module).__name__
+        if ours and getattr(module, "sinks", None) is not None:
+            raise FastpackError(
+                f"{path} ({cls}) adds attention sinks (a per-head logit every query sees), "
+                f"which {impl!r} does not honour: not supported because the sink would be "
+                f"dropped; use attn_implementation='eager' with PackedCollator(backend="
+                f"'eager') (Hugging Face's eager attention adds the sinks)")
+        if cls in MIXERS:
+            known.append(path)
+            if not prepared:
+                raise FastpackError(
+                    f"{path} ({cls}) mixes tokens across sequences: call "
+                    f"fastpack.torch.prepare_model(model) before training on packed batches "
+                    f"(it restarts the layer's state at every sequence), or use "
+                    f"PackedCollator(backend='padded')")
+            if is_tree_batch(batch) or "cp_size" in batch:
+                what = "a tree batch" if is_tree_batch(batch) else "a context-parallel batch"
+                raise FastpackError(
+                    f"{path} ({cls}) mixes tokens across sequences: not supported on {what} "
+                    f"because its recurrent state runs along the row (a shared prefix or a "
+                    f"rank's piece is not a whole sequence); use share_prefix=False / no "
+                    f"context parallelism for this model")
+            continue
+        reason = _mixing_reason(module)
+        if reason is not None:
+            known.append(path)
+            raise FastpackError(
+                f"{path} ({cls}) mixes tokens across sequences: not supported because "
+                f"{reason}, so its packed rows would leak between sequences; use "
+                f"PackedCollator(backend='padded') for this model")
 
 
 # --------------------------------------------------------------------------- Trainer
@@ -846,6 +990,8 @@ class PackedTrainerMixin:
                 f" got {transformers.__version__}"
             )
         super().__init__(*args, **kwargs)
+        if any(token_mixers(self.model)):  # type: ignore[attr-defined]
+            prepare_model(self.model)  # type: ignore[attr-defined]  # mixers exact when packed
         if not self.args.average_tokens_across_devices:  # type: ignore[attr-defined]
             raise FastpackError(
                 "average_tokens_across_devices: must be True with PackedTrainerMixin: the "
