@@ -26,6 +26,8 @@ Its modules are its layers:
 - :mod:`~fastpack.torch.tree` — tree batches (``share_prefix=True``: shared prefixes
   computed once), their attention and :func:`per_sample` / :func:`token_logprobs`: every
   sample's values, plain batch or tree.
+- :mod:`~fastpack.torch.verify` — :func:`verify_packing`: a packed batch's samples run
+  alone through the user's model and compared, naming the first module that differs.
 - :mod:`~fastpack.torch.hf` — Hugging Face integration (:func:`register_hf_attention`,
   :func:`check_model_batch`, :class:`PackedTrainerMixin` for the ``Trainer`` / TRL
   ``SFTTrainer`` on many ranks).
@@ -52,6 +54,7 @@ from .loss import WEIGHTINGS, packed_loss
 from .sampler import PackedSampler, Schedule, Step
 from .stream import SHARDINGS, PackedIterableDataset
 from .tree import per_sample, token_logprobs
+from .verify import VerifyReport, verify_packing
 
 __all__ = [
     "BACKENDS",
@@ -79,4 +82,6 @@ __all__ = [
     "shard_for_context_parallel",
     "token_logprobs",
     "varlen_attention",
+    "verify_packing",
+    "VerifyReport",
 ]
