@@ -33,12 +33,65 @@ from transformers.models.auto.modeling_auto import (  # noqa: E402
     MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
 )
 
-from fastpack import FastpackError  # noqa: E402
-from fastpack.torch import PackedCollator  # noqa: E402
-
 #: Cells (architecture, format) the library does not handle yet, and how they fail.
 #: Strict xfail: each entry fails the suite once it passes, so the list only shrinks.
-KNOWN: dict[tuple[str, str], str] = {}
+#: Regenerate: ``PYTHONPATH=python:tests python3 tests/architectures.py --known``.
+KNOWN: dict[tuple[str, str], str] = {
+    ('afmoe', 'sdpa'): 'silently different: model.layers.0.self_attn (AfmoeAttention) mixes tokens across sequences (5.3e-01)',
+    ('axk2', 'flash'): "crashes: TypeError: 'NoneType' object is not subscriptable",
+    ('bart', 'flash'): 'silently different: model.decoder (BartDecoder) passes other positions or ids than the sample alone (not restarted at each sequence?) (4.9e-01)',
+    ('bart', 'sdpa'): 'silently different: model.decoder (BartDecoder) passes other positions or ids than the sample alone (not restarted at each sequence?) (5.1e-01)',
+    ('bigbird_pegasus', 'flash'): 'silently different: model.decoder.layers.0.self_attn (BigBirdPegasusDecoderAttention) mixes tokens across sequences (1.2e-01)',
+    ('bigbird_pegasus', 'sdpa'): 'silently different: model.decoder (BigBirdPegasusDecoder) passes other positions or ids than the sample alone (not restarted at each sequenc (eager: t',
+    ('biogpt', 'sdpa'): 'silently different: biogpt.layers.0.self_attn (BioGptAttention) mixes tokens across sequences (6.9e-02)',
+    ('blenderbot', 'flash'): 'silently different: model.decoder (BlenderbotDecoder) passes other positions or ids than the sample alone (not restarted at each sequence?) (4.0e-01)',
+    ('blenderbot', 'sdpa'): 'silently different: model.decoder (BlenderbotDecoder) passes other positions or ids than the sample alone (not restarted at each sequence?) (4.0e-01)',
+    ('blenderbot-small', 'flash'): 'silently different: model.decoder (BlenderbotSmallDecoder) passes other positions or ids than the sample alone (not restarted at each sequen (1.2e-02)',
+    ('blenderbot-small', 'sdpa'): 'silently different: model.decoder (BlenderbotSmallDecoder) passes other positions or ids than the sample alone (not restarted at each sequen (1.3e-02)',
+    ('cpmant', 'flash'): 'silently different: cpmant (CpmAntModel) mixes tokens across sequences (3.0e+01)',
+    ('cpmant', 'sdpa'): 'silently different: cpmant (CpmAntModel) mixes tokens across sequences (3.6e+01)',
+    ('deepseek_v32', 'flash'): "crashes: TypeError: 'NoneType' object is not subscriptable",
+    ('deepseek_v32', 'sdpa'): 'silently different: model.layers.0.self_attn.indexer (DeepseekV32Indexer) mixes tokens across sequences (6.9e-02)',
+    ('deepseek_v4', 'sdpa'): 'silently different: model.layers.1.self_attn (DeepseekV4Attention) mixes tokens across sequences (eager: transformers has no sdpa) (7.3e-02)',
+    ('dots3_note', 'flash'): "crashes: TypeError: 'NoneType' object is not subscriptable",
+    ('dots3_note', 'sdpa'): 'silently different: model.layers.0.self_attn.indexer (Dots3NoteTextIndexer) mixes tokens across sequences (8.8e-02)',
+    ('dots3_note_text', 'flash'): "crashes: TypeError: 'NoneType' object is not subscriptable",
+    ('dots3_note_text', 'sdpa'): 'silently different: model.layers.0.self_attn.indexer (Dots3NoteTextIndexer) mixes tokens across sequences (8.8e-02)',
+    ('exaone4', 'flash'): 'silently different: model.layers.1.self_attn (Exaone4Attention) mixes tokens across sequences (3.9e-01)',
+    ('exaone_moe', 'flash'): 'silently different: model.layers.2.self_attn (ExaoneMoeAttention) mixes tokens across sequences (1.3e-01)',
+    ('git', 'flash'): 'silently different: git.encoder.layer.0.attention.self (GitSelfAttention) mixes tokens across sequences (7.5e-03)',
+    ('glm_moe_dsa', 'flash'): "crashes: TypeError: 'NoneType' object is not subscriptable",
+    ('glm_moe_dsa', 'sdpa'): 'silently different: model.layers.0.self_attn.indexer (GlmMoeDsaIndexer) mixes tokens across sequences (8.2e-02)',
+    ('gpt_oss', 'sdpa'): 'silently different: model.layers.0.self_attn (GptOssAttention) mixes tokens across sequences (eager: transformers has no sdpa) (1.4e-01)',
+    ('kolibri1', 'flash'): 'silently different: model.layers.1.self_attn (Kolibri1Attention) mixes tokens across sequences (2.9e-01)',
+    ('llama4', 'flash'): 'silently different: model.layers.0.self_attn (Llama4TextAttention) mixes tokens across sequences (1.9e-01)',
+    ('llama4_text', 'flash'): 'silently different: model.layers.0.self_attn (Llama4TextAttention) mixes tokens across sequences (1.9e-01)',
+    ('marian', 'flash'): 'silently different: model.decoder (MarianDecoder) passes other positions or ids than the sample alone (not restarted at each sequence?) (4.3e-01)',
+    ('marian', 'sdpa'): 'silently different: model.decoder (MarianDecoder) passes other positions or ids than the sample alone (not restarted at each sequence?) (3.7e-01)',
+    ('mbart', 'flash'): 'silently different: model.decoder (MBartDecoder) passes other positions or ids than the sample alone (not restarted at each sequence?) (4.9e-01)',
+    ('mbart', 'sdpa'): 'silently different: model.decoder (MBartDecoder) passes other positions or ids than the sample alone (not restarted at each sequence?) (5.1e-01)',
+    ('mvp', 'flash'): 'silently different: model.decoder.embed_positions (MvpLearnedPositionalEmbedding) mixes tokens across sequences (4.9e-01)',
+    ('mvp', 'sdpa'): 'silently different: model.decoder.embed_positions (MvpLearnedPositionalEmbedding) mixes tokens across sequences (5.1e-01)',
+    ('openai-gpt', 'flash'): 'silently different: transformer.h.0.attn (Attention) mixes tokens across sequences (6.7e-03)',
+    ('openai-gpt', 'sdpa'): 'silently different: transformer.h.0.attn (Attention) mixes tokens across sequences (5.6e-03)',
+    ('opt', 'sdpa'): 'silently different: model.decoder.layers.0.self_attn (OPTAttention) mixes tokens across sequences (1.8e-01)',
+    ('pegasus', 'flash'): 'silently different: model.decoder (PegasusDecoder) passes other positions or ids than the sample alone (not restarted at each sequence?) (4.2e-01)',
+    ('pegasus', 'sdpa'): 'silently different: model.decoder (PegasusDecoder) passes other positions or ids than the sample alone (not restarted at each sequence?) (3.7e-01)',
+    ('plbart', 'flash'): 'silently different: model.decoder (PLBartDecoder) passes other positions or ids than the sample alone (not restarted at each sequence?) (1.1e-01)',
+    ('plbart', 'sdpa'): 'silently different: model.decoder (PLBartDecoder) passes other positions or ids than the sample alone (not restarted at each sequence?) (1.3e-01)',
+    ('prophetnet', 'flash'): 'silently different: prophetnet.decoder.layers.0.self_attn (ProphetNetNgramSelfAttention) mixes tokens across sequences (4.1e-01)',
+    ('prophetnet', 'sdpa'): 'silently different: prophetnet.decoder.layers.0.self_attn (ProphetNetNgramSelfAttention) mixes tokens across sequences (4.2e-01)',
+    ('reformer', 'flash'): 'crashes: RuntimeError: upper bound and lower bound inconsistent with step sign',
+    ('reformer', 'sdpa'): 'crashes: RuntimeError: upper bound and lower bound inconsistent with step sign',
+    ('trocr', 'flash'): 'silently different: model.decoder.embed_positions (TrOCRLearnedPositionalEmbedding) mixes tokens across sequences (4.9e-01)',
+    ('trocr', 'sdpa'): 'silently different: model.decoder.embed_positions (TrOCRLearnedPositionalEmbedding) mixes tokens across sequences (5.1e-01)',
+    ('xglm', 'flash'): 'silently different: model.layers.0.self_attn (XGLMAttention) mixes tokens across sequences (6.6e-03)',
+    ('xglm', 'sdpa'): 'silently different: model.layers.0.self_attn (XGLMAttention) mixes tokens across sequences (7.6e-03)',
+    ('xlm', 'flash'): 'silently different: transformer.attentions.0 (MultiHeadAttention) mixes tokens across sequences (1.7e-03)',
+    ('xlm', 'sdpa'): 'silently different: transformer.attentions.0 (MultiHeadAttention) mixes tokens across sequences (1.7e-03)',
+    ('xlnet', 'flash'): 'silently different: transformer.layer.0.rel_attn (XLNetRelativeAttention) mixes tokens across sequences (2.0e-03)',
+    ('xlnet', 'sdpa'): 'silently different: transformer.layer.0.rel_attn (XLNetRelativeAttention) mixes tokens across sequences (2.0e-03)',
+}
 
 
 @dataclass
@@ -69,16 +122,7 @@ def cell(name: str, fmt: str) -> Cell:
         outcome = arch.run(model, fmt, alone)
         modules = {type(m).__name__ for m in model.modules()} | {
             path for path, _ in model.named_modules() if path}
-        verified = None
-        if arch.VERIFY is not None and outcome.status in ("EXACT", "SILENT"):
-            batch = PackedCollator(max_len=64, backend=fmt)(
-                [{"input_ids": s} for s in arch.samples()])
-            try:
-                arch.VERIFY(model, batch)
-                verified = ""
-            except FastpackError as e:
-                verified = str(e)
-        return Cell(outcome, modules, verified)
+        return Cell(outcome, modules, outcome.verified)
 
 
 def names_what(message: str, modules: set[str]) -> bool:
