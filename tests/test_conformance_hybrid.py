@@ -310,3 +310,22 @@ def test_moe_aux_loss_packed_equals_unpacked() -> None:
         a = m(**{k: v for k, v in packed.items() if k != "labels"}).aux_loss
         b = m(**{k: v for k, v in padded.items() if k != "labels"}).aux_loss
     assert abs(a.item() - b.item()) <= 1e-6 * max(1.0, abs(b.item()))
+
+
+def test_gpu_check_hybrid_section_on_cpu() -> None:
+    """benches/gpu_check.py's hybrid section runs (tiny, fp32 on the CPU) and passes."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benches" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check", path)
+    assert spec is not None and spec.loader is not None
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    cfg = gpu_check.make_config(cpu_smoke=True)
+    cfg["iters"], cfg["warmup"] = 1, 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = gpu_check.check_hybrid(torch, cfg, torch.device("cpu"), torch.float32)
+    assert [r["family"] for r in report["rows"]] == ["lfm2", "bamba", "qwen3_next"]
+    assert all(r["ok"] for r in report["rows"]), report["rows"]
