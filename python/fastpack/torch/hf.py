@@ -6,6 +6,7 @@ implementation of transformers models (:func:`register_hf_attention`), and the
 from __future__ import annotations
 
 import functools
+import inspect
 import re
 import weakref
 from collections import deque
@@ -348,8 +349,7 @@ def _attention(
         )
     window = kwargs.pop("sliding_window", None)
     if window is None:
-        # Some models (Qwen2-MoE) keep the window in the layer and its mask only.
-        window = getattr(module, "sliding_window", None) or None
+        window = _layer_window(module)
     if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
         raise FastpackError(
             f"{name}: {type(module).__name__} adds attention sinks, which {name} does not "
@@ -436,6 +436,18 @@ def _attention(
         )
     return _dense(name, module, query, key, value, attention_mask, scaling, dropout, causal,
                   softcap, kwargs)
+
+
+def _layer_window(module: torch.nn.Module) -> int | None:
+    """The window of a sliding layer whose model keeps it in the layer and its mask only
+    (Qwen2-MoE passes no ``sliding_window`` keyword): the layer's ``sliding_window`` where
+    the config's ``layer_types`` say the layer slides."""
+    window = getattr(module, "sliding_window", None)
+    layer = getattr(module, "layer_idx", None)
+    types = getattr(getattr(module, "config", None), "layer_types", None)
+    if not window or layer is None or types is None or not 0 <= layer < len(types):
+        return None
+    return int(window) if types[layer] == "sliding_attention" else None
 
 
 def _packed_inputs(
@@ -807,10 +819,33 @@ _CONTAINERS = re.compile(r"(Model|For[A-Z]\w*|Block|DecoderLayer|MLP|Experts|Nor
 _STATE_PARAMETERS = ("A_log", "dt_bias", "time_decay", "time_first", "recurrent_param")
 #: Submodules that run on the media of a vision-language or audio batch, not on its row.
 _MEDIA_TOWERS = re.compile(r"(^|\.)(visual|vision_tower|vision_model|vision_encoder|"
-                           r"audio_tower|audio_model|audio_encoder|multi_modal_projector)(\.|$)")
+                           r"audio_tower|audio_model|audio_encoder|audio_embed|"
+                           r"embed_tokens_extend|multi_modal_projector)(\.|$)")
 #: Model types whose model builds the attention mask without the positions, so Hugging
 #: Face's attentions never see where packed sequences restart.
-_MASK_WITHOUT_POSITIONS = ("granitemoehybrid",)
+_MASK_WITHOUT_POSITIONS = ("granitemoehybrid", "afmoe", "biogpt", "opt")
+#: Model types that cannot keep packed sequences apart, and why (found by the sweep of
+#: every causal LM transformers registers: silently different on packed rows).
+_NOT_PACKABLE = {
+    "openai-gpt": "its attention adds its own causal bias over the whole row",
+    "xglm": "its sinusoidal positions are offset from the row's padding",
+    "xlm": "its attention masks and positions run over the whole row",
+    "xlnet": "its relative attention runs over the whole row",
+    "cpmant": "its position bias runs over the whole row",
+    "reformer": "its LSH / axial attention and positions run over the whole row",
+    "git": "its text attention is built over the whole row beside the image tokens",
+    "prophetnet": "its n-gram attention runs over the whole row",
+    "big_bird": "its bidirectional attention is its own, not the attention interface: every "
+                "token sees the whole row",
+    "megatron-bert": "its bidirectional attention is its own, not the attention interface: "
+                     "every token sees the whole row",
+    "rembert": "its bidirectional attention is its own, not the attention interface: every "
+               "token sees the whole row",
+}
+#: Token-mixing classes that keep packed sequences apart themselves (checked by the sweep).
+_KEEPS_APART = {
+    "InklingShortConvolution": "masks its window with the model's conv_mask",
+}
 #: Model types whose attention adds ALiBi biases outside the attention interface.
 _ALIBI_TYPES = ("bloom", "mpt")
 
@@ -844,27 +879,50 @@ def _check_mixing(model: Any, config: Any, batch: dict[str, Any], impl: str, our
         refuse(f"packed rows on a model with ALiBi position biases ({kind})",
                "fastpack does not add ALiBi per sequence (the biases run across the row); "
                "use PackedCollator(backend='padded')")
-    if getattr(config, "is_decoder", None) is False:
-        refuse(f"packed rows on a model whose attention is bidirectional ({kind}, "
-               f"is_decoder=False: every token sees the whole row, the next sequences too)",
-               "set is_decoder=True in the config for a causal LM, or use backend='padded'")
+    if kind in _NOT_PACKABLE:
+        refuse(f"packed rows on {kind} ({_NOT_PACKABLE[kind]})",
+               "use PackedCollator(backend='padded') for this model")
+    if ours and getattr(config, "attention_chunk_size", None):
+        refuse(f"packed rows on a model with chunked attention (attention_chunk_size="
+               f"{config.attention_chunk_size}: fastpack's attention does not add the chunks)",
+               "use attn_implementation='sdpa' or 'eager' with PackedCollator(backend='sdpa')")
     inner = model
     for attr in ("module", "_orig_mod"):
         inner = getattr(inner, attr, inner)
     if not isinstance(inner, torch.nn.Module):
         return
     prepared = is_prepared(inner)
+    forward = getattr(inner, "forward", None)
+    attends = any("Attention" in type(m).__name__ for m in inner.modules())
+    if attends and forward is not None and (
+            "position_ids" not in inspect.signature(forward).parameters):
+        refuse(f"packed rows on a model that takes no position_ids ({type(inner).__name__}: "
+               f"its positions count along the row, so they do not restart per sequence)",
+               "use PackedCollator(backend='padded') for this model")
     known: list[str] = []
     for path, module in inner.named_modules():
         if any(path == k or path.startswith(k + ".") for k in known) or _MEDIA_TOWERS.search(path):
             continue
         cls = type(module).__name__
-        if ours and getattr(module, "sinks", None) is not None:
+        if getattr(module, "sinks", None) is not None and not ours:
             raise FastpackError(
-                f"{path} ({cls}) adds attention sinks (a per-head logit every query sees), "
-                f"which {impl!r} does not honour: not supported because the sink would be "
-                f"dropped; use attn_implementation='eager' with PackedCollator(backend="
-                f"'eager') (Hugging Face's eager attention adds the sinks)")
+                f"{path} ({cls}) adds attention sinks (a per-head logit every query sees): "
+                f"not supported with attn_implementation={impl!r} on packed rows because "
+                f"its mask does not keep the rows' sequences apart with the sink; use "
+                f"attn_implementation=fastpack.torch.register_hf_attention()")
+        if hasattr(module, "create_position_ids_from_input_ids"):
+            raise FastpackError(
+                f"{path} ({cls}) numbers positions from the padding index along the row: "
+                f"not supported on packed rows because position_ids restarting at 0 are not "
+                f"its positions; use PackedCollator(backend='padded') for this model")
+        if cls in _KEEPS_APART:
+            known.append(path)
+            continue
+        if "Indexer" in cls:
+            raise FastpackError(
+                f"{path} ({cls}) selects keys for sparse attention over the whole row: "
+                f"not supported on packed rows because its scores and top-k run across "
+                f"sequences; use PackedCollator(backend='padded') for this model")
         if cls in MIXERS:
             known.append(path)
             if not prepared:
