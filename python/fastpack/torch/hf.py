@@ -350,15 +350,14 @@ def _attention(
     window = kwargs.pop("sliding_window", None)
     if window is None:
         window = _layer_window(module)
-    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
-        raise FastpackError(
-            f"{name}: {type(module).__name__} adds attention sinks, which {name} does not "
-            f"honour; use attn_implementation='eager' with PackedCollator(backend='eager')"
-        )
+    sinks = kwargs.pop("s_aux", None)
     softcap = kwargs.pop("softcap", None)
     causal = kwargs.pop("is_causal", None)
     if causal is None:
         causal = getattr(module, "is_causal", True)
+    if sinks is not None:
+        return _with_sinks(name, module, query, key, value, attention_mask, scaling, dropout,
+                           causal, window, softcap, sinks, kwargs)
     rows, _, q_len, _ = query.shape
     kv_len = key.shape[2]
     cu_seqlens = kwargs.get("cu_seq_lens_q")
@@ -436,6 +435,103 @@ def _attention(
         )
     return _dense(name, module, query, key, value, attention_mask, scaling, dropout, causal,
                   softcap, kwargs)
+
+
+def _with_sinks(
+    name: str,
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any,
+    scaling: float | None,
+    dropout: float,
+    causal: bool,
+    window: int | None,
+    softcap: float | None,
+    sinks: torch.Tensor,
+    kwargs: dict[str, Any],
+) -> tuple[torch.Tensor, None]:
+    """Attention with sinks (GPT-OSS's ``s_aux``: one more logit per head in every query's
+    softmax, its value zero), the eager math per sequence of a packed row, or over a row
+    with its mask."""
+    if dropout and module.training:
+        raise FastpackError(f"{name}: attention dropout {dropout} with attention sinks is not "
+                            f"supported; set the model's attention dropout to 0")
+    rows, heads, width, dim = query.shape
+    if kwargs.get("tree_parents") is not None or "cp_size" in kwargs:
+        raise FastpackError(f"{name}: attention sinks on a tree or context-parallel batch "
+                            f"are not supported")
+    cu = kwargs.get("cu_seq_lens_q")
+    position_ids = kwargs.get("position_ids")
+    if attention_mask is not None or key.shape[2] != width:
+        if not isinstance(attention_mask, torch.Tensor | None):
+            raise FastpackError(f"{name}: attention sinks with a "
+                                f"{type(attention_mask).__name__} mask are not supported")
+        if attention_mask is not None and window and not _built_from(attention_mask)[0]:
+            # the batch's own mask (mask="explicit") has no window: add it
+            attention_mask = _with_window(name, attention_mask, position_ids, width,
+                                          key.shape[2], window)
+        out = _eager(query, key, value, attention_mask, scaling, causal and attention_mask is None,
+                     softcap, sinks, None)
+        return out.transpose(1, 2).contiguous(), None
+    if cu is not None:
+        bounds = cu.detach().to("cpu", torch.int64)
+    elif position_ids is not None:
+        bounds = _position_bounds(position_ids, rows, width, torch.device("cpu"))[0].long()
+    else:
+        active = current_layout(rows, width)
+        bounds = active[0] if active is not None else torch.arange(rows + 1) * width
+    # (rows, heads, width, dim) -> (1, heads, rows * width, dim): the rows end to end
+    q, k, v = (t.transpose(0, 1).reshape(1, t.shape[1], rows * width, dim)
+               for t in (query, key, value))
+    pieces = [_eager(q[:, :, b:e], k[:, :, b:e], v[:, :, b:e], None, scaling, causal, softcap,
+                     sinks, window)
+              for b, e in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True) if e > b]
+    out = torch.cat(pieces, dim=2).reshape(heads, rows, width, dim)
+    return out.permute(1, 2, 0, 3).contiguous(), None
+
+
+def _eager(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float | None,
+    causal: bool,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+    window: int | None,
+) -> torch.Tensor:
+    """Hugging Face's eager attention math, ``(B, heads, q, D)`` out: soft-capped scores,
+    a mask (or causal, the queries the last keys), a sliding window, and sinks."""
+    q_len, kv_len = query.shape[2], key.shape[2]
+    groups = query.shape[1] // key.shape[1]
+    key, value = (t.repeat_interleave(groups, dim=1) if groups > 1 else t for t in (key, value))
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if mask is None and (causal or window) and q_len > 1:  # the queries are the last keys
+        idx = torch.arange(kv_len, device=query.device)
+        distance = idx[kv_len - q_len:, None] - idx[None, :]
+        mask = distance >= 0 if causal else torch.ones_like(distance, dtype=torch.bool)
+        if window:
+            mask = mask & (distance < window)
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        else:
+            scores = scores + mask
+    if sinks is not None:
+        sink = sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+        scores = torch.cat([scores, sink], dim=-1)
+    work = torch.promote_types(query.dtype, torch.float32)
+    probs = torch.softmax(scores, dim=-1, dtype=work).to(query.dtype)
+    if sinks is not None:
+        probs = probs[..., :-1]  # the sink's value is zero
+    return torch.matmul(probs, value)
 
 
 def _layer_window(module: torch.nn.Module) -> int | None:
@@ -588,24 +684,8 @@ def _dense(
             f"{name}: attention dropout {dropout} with soft-capping is not supported; set "
             f"the model's attention dropout to 0"
         )
-    q_len, kv_len = query.shape[2], key.shape[2]
-    groups = query.shape[1] // key.shape[1]
-    key, value = (t.repeat_interleave(groups, dim=1) if groups > 1 else t for t in (key, value))
-    if scaling is None:
-        scaling = query.shape[-1] ** -0.5
-    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
-    scores = torch.tanh(scores / softcap) * softcap
-    if mask is None and causal and q_len > 1:  # the queries are the last q_len keys
-        idx = torch.arange(kv_len, device=query.device)
-        mask = idx[None, :] <= idx[kv_len - q_len:, None]
-    if mask is not None:
-        if mask.dtype == torch.bool:
-            scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-        else:
-            scores = scores + mask
-    work = torch.promote_types(query.dtype, torch.float32)
-    probs = torch.softmax(scores, dim=-1, dtype=work).to(query.dtype)
-    return torch.matmul(probs, value).transpose(1, 2).contiguous(), None
+    out = _eager(query, key, value, mask, scaling, causal, softcap, None, None)
+    return out.transpose(1, 2).contiguous(), None
 
 
 #: Attention kwargs of the packed formats, which Hugging Face's SDPA does not take.
