@@ -895,6 +895,8 @@ _MIXING_NAMES = re.compile(
     r"Rwkv|RWKV|Retention|Hyena|SSM|Rglru|RgLru|Xlstm|xLSTM|TimeMix", re.ASCII)
 #: Classes that hold layers rather than mix tokens themselves (their layers are checked).
 _CONTAINERS = re.compile(r"(Model|For[A-Z]\w*|Block|DecoderLayer|MLP|Experts|Norm|Output)$")
+#: Softmax attention (through the attention interface) whose class name reads like a mixer.
+_SOFTMAX_ATTENTION = ("KimiLinearAttention",)
 #: Parameters of a recurrent state (Mamba's decay and step, RWKV's decay).
 _STATE_PARAMETERS = ("A_log", "dt_bias", "time_decay", "time_first", "recurrent_param")
 #: Submodules that run on the media of a vision-language or audio batch, not on its row.
@@ -941,7 +943,8 @@ def _mixing_reason(module: torch.nn.Module) -> str | None:
     for name, _ in module.named_parameters(recurse=False):
         if name in _STATE_PARAMETERS:
             return f"it carries a recurrent state along the sequence (parameter {name})"
-    if _MIXING_NAMES.search(cls) and not _CONTAINERS.search(cls):
+    if _MIXING_NAMES.search(cls) and not _CONTAINERS.search(cls) and (
+            cls not in _SOFTMAX_ATTENTION):
         return "its class is a token mixer fastpack does not know"
     return None
 
