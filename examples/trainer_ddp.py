@@ -23,10 +23,10 @@ import numpy as np
 import torch
 import transformers
 from transformers import (
-    LlamaConfig,
-    LlamaForCausalLM,
     Lfm2Config,
     Lfm2ForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
     Trainer,
     TrainingArguments,
 )

@@ -41,8 +41,9 @@ __all__ = ["MIXERS", "STRATEGIES", "current_layout", "is_prepared", "prepare_mod
 
 #: The token mixers :func:`prepare_model` keeps apart, by class name: ``"ssm"`` (a
 #: state-space scan after a short convolution), ``"linear_attention"`` (a gated delta
-#: rule or another recurrent attention after a short convolution), ``"short_conv"`` (a
-#: gated short causal convolution). Every one is called as ``forward(hidden_states,
+#: rule or another recurrent attention after a short convolution), ``"short_conv"`` (LFM2's
+#: gated short causal convolution: a varlen convolution), ``"conv"`` (another short
+#: convolution block, run as the others). Every one is called as ``forward(hidden_states,
 #: cache=None, attention_mask=None, **kwargs)`` and mixes only along ``hidden_states``.
 MIXERS: dict[str, str] = {
     "MambaMixer": "ssm",
@@ -59,8 +60,14 @@ MIXERS: dict[str, str] = {
     "Qwen3_5MoeGatedDeltaNet": "linear_attention",
     "OlmoHybridGatedDeltaNet": "linear_attention",
     "KimiLinearDeltaAttention": "linear_attention",
+    "ZambaMambaMixer": "ssm",
+    "LaraMiniGatedDeltaNet": "linear_attention",
+    "Qwen4ExpTextGatedDeltaNet": "linear_attention",
+    "Glm5NextTextLinearAttention": "linear_attention",
+    "BailingHybridDeltaAttention": "linear_attention",
     "Lfm2ShortConv": "short_conv",
     "Lfm2MoeShortConv": "short_conv",
+    "Lfm3ShortConv": "conv",
 }
 
 #: How :func:`prepare_model` runs a mixer on a packed row (see the module docs).
