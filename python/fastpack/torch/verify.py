@@ -503,31 +503,36 @@ def _locate(model: torch.nn.Module, packed: _Packed, k: int, tol: float, diff: f
             f"(first at {found.where}, by {found.diff:.2g})")
 
 
+#: A module event: (module name, its call number in the forward, "input" or "output").
+_Key = tuple[str, int, str]
+_Stored = dict[_Key, list[tuple[str, torch.Tensor]]]
+
+
 def _search(model: torch.nn.Module, names: dict[torch.nn.Module, str], packed: _Packed,
             k: int, tol: float) -> _Found | None:
-    """Events (module inputs and outputs, in execution order) of the alone run recorded a
-    bounded number of bytes at a time, each window compared in a packed run."""
+    """Events (module inputs and outputs) of the alone run recorded a bounded number of
+    bytes at a time, from event ``lo`` in the alone run's order, each window compared in
+    a packed run in its own execution order. Events match by module, call number and
+    kind, not by position: a packed batch may call other modules (MoE experts)."""
     lo = 0
     while True:
-        stored: dict[int, tuple[str, list[tuple[str, torch.Tensor]]]] = {}
-        total = _run_alone(model, names, packed, k, lo, stored)
-        if not stored:
-            return None
-        hi = max(stored) + 1
-        found = _run_packed(model, names, packed, k, tol, lo, hi, stored)
+        stored: _Stored = {}
+        stop, total = _run_alone(model, names, packed, k, lo, stored)
+        if stored:
+            found = _run_packed(model, names, packed, k, tol, stored)
+            if found is not None:
+                return found
         stored.clear()
-        if found is not None:
-            return found
-        if hi >= total:
+        if stop >= total:
             return None
-        lo = hi
+        lo = stop
 
 
 class _Events:
     """Numbers every module input and output of a forward in execution order, and keeps
     the stack of modules running."""
 
-    def __init__(self, model: torch.nn.Module, names: dict[torch.nn.Module, str]) -> None:
+    def __init__(self, names: dict[torch.nn.Module, str]) -> None:
         self.count = 0
         self.stack: list[torch.nn.Module] = []
         self.calls: dict[torch.nn.Module, int] = {}
@@ -535,16 +540,16 @@ class _Events:
         self.handles: list[Any] = []
         for m in names:
             self.handles.append(m.register_forward_pre_hook(self._pre, with_kwargs=True))
-            self.handles.append(m.register_forward_hook(self._post, with_kwargs=True,
-                                                        always_call=True))
+            self.handles.append(m.register_forward_hook(self._post, with_kwargs=True))
 
-    def on(self, index: int, module: torch.nn.Module, kind: str, value: Any) -> None:
+    def on(self, index: int, key: _Key, module: torch.nn.Module, value: Any) -> None:
         raise NotImplementedError
 
     def _pre(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
+        call = self.calls[module] = self.calls.get(module, -1) + 1
         index = self.count
         self.count += 1
-        self.on(index, module, "input", {"args": args, **kwargs})
+        self.on(index, (self.names[module], call, "input"), module, {"args": args, **kwargs})
         self.stack.append(module)
 
     def _post(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
@@ -552,7 +557,8 @@ class _Events:
             self.stack.pop()
         index = self.count
         self.count += 1
-        self.on(index, module, "output", output)
+        self.on(index, (self.names[module], self.calls.get(module, 0), "output"), module,
+                output)
 
     def remove(self) -> None:
         for handle in self.handles:
@@ -560,47 +566,46 @@ class _Events:
 
 
 def _run_alone(model: torch.nn.Module, names: dict[torch.nn.Module, str], packed: _Packed,
-               k: int, lo: int, stored: dict[int, tuple[str, list[tuple[str, torch.Tensor]]]]
-               ) -> int:
+               k: int, lo: int, stored: _Stored) -> tuple[int, int]:
+    """Records the per-token values of events ``lo`` on, until ``_STORE_BYTES``; returns
+    the first event not recorded and the number of events."""
     length = len(packed.index(k))
 
     class Record(_Events):
         bytes = 0
-        full = False
+        stop = -1
 
-        def on(self, index: int, module: torch.nn.Module, kind: str, value: Any) -> None:
-            if index < lo or self.full:
+        def on(self, index: int, key: _Key, module: torch.nn.Module, value: Any) -> None:
+            if index < lo or self.stop >= 0:
                 return
             leaves = [(p, t.detach().clone()) for p, t in _leaves(value)
                       if t.ndim >= 1 and length in t.shape]
             size = sum(t.numel() * t.element_size() for _, t in leaves)
             if stored and self.bytes + size > _STORE_BYTES:
-                self.full = True
+                self.stop = index
                 return
             self.bytes += size
-            stored[index] = (f"{self.names[module]}:{kind}", leaves)
+            if leaves:
+                stored[key] = leaves
 
-    events = Record(model, names)
+    events = Record(names)
     try:
         with _reference(model):
             model(**packed.alone(k, model))
     finally:
         events.remove()
-    return events.count
+    return (events.stop if events.stop >= 0 else events.count), events.count
 
 
 def _run_packed(model: torch.nn.Module, names: dict[torch.nn.Module, str], packed: _Packed,
-                k: int, tol: float, lo: int, hi: int,
-                stored: dict[int, tuple[str, list[tuple[str, torch.Tensor]]]]) -> _Found | None:
+                k: int, tol: float, stored: _Stored) -> _Found | None:
     class Compare(_Events):
-        def on(self, index: int, module: torch.nn.Module, kind: str, value: Any) -> None:
-            if index >= hi:
-                raise _Done
-            if index not in stored:
+        matched = 0
+
+        def on(self, index: int, key: _Key, module: torch.nn.Module, value: Any) -> None:
+            alone = stored.get(key)
+            if alone is None:
                 return
-            key, alone = stored[index]
-            if key != f"{self.names[module]}:{kind}":
-                return  # another call sequence than alone: not comparable
             mine = dict(_leaves(value))
             for path, a in alone:
                 p = mine.get(path)
@@ -613,14 +618,17 @@ def _run_packed(model: torch.nn.Module, names: dict[torch.nn.Module, str], packe
                 if not bad:
                     continue
                 name = f"{self.names[module]} ({type(module).__name__})"
-                if kind == "output":
+                if key[2] == "output":
                     raise _Found(name, f"its output{_path(path)}", diff)
                 parent = self.stack[-1] if self.stack else module
                 culprit = f"{self.names[parent]} ({type(parent).__name__})"
                 raise _Found(culprit, f"the input{_path(path)} of {name}", diff,
                              integers=not p.is_floating_point())
+            self.matched += 1
+            if self.matched == len(stored):
+                raise _Done  # every recorded event compared
 
-    events = Compare(model, names)
+    events = Compare(names)
     try:
         model(**packed.inputs)
     except _Found as found:
