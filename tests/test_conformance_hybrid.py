@@ -336,3 +336,35 @@ def test_gpu_check_hybrid_section_on_cpu() -> None:
         report = gpu_check.check_hybrid(torch, cfg, torch.device("cpu"), torch.float32)
     assert [r["family"] for r in report["rows"]] == ["lfm2", "bamba"]
     assert all(r["ok"] for r in report["rows"]), report["rows"]
+
+
+#: Architectures that packed rows would silently break, and the words of their refusal.
+REFUSED = {
+    "bloom": (transformers.BloomConfig, dict(n_layer=1, n_head=2), r"ALiBi"),
+    "roberta": (transformers.RobertaConfig, dict(num_hidden_layers=1, num_attention_heads=2,
+                                                 intermediate_size=32, is_decoder=True),
+                r"embeddings \(RobertaEmbeddings\) numbers positions from the padding index"),
+    "bart": (transformers.BartConfig, dict(decoder_layers=1, encoder_layers=1,
+                                           decoder_attention_heads=2, encoder_attention_heads=2,
+                                           decoder_ffn_dim=32, encoder_ffn_dim=32),
+             r"takes no position_ids"),
+    "minimax": (transformers.MiniMaxConfig,
+                dict(num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                     head_dim=16, intermediate_size=32, num_local_experts=2,
+                     layer_types=["linear_attention", "full_attention"]),
+                r"model\.layers\.0\.self_attn \(MiniMaxLightningAttention\) mixes tokens "
+                r"across sequences: not supported because its class is a token mixer"),
+}
+
+
+@pytest.mark.parametrize("kind", list(REFUSED))
+def test_architectures_packing_would_break_are_refused(kind: str) -> None:
+    """Models whose packed rows differ silently (ALiBi, positions from the row or the
+    padding index, an unknown linear attention) are refused before the forward, by name."""
+    cls, options, words = REFUSED[kind]
+    cfg = cls(vocab_size=VOCAB, hidden_size=32, **options)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m = transformers.AutoModelForCausalLM.from_config(cfg)
+    with pytest.raises(FastpackError, match=words):
+        check_model_batch(m, batch_for("rows", "fp32"))
