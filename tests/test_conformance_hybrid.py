@@ -368,3 +368,30 @@ def test_architectures_packing_would_break_are_refused(kind: str) -> None:
         m = transformers.AutoModelForCausalLM.from_config(cfg)
     with pytest.raises(FastpackError, match=words):
         check_model_batch(m, batch_for("rows", "fp32"))
+
+
+@pytest.mark.parametrize("family", ["granitemoehybrid"])  # a Mamba2 mixer + attention
+def test_gradients_with_gradient_checkpointing(family: str) -> None:
+    """Training: the packed batch's gradients equal the padded batch's, also when the
+    layers are recomputed in the backward (gradient checkpointing: the mixers and
+    Granite's attention recompute on the forward's boundaries)."""
+    samples_ = [{"input_ids": s} for s in samples()]
+    packed = PackedCollator(max_len=MAX_LEN, backend="flash")(samples_)
+    padded = PackedCollator(max_len=MAX_LEN, backend="padded")(samples_)
+    torch.manual_seed(0)
+    m = transformers.AutoModelForCausalLM.from_config(config(family)).double().train()
+    if any("Experts" in type(x).__name__ for x in m.modules()):
+        m.set_experts_implementation("eager")
+    prepare_model(m)
+    m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    grads = []
+    for impl, batch in ((FASTPACK, packed), ("eager", padded)):
+        m.set_attn_implementation(impl)
+        m.zero_grad()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            m(**{k: v for k, v in batch.items() if not k.startswith("sample_")}).loss.backward()
+        grads.append({k: p.grad.clone() for k, p in m.named_parameters() if p.grad is not None})
+    worst = max((grads[0][k] - g).abs().max().item() for k, g in grads[1].items())
+    # the loss is taken in fp32 (Hugging Face upcasts the logits), the Mamba scans too
+    assert worst <= 1e-6, worst
