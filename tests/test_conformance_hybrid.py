@@ -336,3 +336,62 @@ def test_gpu_check_hybrid_section_on_cpu() -> None:
         report = gpu_check.check_hybrid(torch, cfg, torch.device("cpu"), torch.float32)
     assert [r["family"] for r in report["rows"]] == ["lfm2", "bamba"]
     assert all(r["ok"] for r in report["rows"]), report["rows"]
+
+
+#: Architectures that packed rows would silently break, and the words of their refusal.
+REFUSED = {
+    "bloom": (transformers.BloomConfig, dict(n_layer=1, n_head=2), r"ALiBi"),
+    "roberta": (transformers.RobertaConfig, dict(num_hidden_layers=1, num_attention_heads=2,
+                                                 intermediate_size=32, is_decoder=True),
+                r"embeddings \(RobertaEmbeddings\) numbers positions from the padding index"),
+    "bart": (transformers.BartConfig, dict(decoder_layers=1, encoder_layers=1,
+                                           decoder_attention_heads=2, encoder_attention_heads=2,
+                                           decoder_ffn_dim=32, encoder_ffn_dim=32),
+             r"takes no position_ids"),
+    "minimax": (transformers.MiniMaxConfig,
+                dict(num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                     head_dim=16, intermediate_size=32, num_local_experts=2,
+                     layer_types=["linear_attention", "full_attention"]),
+                r"model\.layers\.0\.self_attn \(MiniMaxLightningAttention\) mixes tokens "
+                r"across sequences: not supported because its class is a token mixer"),
+}
+
+
+@pytest.mark.parametrize("kind", list(REFUSED))
+def test_architectures_packing_would_break_are_refused(kind: str) -> None:
+    """Models whose packed rows differ silently (ALiBi, positions from the row or the
+    padding index, an unknown linear attention) are refused before the forward, by name."""
+    cls, options, words = REFUSED[kind]
+    cfg = cls(vocab_size=VOCAB, hidden_size=32, **options)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m = transformers.AutoModelForCausalLM.from_config(cfg)
+    with pytest.raises(FastpackError, match=words):
+        check_model_batch(m, batch_for("rows", "fp32"))
+
+
+@pytest.mark.parametrize("family", ["granitemoehybrid"])  # a Mamba2 mixer + attention
+def test_gradients_with_gradient_checkpointing(family: str) -> None:
+    """Training: the packed batch's gradients equal the padded batch's, also when the
+    layers are recomputed in the backward (gradient checkpointing: the mixers and
+    Granite's attention recompute on the forward's boundaries)."""
+    samples_ = [{"input_ids": s} for s in samples()]
+    packed = PackedCollator(max_len=MAX_LEN, backend="flash")(samples_)
+    padded = PackedCollator(max_len=MAX_LEN, backend="padded")(samples_)
+    torch.manual_seed(0)
+    m = transformers.AutoModelForCausalLM.from_config(config(family)).double().train()
+    if any("Experts" in type(x).__name__ for x in m.modules()):
+        m.set_experts_implementation("eager")
+    prepare_model(m)
+    m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    grads = []
+    for impl, batch in ((FASTPACK, packed), ("eager", padded)):
+        m.set_attn_implementation(impl)
+        m.zero_grad()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            m(**{k: v for k, v in batch.items() if not k.startswith("sample_")}).loss.backward()
+        grads.append({k: p.grad.clone() for k, p in m.named_parameters() if p.grad is not None})
+    worst = max((grads[0][k] - g).abs().max().item() for k, g in grads[1].items())
+    # the loss is taken in fp32 (Hugging Face upcasts the logits), the Mamba scans too
+    assert worst <= 1e-6, worst

@@ -161,13 +161,25 @@ _ACTIVE: list[_Layout | None] = []
 _UNKNOWN = _Layout(0, 0, torch.zeros(0), torch.zeros(0), torch.zeros(0), [], {})
 
 
+#: The batch of the last prepared forward: what a layer recomputed during the backward
+#: (gradient checkpointing) ran on.
+_LAST: list[_Layout | None] = [_UNKNOWN]
+
+
+def _in_backward() -> bool:
+    """Whether autograd is running a backward (a checkpointed layer recomputing)."""
+    return bool(torch._C._current_graph_task_id() != -1)
+
+
 def current_layout(rows: int, width: int) -> tuple[torch.Tensor, int] | None:
     """``(cu_seqlens, longest)`` (int64 on the host) of the batch a prepared model is
-    running (each row one sequence when it is not packed), for ``rows`` rows of ``width``
-    tokens; ``None`` outside a prepared model's forward or for other shapes."""
-    if not _ACTIVE or _ACTIVE[-1] is _UNKNOWN:
+    running (each row one sequence when it is not packed; in a backward, the last forward's
+    batch), for ``rows`` rows of ``width`` tokens; ``None`` outside a prepared model's
+    forward or for other shapes."""
+    stack = _ACTIVE if _ACTIVE else (_LAST if _in_backward() else [])
+    if not stack or stack[-1] is _UNKNOWN:
         return None
-    layout = _ACTIVE[-1]
+    layout = stack[-1]
     if layout is None:
         return torch.arange(rows + 1) * width, width
     if (layout.rows, layout.width) != (rows, width):
@@ -182,6 +194,8 @@ class _Prepared:
         self.strategy = strategy
         self.layout: _Layout | None = None
         self.refusal: str | None = None
+        #: the last forward's (layout, refusal), for layers recomputed in the backward
+        self.last: tuple[_Layout | None, str | None] = (None, None)
         self.depth = 0
 
 
@@ -276,9 +290,10 @@ def prepare_model(model: torch.nn.Module, *, strategy: str = "batched") -> torch
               output: Any) -> None:
         state.depth -= 1
         if state.depth == 0:
+            state.last = (state.layout, state.refusal)
             state.layout, state.refusal = None, None
             if _ACTIVE:
-                _ACTIVE.pop()
+                _LAST[0] = _ACTIVE.pop()
 
     inner.register_forward_pre_hook(before, with_kwargs=True)
     inner.register_forward_hook(after, with_kwargs=True, always_call=True)
@@ -302,10 +317,12 @@ def _wrap(module: torch.nn.Module, path: str, kind: str, state: _Prepared) -> No
 
     def forward(self: torch.nn.Module, hidden_states: torch.Tensor, *args: Any,
                 **kwargs: Any) -> Any:
-        if state.refusal is not None:
+        layout, refusal = state.layout, state.refusal
+        if state.depth == 0 and _in_backward():  # recomputed (gradient checkpointing)
+            layout, refusal = state.last
+        if refusal is not None:
             raise FastpackError(f"{name} mixes tokens along the row and cannot be kept apart "
-                                f"on {state.refusal}")
-        layout = state.layout
+                                f"on {refusal}")
         if layout is None:
             return original(hidden_states, *args, **kwargs)
         if tuple(hidden_states.shape[:2]) != (layout.rows, layout.width):
