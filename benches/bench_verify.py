@@ -75,6 +75,23 @@ def model(size: str, impl: str, dtype: torch.dtype = torch.float32) -> Any:
     return m
 
 
+def measure(m: Any, opt: Any, batch: dict[str, Any], repeats: int
+            ) -> tuple[float, float, float]:
+    """Seconds of one training step, of the Trainer's check and of a check of all."""
+
+    def step() -> None:
+        m.train()
+        loss = m(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    t_step = median(step, repeats)
+    t_four = median(lambda: verify_packing(m, batch, samples=4), repeats)
+    t_all = median(lambda: verify_packing(m, batch), max(1, repeats // 2))
+    return t_step, t_four, t_all
+
+
 def cost(repeats: int, name: str) -> list[str]:
     rows = ["| model | tokens | samples | train step | verify 4 samples | ratio | "
             "verify all | ratio |", "|---|---|---|---|---|---|---|---|"]
@@ -85,16 +102,7 @@ def cost(repeats: int, name: str) -> list[str]:
             feats = samples(budget, MODELS[size]["vocab_size"])
             batch = PackedCollator(max_len=budget, backend="flash")(feats)
 
-            def step() -> None:
-                m.train()
-                loss = m(**batch).loss
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-
-            t_step = median(step, repeats)
-            t_four = median(lambda: verify_packing(m, batch, samples=4), repeats)
-            t_all = median(lambda: verify_packing(m, batch), max(1, repeats // 2))
+            t_step, t_four, t_all = measure(m, opt, batch, repeats)
             rows.append(f"| {size} | {budget} | {len(feats)} | {t_step * 1e3:.0f} ms | "
                         f"{t_four * 1e3:.0f} ms | {t_four / t_step:.2f}x | "
                         f"{t_all * 1e3:.0f} ms | {t_all / t_step:.2f}x |")
@@ -122,7 +130,7 @@ def tolerances(name: str) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=None, help="write the tables as markdown here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

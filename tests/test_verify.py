@@ -256,3 +256,27 @@ def test_state_restored_and_bad_arguments() -> None:
         PackedCollator(max_len=64, backend="flash", cp_size=2)(samples()), 2, 0)
     with pytest.raises(FastpackError, match="context-parallel shard"):
         verify_packing(m, shard)
+
+
+class Plain(torch.nn.Module):
+    """Not a Hugging Face model: ``forward(input_ids)`` only, a causal running mean."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(64, 8)
+        self.head = torch.nn.Linear(8, 64)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed(input_ids)
+        steps = torch.arange(1, hidden.shape[1] + 1, dtype=hidden.dtype)[:, None]
+        return self.head(hidden.cumsum(1) / steps)
+
+
+def test_a_plain_module() -> None:
+    torch.manual_seed(0)
+    m = Plain()
+    batch = PackedCollator(max_len=16, backend="padded")(samples())
+    assert verify_packing(m, batch, grads=True).worst < 1e-6  # one sample per row
+    packed = PackedCollator(max_len=64, backend="flash")(samples())
+    with pytest.raises(FastpackError, match=r"verify_packing: the model \(Plain\) mixes tokens"):
+        verify_packing(m, packed)

@@ -20,6 +20,7 @@ A difference is an element with ``|packed - alone| > atol + rtol * |alone|``
 from __future__ import annotations
 
 import contextlib
+import inspect
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -142,6 +143,7 @@ def verify_packing(
     start = time.perf_counter()
     device = _device(model)
     packed = _Packed(batch, device)
+    packed.inputs = {k: v for k, v in packed.inputs.items() if _takes(model, k)}
     chosen = packed.choose(samples)
     dtype = _dtype(model)
     if atol is None:
@@ -246,8 +248,9 @@ class _Packed:
 
     def alone(self, k: int, model: torch.nn.Module) -> dict[str, Any]:
         index = self.index(k)
-        inputs: dict[str, Any] = {"input_ids": self.ids.index_select(0, index)[None],
-                                  "use_cache": False}
+        inputs: dict[str, Any] = {"input_ids": self.ids.index_select(0, index)[None]}
+        if _takes(model, "use_cache"):
+            inputs["use_cache"] = False
         for key in _PER_TOKEN:
             value = self.batch.get(key)
             if isinstance(value, torch.Tensor) and value.numel() == self.rows * self.width:
@@ -281,6 +284,15 @@ class _Packed:
                 and packed.shape[1:] == alone.shape[1:]):
             return packed.index_select(0, index.to(packed.device)), alone
         return None
+
+
+def _takes(model: torch.nn.Module, name: str) -> bool:
+    """Whether ``model.forward`` takes the keyword ``name`` (or any keyword)."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return True
+    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
 def _spread(items: list[int], n: int) -> list[int]:
@@ -485,7 +497,7 @@ def _differs(packed: torch.Tensor, alone: torch.Tensor, tol: float) -> tuple[flo
 
 def _locate(model: torch.nn.Module, packed: _Packed, k: int, tol: float, diff: float) -> str:
     """The message naming the first module whose values for sample ``k`` differ."""
-    names = {m: (name or "(model)") for name, m in model.named_modules()}
+    names = {m: (name or "the model") for name, m in model.named_modules()}
     found = _search(model, names, packed, k, tol)
     head = (f"sample {k}" if packed.sample_ids[k] == k
             else f"sample {k} (id {packed.sample_ids[k]})")
