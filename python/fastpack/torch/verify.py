@@ -210,10 +210,6 @@ class _Packed:
     def index(self, k: int) -> torch.Tensor:
         return self.tokens[self.offsets[k]:self.offsets[k + 1]]
 
-    def name(self, k: int) -> str:
-        sid = self.sample_ids[k]
-        return f"sample {k}" + ("" if sid == k else f" (id {sid})")
-
     def choose(self, samples: int | Sequence[int] | None) -> list[int]:
         count = self.count
         if samples is None:
@@ -244,6 +240,8 @@ class _Packed:
                     f"samples: {k!r} is not a sample position of the batch (0..{count - 1})"
                 )
             out.append(int(k))
+        if not out:
+            raise FastpackError("samples: an empty list checks nothing; pass None for all")
         return sorted(set(out))
 
     def alone(self, k: int, model: torch.nn.Module) -> dict[str, Any]:
