@@ -244,6 +244,8 @@ def test_state_restored_and_bad_arguments() -> None:
     assert m.config._attn_implementation == FASTPACK
     with pytest.raises(FastpackError, match="samples: 9 is not a sample position"):
         verify_packing(m, batch, samples=[9])
+    with pytest.raises(FastpackError, match="samples: an empty list"):
+        verify_packing(m, batch, samples=[])
     with pytest.raises(FastpackError, match="samples: expected a count >= 1"):
         verify_packing(m, batch, samples=0)
     with pytest.raises(FastpackError, match="atol: expected a number"):

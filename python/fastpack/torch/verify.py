@@ -34,11 +34,12 @@ from .tree import SAMPLE_KEYS, targets
 
 __all__ = ["TOLERANCES", "VerifyReport", "verify_packing"]
 
-#: Default ``atol`` (and ``rtol``) per parameter dtype. Measured on tiny random Llama,
-#: Mistral and Gemma2 models, packed vs alone on the CPU (benches/bench_verify.py):
-#: fp64 differs by ~1e-15, fp32 by ~1e-6, bf16 by up to ~3e-2, fp16 by up to ~4e-3 in the
-#: logits (another batch shape takes another summation order); the defaults sit one to
-#: two orders above, far below any leak measured (1e-3 to 3 logits).
+#: Default ``atol`` (and ``rtol``) per parameter dtype, from the differences measured
+#: between packed and alone on the CPU (benches/bench_verify.py, tiny Llama / Mistral /
+#: Gemma2): fp64 ~2e-16 (1e-7 where the reference is Hugging Face's eager attention, whose
+#: softmax is float32), fp32 ~3e-7, fp16 ~5e-4, bf16 ~4e-3 in the logits (another batch
+#: shape sums in another order). The defaults sit 10x above, far below the leaks measured
+#: (6e-4 to 3 logits in fp32); a leak smaller than the bf16 default needs an fp32 check.
 TOLERANCES: dict[torch.dtype, float] = {
     torch.float64: 1e-6,
     torch.float32: 1e-4,
@@ -210,10 +211,6 @@ class _Packed:
     def index(self, k: int) -> torch.Tensor:
         return self.tokens[self.offsets[k]:self.offsets[k + 1]]
 
-    def name(self, k: int) -> str:
-        sid = self.sample_ids[k]
-        return f"sample {k}" + ("" if sid == k else f" (id {sid})")
-
     def choose(self, samples: int | Sequence[int] | None) -> list[int]:
         count = self.count
         if samples is None:
@@ -244,6 +241,8 @@ class _Packed:
                     f"samples: {k!r} is not a sample position of the batch (0..{count - 1})"
                 )
             out.append(int(k))
+        if not out:
+            raise FastpackError("samples: an empty list checks nothing; pass None for all")
         return sorted(set(out))
 
     def alone(self, k: int, model: torch.nn.Module) -> dict[str, Any]:
