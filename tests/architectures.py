@@ -259,6 +259,10 @@ def _set(**values: Any) -> Callable[[dict[str, Any]], None]:
 OVERRIDES["bamba"] = _set(attn_layer_indices=[1])
 OVERRIDES["granitemoehybrid"] = _set(layer_types=["mamba", "attention"])
 OVERRIDES["lfm2_moe"] = _set(layer_types=["conv", "full_attention"])
+# A default without the sparse (indexed) layer kind: one of each.
+OVERRIDES["minimax_m3_vl_text"] = _set(layer_types=["full_attention", "minimax_m3_sparse"],
+                                       index_block_size=2, index_topk_blocks=2)
+OVERRIDES["lfm2"] = _set(layer_types=["conv", "full_attention"], full_attn_idxs=[1])
 OVERRIDES["jamba"] = _set(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
                           expert_layer_offset=1)
 # Mamba2: heads x head dim = expand x hidden.
