@@ -46,7 +46,12 @@ class Cell:
     outcome: arch.Outcome
     modules: set[str]
     verified: str | None  # None: not run; "" passed; else verify_packing's message
+    parameters: int = 0
 
+
+#: The largest tiny model (the vision and audio towers of multimodal ones are the biggest:
+#: about 3M parameters).
+MAX_PARAMETERS = 4_000_000
 
 _MODEL: dict[str, tuple[Any, list[torch.Tensor]]] = {}
 
@@ -69,7 +74,7 @@ def cell(name: str, fmt: str) -> Cell:
         outcome = arch.run(model, fmt, alone)
         modules = {type(m).__name__ for m in model.modules()} | {
             path for path, _ in model.named_modules() if path}
-        return Cell(outcome, modules, outcome.verified)
+        return Cell(outcome, modules, outcome.verified, sum(p.numel() for p in model.parameters()))
 
 
 def names_what(message: str, modules: set[str]) -> bool:
@@ -93,6 +98,8 @@ def _param(name: str, fmt: str) -> Any:
 @pytest.mark.parametrize(("name", "fmt"), [_param(n, f) for n, f in CELLS])
 def test_architecture(name: str, fmt: str) -> None:
     got = cell(name, fmt)
+    # A size the shrinker misses (a new config key) shows here, not as a slow CI.
+    assert got.parameters <= MAX_PARAMETERS, f"{name}: {got.parameters} parameters, not tiny"
     status = got.outcome.status
     assert status in ("EXACT", "REFUSED"), f"{name} ({fmt} batch): {got.outcome}"
     if status == "REFUSED" and not got.outcome.detail.startswith("transformers"):
