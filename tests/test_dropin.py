@@ -168,25 +168,26 @@ def test_truncate_keeps_formats():
 token_rows = st.lists(st.lists(st.integers(0, 50), max_size=14), max_size=40)
 
 
-def _dataset(data, two_columns):
+def _dataset(data, two_columns, large=False):
     columns = {"input_ids": data}
     if two_columns:
         columns["labels"] = [[-t for t in r] for r in data]
+    kind = datasets.LargeList if large else datasets.List
     return Dataset.from_dict(columns, features=datasets.Features(
-        {k: datasets.List(datasets.Value("int64")) for k in columns}))
+        {k: kind(datasets.Value("int64")) for k in columns}))
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=token_rows, seq_length=st.integers(1, 12),
        strategy=st.sampled_from(fp_trl.STRATEGIES), two=st.booleans(),
-       batch_size=st.sampled_from([1000, 7]))
-def test_pack_dataset_equals_trl(data, seq_length, strategy, two, batch_size):
+       batch_size=st.sampled_from([1000, 7]), large=st.booleans())
+def test_pack_dataset_equals_trl(data, seq_length, strategy, two, batch_size, large):
     data_utils = pytest.importorskip("trl.data_utils")
     # TRL raises on a window of empty rows only (an Arrow take of nothing); fastpack gives
     # no packs for it, tested above.
     windows = [data[i:i + batch_size] for i in range(0, len(data), batch_size)]
     assume(strategy == "wrapped" or (windows and all(any(w) for w in windows)))
-    ds = _dataset(data, two)
+    ds = _dataset(data, two, large)
     kwargs = {"batch_size": batch_size}
     ours = fp_trl.pack_dataset(ds, seq_length, strategy, map_kwargs=kwargs)
     theirs = data_utils.pack_dataset(ds, seq_length, strategy, map_kwargs=kwargs)

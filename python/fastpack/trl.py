@@ -140,22 +140,24 @@ def _list_columns(table: Any) -> list[Any]:
     import pyarrow as pa
 
     columns = []
-    first = None
+    first: Any = None
     for name, column in zip(table.column_names, table.columns):
         array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
         if not (pa.types.is_list(array.type) or pa.types.is_large_list(array.type)):
             raise FastpackTypeError(
                 f"dataset: column {name!r} is {array.type}; packing needs every column to "
                 f"hold a list per row (remove_columns the others)")
-        lengths = np.diff(np.asarray(array.offsets, dtype=np.int64))
         if first is None:
-            first = lengths
-        elif not np.array_equal(first, lengths):
-            row = int(np.argmax(first != lengths))
-            raise FastpackError(
-                f"dataset: column {name!r} has {int(lengths[row])} values in row {row}, "
-                f"column {table.column_names[0]!r} {int(first[row])}: every column needs "
-                f"one value per token")
+            first = array.offsets
+        elif not array.offsets.equals(first):  # equal offsets: the usual case, no copy
+            want = np.diff(np.asarray(first, dtype=np.int64))
+            lengths = np.diff(np.asarray(array.offsets, dtype=np.int64))
+            if not np.array_equal(want, lengths):
+                row = int(np.argmax(want != lengths))
+                raise FastpackError(
+                    f"dataset: column {name!r} has {int(lengths[row])} values in row {row}, "
+                    f"column {table.column_names[0]!r} {int(want[row])}: every column "
+                    f"needs one value per token")
         columns.append(array)
     return columns
 
@@ -171,6 +173,7 @@ def _list_array(like: Any, offsets: np.ndarray, values: Any) -> Any:
 def _bfd_window(table: Any, seq_length: int, split: bool) -> Any:
     """One window packed best fit decreasing, ties to the oldest pack (TRL's rows)."""
     import pyarrow as pa
+    import pyarrow.compute as pc
 
     columns = _list_columns(table)
     names = list(table.column_names)
@@ -187,23 +190,31 @@ def _bfd_window(table: Any, seq_length: int, split: bool) -> Any:
         starts = np.repeat(offsets[rows], pieces) + k * seq_length
         seg = np.minimum(np.repeat(lens, pieces) - k * seq_length, seq_length)
     else:
-        starts = offsets[rows]
         seg = np.minimum(lens, seq_length)
     # Longest first, ties in row order (a stable sort), then best fit in Rust.
     order = np.argsort(-seg, kind="stable")
     pack_of = _core.best_fit_oldest(np.ascontiguousarray(seg[order], dtype=np.uint32),
                                     seq_length).astype(np.int64)
     # Each pack's segments in the order they were placed.
-    order = order[np.argsort(pack_of, kind="stable")]
-    seg_len, seg_start = seg[order], starts[order]
-    num_packs = int(pack_of.max()) + 1 if len(pack_of) else 0
+    placed = np.argsort(pack_of, kind="stable")
+    order, pack_of = order[placed], pack_of[placed]
+    seg_len = seg[order]
+    num_packs = int(pack_of[-1]) + 1 if len(pack_of) else 0
     per_pack = np.bincount(pack_of, minlength=num_packs)
     pack_tokens = np.zeros(num_packs + 1, dtype=np.int64)
-    np.cumsum(_tokens_per_pack(seg_len, per_pack), out=pack_tokens[1:])
-    seg_ends = np.cumsum(seg_len)
-    take = pa.array(np.repeat(seg_start - (seg_ends - seg_len), seg_len)
-                    + np.arange(int(seg_ends[-1]) if len(seg_ends) else 0, dtype=np.int64))
-    packed = [_list_array(c, pack_tokens, c.values.take(take)) for c in columns]
+    np.cumsum(np.bincount(pack_of, weights=seg_len, minlength=num_packs).astype(np.int64),
+              out=pack_tokens[1:])
+    if split:  # pieces: one take of each column's values by token index
+        seg_ends = np.cumsum(seg_len)
+        index = pa.array(np.repeat(starts[order] - (seg_ends - seg_len), seg_len)
+                         + np.arange(int(pack_tokens[-1]), dtype=np.int64))
+        values = [c.values.take(index) for c in columns]
+    else:  # whole rows (cut to seq_length): a take of rows, in Arrow
+        if len(lens) and int(lens.max()) > seq_length:
+            columns = [pc.list_slice(c, 0, seq_length) for c in columns]
+        index = pa.array(rows[order])
+        values = [c.take(index).flatten() for c in columns]
+    packed = [_list_array(c, pack_tokens, v) for c, v in zip(columns, values)]
     seg_offsets = np.zeros(num_packs + 1, dtype=np.int64)
     np.cumsum(per_pack, out=seg_offsets[1:])
     # TRL's seq_lengths: list<int32> of the first column's length type.
@@ -211,14 +222,6 @@ def _bfd_window(table: Any, seq_length: int, split: bool) -> Any:
     seq_lengths = pa.ListArray.from_arrays(pa.array(seg_offsets, type=pa.int32()),
                                            pa.array(seg_len, type=length_type))
     return pa.Table.from_arrays([*packed, seq_lengths], names=[*names, "seq_lengths"])
-
-
-def _tokens_per_pack(seg_len: np.ndarray, per_pack: np.ndarray) -> np.ndarray:
-    """Tokens of each pack, from its segments (grouped by pack, in pack order)."""
-    if not len(per_pack):
-        return np.zeros(0, dtype=np.int64)
-    bounds = np.concatenate(([0], np.cumsum(per_pack)[:-1]))
-    return np.add.reduceat(seg_len, bounds) if len(seg_len) else np.zeros_like(per_pack)
 
 
 def _wrapped_window(table: Any, seq_length: int) -> Any:
