@@ -26,6 +26,9 @@ Its modules are its layers:
 - :mod:`~fastpack.torch.tree` — tree batches (``share_prefix=True``: shared prefixes
   computed once), their attention and :func:`per_sample` / :func:`token_logprobs`: every
   sample's values, plain batch or tree.
+- :mod:`~fastpack.torch.mixers` — :func:`prepare_model`: the token mixers beyond softmax
+  attention (Mamba / Mamba2, gated delta nets, short convolutions) restart their state at
+  every sequence of a packed batch.
 - :mod:`~fastpack.torch.hf` — Hugging Face integration (:func:`register_hf_attention`,
   :func:`check_model_batch`, :class:`PackedTrainerMixin` for the ``Trainer`` / TRL
   ``SFTTrainer`` on many ranks).
@@ -49,6 +52,7 @@ from .data import PackedDataset, StepTable, first_item
 from .formats import BACKENDS, BatchFormat
 from .hf import PackedTrainerMixin, check_model_batch, register_hf_attention
 from .loss import WEIGHTINGS, packed_loss
+from .mixers import MIXERS, prepare_model
 from .sampler import PackedSampler, Schedule, Step
 from .stream import SHARDINGS, PackedIterableDataset
 from .tree import per_sample, token_logprobs
@@ -59,6 +63,7 @@ __all__ = [
     "CP_KEYS",
     "KERNELS",
     "LOSS_MASK_KEYS",
+    "MIXERS",
     "WEIGHTINGS",
     "BatchFormat",
     "PackedCollator",
@@ -74,6 +79,7 @@ __all__ = [
     "context_parallel_attention",
     "first_item",
     "packed_loss",
+    "prepare_model",
     "per_sample",
     "register_hf_attention",
     "shard_for_context_parallel",
