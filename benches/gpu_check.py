@@ -52,6 +52,13 @@ Without CUDA (and without --cpu-smoke) it prints "skipped: no CUDA" and exits 0.
    ``[4, 1, T]``, media in placeholder order) through sdpa, fastpack's attention and
    ``flash_attention_2`` when flash-attn is installed: every document's logits against
    the document alone (relative error), and forward+backward time packed vs padded.
+8. Hybrid models prepared with ``fastpack.torch.prepare_model`` (LFM2's short
+   convolution, Bamba's Mamba2 mixer, Qwen3-Next's gated delta net + MoE), bf16: every
+   document's logits from one packed row against the document alone in fp32; a model
+   passes when its error <= 2 * (the document alone in bf16 against fp32) + 2 * eps_bf16
+   (2^-7 in all); forward+backward tokens/s packed vs padded. The mixer kernels found
+   (mamba_ssm, causal-conv1d, flash-linear-attention) are reported: Hugging Face calls
+   them on CUDA when installed; prepare_model's groups are exact with or without them.
 
 The sections are functions of (torch, attention module, config, device, dtype), so
 tests/test_attention.py runs this harness on the CPU with the CUDA kernels replaced by CPU
@@ -1085,6 +1092,113 @@ def check_vlm(torch: Any, cfg: dict[str, Any], device: Any, dtype: Any) -> dict[
     return {"tokens": sum(len(d["input_ids"]) for d in docs), "rows": rows}
 
 
+# ------------------------------------------------------------- 8. hybrid models (mixers)
+
+
+def _kernel_versions() -> dict[str, str | None]:
+    """The mixer kernel packages installed (Hugging Face uses them on CUDA when present)."""
+    import importlib
+
+    out: dict[str, str | None] = {}
+    for name in ("mamba_ssm", "causal_conv1d", "fla"):
+        try:
+            out[name] = getattr(importlib.import_module(name), "__version__", "?")
+        except Exception:
+            out[name] = None
+    return out
+
+
+def hybrid_model(torch: Any, family: str, h: dict[str, Any]) -> Any:
+    import transformers
+
+    common = dict(vocab_size=h["vocab"], hidden_size=h["hidden"],
+                  intermediate_size=2 * h["hidden"], num_hidden_layers=2,
+                  num_attention_heads=h["heads"], num_key_value_heads=h["heads"] // 2)
+    if family == "lfm2":
+        config: Any = transformers.Lfm2Config(layer_types=["conv", "full_attention"], **common)
+    elif family == "bamba":
+        config = transformers.BambaConfig(mamba_n_heads=h["heads"],
+                                          mamba_d_head=2 * h["hidden"] // h["heads"],
+                                          mamba_d_state=64, mamba_chunk_size=64,
+                                          attn_layer_indices=[1], **common)
+    else:
+        d = h["hidden"] // h["heads"]
+        config = transformers.Qwen3NextConfig(
+            head_dim=d, linear_num_value_heads=h["heads"], linear_num_key_heads=h["heads"] // 2,
+            linear_key_head_dim=d, linear_value_head_dim=d, num_experts=4,
+            num_experts_per_tok=2, moe_intermediate_size=h["hidden"],
+            shared_expert_intermediate_size=h["hidden"],
+            layer_types=["linear_attention", "full_attention"], **common)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def check_hybrid(torch: Any, cfg: dict[str, Any], device: Any, dtype: Any) -> dict[str, Any]:
+    """Section 8: hybrid models (LFM2's short convolution, Bamba's Mamba2 mixer, Qwen3-Next's
+    gated delta net) prepared with ``fastpack.torch.prepare_model``: every document's
+    logits from one packed row (``backend="flash"``, fastpack's attention) against the
+    document alone in fp32; pass when rel_err <= 2 * (the document alone in ``dtype``
+    against fp32) + 2 * eps(dtype). Then forward+backward tokens/s packed vs padded
+    (``backend="padded"``, sdpa)."""
+    from fastpack.torch import PackedCollator, prepare_model, register_hf_attention
+
+    h = cfg["hybrid"]
+    eps = torch.finfo(dtype).eps
+    gen = torch.Generator().manual_seed(2)
+    docs = [{"input_ids": torch.randint(1, h["vocab"], (n,), generator=gen).tolist()}
+            for n in h["lengths"]]
+    tokens = sum(h["lengths"])
+    fastpack_name = register_hf_attention()
+    rows = []
+    for family in h["families"]:
+        row: dict[str, Any] = {"family": family}
+        try:
+            model = prepare_model(hybrid_model(torch, family, h).to(device, torch.float32))
+            set_attn(model, "sdpa")
+            with torch.no_grad():
+                ref = [model(input_ids=torch.tensor([d["input_ids"]], device=device)).logits[0]
+                       for d in docs]
+                model.to(dtype)
+                base = max(rel_err(model(input_ids=torch.tensor([d["input_ids"]],
+                                                                device=device)).logits[0]
+                                   .float(), r) for d, r in zip(docs, ref))
+                set_attn(model, fastpack_name)
+                batch = PackedCollator(h["max_len"], backend="flash")(docs)
+                inputs = {k: (x.to(device) if isinstance(x, torch.Tensor) else x)
+                          for k, x in batch.items()
+                          if k != "labels" and not k.startswith("sample_")}
+                logits = model(**inputs).logits[0].float()
+            flat = batch["input_ids"][0].tolist()
+            worst = 0.0
+            for d, r in zip(docs, ref):
+                at = flat.index(d["input_ids"][0])
+                worst = max(worst, rel_err(logits[at:at + len(d["input_ids"])], r))
+            tol = max(2 * base + 2 * eps, h.get("tol_floor", 0.0))
+            row.update(rel_err=worst, baseline=base, tol=tol, ok=worst <= tol)
+            labels = batch["labels"].to(device)
+
+            def packed_step(inputs: dict[str, Any] = inputs, labels: Any = labels,
+                            model: Any = model) -> None:
+                model(**inputs, labels=labels).loss.backward()
+
+            row["packed_ms"] = timed(torch, packed_step, device, cfg["iters"], cfg["warmup"])
+            padded = PackedCollator(h["max_len"], backend="padded")(docs)
+            pinputs = {k: x.to(device) for k, x in padded.items()
+                       if isinstance(x, torch.Tensor) and not k.startswith("sample_")}
+
+            def padded_step(pinputs: dict[str, Any] = pinputs, model: Any = model) -> None:
+                model(**pinputs).loss.backward()
+
+            set_attn(model, "sdpa")
+            row["padded_ms"] = timed(torch, padded_step, device, cfg["iters"], cfg["warmup"])
+            row["packed_tokens_per_s"] = round(tokens / row["packed_ms"] * 1e3)
+            row["padded_tokens_per_s"] = round(tokens / row["padded_ms"] * 1e3)
+        except Exception as exc:  # reported, and a failed check
+            row.update(ok=False, error=f"{type(exc).__name__}: {exc}")
+        rows.append(row)
+    return {"tokens": tokens, "kernels": _kernel_versions(), "rows": rows}
+
+
 def make_config(cpu_smoke: bool) -> dict[str, Any]:
     if cpu_smoke:
         return {
@@ -1112,6 +1226,9 @@ def make_config(cpu_smoke: bool) -> dict[str, Any]:
             # (prompt, responses) per group; a chat: system prompt, then user turns
             "tree_groups": [(30, [5, 1, 12]), (7, [3, 9])],
             "tree_chat": [12, 6, 4],
+            "hybrid": {"families": ["lfm2", "bamba", "qwen3_next"], "vocab": 128,
+                       "hidden": 64, "heads": 4, "lengths": [9, 30, 1, 17], "max_len": 64,
+                       "tol_floor": 1e-5},  # fp32: the summation order's rounding
         }
     return {
         "head_dim": 128,
@@ -1142,6 +1259,9 @@ def make_config(cpu_smoke: bool) -> dict[str, Any]:
         # prompt of 200 with 4; a chat of 5 turns
         "tree_groups": [(1500, [20, 127, 128, 129, 300, 640, 1000, 1]), (200, [50, 90, 7, 400])],
         "tree_chat": [600, 120, 80, 200, 40],
+        "hybrid": {"families": ["lfm2", "bamba", "qwen3_next"], "vocab": 16384,
+                   "hidden": 1024, "heads": 16, "lengths": doc_lengths(24, 2048, seed=3),
+                   "max_len": 32768},
     }
 
 
@@ -1210,6 +1330,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sections.append(("tree_model", lambda: bench_tree_model(torch, tm, cfg, device, dtype)))
     if not args.skip_model:
         sections.append(("vlm", lambda: check_vlm(torch, cfg, device, dtype)))
+        sections.append(("hybrid", lambda: check_hybrid(torch, cfg, device, dtype)))
 
     for name, fn in sections:
         if name not in ("correctness", "tree_correctness") and elapsed() > TIME_BUDGET_S:
@@ -1291,6 +1412,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if vlm is not None:
         print("\nvlm (Qwen2-VL, packed flash-format batch vs each document alone)")
         for r in vlm.get("rows", [vlm]):
+            print("  ", r)
+            if r.get("ok") is False:
+                ok = False
+    hybrid = report.get("hybrid")
+    if hybrid is not None:
+        print("\nhybrid (prepare_model: packed flash-format row vs each document alone)")
+        print("   kernels", hybrid.get("kernels"))
+        for r in hybrid.get("rows", [hybrid]):
             print("  ", r)
             if r.get("ok") is False:
                 ok = False

@@ -22,7 +22,14 @@ import datasets
 import numpy as np
 import torch
 import transformers
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+from transformers import (
+    Lfm2Config,
+    Lfm2ForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Trainer,
+    TrainingArguments,
+)
 
 from fastpack.torch import PackedCollator, PackedTrainerMixin, register_hf_attention
 
@@ -50,6 +57,21 @@ def tiny_llama() -> LlamaForCausalLM:
     ))
 
 
+def tiny_lfm2() -> Lfm2ForCausalLM:
+    """A hybrid: a short causal convolution layer, then attention. PackedTrainerMixin
+    prepares it (fastpack.torch.prepare_model): the convolution's window restarts at
+    every packed sequence."""
+    torch.manual_seed(0)
+    return Lfm2ForCausalLM(Lfm2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        layer_types=["conv", "full_attention"], attn_implementation=register_hf_attention(),
+    ))
+
+
+MODELS = {"llama": tiny_llama, "lfm2": tiny_lfm2}
+
+
 def tiny_tokenizer() -> transformers.PreTrainedTokenizerFast:
     """SFTTrainer wants a tokenizer (for its pad and EOS tokens); the data is tokenized."""
     from tokenizers import Tokenizer, models
@@ -75,6 +97,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trainer", choices=("transformers", "trl"), default="transformers")
     ap.add_argument("--weighting", choices=("token", "sequence"), default="token")
+    ap.add_argument("--model", choices=tuple(MODELS), default="llama")
     ap.add_argument("--out", default="/tmp/fastpack-ddp")
     a = ap.parse_args()
     warnings.filterwarnings("ignore")
@@ -90,7 +113,7 @@ def main() -> None:
 
         args = SFTConfig(output_dir=a.out, max_length=None, **COMMON)
         trainer: Trainer = PackedSFTTrainer(
-            model=tiny_llama(), args=args, train_dataset=sft_data(), data_collator=collator,
+            model=MODELS[a.model](), args=args, train_dataset=sft_data(), data_collator=collator,
             processing_class=tiny_tokenizer(), group_tokens=GROUP_TOKENS, weighting=a.weighting,
         )
     else:
@@ -100,7 +123,7 @@ def main() -> None:
 
         args = TrainingArguments(output_dir=a.out, **COMMON)
         trainer = PackedTrainer(
-            model=tiny_llama(), args=args, train_dataset=sft_data(), data_collator=collator,
+            model=MODELS[a.model](), args=args, train_dataset=sft_data(), data_collator=collator,
             group_tokens=GROUP_TOKENS, weighting=a.weighting,
         )
     result = trainer.train()

@@ -134,7 +134,9 @@ def test_rows_hold_exactly_their_segments(
     too_long = [i for i, n in enumerate(rows) if n + reserve > max_len]
     kwargs = dict(strategy=strategy, overlong=overlong, reserve=reserve,
                   separator_id=SEP if reserve else None, shuffle=seed % 2 == 1, seed=seed,
-                  position_ids=positions)
+                  position_ids=positions,
+                  # wrapped rows keep their documents' boundaries only when asked
+                  seq_lengths=True if strategy == "wrapped" else None)
     if overlong == "error" and too_long and strategy != "wrapped":
         with pytest.raises(FastpackError, match=f"column 'input_ids'.*first at row {too_long[0]}"):
             pack_dataset(ds, max_len, **kwargs)
@@ -453,7 +455,8 @@ def test_a_dataset_and_its_stream_give_the_same_rows(
     kwargs = dict(strategy=strategy, overlong=overlong, separator_id=separator_id,
                   reserve=reserve, shuffle=shuffle, seed=data.draw(st.integers(0, 5)),
                   long_max_len=2 * max_len if long_bucket else None,
-                  position_ids=positions, threads=1)
+                  position_ids=positions, threads=1,
+                  seq_lengths=True if strategy == "wrapped" and positions else None)
     stream = ds.to_iterable_dataset(num_shards=1)
     offline = _rows_or_error(lambda: pack_dataset(ds, max_len, **kwargs))
     streamed = _rows_or_error(lambda: pack_dataset(stream, max_len, buffer_size=len(ds) + 1,

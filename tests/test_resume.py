@@ -500,10 +500,11 @@ def test_a_state_from_another_plan_raises() -> None:
 
 # ------------------------------------------------------------------ the Trainer
 def trainer_run(tmp: Path, ranks: int, rank: int, workers: int, saves: set[int],
-                resume: str | None = None) -> list[tuple[int, ...]]:
+                resume: str | None = None, hybrid: bool = False) -> list[tuple[int, ...]]:
     """Trains on the packed dataset with the Trainer (from the checkpoint ``resume`` if
     given), saving a checkpoint after each optimizer step in ``saves``; returns the
-    samples of every micro-step it trained on."""
+    samples of every micro-step it trained on. ``hybrid``: a tiny LFM2 (a short
+    convolution layer, prepared by the mixin) instead of Llama."""
     transformers = pytest.importorskip("transformers")
     from fastpack.torch import PackedTrainerMixin, register_hf_attention
 
@@ -534,11 +535,15 @@ def trainer_run(tmp: Path, ranks: int, rank: int, workers: int, saves: set[int],
             return control
 
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=64, hidden_size=HIDDEN, intermediate_size=32, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=MAX_LEN,
-        attn_implementation=register_hf_attention(),
-    ))
+    common = dict(vocab_size=64, hidden_size=HIDDEN, intermediate_size=32,
+                  num_attention_heads=2, num_key_value_heads=1,
+                  max_position_embeddings=MAX_LEN, attn_implementation=register_hf_attention())
+    if hybrid:
+        model: Any = transformers.Lfm2ForCausalLM(transformers.Lfm2Config(
+            num_hidden_layers=2, layer_types=["conv", "full_attention"], **common))
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            num_hidden_layers=1, **common))
     args = transformers.TrainingArguments(
         output_dir=str(tmp), per_device_train_batch_size=1, num_train_epochs=EPOCHS,
         gradient_accumulation_steps=ACCUMULATION, learning_rate=1e-3, optim="sgd", seed=0,
@@ -599,6 +604,19 @@ def test_trainer(trained: Any, tmp_path: Path, workers: int, point: str, ranks: 
                            str(out / f"checkpoint-{stop}"))
         done = min(stop * ACCUMULATION, len(want) // EPOCHS)  # the last step may be short
         assert want[:done] + tail == want
+
+
+def test_trainer_resumes_a_hybrid_model(tmp_path: Path) -> None:
+    """A hybrid model (LFM2: the mixin prepares it, else check_model_batch refuses its
+    packed batches) resumes from its checkpoint mid-epoch with the uninterrupted run's
+    steps."""
+    pytest.importorskip("transformers")
+    stop = optimizer_stops(1)["middle"]
+    full = trainer_run(tmp_path / "full", 1, 0, 0, {stop}, hybrid=True)
+    assert full == [ids for _, ids in reference(1, 0)]
+    tail = trainer_run(tmp_path / "tail", 1, 0, 0, set(),
+                       str(tmp_path / "full" / f"checkpoint-{stop}"), hybrid=True)
+    assert full[:stop * ACCUMULATION] + tail == full
 
 
 # ------------------------------------------------------------------ streams

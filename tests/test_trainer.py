@@ -81,23 +81,28 @@ def reference_step(ex: Any, weighting: str, *, model: Any = None, replicas: int 
         return {k: p - lr * p.grad for k, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("trainer, weighting", [("transformers", "token"), ("trl", "sequence")])
-def test_two_processes_equal_the_unpacked_step(tmp_path: Path, trainer: str, weighting: str) -> None:
+@pytest.mark.parametrize("trainer, weighting, model", [
+    ("transformers", "token", "llama"), ("trl", "sequence", "llama"),
+    # a hybrid (short convolution + attention), prepared by the mixin
+    ("transformers", "token", "lfm2"),
+])
+def test_two_processes_equal_the_unpacked_step(tmp_path: Path, trainer: str, weighting: str,
+                                               model: str) -> None:
     if trainer == "trl":
         pytest.importorskip("trl")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone",
          f"--nproc-per-node={WORLD}", str(EXAMPLE), "--trainer", trainer,
-         "--weighting", weighting, "--out", str(tmp_path)],
+         "--weighting", weighting, "--model", model, "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"{trainer} ({weighting}): 2 ranks" in proc.stdout
     got = torch.load(tmp_path / "weights.pt")
     ex = example()
-    want = reference_step(ex, weighting)
-    start = ex.tiny_llama().state_dict()
+    want = reference_step(ex, weighting, model=ex.MODELS[model]())
+    start = ex.MODELS[model]().state_dict()
     worst = max(float((got[k] - p).abs().max() / p.abs().max()) for k, p in want.items())
     print(f"{trainer} {weighting}: max relative weight difference {worst:.1e}")
     assert worst <= 1e-5, worst

@@ -24,8 +24,9 @@ from ._tree import pack_trees, tree_rows
 
 
 def __getattr__(name: str) -> object:
-    # `fastpack.hf` imports on first use, so `import fastpack` stays light.
-    if name in ("hf", "vlm"):
+    # `fastpack.hf` imports on first use, so `import fastpack` stays light; so do the
+    # drop-ins `fastpack.trl` and `fastpack.transformers` (which imports transformers).
+    if name in ("hf", "vlm", "trl", "transformers"):
         import importlib
 
         return importlib.import_module(f".{name}", __name__)

@@ -3,6 +3,7 @@ from typing import Any, final
 import numpy as np
 
 __all__ = [
+    "best_fit_oldest",
     "bucket_metrics",
     "by_cost",
     "ListColumn",
@@ -73,6 +74,7 @@ def media_grids(
     temporal: bool = False,
     threads: int | None = None,
 ) -> np.ndarray: ...
+def best_fit_oldest(lengths: np.ndarray, max_len: int) -> np.ndarray: ...
 def cu_seqlens(seqlens: np.ndarray, pack_offsets: np.ndarray, packs: np.ndarray) -> np.ndarray: ...
 def varlen(
     seqlens: np.ndarray, pack_offsets: np.ndarray, packs: np.ndarray, threads: int | None

@@ -81,6 +81,7 @@ def main() -> None:
       fastpack stats data/*.parquet       lengths, and rows and efficiency of every method
       fastpack pack data/ -o packed/ --max-len 4096
                                           packed parquet shards for training (TRL columns)
+      fastpack doctor                     versions, kernels, and which paths run here
 
     Inputs: parquet files, JSON lines (.jsonl, .jsonl.gz, .jsonl.zst), Arrow files and
     directories written by datasets.save_to_disk. Bad input exits with status 2 and a
@@ -298,6 +299,19 @@ def pack(inputs: Sequence[str], outdir: str, max_len: int, column: str, quiet: b
         _fail(e, 1)
     for line in summary_lines(report, outdir):
         click.echo(line)
+
+
+@main.command(short_help="Versions, optional kernels, and which paths are exact and fast "
+              "here.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def doctor(as_json: bool) -> None:
+    """What this machine has (fastpack, torch, transformers, the optional kernels:
+    flash-attn, flash-linear-attention, mamba_ssm, causal-conv1d, ring-flash-attn, flex
+    attention's compiler) and which packed-training paths run here, with which kernel."""
+    from .doctor import report
+
+    found = report()
+    click.echo(json.dumps(found.as_dict(), indent=2) if as_json else found.format())
 
 if __name__ == "__main__":  # pragma: no cover
     main()

@@ -1,4 +1,5 @@
-"""Hugging Face ``datasets``: :func:`pack_dataset`, a drop-in for TRL's ``pack_dataset``.
+"""Hugging Face ``datasets``: :func:`pack_dataset`, TRL's columns from one global plan
+(the drop-in with TRL's rows and defaults is :mod:`fastpack.trl`).
 
 The rows' lengths are read from the Arrow offsets, the whole dataset is planned at once
 (best fit over every row, not 1,000-row windows), and the token data moves once, in Rust,
@@ -57,6 +58,7 @@ def pack_dataset(
     separator_id: int | None = None,
     columns: Sequence[str] | None = None,
     position_ids: bool = False,
+    seq_lengths: bool | None = None,
     threads: int | None = None,
     keep_in_memory: bool = False,
     batch_tokens: int = DEFAULT_BATCH_TOKENS,
@@ -65,12 +67,14 @@ def pack_dataset(
 ) -> Any:
     """Pack a Hugging Face dataset: one row per pack of at most ``max_len`` tokens.
 
-    A drop-in for TRL's ``pack_dataset(dataset, seq_length, strategy, map_kwargs)``: the
+    Takes TRL's ``pack_dataset(dataset, seq_length, strategy, map_kwargs)`` arguments; the
     result has TRL's columns — every packed per-token column, in the input's order, then
-    ``seq_lengths`` (``list<int32>``) — which TRL's collators and ``SFTTrainer`` read as
-    they read TRL's own output. Unlike TRL, rows are packed best-fit over the whole
-    dataset, over-long rows raise unless ``overlong`` says what to do with them, and the
-    packs are shuffled (``seed`` 0) unless ``shuffle=False``.
+    ``seq_lengths`` (``list<int32>``; not for ``"wrapped"``, as in TRL) — which TRL's
+    collators and ``SFTTrainer`` read as they read TRL's own output. Unlike TRL, rows are
+    packed best-fit over the whole dataset, over-long rows raise unless ``overlong`` says
+    what to do with them, and the packs are shuffled (``seed`` 0) unless
+    ``shuffle=False``. The drop-in with TRL's defaults and TRL's rows, window by window,
+    is :func:`fastpack.trl.pack_dataset`.
 
     Args:
         dataset: a ``datasets.Dataset`` (a ``DatasetDict`` packs every split; a
@@ -99,6 +103,11 @@ def pack_dataset(
         position_ids: also write ``position_ids`` (``list<int64>``, restarting at 0 in
             every packed sequence). Off by default, as in TRL: its collator builds them
             from ``seq_lengths``, and they would add the bytes of two int32 columns.
+        seq_lengths: write ``seq_lengths`` (each packed sequence's tokens, per row: where
+            TRL's collator restarts positions and stops attention). Default: for every
+            strategy but ``"wrapped"``, whose rows are cut with no regard to documents, as
+            TRL's are (its collator then attends across the cuts). ``seq_lengths=True``
+            with ``"wrapped"`` keeps each document's boundaries in the rows instead.
         threads: worker threads (default: ``RAYON_NUM_THREADS`` or all cores); the
             result does not depend on it.
         keep_in_memory: for a dataset backed by cache files, keep the result in memory
@@ -138,6 +147,16 @@ def pack_dataset(
         "share_prefix": "its rows are packs of whole sequences, which cannot hold trees; "
                         "train with PackedDataset(..., PackedCollator(share_prefix=True))",
     })
+    if seq_lengths is None:
+        seq_lengths = opts.strategy != "wrapped"
+    elif not isinstance(seq_lengths, bool):
+        raise FastpackTypeError(
+            f"seq_lengths: expected True, False or None, got {type(seq_lengths).__name__}")
+    if position_ids and not seq_lengths and opts.strategy == "wrapped":
+        raise FastpackError(
+            "position_ids: they restart at every document, which rows wrapped without "
+            "boundaries (seq_lengths=False) do not have; pass seq_lengths=True for rows "
+            "that keep each document's boundaries")
     cache_file_name = None
     if map_kwargs is not None:
         keep_in_memory, cache_file_name, threads = _map_kwargs(
@@ -158,6 +177,7 @@ def pack_dataset(
         stream = functools.partial(
             _pack_stream, options=opts, separator_id=separator_id, columns=columns,
             threads=threads, position_ids=position_ids, buffer_size=buffer_size,
+            seq_lengths=seq_lengths,
         )
         if kind == "IterableDatasetDict":
             import datasets
@@ -174,6 +194,7 @@ def pack_dataset(
     one = functools.partial(
         _pack_one, options=opts, separator_id=separator_id, columns=columns, threads=threads,
         keep_in_memory=keep_in_memory, batch_tokens=batch_tokens, position_ids=position_ids,
+        seq_lengths=seq_lengths,
     )
     if kind == "DatasetDict":
         import datasets
@@ -234,15 +255,23 @@ def _map_kwargs(map_kwargs: Mapping[str, Any], keep_in_memory: bool,
 
 def _pack_stream(dataset: Any, *, options: PackOptions, separator_id: int | None,
                  columns: Sequence[str] | None, threads: int | None, position_ids: bool,
-                 buffer_size: int | None) -> Any:
+                 buffer_size: int | None, seq_lengths: bool) -> Any:
     from ._stream import DEFAULT_BUFFER_SIZE, pack_iterable_dataset
 
     packed = pack_iterable_dataset(
         dataset, options=options, separator_id=separator_id, columns=columns, threads=threads,
         buffer_size=DEFAULT_BUFFER_SIZE if buffer_size is None else buffer_size,
     )
-    # The stream always writes position_ids.
-    return packed if position_ids else packed.remove_columns(["position_ids"])
+    # The stream always writes position_ids and seq_lengths.
+    unwanted = [name for name, wanted in (("position_ids", position_ids),
+                                          ("seq_lengths", seq_lengths)) if not wanted]
+    if unwanted:
+        packed = packed.remove_columns(unwanted)
+    # The input's format (numpy, torch ...), as the Dataset path restores it.
+    formatting = getattr(dataset, "_formatting", None)
+    if formatting is not None and formatting.format_type is not None:
+        packed = packed.with_format(formatting.format_type)
+    return packed
 
 
 def _trl_strategy(strategy: Any, options: PackOptions | None,
@@ -288,6 +317,7 @@ def _pack_one(
     dataset: Any, *, options: PackOptions, separator_id: int | None,
     columns: Sequence[str] | None, threads: int | None, keep_in_memory: bool,
     batch_tokens: int, split: str | None, position_ids: bool, cache_file_name: str | None,
+    seq_lengths: bool,
 ) -> Any:
     import datasets
     import pyarrow as pa
@@ -319,6 +349,8 @@ def _pack_one(
         plan, handles, types, None, separator_id=None, separator_values=separators,
         position_ids=position_ids, batch_tokens=batch_tokens, threads=threads,
     )
+    if not seq_lengths:
+        schema, batches = _without(schema, batches, "seq_lengths")
     group = _group_of_packs(plan)
     if group is not None:
         schema = schema.append(pa.field("group", pa.int64()))
@@ -340,7 +372,7 @@ def _pack_one(
 
     fingerprint = Hasher.hash([
         "fastpack.hf.pack_dataset", __version__, dataset._fingerprint,
-        dataclasses.astuple(options), separator_id, names, position_ids,
+        dataclasses.astuple(options), separator_id, names, position_ids, seq_lengths,
     ])
     if cache_file_name is not None:
         path: str | None = os.path.abspath(cache_file_name)
@@ -411,6 +443,11 @@ def _group_of_packs(plan: Plan) -> np.ndarray | None:
     if plan.group_offsets is None:
         return None
     return np.repeat(np.arange(plan.num_groups, dtype=np.int64), np.diff(plan.group_offsets))
+
+
+def _without(schema: Any, batches: Any, name: str) -> tuple[Any, Any]:
+    at = schema.get_field_index(name)
+    return schema.remove(at), (batch.remove_column(at) for batch in batches)
 
 
 def _with_groups(batches: Any, group: np.ndarray) -> Any:
@@ -485,6 +522,8 @@ def _restore_format(packed: Any, dataset: Any, names: list[str]) -> None:
         shown = [c for c in shown if c in names] + [
             c for c in packed.column_names if c not in names
         ]
+    else:  # the columns listed, as TRL lists them, not None ("all")
+        shown = list(packed.column_names)
     packed.set_format(
         type=fmt.get("type"), columns=shown,
         output_all_columns=fmt.get("output_all_columns", False),

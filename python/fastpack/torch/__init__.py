@@ -26,6 +26,9 @@ Its modules are its layers:
 - :mod:`~fastpack.torch.tree` — tree batches (``share_prefix=True``: shared prefixes
   computed once), their attention and :func:`per_sample` / :func:`token_logprobs`: every
   sample's values, plain batch or tree.
+- :mod:`~fastpack.torch.mixers` — :func:`prepare_model`: the token mixers beyond softmax
+  attention (Mamba / Mamba2, gated delta nets, short convolutions) restart their state at
+  every sequence of a packed batch.
 - :mod:`~fastpack.torch.verify` — :func:`verify_packing`: a packed batch's samples run
   alone through the user's model and compared, naming the first module that differs.
 - :mod:`~fastpack.torch.hf` — Hugging Face integration (:func:`register_hf_attention`,
@@ -51,6 +54,7 @@ from .data import PackedDataset, StepTable, first_item
 from .formats import BACKENDS, BatchFormat
 from .hf import PackedTrainerMixin, check_model_batch, register_hf_attention
 from .loss import WEIGHTINGS, packed_loss
+from .mixers import MIXERS, prepare_model
 from .sampler import PackedSampler, Schedule, Step
 from .stream import SHARDINGS, PackedIterableDataset
 from .tree import per_sample, token_logprobs
@@ -62,6 +66,7 @@ __all__ = [
     "CP_KEYS",
     "KERNELS",
     "LOSS_MASK_KEYS",
+    "MIXERS",
     "WEIGHTINGS",
     "BatchFormat",
     "PackedCollator",
@@ -77,6 +82,7 @@ __all__ = [
     "context_parallel_attention",
     "first_item",
     "packed_loss",
+    "prepare_model",
     "per_sample",
     "register_hf_attention",
     "shard_for_context_parallel",

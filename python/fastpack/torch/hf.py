@@ -6,6 +6,8 @@ implementation of transformers models (:func:`register_hf_attention`), and the
 from __future__ import annotations
 
 import functools
+import inspect
+import re
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -26,6 +28,7 @@ from .context_parallel import (
 )
 from .data import PackedDataset, first_item
 from .loss import WEIGHTINGS, packed_loss
+from .mixers import current_layout, prepare_model, token_mixers
 from .sampler import BALANCES, PackedSampler, Step
 from .tree import is_tree_batch, tree_attention, tree_layout
 
@@ -345,10 +348,16 @@ def _attention(
             f"register_hf_attention(context_parallel_group=group, mode=...) registers"
         )
     window = kwargs.pop("sliding_window", None)
+    if window is None:
+        window = _layer_window(module)
+    sinks = kwargs.pop("s_aux", None)
     softcap = kwargs.pop("softcap", None)
     causal = kwargs.pop("is_causal", None)
     if causal is None:
         causal = getattr(module, "is_causal", True)
+    if sinks is not None:
+        return _with_sinks(name, module, query, key, value, attention_mask, scaling, dropout,
+                           causal, window, softcap, sinks, kwargs)
     rows, _, q_len, _ = query.shape
     kv_len = key.shape[2]
     cu_seqlens = kwargs.get("cu_seq_lens_q")
@@ -383,6 +392,12 @@ def _attention(
             # encoder's image (Qwen-VL towers call once per image).
             return _dense(name, module, query, key, value, None, scaling, dropout, False,
                           softcap, kwargs)
+        active = current_layout(rows, q_len) if position_ids is None and causal else None
+        if active is not None:  # a prepared model's batch: its boundaries, read once
+            cu, longest = active
+            return _packed(name, kernel, module, query, key, value,
+                           cu.to(device=query.device, dtype=torch.int32), longest, causal,
+                           scaling, dropout, window, softcap, validate=False)
         if position_ids is None:
             raise FastpackError(
                 f"{name}: {type(module).__name__} passed neither cu_seq_lens_q nor "
@@ -420,6 +435,115 @@ def _attention(
         )
     return _dense(name, module, query, key, value, attention_mask, scaling, dropout, causal,
                   softcap, kwargs)
+
+
+def _with_sinks(
+    name: str,
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any,
+    scaling: float | None,
+    dropout: float,
+    causal: bool,
+    window: int | None,
+    softcap: float | None,
+    sinks: torch.Tensor,
+    kwargs: dict[str, Any],
+) -> tuple[torch.Tensor, None]:
+    """Attention with sinks (GPT-OSS's ``s_aux``: one more logit per head in every query's
+    softmax, its value zero), the eager math per sequence of a packed row, or over a row
+    with its mask."""
+    if dropout and module.training:
+        raise FastpackError(f"{name}: attention dropout {dropout} with attention sinks is not "
+                            f"supported; set the model's attention dropout to 0")
+    rows, heads, width, dim = query.shape
+    if kwargs.get("tree_parents") is not None or "cp_size" in kwargs:
+        raise FastpackError(f"{name}: attention sinks on a tree or context-parallel batch "
+                            f"are not supported")
+    cu = kwargs.get("cu_seq_lens_q")
+    position_ids = kwargs.get("position_ids")
+    if attention_mask is not None or key.shape[2] != width:
+        if not isinstance(attention_mask, torch.Tensor | None):
+            raise FastpackError(f"{name}: attention sinks with a "
+                                f"{type(attention_mask).__name__} mask are not supported")
+        if attention_mask is not None and window and not _built_from(attention_mask)[0]:
+            # the batch's own mask (mask="explicit") has no window: add it
+            attention_mask = _with_window(name, attention_mask, position_ids, width,
+                                          key.shape[2], window)
+        out = _eager(query, key, value, attention_mask, scaling, causal and attention_mask is None,
+                     softcap, sinks, None)
+        return out.transpose(1, 2).contiguous(), None
+    if cu is not None:
+        bounds = cu.detach().to("cpu", torch.int64)
+    elif position_ids is not None:
+        bounds = _position_bounds(position_ids, rows, width, torch.device("cpu"))[0].long()
+    else:
+        active = current_layout(rows, width)
+        bounds = active[0] if active is not None else torch.arange(rows + 1) * width
+    # (rows, heads, width, dim) -> (1, heads, rows * width, dim): the rows end to end
+    q, k, v = (t.transpose(0, 1).reshape(1, t.shape[1], rows * width, dim)
+               for t in (query, key, value))
+    pieces = [_eager(q[:, :, b:e], k[:, :, b:e], v[:, :, b:e], None, scaling, causal, softcap,
+                     sinks, window)
+              for b, e in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True) if e > b]
+    out = torch.cat(pieces, dim=2).reshape(heads, rows, width, dim)
+    return out.permute(1, 2, 0, 3).contiguous(), None
+
+
+def _eager(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float | None,
+    causal: bool,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+    window: int | None,
+) -> torch.Tensor:
+    """Hugging Face's eager attention math, ``(B, heads, q, D)`` out: soft-capped scores,
+    a mask (or causal, the queries the last keys), a sliding window, and sinks."""
+    q_len, kv_len = query.shape[2], key.shape[2]
+    groups = query.shape[1] // key.shape[1]
+    key, value = (t.repeat_interleave(groups, dim=1) if groups > 1 else t for t in (key, value))
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if mask is None and (causal or window) and q_len > 1:  # the queries are the last keys
+        idx = torch.arange(kv_len, device=query.device)
+        distance = idx[kv_len - q_len:, None] - idx[None, :]
+        mask = distance >= 0 if causal else torch.ones_like(distance, dtype=torch.bool)
+        if window:
+            mask = mask & (distance < window)
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        else:
+            scores = scores + mask
+    if sinks is not None:
+        sink = sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+        scores = torch.cat([scores, sink], dim=-1)
+    work = torch.promote_types(query.dtype, torch.float32)
+    probs = torch.softmax(scores, dim=-1, dtype=work).to(query.dtype)
+    if sinks is not None:
+        probs = probs[..., :-1]  # the sink's value is zero
+    return torch.matmul(probs, value)
+
+
+def _layer_window(module: torch.nn.Module) -> int | None:
+    """The window of a sliding layer whose model keeps it in the layer and its mask only
+    (Qwen2-MoE passes no ``sliding_window`` keyword): the layer's ``sliding_window`` where
+    the config's ``layer_types`` say the layer slides."""
+    window = getattr(module, "sliding_window", None)
+    layer = getattr(module, "layer_idx", None)
+    types = getattr(getattr(module, "config", None), "layer_types", None)
+    if not window or layer is None or types is None or not 0 <= layer < len(types):
+        return None
+    return int(window) if types[layer] == "sliding_attention" else None
 
 
 def _packed_inputs(
@@ -560,24 +684,8 @@ def _dense(
             f"{name}: attention dropout {dropout} with soft-capping is not supported; set "
             f"the model's attention dropout to 0"
         )
-    q_len, kv_len = query.shape[2], key.shape[2]
-    groups = query.shape[1] // key.shape[1]
-    key, value = (t.repeat_interleave(groups, dim=1) if groups > 1 else t for t in (key, value))
-    if scaling is None:
-        scaling = query.shape[-1] ** -0.5
-    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
-    scores = torch.tanh(scores / softcap) * softcap
-    if mask is None and causal and q_len > 1:  # the queries are the last q_len keys
-        idx = torch.arange(kv_len, device=query.device)
-        mask = idx[None, :] <= idx[kv_len - q_len:, None]
-    if mask is not None:
-        if mask.dtype == torch.bool:
-            scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-        else:
-            scores = scores + mask
-    work = torch.promote_types(query.dtype, torch.float32)
-    probs = torch.softmax(scores, dim=-1, dtype=work).to(query.dtype)
-    return torch.matmul(probs, value).transpose(1, 2).contiguous(), None
+    out = _eager(query, key, value, mask, scaling, causal, softcap, None, None)
+    return out.transpose(1, 2).contiguous(), None
 
 
 #: Attention kwargs of the packed formats, which Hugging Face's SDPA does not take.
@@ -662,6 +770,9 @@ def check_model_batch(model: Any, batch: dict[str, Any]) -> None:
                             f"({type(config).__name__}) would not compute the unpacked "
                             f"model; {fix}")
 
+    if _packs_sequences(batch):
+        _check_mixing(model, config, batch, impl, ours, refuse)
+
     sharded = "cp_size" in batch
     if sharded or impl in _CONTEXT_PARALLEL:
         registered = _CONTEXT_PARALLEL.get(impl)
@@ -723,6 +834,12 @@ def check_model_batch(model: Any, batch: dict[str, Any]) -> None:
                    f"(sliding_window={window})",
                    "use mask='position_ids' (the default) or backend='flash'")
         return
+    if not ours and getattr(config, "model_type", None) in _MASK_WITHOUT_POSITIONS and (
+            _packs_sequences(batch)):
+        refuse("packed rows on a model that builds its attention mask without position_ids "
+               "(every token would see the whole row)",
+               "use attn_implementation=register_hf_attention() with prepare_model(model), "
+               "or an explicit mask (mask='explicit')")
     if ours or "cu_seq_lens_q" in batch or positions is None:
         return
     if not isinstance(positions, torch.Tensor):
@@ -744,6 +861,174 @@ def check_model_batch(model: Any, batch: dict[str, Any]) -> None:
     if impl.startswith("flash_attention") and rows.shape[0] > 1:
         refuse(f"{rows.shape[0]} packed rows without cu_seq_lens_q",
                "use PackedCollator(backend='flash')")
+
+
+def _packs_sequences(batch: dict[str, Any]) -> bool:
+    """Whether a row of the batch holds more than one sequence (or a tree, or a piece of
+    one shared by context-parallel ranks): where a layer that mixes tokens along the row
+    must keep them apart."""
+    if is_tree_batch(batch) or "cp_size" in batch:
+        return True
+    cu = batch.get("cu_seq_lens_q")
+    if cu is not None:
+        return len(cu) > 2
+    mask = batch.get("attention_mask")
+    if mask is not None and getattr(mask, "ndim", 2) == 4:
+        return True  # an explicit mask: block-diagonal rows
+    positions = batch.get("position_ids")
+    if not isinstance(positions, torch.Tensor):
+        return False
+    if positions.ndim == 3:
+        positions = positions[0]
+    rows = positions.reshape(-1, positions.shape[-1])
+    starts = rows[:, 1:] - rows[:, :-1] != 1
+    if isinstance(mask, torch.Tensor) and mask.ndim == 2:
+        real = mask.to(torch.bool).reshape(rows.shape)
+        starts &= real[:, 1:] & real[:, :-1]
+    return bool(starts.any())
+
+
+#: Module classes, by name, that mix tokens along the sequence beyond softmax attention
+#: and that fastpack does not keep apart (a new architecture is refused until proven).
+_MIXING_NAMES = re.compile(
+    r"Mamba|Mixer|ShortConv|DeltaNet|DeltaAttention|LinearAttention|Lightning|Recurrent|"
+    r"Rwkv|RWKV|Retention|Hyena|SSM|Rglru|RgLru|Xlstm|xLSTM|TimeMix", re.ASCII)
+#: Classes that hold layers rather than mix tokens themselves (their layers are checked).
+_CONTAINERS = re.compile(r"(Model|For[A-Z]\w*|Block|DecoderLayer|MLP|Experts|Norm|Output)$")
+#: Softmax attention (through the attention interface) whose class name reads like a mixer.
+_SOFTMAX_ATTENTION = ("KimiLinearAttention",)
+#: Parameters of a recurrent state (Mamba's decay and step, RWKV's decay).
+_STATE_PARAMETERS = ("A_log", "dt_bias", "time_decay", "time_first", "recurrent_param")
+#: Submodules that run on the media of a vision-language or audio batch, not on its row.
+_MEDIA_TOWERS = re.compile(r"(^|\.)(visual|vision_tower|vision_model|vision_encoder|"
+                           r"audio_tower|audio_model|audio_encoder|audio_embed|"
+                           r"embed_tokens_extend|multi_modal_projector)(\.|$)")
+#: Model types whose model builds the attention mask without the positions, so Hugging
+#: Face's attentions never see where packed sequences restart.
+_MASK_WITHOUT_POSITIONS = ("granitemoehybrid", "afmoe", "biogpt", "opt")
+#: Model types that cannot keep packed sequences apart, and why (found by the sweep of
+#: every causal LM transformers registers: silently different on packed rows).
+_NOT_PACKABLE = {
+    "openai-gpt": "its attention adds its own causal bias over the whole row",
+    "xglm": "its sinusoidal positions are offset from the row's padding",
+    "xlm": "its attention masks and positions run over the whole row",
+    "xlnet": "its relative attention runs over the whole row",
+    "cpmant": "its position bias runs over the whole row",
+    "reformer": "its LSH / axial attention and positions run over the whole row",
+    "git": "its text attention is built over the whole row beside the image tokens",
+    "prophetnet": "its n-gram attention runs over the whole row",
+    "big_bird": "its bidirectional attention is its own, not the attention interface: every "
+                "token sees the whole row",
+    "megatron-bert": "its bidirectional attention is its own, not the attention interface: "
+                     "every token sees the whole row",
+    "rembert": "its bidirectional attention is its own, not the attention interface: every "
+               "token sees the whole row",
+}
+#: Token-mixing classes that keep packed sequences apart themselves (checked by the sweep).
+_KEEPS_APART = {
+    "InklingShortConvolution": "masks its window with the model's conv_mask",
+}
+#: Model types whose attention adds ALiBi biases outside the attention interface.
+_ALIBI_TYPES = ("bloom", "mpt")
+
+
+def _mixing_reason(module: torch.nn.Module) -> str | None:
+    """Why ``module`` mixes tokens along the sequence (by its class and what it holds),
+    or ``None``."""
+    cls = type(module).__name__
+    for child in module.children():
+        if isinstance(child, torch.nn.Conv1d) and child.kernel_size[0] > 1:
+            return (f"it convolves over the sequence (Conv1d, kernel {child.kernel_size[0]}): "
+                    f"the window reads the previous sequence's tokens")
+    for name, _ in module.named_parameters(recurse=False):
+        if name in _STATE_PARAMETERS:
+            return f"it carries a recurrent state along the sequence (parameter {name})"
+    if _MIXING_NAMES.search(cls) and not _CONTAINERS.search(cls) and (
+            cls not in _SOFTMAX_ATTENTION):
+        return "its class is a token mixer fastpack does not know"
+    return None
+
+
+def _check_mixing(model: Any, config: Any, batch: dict[str, Any], impl: str, ours: bool,
+                  refuse: Callable[[str, str], None]) -> None:
+    """Refuses a packed batch for a model with a layer that would mix its sequences: a
+    known token mixer :func:`~fastpack.torch.prepare_model` has not prepared (or one it
+    cannot keep apart on this batch), any other module that mixes tokens, ALiBi, attention
+    sinks on fastpack's attention, and bidirectional attention."""
+    from .mixers import MIXERS, is_prepared
+
+    kind = getattr(config, "model_type", None)
+    if kind in _ALIBI_TYPES or getattr(config, "alibi", False):
+        refuse(f"packed rows on a model with ALiBi position biases ({kind})",
+               "fastpack does not add ALiBi per sequence (the biases run across the row); "
+               "use PackedCollator(backend='padded')")
+    if kind in _NOT_PACKABLE:
+        refuse(f"packed rows on {kind} ({_NOT_PACKABLE[kind]})",
+               "use PackedCollator(backend='padded') for this model")
+    if ours and getattr(config, "attention_chunk_size", None):
+        refuse(f"packed rows on a model with chunked attention (attention_chunk_size="
+               f"{config.attention_chunk_size}: fastpack's attention does not add the chunks)",
+               "use attn_implementation='sdpa' or 'eager' with PackedCollator(backend='sdpa')")
+    inner = model
+    for attr in ("module", "_orig_mod"):
+        inner = getattr(inner, attr, inner)
+    if not isinstance(inner, torch.nn.Module):
+        return
+    prepared = is_prepared(inner)
+    forward = getattr(inner, "forward", None)
+    attends = any("Attention" in type(m).__name__ for m in inner.modules())
+    if attends and forward is not None and (
+            "position_ids" not in inspect.signature(forward).parameters):
+        refuse(f"packed rows on a model that takes no position_ids ({type(inner).__name__}: "
+               f"its positions count along the row, so they do not restart per sequence)",
+               "use PackedCollator(backend='padded') for this model")
+    known: list[str] = []
+    for path, module in inner.named_modules():
+        if any(path == k or path.startswith(k + ".") for k in known) or _MEDIA_TOWERS.search(path):
+            continue
+        cls = type(module).__name__
+        if getattr(module, "sinks", None) is not None and not ours:
+            raise FastpackError(
+                f"{path} ({cls}) adds attention sinks (a per-head logit every query sees): "
+                f"not supported with attn_implementation={impl!r} on packed rows because "
+                f"its mask does not keep the rows' sequences apart with the sink; use "
+                f"attn_implementation=fastpack.torch.register_hf_attention()")
+        if hasattr(module, "create_position_ids_from_input_ids"):
+            raise FastpackError(
+                f"{path} ({cls}) numbers positions from the padding index along the row: "
+                f"not supported on packed rows because position_ids restarting at 0 are not "
+                f"its positions; use PackedCollator(backend='padded') for this model")
+        if cls in _KEEPS_APART:
+            known.append(path)
+            continue
+        if "Indexer" in cls:
+            raise FastpackError(
+                f"{path} ({cls}) selects keys for sparse attention over the whole row: "
+                f"not supported on packed rows because its scores and top-k run across "
+                f"sequences; use PackedCollator(backend='padded') for this model")
+        if cls in MIXERS:
+            known.append(path)
+            if not prepared:
+                raise FastpackError(
+                    f"{path} ({cls}) mixes tokens across sequences: call "
+                    f"fastpack.torch.prepare_model(model) before training on packed batches "
+                    f"(it restarts the layer's state at every sequence), or use "
+                    f"PackedCollator(backend='padded')")
+            if is_tree_batch(batch) or "cp_size" in batch:
+                what = "a tree batch" if is_tree_batch(batch) else "a context-parallel batch"
+                raise FastpackError(
+                    f"{path} ({cls}) mixes tokens across sequences: not supported on {what} "
+                    f"because its recurrent state runs along the row (a shared prefix or a "
+                    f"rank's piece is not a whole sequence); use share_prefix=False / no "
+                    f"context parallelism for this model")
+            continue
+        reason = _mixing_reason(module)
+        if reason is not None:
+            known.append(path)
+            raise FastpackError(
+                f"{path} ({cls}) mixes tokens across sequences: not supported because "
+                f"{reason}, so its packed rows would leak between sequences; use "
+                f"PackedCollator(backend='padded') for this model")
 
 
 # --------------------------------------------------------------------------- Trainer
@@ -868,6 +1153,8 @@ class PackedTrainerMixin:
                 f" got {transformers.__version__}"
             )
         super().__init__(*args, **kwargs)
+        if any(token_mixers(self.model)):  # type: ignore[attr-defined]
+            prepare_model(self.model)  # type: ignore[attr-defined]  # mixers exact when packed
         if not self.args.average_tokens_across_devices:  # type: ignore[attr-defined]
             raise FastpackError(
                 "average_tokens_across_devices: must be True with PackedTrainerMixin: the "

@@ -252,6 +252,20 @@ fn cu_seqlens<'py>(
 
 type Varlen<'py> = (Bound<'py, PyArray1<i32>>, Bound<'py, PyArray1<i64>>);
 
+/// The pack of each of `lengths` (in the order given) under best fit with TRL's rule for
+/// ties (the oldest pack among equal rooms): `fastpack.trl.pack_dataset`'s placement.
+#[pyfunction]
+fn best_fit_oldest<'py>(
+    py: Python<'py>,
+    lengths: PyReadonlyArray1<'py, u32>,
+    max_len: u32,
+) -> PyResult<Bound<'py, PyArray1<u32>>> {
+    let lens = lengths.as_slice()?;
+    let packs =
+        py.detach(|| guarded(|| fastpack_core::best_fit_oldest(lens, max_len))).map_err(to_py)?;
+    Ok(packs.into_pyarray(py))
+}
+
 /// `(cu_seqlens, position_ids)` of `packs` laid end to end, in one call.
 #[pyfunction]
 fn varlen<'py>(
@@ -381,5 +395,7 @@ mod _core {
     #[pymodule_export]
     use super::vlm::{media_grids, rope_index};
     #[pymodule_export]
-    use super::{bucket_metrics, cu_seqlens, default_threads, pack, plan_metrics, varlen};
+    use super::{
+        best_fit_oldest, bucket_metrics, cu_seqlens, default_threads, pack, plan_metrics, varlen,
+    };
 }

@@ -50,6 +50,7 @@ use crate::two_level::{Bucket, Groups, Levels, TwoLevelPlan};
 use classify::Rules;
 use histogram::Histogram;
 use limits::{Limit, LimitedRuns, Needs};
+pub use placement::best_fit_oldest;
 use placement::{PackCounts, Placement};
 use sort::Sorted;
 

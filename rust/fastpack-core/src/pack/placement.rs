@@ -456,3 +456,84 @@ mod tests {
         assert_eq!(rooms.first_at_least(100), None);
     }
 }
+
+/// Best fit of `lens` taken in the given order (the caller sorts them), one item at a
+/// time, where a tie between packs of equal room goes to the pack that reached that room
+/// **first** (the oldest). This is TRL's rule (`pack_dataset(strategy="bfd")`), which the
+/// drop-in `fastpack.trl.pack_dataset` reproduces row for row; `best_fit` keeps its own
+/// rule, which lets it place a run of equal lengths with one index operation. Both give
+/// the same packs' fills: a tie only decides which of two equal rooms shrinks.
+///
+/// Returns the pack of each item, packs numbered in the order they open. Every length
+/// must be in `1..=max_len`.
+pub fn best_fit_oldest(lens: &[u32], max_len: u32) -> Result<Vec<u32>> {
+    if max_len == 0 {
+        return Err(crate::Error::invalid("max_len", "must be at least 1"));
+    }
+    let cap = max_len as usize;
+    let mut rooms = RoomSet::new(cap)?;
+    // Per room, a queue of packs in the order they reached it: head, tail, next.
+    let mut head = memory::try_filled(cap + 1, NONE, "the capacity index")?;
+    let mut tail = memory::try_filled(cap + 1, NONE, "the capacity index")?;
+    let mut next: Vec<u32> = Vec::new();
+    let mut out = memory::try_with_capacity(lens.len(), "the placement")?;
+    for (i, &len) in lens.iter().enumerate() {
+        if len == 0 || len > max_len {
+            return Err(crate::Error::invalid(
+                "lengths",
+                format!("length {len} at index {i} is not in 1..={max_len}"),
+            ));
+        }
+        let len = len as usize;
+        let (pack, room) = match rooms.first_at_least(len) {
+            Some(room) => {
+                let pack = head[room];
+                head[room] = next[pack as usize];
+                if head[room] == NONE {
+                    tail[room] = NONE;
+                    rooms.remove(room);
+                }
+                (pack, room)
+            }
+            None => {
+                memory::try_push(&mut next, NONE, "the capacity index")?;
+                ((next.len() - 1) as u32, cap)
+            }
+        };
+        out.push(pack);
+        let rest = room - len;
+        if rest > 0 {
+            next[pack as usize] = NONE;
+            if tail[rest] == NONE {
+                head[rest] = pack;
+                rooms.insert(rest);
+            } else {
+                next[tail[rest] as usize] = pack;
+            }
+            tail[rest] = pack;
+        }
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod oldest_tests {
+    use super::best_fit_oldest;
+
+    #[test]
+    fn ties_go_to_the_oldest_pack() {
+        // Sorted lengths 3, 3, 1 with room 4: both packs have room 1; the first one
+        // opened reached it first and takes the 1.
+        assert_eq!(best_fit_oldest(&[3, 3, 1], 4).unwrap(), vec![0, 1, 0]);
+        // Packs 0 and 1 both have room 2: the 2 goes to pack 0, the 1s then fill pack 1.
+        assert_eq!(best_fit_oldest(&[3, 3, 2, 1, 1, 1], 5).unwrap(), vec![0, 1, 0, 1, 1, 2]);
+    }
+
+    #[test]
+    fn refuses_lengths_outside_the_cap() {
+        assert!(best_fit_oldest(&[5], 4).is_err());
+        assert!(best_fit_oldest(&[0], 4).is_err());
+        assert!(best_fit_oldest(&[1], 0).is_err());
+        assert!(best_fit_oldest(&[], 4).unwrap().is_empty());
+    }
+}

@@ -1,0 +1,208 @@
+"""``fastpack doctor``: what this machine has (versions, optional kernels) and, from that,
+which packed-training paths run here, exactly and fast.
+
+Nothing here changes state; optional packages are looked up (``find_spec`` and their
+distribution's version) rather than imported, except torch, whose devices and attention
+kernels are only known by asking it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import platform
+import shutil
+from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+__all__ = ["Package", "Path", "Report", "report"]
+
+#: transformers releases before this lack what PackedTrainerMixin needs
+#: (``Trainer.loss_is_scaled_for_ga``).
+TRANSFORMERS_FLOOR = (5, 19)
+
+
+@dataclass(frozen=True)
+class Package:
+    """One package: its import name, its distribution's version (``None``: not
+    installed) and what fastpack uses it for."""
+
+    module: str
+    distribution: str
+    used_for: str
+    version: str | None
+
+
+@dataclass(frozen=True)
+class Path:
+    """One packed-training path: whether it computes exactly what the unpacked model does
+    here, and with which kernel (the fast one, or the exact fallback)."""
+
+    name: str
+    exact: bool
+    kernel: str
+    note: str = ""
+
+
+@dataclass
+class Report:
+    python: str
+    platform: str
+    fastpack: str
+    fastpack_location: str
+    threads: int
+    device: str
+    packages: list[Package] = field(default_factory=list)
+    paths: list[Path] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "python": self.python,
+            "platform": self.platform,
+            "fastpack": self.fastpack,
+            "fastpack_location": self.fastpack_location,
+            "threads": self.threads,
+            "device": self.device,
+            "packages": [vars(p) for p in self.packages],
+            "paths": [vars(p) for p in self.paths],
+        }
+
+    def format(self) -> str:
+        lines = [
+            f"fastpack {self.fastpack} ({self.fastpack_location})",
+            f"python {self.python} on {self.platform}; {self.threads} planning threads; "
+            f"device: {self.device}",
+            "",
+            "packages",
+        ]
+        width = max(len(p.module) for p in self.packages)
+        for p in self.packages:
+            shown = p.version if p.version is not None else "-"
+            lines.append(f"  {p.module:<{width}}  {shown:<12}  {p.used_for}")
+        lines += ["", "paths on this machine"]
+        width = max(len(path.name) for path in self.paths)
+        for path in self.paths:
+            state = "exact" if path.exact else "REFUSED"
+            note = f"  ({path.note})" if path.note else ""
+            lines.append(f"  {path.name:<{width}}  {state:<7}  {path.kernel}{note}")
+        return "\n".join(lines)
+
+
+# (import name, distribution, what fastpack uses it for)
+_PACKAGES: tuple[tuple[str, str, str], ...] = (
+    ("numpy", "numpy", "plans and rows (required)"),
+    ("pyarrow", "pyarrow", "Arrow / parquet inputs, the command (required)"),
+    ("torch", "torch", "fastpack.torch: batches, attention, loss, samplers"),
+    ("transformers", "transformers", "register_hf_attention, PackedTrainerMixin (>= 5.19)"),
+    ("datasets", "datasets", "fastpack.hf.pack_dataset"),
+    ("trl", "trl", "SFTTrainer with PackedTrainerMixin"),
+    ("torchdata", "torchdata", "StatefulDataLoader resume"),
+    ("ray", "ray", "fastpack pack --ray"),
+    ("matplotlib", "matplotlib", "the command's pictures"),
+    ("flash_attn", "flash-attn", "flash-attn varlen kernel (CUDA, fp16/bf16)"),
+    ("fla", "flash-linear-attention", "linear attention / gated delta net kernels (CUDA)"),
+    ("mamba_ssm", "mamba-ssm", "Mamba2 scan kernels with seq_idx (CUDA)"),
+    ("causal_conv1d", "causal-conv1d", "short convolution kernels with seq_idx (CUDA)"),
+    ("ring_flash_attn", "ring-flash-attn", "context-parallel flash kernels (CUDA)"),
+    ("triton", "triton", "compiled flex attention"),
+)
+
+
+def _version(module: str, distribution: str) -> str | None:
+    try:
+        found = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        found = None
+    if found is None:
+        return None
+    try:
+        return version(distribution)
+    except PackageNotFoundError:
+        return "present"
+
+
+def _at_least(found: str | None, floor: tuple[int, ...]) -> bool:
+    if found is None:
+        return False
+    parts: list[int] = []
+    for piece in found.split(".")[: len(floor)]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts) >= floor
+
+
+def _torch_paths(have: dict[str, str | None]) -> tuple[str, list[Path]]:
+    import torch
+
+    from .torch.attention import available_kernels
+
+    cuda = torch.cuda.is_available()
+    device = torch.cuda.get_device_name(0) if cuda else "cpu (no CUDA device)"
+    probe = torch.zeros(1, 1, 8, device="cuda" if cuda else "cpu",
+                        dtype=torch.bfloat16 if cuda else torch.float32)
+    kernels = available_kernels(probe)
+    paths = [
+        Path("flash batches (cu_seqlens)", True, kernels[0],
+             "fastest available: " + ", ".join(kernels)),
+        Path("rows with reset position_ids (sdpa/eager)", True,
+             kernels[0] if cuda else "per-sequence SDPA"),
+    ]
+    # HF's flex_attention implementation compiles its kernel on every device.
+    paths.append(Path(
+        "flex batches (attn_implementation='flex_attention')", True, "compiled flex_attention",
+        "" if cuda else "compiles for ~50 s on its first CPU call"
+        + ("" if _compiler() else "; needs a C++ compiler, none found")))
+    linear = "fla" if cuda and have["fla"] else "per-sequence restart (torch)"
+    paths.append(Path("linear attention / gated delta net", True, linear))
+    ssm = ("mamba_ssm + causal_conv1d (seq_idx)"
+           if cuda and have["mamba_ssm"] and have["causal_conv1d"]
+           else "per-sequence restart (torch)")
+    paths.append(Path("Mamba2 mixers", True, ssm))
+    conv = ("causal_conv1d (seq_idx)" if cuda and have["causal_conv1d"]
+            else "short convolution restarted per sequence (torch)")
+    paths.append(Path("short causal convolutions", True, conv))
+    cp = "ring-flash-attn" if cuda and have["ring_flash_attn"] else (
+        "flash-attn" if cuda and have["flash_attn"] else "per-run SDPA")
+    paths.append(Path("context parallelism", True, cp))
+    trainer = _at_least(have["transformers"], TRANSFORMERS_FLOOR)
+    paths.append(Path(
+        "PackedTrainerMixin", trainer, "transformers Trainer",
+        "" if trainer else f"needs transformers >= {'.'.join(map(str, TRANSFORMERS_FLOOR))}, "
+        f"found {have['transformers'] or 'none'}"))
+    return device, paths
+
+
+def report() -> Report:
+    """What this machine has and which paths run here (the ``fastpack doctor`` report)."""
+    import fastpack
+
+    from ._core import default_threads
+
+    have = {module: _version(module, dist) for module, dist, _ in _PACKAGES}
+    packages = [Package(module, dist, used, have[module]) for module, dist, used in _PACKAGES]
+    if have["torch"] is not None:
+        device, paths = _torch_paths(have)
+    else:
+        device = "unknown (torch is not installed)"
+        paths = [Path("packed batches for training", False, "-",
+                      "install torch for fastpack.torch; plans and the command work without")]
+    location = os.path.dirname(os.path.abspath(fastpack.__file__))
+    return Report(
+        python=platform.python_version(),
+        platform=f"{platform.system()} {platform.machine()}",
+        fastpack=fastpack.__version__,
+        fastpack_location=location,
+        threads=default_threads(),
+        device=device,
+        packages=packages,
+        paths=paths,
+    )
+
+
+def _compiler() -> str | None:
+    """The C compiler torch.compile's CPU backend would call (flex attention on the CPU)."""
+    return shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
+
