@@ -282,3 +282,27 @@ def test_a_plain_module() -> None:
     packed = PackedCollator(max_len=64, backend="flash")(samples())
     with pytest.raises(FastpackError, match=r"verify_packing: the model \(Plain\) mixes tokens"):
         verify_packing(m, packed)
+
+
+def test_llava_batch_passes() -> None:
+    """A plain-position family: each sample alone with its own images (one row each)."""
+    torch.manual_seed(0)
+    cfg = transformers.LlavaConfig(
+        vision_config=dict(model_type="clip_vision_model", hidden_size=16, intermediate_size=32,
+                           num_hidden_layers=1, num_attention_heads=2, image_size=8,
+                           patch_size=2),
+        text_config=dict(model_type="llama", vocab_size=64, hidden_size=16, intermediate_size=32,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1),
+        image_token_id=60, image_seq_length=16, vision_feature_select_strategy="default",
+        vision_feature_layer=-1)
+    cfg._attn_implementation = "sdpa"
+    m = transformers.LlavaForConditionalGeneration(cfg).double().eval()
+    gen = torch.Generator().manual_seed(1)
+    docs = []
+    for marker, images, text in ((50, 1, 4), (51, 0, 6), (52, 2, 3)):
+        ids = [marker] + [5 + i for i in range(text)] + ([62] + [60] * 16 + [63]) * images
+        docs.append({"input_ids": ids} | ({"pixel_values": torch.randn(
+            images, 3, 8, 8, generator=gen, dtype=torch.float64)} if images else {}))
+    batch = PackedCollator(48, backend="sdpa", model_config=m.config)(docs)
+    report = verify_packing(m, batch)
+    assert report.samples == (0, 1, 2) and report.worst < 1e-10
