@@ -259,3 +259,41 @@ def test_trainer_checks_the_batch_format(tmp_path: Path) -> None:
         [{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5]}])
     with pytest.raises(FastpackError, match="explicit bool 4-D mask"):
         trainer.compute_loss(trainer.model, batch)
+
+
+class _Cumsum(torch.nn.Module):
+    """A token mixer without sequence boundaries (a running sum over the row)."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, hidden: Any) -> Any:
+        return self.inner(hidden) + hidden.cumsum(1)
+
+
+def test_trainer_verifies_the_first_micro_batch(tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    trainer = make_trainer(tmp_path)
+    batch = next(iter(trainer.get_train_dataloader()))
+    trainer.model.train()
+    for _ in range(2):
+        trainer.compute_loss(trainer.model, dict(batch))
+    out = capsys.readouterr().out
+    assert out.count("fastpack: verify_packing: 4 sample(s) equal alone and packed") == 1
+    assert "off with verify_packing=False" in out
+    assert trainer.model.training
+    # A model that mixes tokens across sequences stops before the first backward...
+    leaky = make_trainer(tmp_path)
+    leaky.model.model.layers[1].mlp = _Cumsum(leaky.model.model.layers[1].mlp)
+    leaky.model.train()
+    with pytest.raises(FastpackError, match=r"model\.layers\.1\.mlp \(_Cumsum\) mixes tokens"):
+        leaky.compute_loss(leaky.model, dict(batch))
+    # ... unless the check is off.
+    off = make_trainer(tmp_path, verify_packing=False)
+    off.model.model.layers[1].mlp = _Cumsum(off.model.model.layers[1].mlp)
+    off.model.train()
+    off.compute_loss(off.model, dict(batch))
+    assert "verify_packing" not in capsys.readouterr().out
+    with pytest.raises(FastpackError, match="verify_packing: expected True, False or a number"):
+        make_trainer(tmp_path, verify_packing=0)

@@ -29,6 +29,8 @@ Its modules are its layers:
 - :mod:`~fastpack.torch.mixers` — :func:`prepare_model`: the token mixers beyond softmax
   attention (Mamba / Mamba2, gated delta nets, short convolutions) restart their state at
   every sequence of a packed batch.
+- :mod:`~fastpack.torch.verify` — :func:`verify_packing`: a packed batch's samples run
+  alone through the user's model and compared, naming the first module that differs.
 - :mod:`~fastpack.torch.hf` — Hugging Face integration (:func:`register_hf_attention`,
   :func:`check_model_batch`, :class:`PackedTrainerMixin` for the ``Trainer`` / TRL
   ``SFTTrainer`` on many ranks).
@@ -56,6 +58,7 @@ from .mixers import MIXERS, prepare_model
 from .sampler import PackedSampler, Schedule, Step
 from .stream import SHARDINGS, PackedIterableDataset
 from .tree import per_sample, token_logprobs
+from .verify import VerifyReport, verify_packing
 
 __all__ = [
     "BACKENDS",
@@ -85,4 +88,6 @@ __all__ = [
     "shard_for_context_parallel",
     "token_logprobs",
     "varlen_attention",
+    "verify_packing",
+    "VerifyReport",
 ]

@@ -1084,6 +1084,12 @@ class PackedTrainerMixin:
       :func:`~fastpack.torch.packed_loss` from the logits, times the data-parallel size.
     * **Format check**: the first batch of each format goes through
       :func:`check_model_batch` against the model's ``attn_implementation``.
+    * **Proof** (``verify_packing=True``, the default): the first training micro-batch
+      of each rank goes through :func:`~fastpack.torch.verify_packing` — a few of its
+      samples (``VERIFY_SAMPLES``, or the count given) run alone and compared with the
+      packed forward, no gradients — and its cost is printed once (the local main
+      process). A difference raises before the first backward, naming the module.
+      Skipped with fastpack's context parallelism (a rank holds a shard, not samples).
       Either way the loss is already scaled for accumulation (``loss_is_scaled_for_ga``).
 
     Resuming from a checkpoint replays the schedule (the Trainer skips the consumed
@@ -1095,7 +1101,13 @@ class PackedTrainerMixin:
         weighting: ``"token"`` (default) or ``"sequence"`` (see :func:`packed_loss`).
         balance: ``"flops"`` (default), ``"tokens"`` or ``None`` (see PackedSampler).
         hidden_size: the cost model's ``h`` (default: ``model.config.hidden_size``).
+        verify_packing: ``True`` (default: :attr:`VERIFY_SAMPLES` samples), a number of
+            samples, or ``False`` to skip the check of the first micro-batch.
     """
+
+    #: Samples of the first micro-batch that :func:`~fastpack.torch.verify_packing`
+    #: runs alone by default.
+    VERIFY_SAMPLES = 4
 
     def __init__(
         self,
@@ -1105,8 +1117,18 @@ class PackedTrainerMixin:
         weighting: str = "token",
         balance: str | None = "flops",
         hidden_size: int | None = None,
+        verify_packing: bool | int = True,
         **kwargs: Any,
     ) -> None:
+        if isinstance(verify_packing, bool):
+            self._fastpack_verify = self.VERIFY_SAMPLES if verify_packing else 0
+        elif isinstance(verify_packing, int) and verify_packing >= 1:
+            self._fastpack_verify = verify_packing
+        else:
+            raise FastpackError(
+                f"verify_packing: expected True, False or a number of samples >= 1, got "
+                f"{verify_packing!r}"
+            )
         if weighting not in WEIGHTINGS:
             raise FastpackError(
                 f"weighting: unknown value {weighting!r}; expected 'token' or 'sequence'"
@@ -1336,6 +1358,7 @@ class PackedTrainerMixin:
         steps = {k: inputs[k] for k in STEP_KEYS if k in inputs}
         inputs = {k: v for k, v in inputs.items() if k not in STEP_KEYS}
         self._check_format(model, inputs)
+        self._verify_first(model, inputs)
         parent: Any = super()
         accepts = bool(getattr(self, "model_accepts_loss_kwargs", False))
         # A tree batch has no labels (a shared token has several next tokens): its loss is
@@ -1355,6 +1378,26 @@ class PackedTrainerMixin:
         # num_processes // tp_size, the same number).
         loss = loss * self.data_parallel_size * self.context_parallel_size
         return (loss, outputs) if return_outputs else loss
+
+    def _verify_first(self, model: torch.nn.Module, inputs: dict[str, Any]) -> None:
+        """:func:`~fastpack.torch.verify_packing` on the first training micro-batch (each
+        rank its own; no collective), its cost printed once."""
+        if not self._fastpack_verify or not model.training or "sample_ids" not in inputs:
+            return
+        count, self._fastpack_verify = self._fastpack_verify, 0
+        show = getattr(self, "is_local_process_zero", lambda: True)()
+        if self._fastpack_cp is not None:
+            if show:
+                print("fastpack: verify_packing skipped (context parallelism: each rank "
+                      "holds a shard of the row, not whole samples)")
+            return
+        from .verify import verify_packing
+
+        inner = model.module if isinstance(
+            model, torch.nn.parallel.DistributedDataParallel) else model
+        report = verify_packing(inner, inputs, samples=count)
+        if show:
+            print(f"fastpack: {report} (first micro-batch; off with verify_packing=False)")
 
     def _check_format(self, model: torch.nn.Module, inputs: dict[str, Any]) -> None:
         """:func:`check_model_batch` once per batch format (its keys and mask kind), so a
