@@ -168,7 +168,7 @@ def _families():  # type: ignore[no-untyped-def]
                                       moe_intermediate_size=16, head_dim=8),
         "bamba": t.BambaConfig(**{**TINY, "num_hidden_layers": 3}, attn_layer_indices=[1],
                                mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8,
-                               mamba_chunk_size=4, mamba_n_groups=1),
+                               mamba_chunk_size=8, mamba_n_groups=1),
         "qwen3_next": t.Qwen3NextConfig(
             **TINY, head_dim=8, num_experts=4,
             num_experts_per_tok=2, moe_intermediate_size=16,
