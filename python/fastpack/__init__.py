@@ -21,6 +21,7 @@ from ._options import PackOptions
 from ._plan import OVERLONG_POLICIES, STRATEGIES, Bucket, LimitUse, Plan, pack
 from ._stream import StreamPacker, StreamStats
 from ._tree import pack_trees, tree_rows
+from .cost import CostModel
 
 
 def __getattr__(name: str) -> object:
@@ -47,6 +48,7 @@ __all__ = [
     "STRATEGIES",
     "Bucket",
     "CPLayout",
+    "CostModel",
     "CP_MODES",
     "FastpackError",
     "FastpackTypeError",

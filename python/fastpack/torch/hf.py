@@ -18,6 +18,7 @@ import torch
 from .._checks import _choice
 from .._context_parallel import CP_MODES
 from .._errors import FastpackError, FastpackTypeError
+from ..cost import CostModel
 from ..vlm import MROPE_FAMILIES
 from .attention import KERNELS, Kernel, varlen_attention
 from .collator import LOSS_MASK_KEYS, PackedCollator
@@ -1069,7 +1070,7 @@ class PackedTrainerMixin:
       is scaled by ``dp · cp`` (DDP averages the gradients of all of them; the CP ranks'
       add up to the step's), which is the Trainer's own ``num_processes // tp_size``.
       ``accumulation_steps`` is ``gradient_accumulation_steps``,
-      the seed ``data_seed`` (else ``seed``), ``hidden_size`` the model's. Accelerate's
+      the seed ``data_seed`` (else ``seed``), the cost model the model config's. Accelerate's
       own sharding is bypassed: it would re-split steps that are already per rank.
       ``per_device_train_batch_size`` is ignored — a step *is* the batch.
     * **Normaliser** (``get_batch_samples``): the Trainer counts the labels of a step's
@@ -1100,7 +1101,9 @@ class PackedTrainerMixin:
             default: ``group_tokens = 4 * max_len``. Ignored for a ready PackedDataset.
         weighting: ``"token"`` (default) or ``"sequence"`` (see :func:`packed_loss`).
         balance: ``"flops"`` (default), ``"tokens"`` or ``None`` (see PackedSampler).
-        hidden_size: the cost model's ``h`` (default: ``model.config.hidden_size``).
+        cost: a :class:`fastpack.CostModel` (default: built from ``model.config``, or
+            the older ``hidden_size`` estimate when the config is not one it reads).
+        hidden_size: the older estimate's ``h``; given, it is used instead of the config.
         verify_packing: ``True`` (default: :attr:`VERIFY_SAMPLES` samples), a number of
             samples, or ``False`` to skip the check of the first micro-batch.
     """
@@ -1117,6 +1120,7 @@ class PackedTrainerMixin:
         weighting: str = "token",
         balance: str | None = "flops",
         hidden_size: int | None = None,
+        cost: Any = None,
         verify_packing: bool | int = True,
         **kwargs: Any,
     ) -> None:
@@ -1141,7 +1145,7 @@ class PackedTrainerMixin:
         self.fastpack_weighting = weighting
         self._fastpack_options: dict[str, Any] = {
             "group_tokens": group_tokens, "packs_per_batch": packs_per_batch,
-            "balance": balance, "hidden_size": hidden_size,
+            "balance": balance, "hidden_size": hidden_size, "cost": cost,
         }
         self._fastpack_dataset: PackedDataset | None = None
         self._fastpack_sampler: PackedSampler | None = None
@@ -1249,16 +1253,21 @@ class PackedTrainerMixin:
         if self._fastpack_sampler is None:
             args: Any = self.args  # type: ignore[attr-defined]
             options = self._fastpack_options
-            hidden = options["hidden_size"]
+            hidden, cost = options["hidden_size"], options["cost"]
+            config = getattr(self.model, "config", None)  # type: ignore[attr-defined]
+            if hidden is None and cost is None and config is not None:
+                try:
+                    cost = CostModel.from_config(config)
+                except (FastpackError, TypeError, ValueError):  # a config it does not read
+                    cost = None
             if hidden is None:
-                config = getattr(self.model, "config", None)  # type: ignore[attr-defined]
                 hidden = getattr(config, "hidden_size", None) or 4096
             seed = args.data_seed if args.data_seed is not None else args.seed
             self._fastpack_sampler = PackedSampler(
                 self.packed_dataset, num_replicas=self.data_parallel_size,
                 rank=self.data_parallel_rank,
                 shuffle=True, seed=seed, drop_last=bool(args.dataloader_drop_last),
-                balance=options["balance"], hidden_size=int(hidden),
+                balance=options["balance"], hidden_size=int(hidden), cost=cost,
                 accumulation_steps=args.gradient_accumulation_steps,
             )
         return self._fastpack_sampler
