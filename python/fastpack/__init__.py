@@ -17,6 +17,7 @@ from ._errors import FastpackError, FastpackTypeError
 from ._examples import example_lengths
 from ._gather import gather
 from ._materialize import IGNORE_INDEX, Ragged, as_ragged, loss_mask_from_spans, materialize
+from ._microbatch import BudgetController, MemoryModel, MicroBatches, plan_micro_batches
 from ._options import PackOptions
 from ._plan import OVERLONG_POLICIES, STRATEGIES, Bucket, LimitUse, Plan, pack
 from ._stream import StreamPacker, StreamStats
@@ -45,12 +46,15 @@ __all__ = [
     "OVERLONG_POLICIES",
     "STRATEGIES",
     "Bucket",
+    "BudgetController",
     "CPLayout",
     "CP_MODES",
     "FastpackError",
     "FastpackTypeError",
     "IGNORE_INDEX",
     "LimitUse",
+    "MemoryModel",
+    "MicroBatches",
     "PackOptions",
     "Plan",
     "Ragged",
@@ -66,5 +70,6 @@ __all__ = [
     "materialize",
     "pack",
     "pack_trees",
+    "plan_micro_batches",
     "tree_rows",
 ]
