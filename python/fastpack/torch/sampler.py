@@ -753,9 +753,9 @@ def _range_cp(sampler: PackedSampler, lo: np.ndarray, hi: np.ndarray
     return cp_rows(plan, plan.seqlens[flat], offsets)
 
 
-def _empty(epoch: int) -> Schedule:
+def _empty(epoch: int, ranks: int) -> Schedule:
     none = np.zeros(0, dtype=np.int64)
-    return Schedule(epoch=epoch, layout=none.reshape(0, 1), micro_steps=none, micro_lo=none,
+    return Schedule(epoch=epoch, layout=none.reshape(0, ranks), micro_steps=none, micro_lo=none,
                     micro_hi=none, micro_whole=none.astype(bool), micro_tokens=none,
                     micro_cost=none.astype(np.float64), micro_targets=none, num_items=none,
                     num_sequences=none, dropped_steps=0, dropped_tokens=0,
@@ -775,7 +775,7 @@ def _schedule(sampler: PackedSampler, epoch: int, ranks: int, k: int,
     else:
         u_index, u_lo, u_hi = units
         if not len(u_index):
-            return _empty(epoch)
+            return _empty(epoch, ranks)
     n = len(u_index)
     order = (_core.permutation(n, _seed(sampler.seed, epoch, 16 * salt)).astype(np.int64)
              if sampler.shuffle else np.arange(n))
