@@ -10,9 +10,11 @@ lengths (an RL rollout batch, a benchmark). Its guarantees, per global step:
 - every rank gets the same number ``k`` of micro-batches, a multiple of
   ``pipeline_group`` (the micro-batches a pipeline's virtual stages take at a time), and
   none is empty;
-- the ``R·k`` micro-batches carry nearly the same cost (longest-processing-time first:
-  sequences in decreasing cost, each into the lightest micro-batch it fits), hence so do
-  the ranks;
+- the ranks and the micro-batches carry nearly the same cost (longest-processing-time
+  first, twice: a step's sequences in decreasing cost each to the lightest rank, then a
+  rank's each into its lightest micro-batch that stays under the caps; a step where a rank
+  would have fewer sequences than micro-batches is planned over all its ``R·k``
+  micro-batches at once);
 - with ``pipeline_order``, each rank's micro-batches run light ones first and last, heavy
   ones in the middle (the pipeline's warm-up and cool-down expose the first and the last).
 
@@ -194,22 +196,58 @@ def split_steps(step: np.ndarray, tokens: np.ndarray, cost: np.ndarray, *, steps
             f"ranks: global step {s} holds {int(sizes[s])} sequence(s), fewer than the "
             f"{ranks} ranks; every rank needs a non-empty micro-batch"
         )
-    need = np.maximum(
-        np.ceil(np.bincount(step, weights=tokens, minlength=steps) / (ranks * tcap)),
-        np.ceil(np.bincount(step, weights=cost, minlength=steps) / (ranks * ccap)),
-    )
-    k = np.maximum(need.astype(np.int64), max(1, min_micro_batches))
-    k = -(-k // pipeline_group) * pipeline_group
-    _check_room(k, sizes, ranks, token_cap, cost_cap)
+    floor = max(1, min_micro_batches)
+    weights = tokens.astype(np.float64)
+
+    def bound(index: np.ndarray, count: int, share: int) -> np.ndarray:
+        """The least micro-batches (a multiple of the group) for the sums by ``index``."""
+        need = np.maximum(
+            np.ceil(np.bincount(index, weights=weights, minlength=count) / (share * tcap)),
+            np.ceil(np.bincount(index, weights=cost, minlength=count) / (share * ccap)))
+        k = np.maximum(need.astype(np.int64), floor)
+        return np.asarray(-(-k // pipeline_group) * pipeline_group, dtype=np.int64)
+
+    pooled_k = bound(step, steps, ranks)
+    _check_room(pooled_k, sizes, ranks, token_cap, cost_cap)
+    # Two levels first: each step's sequences over its ranks by cost (LPT, no cap), then
+    # each rank's into k micro-batches under the caps (k the largest any rank needs). A
+    # placement costs O(R + k) this way, not O(R·k).
+    rank, _ = _lpt(step, cost, weights, np.full(steps, ranks, dtype=np.int64),
+                   math.inf, math.inf)
+    group = step * ranks + rank
+    group_size = np.bincount(group, minlength=steps * ranks).reshape(steps, ranks)
+    k = bound(group, steps * ranks, 1).reshape(steps, ranks).max(axis=1)
     unit_bin = np.full(n, -1, dtype=np.int64)
+    pooled = np.zeros(steps, dtype=bool)
     todo = np.arange(steps)
+    while len(todo):
+        # A rank with fewer sequences than k micro-batches: plan that step pooled.
+        short = group_size[todo].min(axis=1) < k[todo]
+        pooled[todo[short]] = True
+        todo = todo[~short]
+        if not len(todo):
+            break
+        mask = np.zeros(steps, dtype=bool)
+        mask[todo] = True
+        units = np.flatnonzero(mask[step])
+        groups = (todo[:, None] * ranks + np.arange(ranks)).ravel()
+        remap = np.full(steps * ranks, -1, dtype=np.int64)
+        remap[groups] = np.arange(len(groups))
+        slots, failed = _lpt(remap[group[units]], cost[units], weights[units],
+                             np.repeat(k[todo], ranks), tcap, ccap)
+        unit_bin[units] = rank[units] * k[step[units]] + slots
+        todo = np.unique(groups[failed] // ranks)
+        k[todo] += pipeline_group
+    # Pooled: the step's sequences into all its R·k micro-batches at once.
+    k[pooled] = pooled_k[pooled]
+    todo = np.flatnonzero(pooled)
     while len(todo):
         mask = np.zeros(steps, dtype=bool)
         mask[todo] = True
         units = np.flatnonzero(mask[step])
         remap = np.full(steps, -1, dtype=np.int64)
         remap[todo] = np.arange(len(todo))
-        bins, failed = _lpt(remap[step[units]], cost[units], tokens[units].astype(np.float64),
+        bins, failed = _lpt(remap[step[units]], cost[units], weights[units],
                             k[todo] * ranks, tcap, ccap)
         unit_bin[units] = bins
         todo = todo[failed]
