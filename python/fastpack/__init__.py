@@ -22,6 +22,7 @@ from ._options import PackOptions
 from ._plan import OVERLONG_POLICIES, STRATEGIES, Bucket, LimitUse, Plan, pack
 from ._stream import StreamPacker, StreamStats
 from ._tree import pack_trees, tree_rows
+from .cost import CostModel
 
 
 def __getattr__(name: str) -> object:
@@ -48,6 +49,7 @@ __all__ = [
     "Bucket",
     "BudgetController",
     "CPLayout",
+    "CostModel",
     "CP_MODES",
     "FastpackError",
     "FastpackTypeError",

@@ -48,6 +48,7 @@ __all__ = [
     "position_ids",
     "rope_index",
     "vision_cost",
+    "vision_terms",
 ]
 
 # Below this many tokens one thread computes the positions (2 shared cores: 64 documents
@@ -409,12 +410,21 @@ def vision_cost(samples: Any, width: int) -> np.ndarray:
     patches (its projections, then attention within the frame: Qwen-VL encoders attend
     within each frame; Qwen2.5-VL's windowed layers do less, so this is an upper bound);
     ``width`` is the encoder's hidden size."""
-    total = np.zeros(len(samples), dtype=np.float64)
+    terms = vision_terms(samples)
+    return 6.0 * width * terms[:, 0] + terms[:, 1]
+
+
+def vision_terms(samples: Any) -> np.ndarray:
+    """Each sample's ``Σ t·p`` and ``Σ t·p²`` over its grids (float64 [N, 2]): the
+    patches, and the squares of its frames' patches (``p = h·w`` per frame, ``t``
+    frames), from which any cost linear and quadratic in a frame's patches follows
+    (:meth:`fastpack.CostModel.image_flops`)."""
+    total = np.zeros((len(samples), 2), dtype=np.float64)
     for kind in ("image", "video"):
         offsets, g = _grids_of(samples, kind, True)
         frame = (g[:, 1] * g[:, 2]).astype(np.float64)
-        cost = g[:, 0] * (6.0 * width * frame + frame * frame)
-        total += _per_sample(offsets, cost)
+        total[:, 0] += _per_sample(offsets, g[:, 0] * frame)
+        total[:, 1] += _per_sample(offsets, g[:, 0] * frame * frame)
     return total
 
 

@@ -21,8 +21,8 @@ from .._options import PackArgs, PackOptions, WithOptions, check_plan, layered
 from .._plan import Plan, select_plan, sub_plan
 from .._targets import segment_targets
 from .._tree import group_codes, pack_trees, path_targets
+from ..vlm import vision_terms
 from .collator import GROUP_KEY, PackedCollator, as_collator
-from .media import vision_cost
 from .step import Step
 
 if TYPE_CHECKING:
@@ -85,6 +85,9 @@ class StepTable:
     #: :func:`fastpack.torch.media.vision_cost`), or None without media.
     segment_vision: np.ndarray | None = None
     segment_squared: np.ndarray | None = None
+    #: Each segment's ``Σ t·p`` and ``Σ t·p²`` over its frames (float64 [S, 2]; see
+    #: :func:`fastpack.vlm.vision_terms`), or None without media.
+    segment_patches: np.ndarray | None = None
     segment_sequences: np.ndarray | None = None
     cuts: np.ndarray | None = None
 
@@ -269,12 +272,13 @@ class PackedDataset(torch.utils.data.Dataset, WithOptions):  # type: ignore[type
             separator_id=self.collator.separator_id,
             train_separators=self.collator.train_separators, threads=self.collator.threads,
         )
-        vision = None
+        vision = patches = None
         vlm = self.collator.vlm
         if vlm is not None and vlm.mrope and self.media is not None:
-            vision = vision_cost(self.media, vlm.vision_hidden_size)[
-                np.asarray(self.plan.sample_ids)]
-        return step_table(self.plan, self.step_pack_offsets, per_segment, vision)
+            terms = vision_terms(self.media)[np.asarray(self.plan.sample_ids)]
+            vision = 6.0 * vlm.vision_hidden_size * terms[:, 0] + terms[:, 1]
+            patches = terms
+        return step_table(self.plan, self.step_pack_offsets, per_segment, vision, patches)
 
     @cached_property
     def fingerprint(self) -> dict[str, Any]:
@@ -397,7 +401,8 @@ def _selection(index: int | Step, count: int) -> np.ndarray | None:
 
 
 def step_table(plan: Plan, step_pack_offsets: np.ndarray, per_segment: np.ndarray,
-               segment_vision: np.ndarray | None = None) -> StepTable:
+               segment_vision: np.ndarray | None = None,
+               segment_patches: np.ndarray | None = None) -> StepTable:
     """The :class:`StepTable` of steps ``step_pack_offsets`` (CSR over the plan's packs)
     given the targets of every segment (from :func:`fastpack._targets.segment_targets`)
     and, with media, each segment's vision cost."""
@@ -411,7 +416,7 @@ def step_table(plan: Plan, step_pack_offsets: np.ndarray, per_segment: np.ndarra
         pack_offsets=step_pack_offsets, segment_offsets=segments, tokens=tokens,
         squared_tokens=squared, targets=targets, sequences=sequences,
         segment_targets=per_segment, padded_tokens=padded, cp_work=work,
-        segment_vision=segment_vision,
+        segment_vision=segment_vision, segment_patches=segment_patches,
     )
     for array in (table.segment_offsets, table.tokens, table.squared_tokens,
                   table.targets, table.sequences, table.segment_targets, padded, work):

@@ -16,6 +16,7 @@ import torch
 from .._checks import _choice
 from .._context_parallel import CP_MODES
 from .._errors import FastpackError, FastpackTypeError
+from ..cost import CostModel
 from ..vlm import MROPE_FAMILIES
 from .attention import KERNELS, Kernel, varlen_attention
 from .collator import LOSS_MASK_KEYS, PackedCollator
@@ -809,7 +810,9 @@ class PackedTrainerMixin:
             default: ``group_tokens = 4 * max_len``. Ignored for a ready PackedDataset.
         weighting: ``"token"`` (default) or ``"sequence"`` (see :func:`packed_loss`).
         balance: ``"flops"`` (default), ``"tokens"`` or ``None`` (see PackedSampler).
-        hidden_size: the cost model's ``h`` (default: ``model.config.hidden_size``).
+        cost: a :class:`fastpack.CostModel` (default: built from ``model.config``, or
+            the older ``hidden_size`` estimate when the config is not one it reads).
+        hidden_size: the older estimate's ``h``; given, it is used instead of the config.
     """
 
     def __init__(
@@ -820,6 +823,7 @@ class PackedTrainerMixin:
         weighting: str = "token",
         balance: str | None = "flops",
         hidden_size: int | None = None,
+        cost: Any = None,
         **kwargs: Any,
     ) -> None:
         if weighting not in WEIGHTINGS:
@@ -834,7 +838,7 @@ class PackedTrainerMixin:
         self.fastpack_weighting = weighting
         self._fastpack_options: dict[str, Any] = {
             "group_tokens": group_tokens, "packs_per_batch": packs_per_batch,
-            "balance": balance, "hidden_size": hidden_size,
+            "balance": balance, "hidden_size": hidden_size, "cost": cost,
         }
         self._fastpack_dataset: PackedDataset | None = None
         self._fastpack_sampler: PackedSampler | None = None
@@ -940,16 +944,21 @@ class PackedTrainerMixin:
         if self._fastpack_sampler is None:
             args: Any = self.args  # type: ignore[attr-defined]
             options = self._fastpack_options
-            hidden = options["hidden_size"]
+            hidden, cost = options["hidden_size"], options["cost"]
+            config = getattr(self.model, "config", None)  # type: ignore[attr-defined]
+            if hidden is None and cost is None and config is not None:
+                try:
+                    cost = CostModel.from_config(config)
+                except (FastpackError, TypeError, ValueError):  # a config it does not read
+                    cost = None
             if hidden is None:
-                config = getattr(self.model, "config", None)  # type: ignore[attr-defined]
                 hidden = getattr(config, "hidden_size", None) or 4096
             seed = args.data_seed if args.data_seed is not None else args.seed
             self._fastpack_sampler = PackedSampler(
                 self.packed_dataset, num_replicas=self.data_parallel_size,
                 rank=self.data_parallel_rank,
                 shuffle=True, seed=seed, drop_last=bool(args.dataloader_drop_last),
-                balance=options["balance"], hidden_size=int(hidden),
+                balance=options["balance"], hidden_size=int(hidden), cost=cost,
                 accumulation_steps=args.gradient_accumulation_steps,
             )
         return self._fastpack_sampler

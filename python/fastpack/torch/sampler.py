@@ -7,7 +7,10 @@ evenly among the ranks is cut into smaller steps, or dropped and counted with
 ``drop_last``); the R steps that run at the same time carry nearly the same work; every
 micro-step knows the target tokens of its whole optimizer step.
 
-Cost model (``balance="flops"``): a step costs ``6·hidden_size·Σl + Σl²`` over its
+Cost model (``balance="flops"``): with ``cost=`` a :class:`fastpack.CostModel` (built from
+the model's config), a step costs its training FLOPs, ``linear·Σl + quadratic·Σl²`` plus
+its sliding windows' corrections (see :mod:`fastpack.cost`). Without it, ``hidden_size``
+gives the older estimate: a step costs ``6·hidden_size·Σl + Σl²`` over its
 sequences' lengths ``l`` (over a plan of trees, ``Σl`` counts each shared token once and
 ``Σl²`` becomes ``P² + Σ(Rᵢ² + 2·P·Rᵢ)`` for a prompt of ``P`` tokens with responses
 ``Rᵢ``, see :class:`~fastpack.torch.StepTable`). Per layer, the forward pass of a
@@ -21,6 +24,9 @@ With a vision-language :class:`PackedDataset` (media), a step also pays its visi
 encoder: per encoder layer ``6·w·p + p²`` for every frame of ``p`` patches (encoder width
 ``w``), scaled by ``(vision layers · w) / (text layers · hidden_size)`` into the same
 units, so ranks that share a global step carry about the same images as well as tokens.
+With a ``cost`` read from a vision-language config, each frame of ``p`` patches costs
+``cost.image_flops(p)``; with a text-only ``cost``, ``12·w·(vision layers)`` FLOPs per unit
+of that per-layer work.
 """
 
 from __future__ import annotations
@@ -40,7 +46,8 @@ from .. import _core
 from .._checks import _int_arg
 from .._context_parallel import cp_rows
 from .._errors import FastpackError, FastpackTypeError
-from .._microbatch import MicroBatches, sequence_cost, split_steps
+from .._microbatch import MicroBatches, split_steps
+from ..cost import CostModel
 from .data import PackedDataset, StepTable
 from .step import Step
 
@@ -58,7 +65,7 @@ class Schedule:
     segments ``micro_lo[j]:micro_hi[j]`` of dataset step ``micro_steps[j]`` (the whole
     step when ``micro_whole[j]``). ``layout`` [G, R] says which micro-step rank ``r`` runs
     at global step ``g``; the [G, R] views (``steps``, ``lo``, ``hi``, ``whole``,
-    ``tokens``, ``cost`` = ``6·hidden_size·Σl + Σl²`` whatever ``balance`` is, and
+    ``tokens``, ``cost`` = the sampler's cost model whatever ``balance`` is, and
     ``targets``) are gathered through it on access. ``num_items`` and ``num_sequences``
     [G] are the normalisers of the optimizer step each global step belongs to;
     ``dropped_*`` count what ``drop_last`` left out of this epoch.
@@ -148,10 +155,13 @@ class PackedSampler(torch.utils.data.Sampler):  # type: ignore[type-arg]
         drop_last: drop the ``len(dataset) % num_replicas`` steps that do not divide
             evenly (counted in :meth:`schedule`), instead of cutting them into
             ``num_replicas`` smaller steps.
-        balance: ``"flops"`` balances ``6·hidden_size·Σl + Σl²`` per global step (plus
+        balance: ``"flops"`` balances ``cost`` (or ``6·hidden_size·Σl + Σl²``) per global step (plus
             the vision encoder's cost with media: see the module docs),
             ``"tokens"`` balances Σl, ``None`` keeps the (shuffled) order.
-        hidden_size: the ``h`` of the cost model (see the module docs, docs/training.md).
+        hidden_size: the ``h`` of the older cost estimate, used when ``cost`` is None (see
+            the module docs, docs/training.md).
+        cost: a :class:`fastpack.CostModel` (or a model config to build one from): the
+            FLOPs ``balance="flops"`` balances; replaces ``hidden_size``.
         accumulation_steps: micro-steps per optimizer step; every micro-step carries the
             target tokens of its whole optimizer step (all ranks, all its micro-steps) as
             ``num_items_in_batch``. With a cap, global steps per optimizer step.
@@ -187,6 +197,7 @@ class PackedSampler(torch.utils.data.Sampler):  # type: ignore[type-arg]
         balance: str | None = "flops",
         hidden_size: int = 4096,
         accumulation_steps: int = 1,
+        cost: Any = None,
         micro_batch_tokens: int | None = None,
         micro_batch_cost: float | None = None,
         pipeline_group: int = 1,
@@ -233,6 +244,9 @@ class PackedSampler(torch.utils.data.Sampler):  # type: ignore[type-arg]
         self.drop_last = bool(drop_last)
         self.balance = balance
         self.hidden_size = _int_arg("hidden_size", hidden_size, minimum=1)
+        self.cost = (CostModel.from_hidden_size(self.hidden_size) if cost is None
+                     else CostModel.from_config(cost))
+        self.cost_key = self.cost.key  # what a state records of the cost model
         self.accumulation_steps = _int_arg("accumulation_steps", accumulation_steps, minimum=1)
         packs = dataset.plan.num_packs
         if packs < self.num_replicas:
@@ -456,7 +470,7 @@ class PackedSampler(torch.utils.data.Sampler):  # type: ignore[type-arg]
 
     # ------------------------------------------------------------------ state
     _SETTINGS = ("seed", "num_replicas", "accumulation_steps", "balance", "hidden_size",
-                 "shuffle", "drop_last", "pipeline_group", "pipeline_order")
+                 "cost_key", "shuffle", "drop_last", "pipeline_group", "pipeline_order")
     #: Settings a state may differ in: the rest of the epoch is planned again for them.
     _RESIZABLE = ("num_replicas", "accumulation_steps")
 
@@ -639,7 +653,7 @@ def _segment_cost(sampler: PackedSampler, table: StepTable, lo: int, hi: int) ->
     lengths = seqlens.astype(np.float64)
     if sampler.balance == "flops":
         squared = _squared(table, lo, hi, seqlens).astype(np.float64)
-        return 6.0 * sampler.hidden_size * lengths + squared
+        return sampler.cost.linear * lengths + sampler.cost.quadratic * squared
     return lengths
 
 
@@ -687,25 +701,50 @@ def _flops(sampler: PackedSampler, tokens: np.ndarray, squared: np.ndarray,
     """The cost model of the module docs; under context parallelism, that of the step's
     slowest CP rank: its share of the padded row plus its attention pairs, ×2 (Σl² counts
     each sequence's causal pairs twice)."""
+    cost = sampler.cost
     if cp is None:
-        return 6.0 * sampler.hidden_size * tokens + squared.astype(np.float64)
+        return cost.linear * tokens + cost.quadratic * squared.astype(np.float64)
     padded, work = cp
     ranks = work.shape[1]
-    return (6.0 * sampler.hidden_size * padded / ranks
-            + 2.0 * work.max(axis=1, initial=0).astype(np.float64))
+    return (cost.linear * padded / ranks
+            + 2.0 * cost.quadratic * work.max(axis=1, initial=0).astype(np.float64))
 
 
 def _vision(sampler: PackedSampler, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-    """The vision encoder's cost of segments ``lo:hi`` in the cost's units (a text layer's
-    FLOPs over ``4·hidden_size``): its per-layer work times ``vision layers · vision width
-    / (text layers · hidden_size)``; zeros without media."""
+    """The cost of segments ``lo:hi`` beyond ``linear·Σl + quadratic·Σl²``: the sliding
+    windows' corrections of a :class:`~fastpack.CostModel` (segment by segment), and the
+    vision encoder's cost. In ``hidden_size`` units (a text layer's FLOPs over
+    ``4·hidden_size``) that is its per-layer work times ``vision layers · vision width /
+    (text layers · hidden_size)``; zeros without media."""
     table = sampler.dataset.steps
+    cost = sampler.cost
+    out = np.zeros(len(lo), dtype=np.float64)
+    if cost.windows and table.segment_squared is None:
+        cumulative = _window_cumulative(sampler)
+        out += cumulative[hi] - cumulative[lo]
     vlm = sampler.dataset.collator.vlm
     if table.segment_vision is None or vlm is None:
-        return np.zeros(len(lo), dtype=np.float64)
-    ratio = (vlm.vision_layers * vlm.vision_hidden_size) / (
-        max(vlm.text_layers, 1) * sampler.hidden_size)
-    return ratio * table.vision_between(lo, hi)
+        return out
+    if (cost.vision_linear or cost.vision_quadratic) and table.segment_patches is not None:
+        patches = np.concatenate(([[0.0, 0.0]], np.cumsum(table.segment_patches, axis=0)))
+        terms = patches[hi] - patches[lo]
+        return out + cost.vision_linear * terms[:, 0] + cost.vision_quadratic * terms[:, 1]
+    if cost.name.startswith("hidden_size="):
+        ratio = (vlm.vision_layers * vlm.vision_hidden_size) / (
+            max(vlm.text_layers, 1) * sampler.hidden_size)
+    else:  # FLOPs: per layer 4·w FLOPs per unit of 6·w·p + p², ×3 for training
+        ratio = 12.0 * vlm.vision_hidden_size * vlm.vision_layers
+    return out + ratio * table.vision_between(lo, hi)
+
+
+def _window_cumulative(sampler: PackedSampler) -> np.ndarray:
+    """Cumulative window corrections over the plan's segments (computed once)."""
+    cached = getattr(sampler, "_windows", None)
+    if cached is None:
+        seqlens = sampler.dataset.plan.seqlens
+        cached = np.concatenate(([0.0], np.cumsum(sampler.cost.window_flops(seqlens))))
+        sampler._windows = cached  # type: ignore[attr-defined]
+    return cached
 
 
 def _build(sampler: PackedSampler, epoch: int, history: list[tuple[int, int, int]],
@@ -987,16 +1026,15 @@ def _cut(
 
 
 def _unit_costs(sampler: PackedSampler, segments: np.ndarray) -> np.ndarray:
-    """The cost of each of ``segments`` that micro-batches balance and cap: the cost
-    model's (``balance="flops"``: ``6·hidden_size·l + l²``, or a ``cost_model``'s
-    ``sequence_flops``, plus the vision encoder's with media), else the tokens."""
-    plan = sampler.dataset.plan
-    seqlens = np.asarray(plan.seqlens)[segments]
+    """The cost of each of ``segments`` that micro-batches balance and cap: with
+    ``balance="flops"`` the sampler's cost model (``linear·l + quadratic·l²``, its sliding
+    windows' corrections and the vision encoder's cost), else the tokens."""
+    seqlens = np.asarray(sampler.dataset.plan.seqlens)[segments].astype(np.float64)
     if sampler.balance != "flops":
-        return seqlens.astype(np.float64)
-    model = getattr(sampler, "cost_model", None)
-    cost = sequence_cost(seqlens, 6.0 * sampler.hidden_size if model is None else model)
-    return cost + _vision(sampler, segments, segments + 1)
+        return seqlens
+    cost = sampler.cost
+    return (cost.linear * seqlens + cost.quadratic * seqlens * seqlens
+            + _vision(sampler, segments, segments + 1))
 
 
 def _split(sampler: PackedSampler, schedule: Schedule, ranks: int, first: int, end: int,
