@@ -324,3 +324,20 @@ def test_another_world_size_resumes_only_between_global_steps() -> None:
     same = PackedSampler(ds, num_replicas=2, rank=0, micro_batch_tokens=300, hidden_size=64)
     same.load_state_dict(state)  # the same world size resumes anywhere
     assert len(list(same)) == len(out[0]) - inside
+
+
+def test_the_rust_and_numpy_placements_agree() -> None:
+    from fastpack import _core
+    from fastpack._microbatch import _lpt_numpy
+
+    if not hasattr(_core, "lpt_groups"):
+        pytest.skip("the core was built without lpt_groups")
+    rng = np.random.default_rng(4)
+    group = rng.integers(0, 50, 5000)
+    tokens = rng.integers(1, 400, 5000).astype(np.float64)
+    cost = 600 * tokens + tokens**2
+    cost[1::7] = cost[::7][: len(cost[1::7])]  # ties
+    bins = rng.integers(1, 12, 50)
+    native = _core.lpt_groups(group, cost, tokens, bins, 1500.0, np.inf)
+    numpy = _lpt_numpy(group, cost, tokens, bins, 1500.0, np.inf)
+    assert np.array_equal(native[0], numpy[0]) and np.array_equal(native[1], numpy[1])

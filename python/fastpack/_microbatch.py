@@ -37,6 +37,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from . import _core
 from ._checks import _int_arg
 from ._errors import FastpackError, FastpackTypeError
 
@@ -75,10 +76,24 @@ def sequence_cost(lengths: np.ndarray, cost: Any = None) -> np.ndarray:
 def _lpt(group: np.ndarray, cost: np.ndarray, tokens: np.ndarray, bins: np.ndarray,
          token_cap: float, cost_cap: float) -> tuple[np.ndarray, np.ndarray]:
     """Longest-processing-time first inside every group at once: the units of group ``g``
-    (in decreasing cost) each into the lightest of its ``bins[g]`` bins that stays under
-    both caps. Returns each unit's bin and which groups failed (a unit fitted nowhere, or
-    a bin left empty). Round ``j`` places the ``j``-th unit of every group, so the loop
-    runs over the largest group's size, each round vectorised over the groups."""
+    (in decreasing cost, ties by index) each into the lightest of its ``bins[g]`` bins
+    that stays under both caps (ties: the lowest bin). Returns each unit's bin and which
+    groups failed (a unit fitted nowhere, or a bin left empty). In Rust (groups in
+    parallel) when the core has it, else :func:`_lpt_numpy`: the same result."""
+    native = getattr(_core, "lpt_groups", None)
+    if native is None:
+        return _lpt_numpy(group, cost, tokens, bins, token_cap, cost_cap)
+    placed, failed = native(
+        np.ascontiguousarray(group, dtype=np.int64), np.ascontiguousarray(cost, dtype=np.float64),
+        np.ascontiguousarray(tokens, dtype=np.float64), np.ascontiguousarray(bins, dtype=np.int64),
+        float(token_cap), float(cost_cap))
+    return np.asarray(placed), np.asarray(failed)
+
+
+def _lpt_numpy(group: np.ndarray, cost: np.ndarray, tokens: np.ndarray, bins: np.ndarray,
+               token_cap: float, cost_cap: float) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_lpt` in numpy: round ``j`` places the ``j``-th unit of every group, so the
+    loop runs over the largest group's size, each round vectorised over the groups."""
     count, n = len(bins), len(group)
     width = int(bins.max()) if count else 0
     order = np.lexsort((-cost, group))  # by group, then decreasing cost (stable ties)
