@@ -316,7 +316,8 @@ class PackedSampler(torch.utils.data.Sampler):  # type: ignore[type-arg]
         """Optimizer steps per epoch: ``ceil(global steps / accumulation_steps)`` (the
         last one has fewer micro-steps when they do not divide evenly, on every rank
         alike; without a cap a rank's micro-steps are the global steps)."""
-        return -(-len(self.schedule()) // self.accumulation_steps)
+        steps = len(self.schedule()) if self._caps or self._history else len(self)
+        return -(-steps // self.accumulation_steps)
 
     def __iter__(self) -> Iterator[Step]:
         return self._pass()

@@ -104,11 +104,9 @@ pub fn lpt_groups<'py>(
     cost_cap: f64,
     threads: Option<usize>,
 ) -> PyResult<(Bound<'py, PyArray1<i64>>, Bound<'py, PyArray1<bool>>)> {
-    let slice = |name: &str, a: &'py PyReadonlyArray1<'py, i64>| {
-        a.as_slice().map_err(|_| fastpack_error(&format!("{name}: expected a contiguous array")))
-    };
-    let group = slice("group", &group)?;
-    let bins = slice("bins", &bins)?;
+    let group =
+        group.as_slice().map_err(|_| fastpack_error("group: expected a contiguous array"))?;
+    let bins = bins.as_slice().map_err(|_| fastpack_error("bins: expected a contiguous array"))?;
     let cost = cost.as_slice().map_err(|_| fastpack_error("cost: expected a contiguous array"))?;
     let tokens =
         tokens.as_slice().map_err(|_| fastpack_error("tokens: expected a contiguous array"))?;
