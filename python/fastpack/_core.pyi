@@ -15,6 +15,7 @@ __all__ = [
     "cp_streams",
     "cu_seqlens",
     "default_threads",
+    "lpt_groups",
     "flatten_int_lists",
     "gather",
     "materialize",
