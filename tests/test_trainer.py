@@ -19,6 +19,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("datasets")
 
+import fastpack  # noqa: E402
 from fastpack import FastpackError, FastpackTypeError  # noqa: E402
 from fastpack.torch import (  # noqa: E402
     PackedCollator,
@@ -53,12 +54,14 @@ def reference_step(ex: Any, weighting: str, *, model: Any = None, replicas: int 
                        loss_mask="completion_mask", group_tokens=ex.GROUP_TOKENS,
                        seed=ex.COMMON["seed"])
     k = ex.COMMON["gradient_accumulation_steps"]
+    model = ex.tiny_llama() if model is None else model
+    # The trainer balances the cost model of its model's config.
     schedule = PackedSampler(ds, num_replicas=replicas, rank=0, seed=ex.COMMON["seed"],
-                             hidden_size=32, accumulation_steps=k).schedule(0)
+                             cost=fastpack.CostModel.from_config(model.config),
+                             accumulation_steps=k).schedule(0)
     chosen = [int(i) for g in range(k) for r in range(replicas)
               for i in ds.plan.sample_ids[schedule.lo[g, r] : schedule.hi[g, r]]]
     assert len(set(chosen)) == len(chosen)
-    model = ex.tiny_llama() if model is None else model
     model.config._attn_implementation = "sdpa"
     batch = PackedCollator(max_len=ex.MAX_LEN, backend="padded")(
         [{"input_ids": data[i]["input_ids"], "loss_mask": data[i]["completion_mask"]}

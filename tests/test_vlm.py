@@ -579,6 +579,18 @@ def test_a_dataset_plans_within_its_budgets_and_the_sampler_weighs_the_vision_co
         want = 6 * 32 * seqlens.sum() + (seqlens ** 2).sum() + ratio * vision
         assert schedule.micro_cost[micro] == pytest.approx(want, rel=1e-12)
     assert ds.steps.vision.sum() > 0
+    # With a cost model read from the config: FLOPs, each frame's from its patches.
+    cost = fastpack.CostModel.from_config(cfg)
+    assert cost.vision_linear > 0 and cost.vision_quadratic > 0
+    schedule = PackedSampler(ds, num_replicas=2, rank=0, cost=cost).schedule(0)
+    for micro in range(len(schedule.micro_steps)):
+        lo, hi = schedule.micro_lo[micro], schedule.micro_hi[micro]
+        want = cost.sequence_flops(plan.seqlens[lo:hi]).sum()
+        for i in plan.sample_ids[lo:hi]:
+            for key in ("image_grid_thw", "video_grid_thw"):
+                for t, h, w in torch.as_tensor(docs[i].get(key, torch.zeros(0, 3))).tolist():
+                    want += t * cost.image_flops(h * w)
+        assert schedule.micro_cost[micro] == pytest.approx(want, rel=1e-12)
 
 
 def test_pack_dataset_packs_media_columns_in_placeholder_order() -> None:

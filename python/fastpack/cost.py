@@ -296,12 +296,16 @@ def _vision(vision: Any) -> tuple[float, float]:
         raise FastpackError("config: vision_config has no depth or num_hidden_layers")
     ratio = float(_get(vision, "mlp_ratio", 4))
     mlp = int(_get(vision, "intermediate_size") or e * ratio)
+    # Qwen2.5-VL's encoder MLP is gated (gate, up, down); Qwen2-VL's is fc1, fc2. Its
+    # windowed layers are counted as full attention within the frame: an upper bound.
+    gated = 3 if _get(vision, "intermediate_size") else 2
     patch = int(_get(vision, "patch_size", 14))
     temporal = int(_get(vision, "temporal_patch_size", 1))
     channels = int(_get(vision, "in_channels", 3))
     merge = int(_get(vision, "spatial_merge_size", 1))
-    out = int(_get(vision, "hidden_size", e) if _get(vision, "embed_dim") else e)
+    out = int(_get(vision, "out_hidden_size")
+              or (_get(vision, "hidden_size", e) if _get(vision, "embed_dim") else e))
     embed = 2 * channels * temporal * patch * patch * e
-    block = 2 * e * 3 * e + 2 * e * e + 2 * 2 * e * mlp
+    block = 2 * e * 3 * e + 2 * e * e + gated * 2 * e * mlp
     merger = 2 * e * merge * merge * e + 2 * e * out  # per patch: (e·m²)² / m² + e·m²·out / m²
     return float(embed + depth * block + merger), float(depth * 4 * e)

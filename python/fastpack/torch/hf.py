@@ -785,7 +785,7 @@ class PackedTrainerMixin:
       is scaled by ``dp · cp`` (DDP averages the gradients of all of them; the CP ranks'
       add up to the step's), which is the Trainer's own ``num_processes // tp_size``.
       ``accumulation_steps`` is ``gradient_accumulation_steps``,
-      the seed ``data_seed`` (else ``seed``), ``hidden_size`` the model's. Accelerate's
+      the seed ``data_seed`` (else ``seed``), the cost model the model config's. Accelerate's
       own sharding is bypassed: it would re-split steps that are already per rank.
       ``per_device_train_batch_size`` is ignored — a step *is* the batch.
     * **Normaliser** (``get_batch_samples``): the Trainer counts the labels of a step's

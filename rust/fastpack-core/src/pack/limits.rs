@@ -19,10 +19,13 @@
 //! the least token room `>= len`, whose list usually holds a pack with room in every
 //! budget. When it does not, a max-tree over token rooms `0..=max_len` whose leaves hold,
 //! per budget, `1 +` the largest room of their packs (0: none) is searched rightwards,
-//! descending only where every budget's maximum admits the item. The maxima are exact
-//! (raised when a pack is put in a list, recomputed from the list when the pack taken
-//! out held one), so a leaf misleads only when one pack has the most room in one budget
-//! and another in the next: then no pack of it takes the item and the search moves on.
+//! descending only where every budget's maximum admits the item. The maxima are upper
+//! bounds (raised when a pack is put in a list, left as they are when one is taken out,
+//! recomputed from the list when they misled a search), so a leaf misleads when one
+//! pack has the most room in one budget and another in the next, or when the pack that
+//! held a maximum left: then no pack of it takes the item, the leaf is made exact and the
+//! search moves on. Keeping them exact on every take cost a scan of the list and a walk
+//! up the tree per item — most of the placement's time.
 //! **First fit**: a max-tree over the packs themselves (token room and every budget's).
 //!
 //! The placement is deterministic and depends on the data only (shards as for one
@@ -526,21 +529,22 @@ impl<const K: usize> BestFit<K> {
         }
     }
 
-    /// Takes a pack of room `room` that covers `need`, if one does.
+    /// Takes a pack of room `room` that covers `need`, if one does. The room's maxima are
+    /// left as they were when a pack is taken (an upper bound still: the search only
+    /// prunes with them), and made exact when they misled a search (no pack of the room
+    /// covers `need`), so a room misleads once per change, not once per item; the pack
+    /// chosen is the same as with exact maxima.
     #[inline(always)]
     fn take_from(&mut self, room: usize, need: &[u32; K]) -> Option<Entry<K>> {
         let list = &mut self.lists[room];
-        let at = list.iter().position(|e| covers(&e.left, need))?;
+        let Some(at) = list.iter().position(|e| covers(&e.left, need)) else {
+            let lanes = list.iter().fold([0u32; K], |m, e| lane_max(m, e.left.map(|r| r + 1)));
+            self.lower(room, lanes);
+            return None;
+        };
         let entry = list.swap_remove(at);
         if list.is_empty() {
             self.present.remove(room);
-        }
-        // The room's maxima stay exact: lowered when the pack taken held one.
-        let held = self.levels[0][room];
-        if (0..K).any(|d| entry.left[d] + 1 == held[d]) {
-            let lanes =
-                self.lists[room].iter().fold([0u32; K], |m, e| lane_max(m, e.left.map(|r| r + 1)));
-            self.lower(room, lanes);
         }
         Some(entry)
     }
@@ -775,6 +779,26 @@ mod tests {
         // A 2-token text item: pack 0 (the least room).
         assert_eq!(fit.take(2, &[0]).map(|t| t.0), Some(p0));
         assert!(fit.take(2, &[0]).is_none());
+    }
+
+    #[test]
+    fn stale_maxima_mislead_once_and_never_hide_a_pack() {
+        let mut fit = BestFit::<1>::new(10, [5]).unwrap();
+        let (p0, _, _) = fit.open().unwrap();
+        fit.put(p0, 3, [4]).unwrap();
+        let (p1, _, _) = fit.open().unwrap();
+        fit.put(p1, 3, [1]).unwrap();
+        // Taking p0 leaves room 3's maximum at p0's 4 images: an upper bound now.
+        assert_eq!(fit.take(2, &[4]).map(|t| t.0), Some(p0));
+        assert_eq!(fit.levels[0][3], [5]);
+        // Room 3 misleads (p1 has 1 image left): made exact, and no pack takes 2 images.
+        assert!(fit.take(2, &[2]).is_none());
+        assert_eq!(fit.levels[0][3], [2]);
+        let (p2, _, _) = fit.open().unwrap();
+        fit.put(p2, 7, [3]).unwrap();
+        assert_eq!(fit.take(2, &[2]).map(|t| t.0), Some(p2));
+        // A text item still takes the least room: p1.
+        assert_eq!(fit.take(2, &[0]).map(|t| t.0), Some(p1));
     }
 
     #[test]
