@@ -305,8 +305,9 @@ def test_a_checkpoint_between_epochs_starts_the_next() -> None:
 def test_resume_rejects_another_schedule() -> None:
     ds = synthetic(np.full(64, 100), max_len=256, group_tokens=512)
     state = PackedSampler(ds, num_replicas=2, rank=0).state_dict()
-    with pytest.raises(FastpackError, match="num_replicas=2"):
-        PackedSampler(ds, num_replicas=4, rank=0).load_state_dict(state)
+    # Another world size re-plans the rest of the epoch (tests/test_microbatch.py).
+    with pytest.raises(FastpackError, match="balance"):
+        PackedSampler(ds, num_replicas=2, rank=0, balance="tokens").load_state_dict(state)
     with pytest.raises(FastpackError, match="seed"):
         PackedSampler(ds, num_replicas=2, rank=0, seed=3).load_state_dict(state)
     with pytest.raises(FastpackError, match="position"):

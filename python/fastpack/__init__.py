@@ -17,6 +17,7 @@ from ._errors import FastpackError, FastpackTypeError
 from ._examples import example_lengths
 from ._gather import gather
 from ._materialize import IGNORE_INDEX, Ragged, as_ragged, loss_mask_from_spans, materialize
+from ._microbatch import BudgetController, MemoryModel, MicroBatches, plan_micro_batches
 from ._options import PackOptions
 from ._plan import OVERLONG_POLICIES, STRATEGIES, Bucket, LimitUse, Plan, pack
 from ._stream import StreamPacker, StreamStats
@@ -47,6 +48,7 @@ __all__ = [
     "OVERLONG_POLICIES",
     "STRATEGIES",
     "Bucket",
+    "BudgetController",
     "CPLayout",
     "CostModel",
     "CP_MODES",
@@ -54,6 +56,8 @@ __all__ = [
     "FastpackTypeError",
     "IGNORE_INDEX",
     "LimitUse",
+    "MemoryModel",
+    "MicroBatches",
     "PackOptions",
     "Plan",
     "Ragged",
@@ -69,5 +73,6 @@ __all__ = [
     "materialize",
     "pack",
     "pack_trees",
+    "plan_micro_batches",
     "tree_rows",
 ]

@@ -16,6 +16,7 @@ __all__ = [
     "cp_streams",
     "cu_seqlens",
     "default_threads",
+    "lpt_groups",
     "flatten_int_lists",
     "gather",
     "materialize",
@@ -163,6 +164,15 @@ def materialize(
 ) -> dict[str, Any]: ...
 def permutation(n: int, seed: int, threads: int | None = None) -> np.ndarray: ...
 def by_cost(cost: np.ndarray, seed: int, threads: int | None = None) -> np.ndarray: ...
+def lpt_groups(
+    group: np.ndarray,
+    cost: np.ndarray,
+    tokens: np.ndarray,
+    bins: np.ndarray,
+    token_cap: float,
+    cost_cap: float,
+    threads: int | None = None,
+) -> tuple[np.ndarray, np.ndarray]: ...
 def step_sums(
     seqlens: np.ndarray,
     segment_targets: np.ndarray,

@@ -657,26 +657,56 @@ def sub_plan(plan: Plan, p0: int, p1: int, lo: int | None = None, hi: int | None
     inner = bounds[(bounds > lo) & (bounds < hi)]
     offsets = np.concatenate(([lo], inner, [hi])).astype(np.int64) - lo
     ids = plan.sample_ids[lo:hi] if sample_ids is None else sample_ids
-    fields: dict[str, Any] = {
-        "sample_ids": ids, "starts": plan.starts[lo:hi], "seqlens": plan.seqlens[lo:hi],
-        "pack_offsets": offsets, "num_sequences": hi - lo, "empty_sequences": 0,
+    fields = _part_fields(plan, ids, plan.starts[lo:hi], plan.seqlens[lo:hi], offsets)
+    if plan.long_max_len is not None:
+        # The pack of the whole plan each of the part's packs is (a piece of).
+        parents = p0 + np.searchsorted(bounds - lo, offsets[:-1], side="right") - 1
+        fields.update(_part_caps(plan, parents, offsets))
+    if plan.parents is not None:
+        fields.update(_sub_trees(plan, lo, hi))
+    return Plan(fields)
+
+
+def select_plan(plan: Plan, segments: np.ndarray) -> Plan:
+    """Segments ``segments`` of ``plan`` (ascending, from any packs and steps) as a plan
+    of their own, as :func:`sub_plan` takes a range: each pack keeps the selected
+    segments it holds (a micro-batch of a global step is such a selection). Not for a
+    plan of trees (a selection may cut one)."""
+    if plan.parents is not None:
+        raise FastpackError("segments: a selection of segments would cut a plan's trees; "
+                            "take a range with sub_plan")
+    segments = np.asarray(segments, dtype=np.int64)
+    packs = np.searchsorted(np.asarray(plan.pack_offsets), segments, side="right") - 1
+    starts = np.flatnonzero(np.diff(packs)) + 1
+    offsets = np.concatenate(([0], starts, [len(segments)])).astype(np.int64)
+    fields = _part_fields(plan, plan.sample_ids[segments], plan.starts[segments],
+                          plan.seqlens[segments], offsets)
+    if plan.long_max_len is not None:
+        fields.update(_part_caps(plan, packs[offsets[:-1]], offsets))
+    return Plan(fields)
+
+
+def _part_caps(plan: Plan, parents: np.ndarray, offsets: np.ndarray) -> dict[str, Any]:
+    """A part's pack caps and buckets, from the whole plan's packs it takes from."""
+    caps = np.ascontiguousarray(plan.pack_caps[parents], dtype=np.int32)
+    segments = np.repeat(caps, np.diff(offsets))
+    return {"pack_caps": caps,
+            "buckets": [{"num_sequences": int(np.count_nonzero(segments == b.max_len))}
+                        for b in plan.buckets]}
+
+
+def _part_fields(plan: Plan, ids: np.ndarray, starts: np.ndarray, seqlens: np.ndarray,
+                 offsets: np.ndarray) -> dict[str, Any]:
+    """The fields of a part of ``plan`` (its options, its own counts)."""
+    return {
+        "sample_ids": ids, "starts": starts, "seqlens": seqlens,
+        "pack_offsets": offsets, "num_sequences": len(seqlens), "empty_sequences": 0,
         "dropped_sequences": 0, "dropped_tokens": 0, "truncated_sequences": 0,
         "truncated_tokens": 0, "split_sequences": 0,
         **{name: getattr(plan.options, name) for name in (
             "max_len", "reserve", "strategy", "overlong", "long_max_len", "shuffle", "seed")},
         "cp_size": plan.cp_size, "cp_mode": plan.cp_mode, "pad_multiple": plan.pad_multiple,
     }
-    if plan.long_max_len is not None:
-        # The pack of the whole plan each of the part's packs is (a piece of).
-        parents = p0 + np.searchsorted(bounds - lo, offsets[:-1], side="right") - 1
-        caps = np.ascontiguousarray(plan.pack_caps[parents], dtype=np.int32)
-        segments = np.repeat(caps, np.diff(offsets))
-        fields["pack_caps"] = caps
-        fields["buckets"] = [{"num_sequences": int(np.count_nonzero(segments == b.max_len))}
-                             for b in plan.buckets]
-    if plan.parents is not None:
-        fields.update(_sub_trees(plan, lo, hi))
-    return Plan(fields)
 
 
 def _sub_trees(plan: Plan, lo: int, hi: int) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from .._context_parallel import cp_rows
 from .._errors import FastpackError, FastpackTypeError
 from .._materialize import Ragged, TokenData, _is_dataset, as_ragged
 from .._options import PackArgs, PackOptions, WithOptions, check_plan, layered
-from .._plan import Plan, sub_plan
+from .._plan import Plan, select_plan, sub_plan
 from .._targets import segment_targets
 from .._tree import group_codes, pack_trees, path_targets
 from ..vlm import vision_terms
@@ -327,6 +327,8 @@ class PackedDataset(torch.utils.data.Dataset, WithOptions):  # type: ignore[type
         p0, p1 = int(self.step_pack_offsets[i]), int(self.step_pack_offsets[i + 1])
         pack_offsets = self.plan.pack_offsets
         lo, hi = int(pack_offsets[p0]), int(pack_offsets[p1])
+        if step is not None and isinstance(step.segments, np.ndarray):
+            return p0, p1, -1, -1  # a selection: see _selection
         if step is not None and step.segments is not None:
             cut_lo, cut_hi = (int(v) for v in step.segments)
             if not lo <= cut_lo < cut_hi <= hi:
@@ -347,6 +349,9 @@ class PackedDataset(torch.utils.data.Dataset, WithOptions):  # type: ignore[type
         check that a resumed run sees every sample once."""
         _, _, lo, hi = self._segments(index)
         plan = self.plan
+        selection = _selection(index, plan.num_segments)
+        if selection is not None:
+            return plan.sample_ids[selection]
         if plan.path_ends is not None and plan.path_sample_ids is not None:
             a, b = np.searchsorted(plan.path_ends, (lo, hi))
             ids = np.sort(plan.path_sample_ids[a:b])
@@ -357,8 +362,11 @@ class PackedDataset(torch.utils.data.Dataset, WithOptions):  # type: ignore[type
     def __getitem__(self, index: int | Step) -> dict[str, Any]:
         step = index if isinstance(index, Step) else None
         p0, p1, lo, hi = self._segments(index)
+        selection = _selection(index, self.plan.num_segments)
+        part = (sub_plan(self.plan, p0, p1, lo, hi) if selection is None
+                else select_plan(self.plan, selection))
         batch = self.collator.batch(
-            sub_plan(self.plan, p0, p1, lo, hi), self.tokens, None,
+            part, self.tokens, None,
             labels=self.labels, loss_mask=self.loss_mask, media=self.media,
         )
         if step is not None:
@@ -367,10 +375,29 @@ class PackedDataset(torch.utils.data.Dataset, WithOptions):  # type: ignore[type
                 batch[key] = (torch.tensor(value, dtype=torch.int64)
                               if self.collator.return_tensors == "pt"
                               else np.array(value, dtype=np.int64))
+            if selection is not None:
+                # Micro-batches vary in number per step: the loop needs to know when the
+                # optimizer step ends (pop this key before calling the model).
+                batch["ends_optimizer_step"] = bool(step.last)
         return batch
 
     def __iter__(self) -> Iterable[dict[str, Any]]:
         return (self[i] for i in range(len(self)))
+
+
+def _selection(index: int | Step, count: int) -> np.ndarray | None:
+    """The segments a micro-batch ``Step`` names (checked), or None for a step or a range."""
+    if not isinstance(index, Step) or not isinstance(index.segments, np.ndarray):
+        return None
+    segments = index.segments
+    if (segments.ndim != 1 or segments.dtype.kind not in "iu" or not len(segments)
+            or segments[0] < 0 or segments[-1] >= count
+            or (len(segments) > 1 and np.any(np.diff(segments) <= 0))):
+        raise FastpackError(
+            f"step.segments: expected a non-empty ascending int array of the plan's "
+            f"segments (0..{count - 1}), got {segments.dtype} {segments[:8]}"
+        )
+    return segments
 
 
 def step_table(plan: Plan, step_pack_offsets: np.ndarray, per_segment: np.ndarray,

@@ -6,7 +6,9 @@ Its own module so that :mod:`~fastpack.torch.sampler` (which makes steps) and
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Union
+
+import numpy as np
 
 __all__ = ["Step"]
 
@@ -21,9 +23,18 @@ class Step(NamedTuple):
     tokens (labels other than -100) of the whole optimizer step, over every rank and
     every accumulation micro-step; ``num_sequences_in_batch`` the sequences (segments)
     with at least one target in the same scope.
+
+    A micro-batch of a sampler with a cap (``micro_batch_tokens``) names its sequences as
+    ``segments``, an ascending int64 array of the plan's segments (taken from any of the
+    global step's dataset steps; ``index`` is then this rank's dataset step, for the
+    record); it is its rank's ``micro``-th of ``micro_batches`` in the global step, and
+    ``last`` when it ends its optimizer step (step the optimizer after it).
     """
 
     index: int  # type: ignore[assignment]  # shadows tuple.index, by contract
-    segments: tuple[int, int] | None
+    segments: Union[tuple[int, int], np.ndarray, None]  # noqa: UP007  (a runtime alias)
     num_items_in_batch: int
     num_sequences_in_batch: int
+    micro: int = 0
+    micro_batches: int = 1
+    last: bool = False

@@ -100,6 +100,106 @@ pub fn step_sums(
     Ok(out)
 }
 
+/// Longest-processing-time first inside every group at once: the units of group `g`
+/// (those with `group[i] == g`), in decreasing `cost` (ties by index), each into the
+/// lightest of the group's `bins[g]` bins that stays within both caps (ties: the lowest
+/// bin). Returns each unit's bin (`-1` where none had room) and whether each group failed:
+/// a unit found no room, or a bin stayed empty. Groups run in parallel; each is
+/// sequential, so the result does not depend on the thread count.
+pub fn lpt_groups(
+    group: &[i64],
+    cost: &[f64],
+    tokens: &[f64],
+    bins: &[i64],
+    token_cap: f64,
+    cost_cap: f64,
+) -> Result<(Vec<i64>, Vec<bool>)> {
+    let n = group.len();
+    if cost.len() != n || tokens.len() != n {
+        return Err(Error::invalid(
+            "cost",
+            format!("{} costs and {} token counts for {n} units", cost.len(), tokens.len()),
+        ));
+    }
+    let count = bins.len();
+    if let Some(&g) = group.iter().find(|&&g| g < 0 || g as usize >= count) {
+        return Err(Error::invalid("group", format!("{g} is not a group of 0..{count}")));
+    }
+    if let Some(&b) = bins.iter().find(|&&b| b < 1) {
+        return Err(Error::invalid("bins", format!("{b}; every group needs a bin at least")));
+    }
+    if let Some(&c) = cost.iter().chain(tokens).find(|c| !c.is_finite() || **c < 0.0) {
+        return Err(Error::invalid("cost", format!("{c} is not a finite non-negative number")));
+    }
+    // The units of each group, contiguous (a counting sort: stable by index).
+    let mut offsets = vec![0usize; count + 1];
+    for &g in group {
+        offsets[g as usize + 1] += 1;
+    }
+    for g in 0..count {
+        offsets[g + 1] += offsets[g];
+    }
+    let mut members = vec![0u32; n];
+    let mut next = offsets.clone();
+    for (i, &g) in group.iter().enumerate() {
+        members[next[g as usize]] = i as u32;
+        next[g as usize] += 1;
+    }
+    let mut placed = vec![-1i64; n];
+    let mut chunks: Vec<(&mut [u32], &mut [i64])> = Vec::with_capacity(count);
+    let (mut rest_m, mut rest_p) = (&mut members[..], &mut placed[..]);
+    for g in 0..count {
+        let len = offsets[g + 1] - offsets[g];
+        let (m, tail_m) = rest_m.split_at_mut(len);
+        let (p, tail_p) = rest_p.split_at_mut(len);
+        chunks.push((m, p));
+        rest_m = tail_m;
+        rest_p = tail_p;
+    }
+    let place = |(g, (units, out)): (usize, &mut (&mut [u32], &mut [i64]))| -> bool {
+        units.sort_unstable_by(|&a, &b| {
+            cost[b as usize].total_cmp(&cost[a as usize]).then(a.cmp(&b))
+        });
+        let width = bins[g] as usize;
+        let mut load = vec![0.0f64; width];
+        let mut held = vec![0.0f64; width];
+        let mut used = vec![false; width];
+        let mut failed = false;
+        for (slot, &u) in out.iter_mut().zip(units.iter()) {
+            let (c, t) = (cost[u as usize], tokens[u as usize]);
+            let mut best: Option<usize> = None;
+            for b in 0..width {
+                if held[b] + t <= token_cap
+                    && load[b] + c <= cost_cap
+                    && best.is_none_or(|x| load[b] < load[x])
+                {
+                    best = Some(b);
+                }
+            }
+            match best {
+                Some(b) => {
+                    load[b] += c;
+                    held[b] += t;
+                    used[b] = true;
+                    *slot = b as i64;
+                }
+                None => failed = true,
+            }
+        }
+        failed || used.iter().any(|u| !u)
+    };
+    let failed: Vec<bool> = if n >= PARALLEL_SORT {
+        chunks.par_iter_mut().enumerate().map(place).collect()
+    } else {
+        chunks.iter_mut().enumerate().map(place).collect()
+    };
+    let mut out = vec![-1i64; n];
+    for (&u, &b) in members.iter().zip(&placed) {
+        out[u as usize] = b;
+    }
+    Ok((out, failed))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -120,6 +220,24 @@ mod tests {
             let one = pool::install(Some(1), || by_cost(&cost, seed)).unwrap();
             prop_assert_eq!(one, order);
         }
+    }
+
+    #[test]
+    fn lpt_groups_places_heaviest_first_under_the_caps() {
+        // Group 0: 8 units of 7 tokens into 8 bins under a cap of 8 (one each); group 1:
+        // costs 5, 4, 3, 3 into 2 bins -> {5, 3} and {4, 3}; group 2 cannot fill 3 bins.
+        let group = [0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 2];
+        let mut cost = vec![7.0; 8];
+        cost.extend([5.0, 4.0, 3.0, 3.0, 1.0]);
+        let tokens = cost.clone();
+        let (bins, failed) =
+            lpt_groups(&group, &cost, &tokens, &[8, 2, 3], 8.0, f64::INFINITY).unwrap();
+        assert_eq!(bins[..8], [0, 1, 2, 3, 4, 5, 6, 7]);
+        assert_eq!(bins[8..12], [0, 1, 1, 0]);
+        assert_eq!(failed, [false, false, true]);
+        let (_, failed) = lpt_groups(&[0, 0], &[7.0, 7.0], &[7.0, 7.0], &[1], 8.0, 1e9).unwrap();
+        assert_eq!(failed, [true]);
+        assert!(lpt_groups(&[1], &[1.0], &[1.0], &[1], 8.0, 8.0).is_err());
     }
 
     #[test]

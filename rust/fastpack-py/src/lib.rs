@@ -387,7 +387,7 @@ mod _core {
     #[pymodule_export]
     use super::materialize::{flatten_int_lists, materialize};
     #[pymodule_export]
-    use super::schedule::{by_cost, permutation, step_sums};
+    use super::schedule::{by_cost, lpt_groups, permutation, step_sums};
     #[pymodule_export]
     use super::targets::segment_targets;
     #[pymodule_export]

@@ -87,3 +87,36 @@ pub fn step_sums<'py>(
         sequences.into_pyarray(py),
     ))
 }
+
+/// `lpt_groups(group, cost, tokens, bins, token_cap, cost_cap)`: each unit's bin (int64,
+/// -1: no room) and each group's failure (bool), longest-processing-time first inside
+/// every group under the caps (see `fastpack_core::schedule::lpt_groups`).
+#[pyfunction]
+#[pyo3(signature = (group, cost, tokens, bins, token_cap, cost_cap, threads=None))]
+#[allow(clippy::too_many_arguments, clippy::type_complexity)]
+pub fn lpt_groups<'py>(
+    py: Python<'py>,
+    group: PyReadonlyArray1<'py, i64>,
+    cost: PyReadonlyArray1<'py, f64>,
+    tokens: PyReadonlyArray1<'py, f64>,
+    bins: PyReadonlyArray1<'py, i64>,
+    token_cap: f64,
+    cost_cap: f64,
+    threads: Option<usize>,
+) -> PyResult<(Bound<'py, PyArray1<i64>>, Bound<'py, PyArray1<bool>>)> {
+    let group =
+        group.as_slice().map_err(|_| fastpack_error("group: expected a contiguous array"))?;
+    let bins = bins.as_slice().map_err(|_| fastpack_error("bins: expected a contiguous array"))?;
+    let cost = cost.as_slice().map_err(|_| fastpack_error("cost: expected a contiguous array"))?;
+    let tokens =
+        tokens.as_slice().map_err(|_| fastpack_error("tokens: expected a contiguous array"))?;
+    let (placed, failed) = py
+        .detach(|| {
+            pool::install(threads, || {
+                guarded(|| core::lpt_groups(group, cost, tokens, bins, token_cap, cost_cap))
+            })
+        })
+        .map_err(to_py)?
+        .map_err(to_py)?;
+    Ok((placed.into_pyarray(py), failed.into_pyarray(py)))
+}
