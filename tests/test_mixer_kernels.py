@@ -315,3 +315,29 @@ def test_mamba1_has_no_kernel_path() -> None:
     assert isinstance(why, str) and "for its scan" in why and "mamba_selective_scan" in why
     with pytest.raises(FastpackError, match=r"MambaMixer\).*takes sequence boundaries"):
         prepare_model(model, strategy="kernels")
+
+
+def test_gpu_check_hybrid_section_runs_the_kernel_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """benches/gpu_check.py's hybrid section runs ``strategy="kernels"`` where the kernels
+    are there (stand-ins), reports the path each mixer ran, and passes."""
+    import importlib.util
+    import warnings
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benches" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check_kernels", path)
+    assert spec is not None and spec.loader is not None
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    cfg = gpu_check.make_config(cpu_smoke=True)
+    cfg["iters"], cfg["warmup"] = 1, 0
+    cfg["hybrid"].update(families=["bamba"], lengths=[9, 1, 12], hidden=32)
+    install(monkeypatch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = gpu_check.check_hybrid(torch, cfg, torch.device("cpu"), torch.float32)
+    (row,) = report["rows"]
+    assert row["ok"], row
+    assert row["kernels"]["paths"] == ["kernels: causal_conv1d_fn(seq_idx), "
+                                       "mamba_chunk_scan_combined(seq_idx)"], row
+    assert row["batched"]["paths"] == ["batched: strategy='batched'"], row
