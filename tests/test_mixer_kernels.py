@@ -307,6 +307,19 @@ def test_step_outside_the_kernels_is_never_silent(monkeypatch: pytest.MonkeyPatc
                for p in mixer_paths(model).values())
 
 
+def test_kernel_problem_names_the_version_without_boundaries(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """What ``fastpack doctor`` says about each kernel."""
+    install(monkeypatch, conv=conv_without_seq_idx)
+    assert mixers_mod.kernel_problem("mamba_chunk_scan_combined") is None
+    assert mixers_mod.kernel_problem("chunk_gated_delta_rule") is None
+    assert "causal_conv1d_fn takes no seq_idx" in str(mixers_mod.kernel_problem(
+        "causal_conv1d_fn"))
+    monkeypatch.setitem(sys.modules, "fla.ops.kda", None)
+    assert "flash-linear-attention is not installed" in str(mixers_mod.kernel_problem(
+        "chunk_kda"))
+
+
 def test_mamba1_has_no_kernel_path() -> None:
     config = transformers.MambaConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1,
                                       state_size=4, expand=2)

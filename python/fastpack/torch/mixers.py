@@ -52,7 +52,7 @@ from .._checks import _choice
 from .._errors import FastpackError, FastpackTypeError
 
 __all__ = ["MIXERS", "MIXER_KERNELS", "STRATEGIES", "current_layout", "is_prepared",
-           "kernel_support", "mixer_paths", "prepare_model", "token_mixers"]
+           "kernel_problem", "kernel_support", "mixer_paths", "prepare_model", "token_mixers"]
 
 #: The token mixers :func:`prepare_model` keeps apart, by class name: ``"ssm"`` (a
 #: state-space scan after a short convolution), ``"linear_attention"`` (a gated delta
@@ -471,6 +471,35 @@ class _Plan:
     kernels: list[tuple[_Kernel, Callable[..., Any] | None]]
 
 
+def _resolve(k: _Kernel) -> tuple[Callable[..., Any] | None, str | None]:
+    """The kernel itself, or why the kernel path cannot use it: not installed, missing,
+    or a version whose signature takes no sequence boundaries."""
+    try:
+        fn = getattr(importlib.import_module(k.module), k.function, None)
+    except Exception as e:  # noqa: BLE001 (a broken install is a missing kernel)
+        return None, f"{k.package} is not installed ({k.module}: {type(e).__name__}: {e})"
+    if fn is None:
+        return None, f"{k.module}.{k.function} is missing (this {k.package} is too old)"
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        params = {}  # type: ignore[assignment]
+    if k.boundary not in params:
+        return None, (f"{k.module}.{k.function} takes no {k.boundary} (this {k.package} "
+                      f"cannot keep packed sequences apart; install a version that takes it)")
+    return fn, None
+
+
+def kernel_problem(function: str) -> str | None:
+    """Why the kernel path cannot call the kernel named ``function`` (one of
+    :data:`MIXER_KERNELS`), or ``None`` when it can (installed, and its signature takes
+    its sequence boundaries)."""
+    for k in MIXER_KERNELS:
+        if k.function == function:
+            return _resolve(k)[1]
+    raise FastpackError(f"function: no mixer kernel named {function!r}")
+
+
 def kernel_support(mixer: torch.nn.Module) -> _Plan | str:
     """The kernel path's plan for ``mixer`` (a module whose class is in :data:`MIXERS`),
     or why it has none: a kernel not installed, or one whose signature takes no sequence
@@ -496,29 +525,10 @@ def kernel_support(mixer: torch.nn.Module) -> _Plan | str:
                 f"its {' and '.join(sorted({'conv', 'scan'} - steps))}{why}")
     kernels: list[tuple[_Kernel, Callable[..., Any] | None]] = []
     for k in wrappers:
-        try:
-            fn = getattr(importlib.import_module(k.module), k.function, None)
-        except Exception as e:  # noqa: BLE001 (a broken install is a missing kernel)
-            if k.fused:
-                kernels.append((k, None))
-                continue
-            return f"{k.package} is not installed ({k.module}: {type(e).__name__}: {e})"
-        if fn is None:
-            if k.fused:
-                kernels.append((k, None))
-                continue
-            return f"{k.module}.{k.function} is missing (this {k.package} is too old)"
-        try:
-            params = inspect.signature(fn).parameters
-        except (TypeError, ValueError):
-            params = {}  # type: ignore[assignment]
-        if k.boundary not in params:
-            if k.fused:  # the mixer's unfused steps run on the kernels below instead
-                kernels.append((k, None))
-                continue
-            return (f"{k.module}.{k.function} takes no {k.boundary} (this {k.package} cannot "
-                    f"keep packed sequences apart; install a version that takes it)")
-        kernels.append((k, fn))
+        fn, problem = _resolve(k)
+        if problem is not None and not k.fused:
+            return problem
+        kernels.append((k, fn))  # a fused shortcut without: the mixer's unfused steps
     return _Plan(module, kernels)
 
 
