@@ -354,3 +354,19 @@ def test_gpu_check_hybrid_section_runs_the_kernel_path(monkeypatch: pytest.Monke
     assert row["kernels"]["paths"] == ["kernels: causal_conv1d_fn(seq_idx), "
                                        "mamba_chunk_scan_combined(seq_idx)"], row
     assert row["batched"]["paths"] == ["batched: strategy='batched'"], row
+
+
+def test_kernel_path_gradients_equal_the_batched_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Training through the kernel path: the loss and every gradient equal the batched
+    path's (itself equal to each sample alone: tests/test_conformance_hybrid.py)."""
+    batch = PackedCollator(max_len=32, backend="flash")([{"input_ids": s} for s in samples()])
+    install(monkeypatch)
+    grads = {}
+    for strategy in ("batched", "kernels"):
+        model = build("bamba").train()
+        prepare_model(model, strategy=strategy)
+        model(**batch).loss.backward()
+        grads[strategy] = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert grads["kernels"].keys() == grads["batched"].keys()
+    for name, grad in grads["kernels"].items():
+        torch.testing.assert_close(grad, grads["batched"][name], atol=2e-5, rtol=1e-4, msg=name)
