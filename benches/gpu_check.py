@@ -56,9 +56,11 @@ Without CUDA (and without --cpu-smoke) it prints "skipped: no CUDA" and exits 0.
    convolution, Bamba's Mamba2 mixer, Qwen3-Next's gated delta net + MoE), bf16: every
    document's logits from one packed row against the document alone in fp32; a model
    passes when its error <= 2 * (the document alone in bf16 against fp32) + 2 * eps_bf16
-   (2^-7 in all); forward+backward tokens/s packed vs padded. The mixer kernels found
-   (mamba_ssm, causal-conv1d, flash-linear-attention) are reported: Hugging Face calls
-   them on CUDA when installed; prepare_model's groups are exact with or without them.
+   (2^-7 in all); forward+backward tokens/s packed vs padded. Each family runs
+   ``strategy="kernels"`` (the whole packed row through mamba_ssm / causal-conv1d /
+   flash-linear-attention with their ``seq_idx`` / ``cu_seqlens``) when those kernels are
+   installed and take the boundaries, and ``strategy="batched"``; each row reports the
+   path every mixer ran (``mixer_paths``) and, where there is no kernel path, why.
 
 The sections are functions of (torch, attention module, config, device, dtype), so
 tests/test_attention.py runs this harness on the CPU with the CUDA kernels replaced by CPU
@@ -1138,9 +1140,12 @@ def check_hybrid(torch: Any, cfg: dict[str, Any], device: Any, dtype: Any) -> di
     gated delta net) prepared with ``fastpack.torch.prepare_model``: every document's
     logits from one packed row (``backend="flash"``, fastpack's attention) against the
     document alone in fp32; pass when rel_err <= 2 * (the document alone in ``dtype``
-    against fp32) + 2 * eps(dtype). Then forward+backward tokens/s packed vs padded
+    against fp32) + 2 * eps(dtype), for ``strategy="kernels"`` (when the family's kernels
+    are installed and take sequence boundaries) and ``"batched"``, with the path each
+    mixer ran. Then forward+backward tokens/s packed (each strategy) vs padded
     (``backend="padded"``, sdpa)."""
-    from fastpack.torch import PackedCollator, prepare_model, register_hf_attention
+    from fastpack import FastpackError
+    from fastpack.torch import PackedCollator, mixer_paths, prepare_model, register_hf_attention
 
     h = cfg["hybrid"]
     eps = torch.finfo(dtype).eps
@@ -1153,7 +1158,13 @@ def check_hybrid(torch: Any, cfg: dict[str, Any], device: Any, dtype: Any) -> di
     for family in h["families"]:
         row: dict[str, Any] = {"family": family}
         try:
-            model = prepare_model(hybrid_model(torch, family, h).to(device, torch.float32))
+            model = prepare_model(hybrid_model(torch, family, h).to(device, torch.float32),
+                                  strategy="batched")
+            try:  # the kernels' own boundaries where installed (and taking them), and batched
+                prepare_model(model, strategy="kernels")
+                strategies = ["kernels", "batched"]
+            except FastpackError as exc:
+                strategies, row["no_kernel_path"] = ["batched"], str(exc)
             set_attn(model, "sdpa")
             with torch.no_grad():
                 ref = [model(input_ids=torch.tensor([d["input_ids"]], device=device)).logits[0]
@@ -1162,26 +1173,35 @@ def check_hybrid(torch: Any, cfg: dict[str, Any], device: Any, dtype: Any) -> di
                 base = max(rel_err(model(input_ids=torch.tensor([d["input_ids"]],
                                                                 device=device)).logits[0]
                                    .float(), r) for d, r in zip(docs, ref))
-                set_attn(model, fastpack_name)
-                batch = PackedCollator(h["max_len"], backend="flash")(docs)
-                inputs = {k: (x.to(device) if isinstance(x, torch.Tensor) else x)
-                          for k, x in batch.items()
-                          if k != "labels" and not k.startswith("sample_")}
-                logits = model(**inputs).logits[0].float()
-            flat = batch["input_ids"][0].tolist()
-            worst = 0.0
-            for d, r in zip(docs, ref):
-                at = flat.index(d["input_ids"][0])
-                worst = max(worst, rel_err(logits[at:at + len(d["input_ids"])], r))
-            tol = max(2 * base + 2 * eps, h.get("tol_floor", 0.0))
-            row.update(rel_err=worst, baseline=base, tol=tol, ok=worst <= tol)
+            batch = PackedCollator(h["max_len"], backend="flash")(docs)
+            inputs = {k: (x.to(device) if isinstance(x, torch.Tensor) else x)
+                      for k, x in batch.items()
+                      if k != "labels" and not k.startswith("sample_")}
             labels = batch["labels"].to(device)
+            flat = batch["input_ids"][0].tolist()
+            tol = max(2 * base + 2 * eps, h.get("tol_floor", 0.0))
+            row.update(baseline=base, tol=tol, ok=True)
+            for strategy in strategies:
+                prepare_model(model, strategy=strategy)
+                set_attn(model, fastpack_name)
+                with torch.no_grad():
+                    logits = model(**inputs).logits[0].float()
+                worst = 0.0
+                for d, r in zip(docs, ref):
+                    at = flat.index(d["input_ids"][0])
+                    worst = max(worst, rel_err(logits[at:at + len(d["input_ids"])], r))
+                # which path each mixer ran (kernels with seq_idx / cu_seqlens, or batched)
+                paths = sorted(set(mixer_paths(model).values()))
 
-            def packed_step(inputs: dict[str, Any] = inputs, labels: Any = labels,
-                            model: Any = model) -> None:
-                model(**inputs, labels=labels).loss.backward()
+                def packed_step(inputs: dict[str, Any] = inputs, labels: Any = labels,
+                                model: Any = model) -> None:
+                    model(**inputs, labels=labels).loss.backward()
 
-            row["packed_ms"] = timed(torch, packed_step, device, cfg["iters"], cfg["warmup"])
+                ms = timed(torch, packed_step, device, cfg["iters"], cfg["warmup"])
+                row[strategy] = {"rel_err": worst, "ok": worst <= tol, "paths": paths,
+                                 "packed_ms": ms,
+                                 "packed_tokens_per_s": round(tokens / ms * 1e3)}
+                row["ok"] = row["ok"] and worst <= tol
             padded = PackedCollator(h["max_len"], backend="padded")(docs)
             pinputs = {k: x.to(device) for k, x in padded.items()
                        if isinstance(x, torch.Tensor) and not k.startswith("sample_")}
@@ -1191,7 +1211,6 @@ def check_hybrid(torch: Any, cfg: dict[str, Any], device: Any, dtype: Any) -> di
 
             set_attn(model, "sdpa")
             row["padded_ms"] = timed(torch, padded_step, device, cfg["iters"], cfg["warmup"])
-            row["packed_tokens_per_s"] = round(tokens / row["packed_ms"] * 1e3)
             row["padded_tokens_per_s"] = round(tokens / row["padded_ms"] * 1e3)
         except Exception as exc:  # reported, and a failed check
             row.update(ok=False, error=f"{type(exc).__name__}: {exc}")

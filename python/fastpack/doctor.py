@@ -101,9 +101,9 @@ _PACKAGES: tuple[tuple[str, str, str], ...] = (
     ("ray", "ray", "fastpack pack --ray"),
     ("matplotlib", "matplotlib", "the command's pictures"),
     ("flash_attn", "flash-attn", "flash-attn varlen kernel (CUDA, fp16/bf16)"),
-    ("fla", "flash-linear-attention", "linear attention / gated delta net kernels (CUDA)"),
-    ("mamba_ssm", "mamba-ssm", "Mamba2 scan kernels with seq_idx (CUDA)"),
-    ("causal_conv1d", "causal-conv1d", "short convolution kernels with seq_idx (CUDA)"),
+    ("fla", "flash-linear-attention", "delta net / KDA kernels, cu_seqlens (CUDA)"),
+    ("mamba_ssm", "mamba-ssm", "Mamba2 scan kernels, seq_idx (CUDA)"),
+    ("causal_conv1d", "causal-conv1d", "mixer convolutions, seq_idx (CUDA)"),
     ("ring_flash_attn", "ring-flash-attn", "context-parallel flash kernels (CUDA)"),
     ("triton", "triton", "compiled flex attention"),
 )
@@ -155,15 +155,30 @@ def _torch_paths(have: dict[str, str | None]) -> tuple[str, list[Path]]:
         "flex batches (attn_implementation='flex_attention')", True, "compiled flex_attention",
         "" if cuda else "compiles for ~50 s on its first CPU call"
         + ("" if _compiler() else "; needs a C++ compiler, none found")))
-    linear = "fla" if cuda and have["fla"] else "per-sequence restart (torch)"
-    paths.append(Path("linear attention / gated delta net", True, linear))
-    ssm = ("mamba_ssm + causal_conv1d (seq_idx)"
-           if cuda and have["mamba_ssm"] and have["causal_conv1d"]
-           else "per-sequence restart (torch)")
-    paths.append(Path("Mamba2 mixers", True, ssm))
-    conv = ("causal_conv1d (seq_idx)" if cuda and have["causal_conv1d"]
-            else "short convolution restarted per sequence (torch)")
-    paths.append(Path("short causal convolutions", True, conv))
+    # What prepare_model runs (strategy="auto"): the whole packed row through the kernels
+    # with their own boundaries where they take them on CUDA, else right-padded groups.
+    from .torch.mixers import kernel_problem
+
+    def mixer_kernels(*functions: str) -> tuple[str, str]:
+        if not cuda:
+            return "", "no CUDA device"
+        problems = [p for p in map(kernel_problem, functions) if p is not None]
+        if problems:
+            return "", "; ".join(problems)
+        return " + ".join(functions), ""
+
+    batched = "right-padded groups per length (prepare_model, exact)"
+    used, why = mixer_kernels("chunk_gated_delta_rule", "causal_conv1d_fn")
+    paths.append(Path("linear attention / gated delta net", True,
+                      f"{used} with cu_seqlens / seq_idx (prepare_model)" if used else batched,
+                      why and f"no kernel path: {why}"))
+    used, why = mixer_kernels("mamba_chunk_scan_combined", "causal_conv1d_fn")
+    paths.append(Path("Mamba2 mixers", True,
+                      f"{used} with seq_idx (prepare_model)" if used else batched,
+                      (f"no kernel path: {why}; " if why else "")
+                      + "Mamba-1 mixers (Jamba, Mamba, Falcon-Mamba): right-padded groups"))
+    paths.append(Path("short causal convolutions", True,
+                      "varlen convolution masked at sequence starts (prepare_model, torch)"))
     cp = "ring-flash-attn" if cuda and have["ring_flash_attn"] else (
         "flash-attn" if cuda and have["flash_attn"] else "per-run SDPA")
     paths.append(Path("context parallelism", True, cp))

@@ -54,7 +54,7 @@ from .data import PackedDataset, StepTable, first_item
 from .formats import BACKENDS, BatchFormat
 from .hf import PackedTrainerMixin, check_model_batch, register_hf_attention
 from .loss import WEIGHTINGS, packed_loss
-from .mixers import MIXERS, prepare_model
+from .mixers import MIXERS, mixer_paths, prepare_model
 from .sampler import PackedSampler, Schedule, Step
 from .stream import SHARDINGS, PackedIterableDataset
 from .tree import per_sample, token_logprobs
@@ -81,6 +81,7 @@ __all__ = [
     "check_model_batch",
     "context_parallel_attention",
     "first_item",
+    "mixer_paths",
     "packed_loss",
     "prepare_model",
     "per_sample",

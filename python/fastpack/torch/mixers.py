@@ -9,7 +9,19 @@ state and its window at every sequence start: a forward pre-hook on the model re
 boundaries of the current batch once per forward (``cu_seq_lens_q``, else where
 ``position_ids`` restart), and every mixer runs on them:
 
-``"batched"`` (default)
+``"auto"`` (default)
+    ``"kernels"`` for a mixer whose kernels are installed and take sequence boundaries,
+    on CUDA tensors; ``"batched"`` otherwise (:func:`mixer_paths` says which ran).
+``"kernels"``
+    The mixer run once over the whole packed batch (its rows laid end to end: no padding)
+    with the CUDA kernels' own sequence boundaries: causal-conv1d's and mamba_ssm's
+    ``seq_idx``, flash-linear-attention's ``cu_seqlens``. fastpack calls the kernels
+    itself in place of Hugging Face's wrappers for the duration of the call (they drop a
+    keyword the installed kernel lacks), after checking each kernel's signature takes its
+    boundary argument, and raises when a step of the mixer ran without them. Refused by
+    name where a kernel is missing or too old (no ``seq_idx`` / ``cu_seqlens``), for
+    Mamba-1 mixers (``selective_scan_fn`` takes no boundaries) and off CUDA.
+``"batched"``
     The row's sequences gathered into one right-padded batch (grouped by length so that
     padding stays under half the tokens) and the mixer run once per group. The mixers are
     causal, so the padding after a sequence changes none of its outputs: each sequence
@@ -26,6 +38,9 @@ over it, a recurrent state).
 
 from __future__ import annotations
 
+import importlib
+import inspect
+import sys
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -36,8 +51,8 @@ import torch
 from .._checks import _choice
 from .._errors import FastpackError, FastpackTypeError
 
-__all__ = ["MIXERS", "STRATEGIES", "current_layout", "is_prepared", "prepare_model",
-           "token_mixers"]
+__all__ = ["MIXERS", "MIXER_KERNELS", "STRATEGIES", "current_layout", "is_prepared",
+           "kernel_problem", "kernel_support", "mixer_paths", "prepare_model", "token_mixers"]
 
 #: The token mixers :func:`prepare_model` keeps apart, by class name: ``"ssm"`` (a
 #: state-space scan after a short convolution), ``"linear_attention"`` (a gated delta
@@ -71,7 +86,7 @@ MIXERS: dict[str, str] = {
 }
 
 #: How :func:`prepare_model` runs a mixer on a packed row (see the module docs).
-STRATEGIES = ("batched", "loop")
+STRATEGIES = ("auto", "kernels", "batched", "loop")
 
 #: Batch keys of the packed formats the mixers do not take (their boundaries are ours).
 _PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",
@@ -197,6 +212,15 @@ class _Prepared:
         #: the last forward's (layout, refusal), for layers recomputed in the backward
         self.last: tuple[_Layout | None, str | None] = (None, None)
         self.depth = 0
+        #: the kernel path's plan (or why there is none) per mixer class
+        self.plans: dict[type, _Plan | str] = {}
+        #: which path each mixer ran on its last packed batch (:func:`mixer_paths`)
+        self.paths: dict[str, str] = {}
+
+    def plan(self, mixer: torch.nn.Module) -> _Plan | str:
+        if type(mixer) not in self.plans:
+            self.plans[type(mixer)] = kernel_support(mixer)
+        return self.plans[type(mixer)]
 
 
 def _batch_layout(kwargs: dict[str, Any]) -> tuple[_Layout | None, str | None]:
@@ -242,7 +266,7 @@ def _batch_layout(kwargs: dict[str, Any]) -> tuple[_Layout | None, str | None]:
     return layout, None
 
 
-def prepare_model(model: torch.nn.Module, *, strategy: str = "batched") -> torch.nn.Module:
+def prepare_model(model: torch.nn.Module, *, strategy: str = "auto") -> torch.nn.Module:
     """Makes every token mixer of ``model`` that :data:`MIXERS` knows exact on packed
     batches: each restarts its recurrent state and its convolution window at every
     sequence start of the batch the model is called with. Returns ``model`` (prepared in
@@ -256,10 +280,16 @@ def prepare_model(model: torch.nn.Module, *, strategy: str = "batched") -> torch
     first mixer: a tree batch (``share_prefix=True``), a context-parallel batch, packed
     rows with a padding mask or a cache.
 
-    ``strategy``: ``"batched"`` (default: the row's sequences as one right-padded batch
-    per group of similar lengths; short convolutions as a varlen convolution) or
-    ``"loop"`` (each sequence alone; the reference). Both are exact; see
-    ``benches/bench_hybrid.py`` for their speed. Softmax attention is not touched: load
+    ``strategy``: ``"auto"`` (default: ``"kernels"`` for a mixer on CUDA tensors whose
+    kernels take sequence boundaries, else ``"batched"``), ``"kernels"`` (the whole
+    packed batch through the CUDA kernels with their own boundaries, ``seq_idx`` /
+    ``cu_seqlens``: no padding; a mixer without such kernels, a kernel version without the
+    argument, or CPU tensors raise a :class:`~fastpack.FastpackError` naming the mixer and
+    the kernel), ``"batched"`` (the row's sequences as one right-padded batch per group of
+    similar lengths) or ``"loop"`` (each sequence alone; the reference). Short
+    convolutions run as a varlen convolution on every strategy but ``"loop"``. All are
+    exact; see ``benches/bench_hybrid.py`` for their speed and :func:`mixer_paths` for
+    which ran. Softmax attention is not touched: load
     the model with ``attn_implementation=register_hf_attention()`` for it.
     """
     if not isinstance(model, torch.nn.Module):
@@ -268,11 +298,18 @@ def prepare_model(model: torch.nn.Module, *, strategy: str = "batched") -> torch
     inner = model
     for attr in ("module", "_orig_mod"):  # DDP / FSDP wrappers, torch.compile
         inner = getattr(inner, attr, inner)
-    state: _Prepared | None = getattr(inner, "_fastpack_prepared", None)
-    if state is not None:
-        state.strategy = strategy
+    existing: _Prepared | None = getattr(inner, "_fastpack_prepared", None)
+    fresh = existing is None
+    state = existing if existing is not None else _Prepared(strategy)
+    if strategy == "kernels":
+        for path, module, kind in token_mixers(inner):
+            plan = state.plan(module)
+            if isinstance(plan, str) and kind != "short_conv":
+                raise FastpackError(f"strategy='kernels': {path} ({type(module).__name__}) "
+                                    f"cannot run on the kernels' sequence boundaries: {plan}")
+    state.strategy = strategy
+    if not fresh:
         return model
-    state = _Prepared(strategy)
 
     def before(module: torch.nn.Module, args: tuple[Any, ...],
                kwargs: dict[str, Any]) -> None:
@@ -311,6 +348,18 @@ def is_prepared(model: Any) -> bool:
     return getattr(inner, "_fastpack_prepared", None) is not None
 
 
+def mixer_paths(model: Any) -> dict[str, str]:
+    """Which path each token mixer of a prepared ``model`` ran on its last packed batch,
+    by module path: ``"kernels: causal_conv1d_fn(seq_idx), ..."``, ``"batched: <why not
+    the kernels>"``, ``"varlen convolution"`` or ``"loop"``. Empty before a packed
+    forward."""
+    inner = model
+    for attr in ("module", "_orig_mod"):
+        inner = getattr(inner, attr, inner)
+    state: _Prepared | None = getattr(inner, "_fastpack_prepared", None)
+    return dict(state.paths) if state is not None else {}
+
+
 def _wrap(module: torch.nn.Module, path: str, kind: str, state: _Prepared) -> None:
     original: Callable[..., Any] = module.forward
     name = f"{path} ({type(module).__name__})"
@@ -336,12 +385,224 @@ def _wrap(module: torch.nn.Module, path: str, kind: str, state: _Prepared) -> No
         rest = {k: v for k, v in kwargs.items()
                 if k not in _PACKED_KWARGS and k not in _CACHE_KWARGS and k != "attention_mask"}
         if state.strategy == "loop":
+            state.paths[path] = "loop"
             return _loop(original, hidden_states, layout, rest)
         if kind == "short_conv":
+            state.paths[path] = "varlen convolution"
             return _short_conv(self, hidden_states, layout)
+        why = "strategy='batched'"
+        if state.strategy in ("auto", "kernels"):
+            plan = state.plan(self)
+            if isinstance(plan, str):
+                why = plan
+            elif not _on_cuda(hidden_states):
+                why = f"{hidden_states.device.type} tensors (the kernels run on CUDA)"
+            else:
+                try:
+                    out = _kernels(original, plan, hidden_states, layout, rest, name)
+                except FastpackError as e:
+                    if state.strategy == "kernels":
+                        raise
+                    state.plans[type(self)] = why = str(e)  # auto: exact without them
+                else:
+                    state.paths[path] = "kernels: " + ", ".join(
+                        f"{k.function}({k.boundary})" for k, fn in plan.kernels if fn is not None)
+                    return out
+            if state.strategy == "kernels":
+                raise FastpackError(f"strategy='kernels': {name} cannot run on the kernels' "
+                                    f"sequence boundaries: {why}")
+        state.paths[path] = f"batched: {why}"
         return _batched(original, hidden_states, layout, rest)
 
     module.forward = types.MethodType(forward, module)  # type: ignore[method-assign]
+
+
+@dataclass(frozen=True)
+class _Kernel:
+    """A CUDA kernel that Hugging Face's modeling module of a mixer calls through the
+    wrapper named ``hf_name``: where the kernel lives, the argument that takes the
+    sequence boundaries, and the token-mixing steps it performs."""
+
+    hf_name: str
+    package: str
+    module: str
+    function: str
+    boundary: str  # "seq_idx" (int32 [1, T]) or "cu_seqlens" (int64 [N + 1])
+    steps: frozenset[str]
+    fused: bool = False  # a shortcut: the mixer runs its unfused steps when it is absent
+
+
+_CONV, _SCAN = frozenset({"conv"}), frozenset({"scan"})
+
+#: The kernels the kernel path calls, by the name of Hugging Face's wrapper in a mixer's
+#: modeling module (transformers 5.25: the same names in every family).
+MIXER_KERNELS: tuple[_Kernel, ...] = (
+    _Kernel("causal_conv1d_fn", "causal-conv1d", "causal_conv1d", "causal_conv1d_fn",
+            "seq_idx", _CONV),
+    _Kernel("mamba2_chunk_scan", "mamba-ssm", "mamba_ssm.ops.triton.ssd_combined",
+            "mamba_chunk_scan_combined", "seq_idx", _SCAN),
+    _Kernel("mamba2_split_conv1d_scan_combined", "mamba-ssm",
+            "mamba_ssm.ops.triton.ssd_combined", "mamba_split_conv1d_scan_combined", "seq_idx",
+            _CONV | _SCAN, fused=True),
+    _Kernel("torch_chunk_gated_delta_rule", "flash-linear-attention", "fla.ops.gated_delta_rule",
+            "chunk_gated_delta_rule", "cu_seqlens", _SCAN),
+    _Kernel("chunk_kimi_delta_attention", "flash-linear-attention", "fla.ops.kda", "chunk_kda",
+            "cu_seqlens", _SCAN),
+)
+#: Wrappers of one-token steps on a cache (decoding) or of kernels without sequence
+#: boundaries (Mamba-1's selective scan): none may run on a packed row.
+_NO_BOUNDARIES = ("causal_conv1d_update", "mamba2_selective_state_update",
+                  "mamba_selective_state_update", "torch_recurrent_gated_delta_rule",
+                  "recurrent_kimi_delta_attention", "mamba_selective_scan", "mamba_inner_fn")
+
+
+def _on_cuda(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` lives where the kernels run (a function: tests stand in for it)."""
+    return tensor.device.type == "cuda"
+
+
+@dataclass
+class _Plan:
+    """How the kernel path runs one mixer class: its modeling module, and the kernel
+    behind each of its wrappers (``None`` for a fused shortcut that is absent or lacks
+    its boundary argument)."""
+
+    module: types.ModuleType
+    kernels: list[tuple[_Kernel, Callable[..., Any] | None]]
+
+
+def _resolve(k: _Kernel) -> tuple[Callable[..., Any] | None, str | None]:
+    """The kernel itself, or why the kernel path cannot use it: not installed, missing,
+    or a version whose signature takes no sequence boundaries."""
+    try:
+        fn = getattr(importlib.import_module(k.module), k.function, None)
+    except Exception as e:  # noqa: BLE001 (a broken install is a missing kernel)
+        return None, f"{k.package} is not installed ({k.module}: {type(e).__name__}: {e})"
+    if fn is None:
+        return None, f"{k.module}.{k.function} is missing (this {k.package} is too old)"
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        params = {}  # type: ignore[assignment]
+    if k.boundary not in params:
+        return None, (f"{k.module}.{k.function} takes no {k.boundary} (this {k.package} "
+                      f"cannot keep packed sequences apart; install a version that takes it)")
+    return fn, None
+
+
+def kernel_problem(function: str) -> str | None:
+    """Why the kernel path cannot call the kernel named ``function`` (one of
+    :data:`MIXER_KERNELS`), or ``None`` when it can (installed, and its signature takes
+    its sequence boundaries)."""
+    for k in MIXER_KERNELS:
+        if k.function == function:
+            return _resolve(k)[1]
+    raise FastpackError(f"function: no mixer kernel named {function!r}")
+
+
+def kernel_support(mixer: torch.nn.Module) -> _Plan | str:
+    """The kernel path's plan for ``mixer`` (a module whose class is in :data:`MIXERS`),
+    or why it has none: a kernel not installed, or one whose signature takes no sequence
+    boundaries (a version that cannot keep packed sequences apart), or a mixer whose
+    modeling module calls no kernel that takes them."""
+    kind = MIXERS.get(type(mixer).__name__)
+    if kind is None or kind in ("short_conv", "conv"):
+        return (f"{type(mixer).__name__} is no mixer with kernels (a short convolution runs "
+                f"as fastpack's varlen convolution: no padding either way)")
+    module = sys.modules.get(type(mixer).__module__)
+    if module is None:
+        return f"the modeling module of {type(mixer).__name__} is not imported"
+    wrappers = [k for k in MIXER_KERNELS if hasattr(module, k.hf_name)]
+    steps: set[str] = set()
+    for k in wrappers:
+        if not k.fused:
+            steps |= k.steps
+    if not {"conv", "scan"} <= steps:
+        blind = [n for n in _NO_BOUNDARIES if hasattr(module, n) and "state_update" not in n
+                 and "recurrent" not in n]
+        why = f" (it calls {', '.join(blind)}: no sequence boundaries)" if blind else ""
+        return (f"{type(mixer).__name__} calls no kernel that takes sequence boundaries for "
+                f"its {' and '.join(sorted({'conv', 'scan'} - steps))}{why}")
+    kernels: list[tuple[_Kernel, Callable[..., Any] | None]] = []
+    for k in wrappers:
+        fn, problem = _resolve(k)
+        if problem is not None and not k.fused:
+            return problem
+        kernels.append((k, fn))  # a fused shortcut without: the mixer's unfused steps
+    return _Plan(module, kernels)
+
+
+def _boundaries(layout: _Layout, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``seq_idx`` (int32 ``[1, T]``: each token's sequence) and ``cu_seqlens`` (int64
+    ``[N + 1]``) of the batch laid end to end as one row of ``T`` tokens."""
+    key = ("boundaries", device)
+    if key not in layout.device_cache:
+        count = len(layout.lengths)
+        seq_idx = torch.repeat_interleave(torch.arange(count, dtype=torch.int32),
+                                          layout.lengths)[None]
+        cu = torch.cat([layout.begins, torch.tensor([layout.rows * layout.width])])
+        layout.device_cache[key] = (seq_idx.to(device), cu.to(device))
+    return layout.device_cache[key]  # type: ignore[no-any-return]
+
+
+def _kernels(original: Callable[..., Any], plan: _Plan, hidden: torch.Tensor, layout: _Layout,
+             kwargs: dict[str, Any], name: str) -> torch.Tensor:
+    """The mixer once over the batch laid end to end, every kernel it calls given the
+    sequence boundaries: Hugging Face's wrappers replaced for the call by fastpack's, which
+    pass ``seq_idx`` / ``cu_seqlens`` to the kernel itself. Raises when a step of the mixer
+    (its convolution, its scan) ran without them."""
+    total = layout.rows * layout.width
+    seq_idx, cu = _boundaries(layout, hidden.device)
+    ran: set[str] = set()
+
+    def call(k: _Kernel, fn: Callable[..., Any] | None) -> Callable[..., Any]:
+        params = inspect.signature(fn).parameters if fn is not None else {}
+
+        def kernel(*args: Any, **kw: Any) -> Any:
+            if fn is None:  # Hugging Face's own shortcut contract: None runs the steps
+                return None
+            x = args[0]
+            tokens = x.shape[-1] if k.steps == _CONV else x.shape[1]
+            if x.shape[0] != 1 or tokens != total:
+                raise FastpackError(f"{name}: {k.function} got a batch of {tuple(x.shape)}; "
+                                    f"the packed row has {total} tokens")
+            for state in ("initial_states", "initial_state"):
+                if kw.get(state) is not None:
+                    raise FastpackError(f"{name}: {k.function} got {state} on a packed row")
+            if k.steps == _CONV and x.stride(1) != 1:  # causal-conv1d's seq_idx: channel-last
+                x = x.transpose(1, 2).contiguous().transpose(1, 2)
+                args = (x, *args[1:])
+            # what Hugging Face's wrapper passes on: the keywords the kernel takes
+            kw = {key: v for key, v in kw.items() if key in params and key != k.boundary}
+            kw[k.boundary] = seq_idx if k.boundary == "seq_idx" else cu
+            ran.update(k.steps)
+            return fn(*args, **kw)
+
+        return kernel
+
+    def refuse(wrapper: str) -> Callable[..., Any]:
+        def kernel(*args: Any, **kw: Any) -> Any:
+            raise FastpackError(f"{name}: {wrapper} runs without sequence boundaries on a "
+                                f"packed row; use strategy='batched'")
+        return kernel
+
+    patched = {k.hf_name: call(k, fn) for k, fn in plan.kernels}
+    patched.update({n: refuse(n) for n in _NO_BOUNDARIES if hasattr(plan.module, n)})
+    saved = {n: getattr(plan.module, n) for n in patched}
+    flat = hidden.reshape(1, total, *hidden.shape[2:])
+    try:
+        for n, fn in patched.items():
+            setattr(plan.module, n, fn)
+        out = original(flat, **kwargs)
+    finally:
+        for n, fn in saved.items():
+            setattr(plan.module, n, fn)
+    if not {"conv", "scan"} <= ran:
+        missing = " and ".join(sorted({"conv", "scan"} - ran))
+        raise FastpackError(f"{name}: its {missing} ran outside the kernels that take sequence "
+                            f"boundaries; use strategy='batched'")
+    result: torch.Tensor = out[0] if isinstance(out, tuple) else out
+    return result.reshape(layout.rows, layout.width, *result.shape[2:])
 
 
 def _loop(original: Callable[..., Any], hidden: torch.Tensor, layout: _Layout,
