@@ -306,7 +306,7 @@ class PackedCollator(WithOptions):
         if not features:
             raise FastpackError("features: got an empty batch; expected at least one sample")
         for i, f in enumerate(features):
-            if not isinstance(f, Mapping):
+            if type(f) is not dict and not isinstance(f, Mapping):
                 raise FastpackTypeError(
                     f"features: sample {i} is {type(f).__name__}; expected a dict with "
                     f"'input_ids'"
@@ -315,11 +315,15 @@ class PackedCollator(WithOptions):
             return self._pairs(features)
         tokens = _from_rows(self._column(features, "input_ids"), mask=False, name="input_ids")
         lengths = tokens.lengths
-        for i, f in enumerate(features):
-            if f.keys() - self._known:
-                self.check_keys(f, i, int(lengths[i]))
-            if "attention_mask" in f or "position_ids" in f:
-                _check_unpacked(f, i, int(lengths[i]), self.ignore_keys)
+        # Every key of the batch, once: the per-sample checks below run only when some
+        # sample has a key that needs one (a batch of input_ids and labels skips them).
+        keys = set().union(*features) if len(features) > 1 else set(features[0])
+        if keys - self._known or "attention_mask" in keys or "position_ids" in keys:
+            for i, f in enumerate(features):
+                if f.keys() - self._known:
+                    self.check_keys(f, i, int(lengths[i]))
+                if "attention_mask" in f or "position_ids" in f:
+                    _check_unpacked(f, i, int(lengths[i]), self.ignore_keys)
         if not lengths.any():
             raise FastpackError(
                 f"features: the batch holds no tokens: sample(s) "
@@ -327,9 +331,9 @@ class PackedCollator(WithOptions):
                 f"{', ...' if len(features) > 5 else ''} have empty 'input_ids'"
             )
         labels = None
-        if any("labels" in f for f in features):
+        if "labels" in keys:
             labels = _from_rows(self._column(features, "labels"), mask=False, name="labels")
-        key = self._mask_key(features)
+        key = self._mask_key(features, keys)
         loss_mask = None if key is None else _from_rows(
             self._column(features, key), mask=True, name=key
         )
@@ -398,6 +402,10 @@ class PackedCollator(WithOptions):
 
     @staticmethod
     def _column(features: Sequence[Mapping[str, Any]], key: str) -> list[Any]:
+        try:
+            return [f[key] for f in features]
+        except KeyError:
+            pass
         missing = [i for i, f in enumerate(features) if key not in f]
         if missing:
             raise FastpackError(
@@ -407,17 +415,18 @@ class PackedCollator(WithOptions):
             )
         return [f[key] for f in features]
 
-    def _mask_key(self, features: Sequence[Mapping[str, Any]]) -> str | None:
+    def _mask_key(self, features: Sequence[Mapping[str, Any]], keys: set[Any]) -> str | None:
+        """The loss-mask key of a batch whose samples have ``keys`` (all of them)."""
         if self.loss_mask_key is False:
             return None
         if isinstance(self.loss_mask_key, str):
-            if not any(self.loss_mask_key in f for f in features):
+            if self.loss_mask_key not in keys:
                 raise FastpackError(
                     f"loss_mask_key: no sample has {self.loss_mask_key!r}; its keys are "
                     f"{sorted(features[0])}"
                 )
             return self.loss_mask_key
-        return next((k for k in LOSS_MASK_KEYS if any(k in f for f in features)), None)
+        return next((k for k in LOSS_MASK_KEYS if k in keys), None)
 
     def plan(
         self, lengths: Any, *, options: PackOptions | None = None, media: Any = None,
