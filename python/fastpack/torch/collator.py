@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -63,7 +64,9 @@ class PackedCollator(WithOptions):
             most ``max_len`` tokens.
         backend: ``"flash"``, ``"sdpa"``, ``"eager"``, ``"flex"`` or ``"padded"`` — the
             model's ``attn_implementation`` (``"padded"``: the unpacked baseline, one sample
-            per row: its strategy is ``"one_per_pack"``, and no other).
+            per row: its strategy is ``"one_per_pack"``, and no other). ``"flex"``: Hugging
+            Face compiles ``flex_attention`` on its first call, tens of seconds on a CPU
+            (warned once where there is no accelerator).
         mask: ``"position_ids"`` (default; no ``attention_mask``) or ``"explicit"``
             (sdpa / eager / flex only; see the module docs).
         pad_to_multiple_of: round the row width (flash: the flat row) up to a multiple.
@@ -149,6 +152,8 @@ class PackedCollator(WithOptions):
         # Every option is checked here, so a mistake fails where the collator is built,
         # not at the first batch.
         self.backend = _choice("backend", backend, BACKENDS)
+        if self.backend == "flex":
+            _warn_flex_on_cpu()
         if self.backend == "padded" and options is None and "strategy" not in kwargs:
             kwargs = {**kwargs, "strategy": _ONE_PER_ROW}  # the padded backend's default
         #: The packing options of every batch (and the base of a dataset's).
@@ -567,6 +572,31 @@ def _samples(plan: Plan, packs: Any, rows: dict[str, Any], mapping: np.ndarray |
         rows_of = np.repeat(np.arange(len(chosen), dtype=np.int64), fills)
         tokens = rows_of * width + np.arange(total, dtype=np.int64) - np.repeat(starts, fills)
     return {"sample_ids": ids, "sample_tokens": tokens, "sample_offsets": sample_offsets}
+
+
+#: Whether the flex-on-the-CPU warning was given (once per process).
+_FLEX_WARNED = False
+
+
+def _warn_flex_on_cpu() -> None:
+    """Hugging Face's ``flex_attention`` compiles (inductor) on its first call: tens of
+    seconds on a CPU (~50 s for a small model), where a GPU takes a few. Said once, on a
+    machine with no accelerator, where the model will run on the CPU."""
+    global _FLEX_WARNED
+    accelerator = getattr(torch, "accelerator", None)
+    has = (accelerator.is_available() if accelerator is not None
+           else torch.cuda.is_available())
+    if _FLEX_WARNED or has:
+        return
+    _FLEX_WARNED = True
+    warnings.warn(
+        "backend='flex': no accelerator here, so the model's flex_attention runs on the "
+        "CPU, where torch.compile compiles it on its first call (~50 s for a small model; "
+        "later calls are fast). For short CPU runs, backend='flash' with "
+        "register_hf_attention() (per-sequence SDPA, no compile) or backend='sdpa' is "
+        "exact too",
+        stacklevel=3,
+    )
 
 
 def as_collator(value: Any) -> PackedCollator:

@@ -615,8 +615,13 @@ def per_sample(
 def token_logprobs(logits: torch.Tensor, batch: Mapping[str, Any]) -> torch.Tensor:
     """The log-probability the model gives every target of ``batch`` (``[M]``, in the
     target map's order: sample by sample, position by position): ``log_softmax`` of the
-    predicting logit at the target's label, computed once per row position however many
-    targets share it (half precision upcast to float32)."""
+    predicting logit at the target's label (half precision upcast to float32). The
+    normaliser is computed per target, so a shared prefix's last token, which predicts
+    the first token of each of its continuations, counts once per continuation: that
+    costs a few rows, where finding the distinct rows would make the host wait for the
+    device. On the CPU the labels are checked against the vocabulary; on an accelerator
+    (where the check would wait for the device too) an id outside it is the kernel's
+    index error."""
     if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
         raise FastpackTypeError("logits: expected a floating-point torch.Tensor")
     flat = _flat(logits, batch, "logits")
@@ -625,11 +630,11 @@ def token_logprobs(logits: torch.Tensor, batch: Mapping[str, Any]) -> torch.Tens
     if flat.dtype not in (torch.float32, torch.float64):
         flat = flat.float()
     index, labels, _ = targets(batch, flat.device)
-    if labels.numel() and not 0 <= int(labels.min()) <= int(labels.max()) < flat.shape[-1]:
+    if flat.device.type == "cpu" and labels.numel() and not (
+            0 <= int(labels.min()) <= int(labels.max()) < flat.shape[-1]):
         bad = int(labels.min()) if int(labels.min()) < 0 else int(labels.max())
         raise FastpackError(
             f"labels: token id {bad} is outside the vocabulary 0..{flat.shape[-1] - 1}"
         )
-    rows, inverse = torch.unique(index, return_inverse=True)
-    norm = torch.logsumexp(flat.index_select(0, rows), dim=-1)
-    return flat[index, labels] - norm[inverse]
+    picked = flat.index_select(0, index)
+    return picked.gather(1, labels[:, None])[:, 0] - torch.logsumexp(picked, dim=-1)
