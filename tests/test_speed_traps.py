@@ -59,7 +59,7 @@ ROWS = st.lists(st.lists(st.integers(0, 30_000), min_size=0, max_size=12), min_s
                 max_size=8).filter(lambda rows: any(rows))
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(rows=ROWS, dtype=st.sampled_from(["int64", "int32", "uint16"]),
        mask=st.booleans(), backend=st.sampled_from(["flash", "sdpa"]))
 def test_collator_numpy_and_tensor_rows_match_lists(rows: list[list[int]], dtype: str,
@@ -175,3 +175,145 @@ def test_flex_backend_without_an_accelerator_warns_once() -> None:
         warnings.simplefilter("error")
         PackedCollator(64, backend="flex")  # once
         PackedCollator(64, backend="sdpa")
+
+
+# ------------------------------------------------------------------ tree kernels
+
+
+def _rollouts(group: int, prompt: int, response: int) -> Any:
+    from fastpack.torch import PackedCollator
+    from fastpack.torch.tree import check_tree
+
+    samples = [{"input_ids": list(range(1, prompt + 1)) + [prompt + 1 + g] * response,
+                "group": 0} for g in range(group)]
+    batch = PackedCollator(prompt + group * response, backend="flash",
+                           share_prefix=True)(samples)
+    return check_tree(batch["tree_cu_seqlens"], batch["tree_parents"],
+                      batch["input_ids"].shape[1])
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.integers(-1, 6), min_size=1, max_size=12), st.data())
+def test_tree_gathered_keys_are_each_segments_path(raw: list[int], data: Any) -> None:
+    """The flash kernel's key rows (built with one arange, not per segment): segment
+    after segment, its ancestors' rows from the root, then its own; ``cu_seqlens_k`` and
+    ``gathered_rows`` count them."""
+    torch = pytest.importorskip("torch")
+    from fastpack.torch.tree import TreeLayout
+
+    # A preorder tree: each segment's parent is -1 or a segment on the current path.
+    parents: list[int] = []
+    path: list[int] = []
+    for s, wish in enumerate(raw):
+        while path and wish >= 0 and path[-1] > wish:
+            path.pop()
+        parent = path[-1] if path and wish >= 0 else -1
+        if parent < 0:
+            path = []
+        parents.append(parent)
+        path.append(s)
+    lengths = data.draw(st.lists(st.integers(0, 5), min_size=len(parents),
+                                 max_size=len(parents)))
+    bounds = np.concatenate(([0], np.cumsum(lengths))).tolist()
+    layout = TreeLayout(bounds, parents)
+    index, cu_k, longest_q, longest_k = layout.gathered(torch.device("cpu"))
+    runs = []
+    for s in range(len(parents)):
+        rows = [r for a in (*layout.ancestors[s], s) for r in range(bounds[a], bounds[a + 1])]
+        runs.append(rows)
+    assert index.tolist() == [r for run in runs for r in run]
+    assert cu_k.tolist() == np.concatenate(([0], np.cumsum([len(r) for r in runs]))).tolist()
+    assert longest_q == max(lengths) and longest_k == max(len(r) for r in runs)
+    assert layout.gathered_rows == len(index)
+
+
+def test_auto_takes_flex_for_high_fan_out_trees() -> None:
+    """flash gathers every rollout's path (≈ G·P rows of K/V per layer): "auto" takes
+    flex, where it runs, once that exceeds FLASH_GATHER_LIMIT times the row."""
+    pytest.importorskip("torch")
+    from fastpack.torch import tree
+
+    wide = _rollouts(16, 64, 4)  # 128 rows; the prompt, then 16 runs of 64 + 4
+    assert wide.total == 128 and wide.gathered_rows == 64 + 16 * 68
+    narrow = _rollouts(2, 16, 12)  # 40 rows, 56 gathered
+    assert narrow.gathered_rows <= tree.FLASH_GATHER_LIMIT * narrow.total
+    both = ["flash", "flex", "sdpa"]
+    assert tree._auto_kernel(both, wide) == "flex"
+    assert tree._auto_kernel(both, narrow) == "flash"
+    assert tree._auto_kernel(["flash", "sdpa"], wide) == "flash"  # no flex: flash still
+    assert tree._auto_kernel(["sdpa"], wide) == "sdpa"
+
+
+# ------------------------------------------------------------ context parallelism
+
+
+def _cp_inputs(lengths: tuple[int, ...], cp: int, mode: str, rank: int, seed: int) -> Any:
+    torch = pytest.importorskip("torch")
+    from fastpack.torch import shard_for_context_parallel
+
+    cu = np.concatenate(([0], np.cumsum(lengths))).astype(np.int32)
+    batch = {"input_ids": torch.zeros(1, int(cu[-1]), dtype=torch.long),
+             "cu_seq_lens_q": torch.from_numpy(cu)}
+    shards = [shard_for_context_parallel(batch, cp, r, mode) for r in range(cp)]
+    g = torch.Generator().manual_seed(seed)
+    sizes = [s["input_ids"].shape[1] for s in shards]
+    keys = torch.randn(sum(sizes), 2, 4, generator=g, dtype=torch.float64)
+    values = torch.randn(sum(sizes), 2, 4, generator=g, dtype=torch.float64)
+    q = torch.randn(sizes[rank], 4, 4, generator=g, dtype=torch.float64)
+    return shards[rank], q, keys, values
+
+
+@pytest.mark.parametrize("mode, window, softcap", [("zigzag", None, None),
+                                                   ("zigzag", 3, 0.7), ("contiguous", 5, None)])
+def test_cp_runs_in_groups_equal_runs_alone(mode: str, window: Any, softcap: Any,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU kernel's short runs in padded groups (one SDPA call each) give what each
+    run alone gives, outputs and gradients, padding rows included (they see a real key,
+    their outputs are dropped: no NaN reaches a gradient)."""
+    torch = pytest.importorskip("torch")
+    from fastpack.torch import context_parallel as cp
+
+    results = []
+    for short in (cp._SHORT_RUN, 0):  # all batched, then every run alone
+        monkeypatch.setattr(cp, "_SHORT_RUN", short)
+        local, q, keys, values = _cp_inputs((9, 1, 30, 4, 17, 2, 8), 2, mode, 1, seed=3)
+        q, keys, values = (t.requires_grad_() for t in (q, keys, values))
+        out = cp.attend_gathered(q, keys, values, local, "sdpa", None, window, softcap)
+        (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum() \
+            .backward()
+        results.append((out.detach(), q.grad, keys.grad, values.grad))
+    for a, b in zip(*results):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+def test_cp_attention_reads_the_boundaries_once_per_batch() -> None:
+    """The layers of one forward share a batch: its run boundaries are read on the host
+    (a device sync on an accelerator) by the first layer only."""
+    torch = pytest.importorskip("torch")
+    from torch.overrides import TorchFunctionMode
+
+    from fastpack.torch import context_parallel_attention, shard_for_context_parallel
+
+    reads = {"n": 0}
+    host = {torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.__int__,
+            torch.Tensor.__index__, torch.Tensor.__bool__, torch.Tensor.__float__}
+
+    class CountReads(TorchFunctionMode):
+        def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                               kwargs: Any = None) -> Any:
+            if func in host:
+                reads["n"] += 1
+            return func(*args, **(kwargs or {}))
+
+    batch = {"input_ids": torch.zeros(1, 24, dtype=torch.long),
+             "cu_seq_lens_q": torch.tensor([0, 5, 17, 24], dtype=torch.int32)}
+    local = shard_for_context_parallel(batch, 1, 0, "contiguous")
+    q, k, v = (torch.randn(24, 2, 4) for _ in range(3))
+    counts = []
+    for _ in range(3):  # three layers
+        reads["n"] = 0
+        with CountReads():
+            context_parallel_attention(q, k, v, local, None, kernel="sdpa")
+        counts.append(reads["n"])
+    assert counts[0] > 0 and counts[1:] == [0, 0], counts

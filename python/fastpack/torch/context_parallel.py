@@ -94,6 +94,8 @@ _ROW_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", *
 
 #: Queries x keys of one masked SDPA call on the CPU path (a block of a run's queries).
 _MASK_BUDGET = 1 << 22
+#: Queries x keys of a run batched with others by the CPU path (longer runs: alone).
+_SHORT_RUN = _MASK_BUDGET // 8
 
 
 # ------------------------------------------------------------------------- sharding
@@ -432,10 +434,10 @@ class _Runs:
         """``(groups, long, order)``: each group ``(q_index [R·Lq], k_index [R·Lk],
         limits [R, Lq], real [m], R, Lq, Lk)`` — the rows of its runs' queries and keys
         (padding reads row 0), each query's last key (0 for a padding query: it sees its
-        run's first key, so no softmax row is empty; its output is dropped), and which of the group's ``R·Lq`` outputs are real;
-        ``long``: the runs computed alone; ``order``: the local row of every output row,
-        the groups' then the long runs', as an inverse permutation (None: already in
-        order)."""
+        run's first key, so no softmax row is empty; its output is dropped), and which of
+        the group's ``R·Lq`` outputs are real; ``long``: the runs computed alone;
+        ``order``: the local row of every output row, the groups' then the long runs', as
+        an inverse permutation (None: already in order)."""
         if self._groups is not None:
             return self._groups, self._long, self._order
         cu_q, cu_k = np.asarray(self.cu_q, np.int64), np.asarray(self.cu_k, np.int64)
@@ -444,8 +446,8 @@ class _Runs:
         # Short runs: a padded group costs at most 4x their area (sizes rounded to powers
         # of two), and its mask at most _MASK_BUDGET entries; longer runs are big calls
         # already, where batching saves nothing.
-        short = runs[lq[runs] * lk[runs] <= _MASK_BUDGET // 8]
-        self._long = [int(r) for r in runs if lq[r] * lk[r] > _MASK_BUDGET // 8]
+        short = runs[lq[runs] * lk[runs] <= _SHORT_RUN]
+        self._long = [int(r) for r in runs if lq[r] * lk[r] > _SHORT_RUN]
         bucket_q = np.left_shift(1, np.ceil(np.log2(np.maximum(lq[short], 1))).astype(np.int64))
         bucket_k = np.left_shift(1, np.ceil(np.log2(np.maximum(lk[short], 1))).astype(np.int64))
         by = np.lexsort((short, bucket_q, bucket_k))
