@@ -94,8 +94,11 @@ _ROW_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", *
 
 #: Queries x keys of one masked SDPA call on the CPU path (a block of a run's queries).
 _MASK_BUDGET = 1 << 22
-#: Queries x keys of a run batched with others by the CPU path (longer runs: alone).
-_SHORT_RUN = _MASK_BUDGET // 8
+#: Queries x keys of a run batched with others by the SDPA path; larger runs go alone.
+#: Measured (CPU, fwd+bwd): batching wins where the calls' overhead dominates (a row of
+#: 32-token sequences: 2-5x); above ~128 x 128 the padding (sizes rounded up to powers of
+#: two) and the mask (no causal skipping) cost more than the calls saved.
+_SHORT_RUN = 1 << 14
 
 
 # ------------------------------------------------------------------------- sharding
@@ -443,9 +446,8 @@ class _Runs:
         cu_q, cu_k = np.asarray(self.cu_q, np.int64), np.asarray(self.cu_k, np.int64)
         lq, lk = np.diff(cu_q), np.diff(cu_k)
         runs = np.flatnonzero(lq > 0)
-        # Short runs: a padded group costs at most 4x their area (sizes rounded to powers
-        # of two), and its mask at most _MASK_BUDGET entries; longer runs are big calls
-        # already, where batching saves nothing.
+        # Short runs (see _SHORT_RUN): a padded group costs at most 4x their area (sizes
+        # rounded to powers of two), and its mask at most _MASK_BUDGET entries.
         short = runs[lq[runs] * lk[runs] <= _SHORT_RUN]
         self._long = [int(r) for r in runs if lq[r] * lk[r] > _SHORT_RUN]
         bucket_q = np.left_shift(1, np.ceil(np.log2(np.maximum(lq[short], 1))).astype(np.int64))
@@ -539,10 +541,16 @@ def _runs_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, runs: 
         out = _attend(qs, ks, vs, allowed[:, None], True, scale, softcap, gqa)
         outs.append(out.transpose(1, 2).reshape(count * width_q, *out.shape[1::2])
                     .index_select(0, real))
-    cu_q, cu_k = runs.cu_q, runs.cu_k
+    if long:
+        # Split, not sliced: a slice's backward writes a gradient as large as the whole
+        # tensor, per run; a split's backward is one concatenation.
+        cu_q, cu_k = runs.cu_q, runs.cu_k
+        q_parts = q.split([b - a for a, b in zip(cu_q[:-1], cu_q[1:])])
+        k_parts, v_parts = (t.split([b - a for a, b in zip(cu_k[:-1], cu_k[1:])])
+                            for t in (keys, values))
     for r in long:
-        qs = q[cu_q[r]:cu_q[r + 1]].transpose(0, 1).unsqueeze(0)
-        ks, vs = (t[cu_k[r]:cu_k[r + 1]].transpose(0, 1).unsqueeze(0) for t in (keys, values))
+        qs = q_parts[r].transpose(0, 1).unsqueeze(0)
+        ks, vs = (t[r].transpose(0, 1).unsqueeze(0) for t in (k_parts, v_parts))
         lq, lk = qs.shape[2], ks.shape[2]
         offset = lk - lq  # query i sits at key position offset + i
         if offset == 0 and softcap is None and (window is None or lk <= window):
