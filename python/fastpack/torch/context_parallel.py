@@ -95,10 +95,10 @@ _ROW_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", *
 #: Queries x keys of one masked SDPA call on the CPU path (a block of a run's queries).
 _MASK_BUDGET = 1 << 22
 #: Queries x keys of a run batched with others by the SDPA path; larger runs go alone.
-#: Measured (CPU, fwd+bwd): batching wins where the calls' overhead dominates (a row of
-#: 32-token sequences: 2-5x); above ~128 x 128 the padding (sizes rounded up to powers of
-#: two) and the mask (no causal skipping) cost more than the calls saved.
-_SHORT_RUN = 1 << 14
+#: Measured (CPU, fwd+bwd, benches/bench_speed_traps.py): batching wins where the calls'
+#: overhead dominates (zigzag over 32-token sequences: ~2x); on rows of mixed lengths,
+#: batching runs of a few thousand pairs cost 10-20% (padding to powers of two, masks).
+_SHORT_RUN = 1 << 10
 
 
 # ------------------------------------------------------------------------- sharding
@@ -422,9 +422,7 @@ class _Runs:
         self.cu_q, self.cu_k = cu_q, cu_k
         self.device = device
         self._flash: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._groups: list[tuple[Any, ...]] | None = None
-        self._long: list[int] = []
-        self._order: torch.Tensor | None = None
+        self._plan: _SdpaPlan | None = None
 
     def flash(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._flash is None:
@@ -433,27 +431,38 @@ class _Runs:
         assert self._flash is not None
         return self._flash
 
-    def plan(self) -> tuple[list[tuple[Any, ...]], list[int], torch.Tensor | None]:
-        """``(groups, long, order)``: each group ``(q_index [R·Lq], k_index [R·Lk],
-        limits [R, Lq], real [m], R, Lq, Lk)`` — the rows of its runs' queries and keys
-        (padding reads row 0), each query's last key (0 for a padding query: it sees its
-        run's first key, so no softmax row is empty; its output is dropped), and which of
-        the group's ``R·Lq`` outputs are real; ``long``: the runs computed alone;
-        ``order``: the local row of every output row, the groups' then the long runs', as
-        an inverse permutation (None: already in order)."""
-        if self._groups is not None:
-            return self._groups, self._long, self._order
-        cu_q, cu_k = np.asarray(self.cu_q, np.int64), np.asarray(self.cu_k, np.int64)
+    def plan(self) -> _SdpaPlan:
+        """The SDPA kernel's plan (see :class:`_SdpaPlan`), built on the first call."""
+        if self._plan is None:
+            self._plan = _SdpaPlan(self.cu_q, self.cu_k, self.device)
+        return self._plan
+
+
+class _SdpaPlan:
+    """Short runs in padded groups (sizes rounded up to powers of two; a group's mask at
+    most :data:`_MASK_BUDGET` entries) and the long runs, alone.
+
+    ``q_index`` / ``k_index``: the rows of every group's queries and keys, group after
+    group (one gather per tensor and layer: each gather's backward writes a gradient as
+    large as the whole tensor); padding reads row 0. Per group ``(limits [R, Lq], real,
+    R, Lq, Lk)``: each query's last key (0 for a padding query: it sees its run's first
+    key, so no softmax row is empty; its output is dropped) and which of its ``R·Lq``
+    outputs are real. ``long``: the runs computed alone; ``order``: the inverse of the
+    local rows of the outputs, the groups' then the long runs' (None: already in order).
+    """
+
+    def __init__(self, host_q: list[int], host_k: list[int], device: torch.device) -> None:
+        cu_q, cu_k = np.asarray(host_q, np.int64), np.asarray(host_k, np.int64)
         lq, lk = np.diff(cu_q), np.diff(cu_k)
         runs = np.flatnonzero(lq > 0)
-        # Short runs (see _SHORT_RUN): a padded group costs at most 4x their area (sizes
-        # rounded to powers of two), and its mask at most _MASK_BUDGET entries.
         short = runs[lq[runs] * lk[runs] <= _SHORT_RUN]
-        self._long = [int(r) for r in runs if lq[r] * lk[r] > _SHORT_RUN]
+        self.long = [int(r) for r in runs if lq[r] * lk[r] > _SHORT_RUN]
         bucket_q = np.left_shift(1, np.ceil(np.log2(np.maximum(lq[short], 1))).astype(np.int64))
         bucket_k = np.left_shift(1, np.ceil(np.log2(np.maximum(lk[short], 1))).astype(np.int64))
         by = np.lexsort((short, bucket_q, bucket_k))
-        groups: list[tuple[Any, ...]] = []
+        self.groups: list[tuple[Any, ...]] = []
+        q_rows: list[np.ndarray] = []
+        k_rows: list[np.ndarray] = []
         dest: list[np.ndarray] = []
         i = 0
         while i < len(by):
@@ -464,29 +473,32 @@ class _Runs:
                 j += 1
             members = short[by[i:j]]
             width_q, width_k = int(lq[members].max()), int(lk[members].max())
-            count = len(members)
             col_q, col_k = np.arange(width_q), np.arange(width_k)
             real_q = col_q[None, :] < lq[members][:, None]
-            q_index = np.where(real_q, cu_q[members][:, None] + col_q[None, :], 0)
-            k_index = np.where(col_k[None, :] < lk[members][:, None],
-                               cu_k[members][:, None] + col_k[None, :], 0)
+            q_index = np.where(real_q, cu_q[members][:, None] + col_q[None, :], 0).reshape(-1)
+            q_rows.append(q_index)
+            k_rows.append(np.where(col_k[None, :] < lk[members][:, None],
+                                   cu_k[members][:, None] + col_k[None, :], 0).reshape(-1))
             # Query i of a run sits at key position (lk - lq) + i of its keys.
             limits = np.where(real_q, (lk[members] - lq[members])[:, None] + col_q[None, :], 0)
             real = np.flatnonzero(real_q.reshape(-1))
-            dest.append(q_index.reshape(-1)[real])
-            groups.append(tuple(torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
-                                for a in (q_index.reshape(-1), k_index.reshape(-1), limits,
-                                          real)) + (count, width_q, width_k))
+            dest.append(q_index[real])
+            self.groups.append((torch.from_numpy(limits).to(device),
+                                torch.from_numpy(real).to(device),
+                                len(members), width_q, width_k))
             i = j
-        dest.extend(np.arange(cu_q[r], cu_q[r + 1]) for r in self._long)
+        self.q_index, self.k_index = (
+            torch.from_numpy(np.concatenate(rows) if rows else np.zeros(0, np.int64)).to(device)
+            for rows in (q_rows, k_rows))
+        self.q_sizes = [len(r) for r in q_rows]
+        self.k_sizes = [len(r) for r in k_rows]
+        dest.extend(np.arange(cu_q[r], cu_q[r + 1]) for r in self.long)
         order = np.concatenate(dest) if dest else np.zeros(0, np.int64)
-        self._order = None
+        self.order: torch.Tensor | None = None
         if not np.array_equal(order, np.arange(len(order))):
             inverse = np.empty_like(order)
             inverse[order] = np.arange(len(order))
-            self._order = torch.from_numpy(inverse).to(self.device)
-        self._groups = groups
-        return groups, self._long, self._order
+            self.order = torch.from_numpy(inverse).to(device)
 
 
 class _RunsCache:
@@ -528,12 +540,16 @@ def _runs_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, runs: 
     queries and keys coincide) or a few masked calls over blocks of its queries. Every
     mask is at most :data:`_MASK_BUDGET` entries."""
     keys, values, gqa = _sdpa_gqa(q, keys, values, softcap)
-    groups, long, order = runs.plan()
+    plan = runs.plan()
     outs = []
-    for q_index, k_index, limits, real, count, width_q, width_k in groups:
-        qs = q.index_select(0, q_index).view(count, width_q, *q.shape[1:]).transpose(1, 2)
-        ks, vs = (t.index_select(0, k_index).view(count, width_k, *t.shape[1:]).transpose(1, 2)
-                  for t in (keys, values))
+    if plan.groups:
+        q_all = q.index_select(0, plan.q_index).split(plan.q_sizes)
+        k_all, v_all = (t.index_select(0, plan.k_index).split(plan.k_sizes)
+                        for t in (keys, values))
+    for g, (limits, real, count, width_q, width_k) in enumerate(plan.groups):
+        qs = q_all[g].view(count, width_q, *q.shape[1:]).transpose(1, 2)
+        ks, vs = (t[g].view(count, width_k, *t[g].shape[1:]).transpose(1, 2)
+                  for t in (k_all, v_all))
         key_pos = torch.arange(width_k, device=q.device)
         allowed = key_pos <= limits[:, :, None]
         if window is not None:
@@ -541,6 +557,7 @@ def _runs_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, runs: 
         out = _attend(qs, ks, vs, allowed[:, None], True, scale, softcap, gqa)
         outs.append(out.transpose(1, 2).reshape(count * width_q, *out.shape[1::2])
                     .index_select(0, real))
+    long, order = plan.long, plan.order
     if long:
         # Split, not sliced: a slice's backward writes a gradient as large as the whole
         # tensor, per run; a split's backward is one concatenation.
