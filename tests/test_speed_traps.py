@@ -279,6 +279,8 @@ def test_cp_runs_in_groups_equal_runs_alone(mode: str, window: Any, softcap: Any
         local, q, keys, values = _cp_inputs((9, 1, 30, 4, 17, 2, 8), 2, mode, 1, seed=3)
         q, keys, values = (t.requires_grad_() for t in (q, keys, values))
         out = cp.attend_gathered(q, keys, values, local, "sdpa", None, window, softcap)
+        plan = cp._RUNS.get(local, q.device).plan()
+        assert bool(plan.groups) == bool(short)  # the groups are exercised
         (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum() \
             .backward()
         results.append((out.detach(), q.grad, keys.grad, values.grad))

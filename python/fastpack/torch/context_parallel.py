@@ -440,7 +440,8 @@ class _Runs:
 
 class _SdpaPlan:
     """Short runs in padded groups (sizes rounded up to powers of two; a group's mask at
-    most :data:`_MASK_BUDGET` entries) and the long runs, alone.
+    most :data:`_MASK_BUDGET` entries) and the others alone: long runs, and runs whose
+    queries are all their keys (one causal call each).
 
     ``q_index`` / ``k_index``: the rows of every group's queries and keys, group after
     group (one gather per tensor and layer: each gather's backward writes a gradient as
@@ -455,8 +456,11 @@ class _SdpaPlan:
         cu_q, cu_k = np.asarray(host_q, np.int64), np.asarray(host_k, np.int64)
         lq, lk = np.diff(cu_q), np.diff(cu_k)
         runs = np.flatnonzero(lq > 0)
-        short = runs[lq[runs] * lk[runs] <= _SHORT_RUN]
-        self.long = [int(r) for r in runs if lq[r] * lk[r] > _SHORT_RUN]
+        # A run whose queries are its keys (a whole sequence, or its first piece) is one
+        # causal call without a mask, SDPA's fastest: it is never batched.
+        batched = (lq * lk <= _SHORT_RUN) & (lq < lk)
+        short = runs[batched[runs]]
+        self.long = [int(r) for r in runs if not batched[r]]
         bucket_q = np.left_shift(1, np.ceil(np.log2(np.maximum(lq[short], 1))).astype(np.int64))
         bucket_k = np.left_shift(1, np.ceil(np.log2(np.maximum(lk[short], 1))).astype(np.int64))
         by = np.lexsort((short, bucket_q, bucket_k))
