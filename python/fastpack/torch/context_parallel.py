@@ -559,24 +559,25 @@ def _runs_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, runs: 
         if window is not None:
             allowed &= limits[:, :, None] - key_pos < window
         out = _attend(qs, ks, vs, allowed[:, None], True, scale, softcap, gqa)
-        outs.append(out.transpose(1, 2).reshape(count * width_q, *out.shape[1::2])
-                    .index_select(0, real))
+        outs.append(out.transpose(1, 2).reshape(1, count * width_q, *out.shape[1::2])
+                    .index_select(1, real))
     long, order = plan.long, plan.order
     if long:
-        # Split, not sliced: a slice's backward writes a gradient as large as the whole
-        # tensor, per run; a split's backward is one concatenation.
+        # Split once, in SDPA's layout (1, H, T, D): a slice per run would write a
+        # gradient as large as the whole tensor in the backward pass, and views per run
+        # add autograd nodes that cost more than tiny runs' attention.
         cu_q, cu_k = runs.cu_q, runs.cu_k
-        q_parts = q.split([b - a for a, b in zip(cu_q[:-1], cu_q[1:])])
-        k_parts, v_parts = (t.split([b - a for a, b in zip(cu_k[:-1], cu_k[1:])])
-                            for t in (keys, values))
+        q_parts = q.transpose(0, 1).unsqueeze(0).split(
+            [b - a for a, b in zip(cu_q[:-1], cu_q[1:])], dim=2)
+        k_parts, v_parts = (t.transpose(0, 1).unsqueeze(0).split(
+            [b - a for a, b in zip(cu_k[:-1], cu_k[1:])], dim=2) for t in (keys, values))
     for r in long:
-        qs = q_parts[r].transpose(0, 1).unsqueeze(0)
-        ks, vs = (t[r].transpose(0, 1).unsqueeze(0) for t in (k_parts, v_parts))
+        qs, ks, vs = q_parts[r], k_parts[r], v_parts[r]
         lq, lk = qs.shape[2], ks.shape[2]
         offset = lk - lq  # query i sits at key position offset + i
         if offset == 0 and softcap is None and (window is None or lk <= window):
             out = _attend(qs, ks, vs, None, True, scale, softcap, gqa)
-            outs.append(out.transpose(1, 2)[0])
+            outs.append(out.transpose(1, 2))
             continue
         block = max(1, _MASK_BUDGET // max(lk, 1))
         for i0 in range(0, lq, block):
@@ -590,10 +591,10 @@ def _runs_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, runs: 
                 allowed &= query_pos - key_pos < window
             out = _attend(qs[:, :, i0:i1], ks[:, :, first:last], vs[:, :, first:last],
                           allowed, True, scale, softcap, gqa)
-            outs.append(out.transpose(1, 2)[0])
+            outs.append(out.transpose(1, 2))
     if not outs:
         return q[:0]
-    result = torch.cat(outs) if len(outs) > 1 else outs[0]
+    result = (torch.cat(outs, dim=1) if len(outs) > 1 else outs[0])[0]
     return result if order is None else result.index_select(0, order)
 
 
