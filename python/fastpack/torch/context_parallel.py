@@ -97,8 +97,9 @@ _MASK_BUDGET = 1 << 22
 #: Queries x keys of a run batched with others by the SDPA path; larger runs go alone.
 #: Measured (CPU, fwd+bwd, benches/bench_speed_traps.py): batching wins where the calls'
 #: overhead dominates (zigzag over 32-token sequences: ~2x); on rows of mixed lengths,
-#: batching runs of a few thousand pairs cost 10-20% (padding to powers of two, masks).
-_SHORT_RUN = 1 << 10
+#: batching runs of 10^3 pairs and more measured 0.66-1.0x (padding to powers of two,
+#: masks), so only the smallest runs are batched.
+_SHORT_RUN = 1 << 8
 
 
 # ------------------------------------------------------------------------- sharding
