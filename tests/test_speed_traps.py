@@ -59,7 +59,7 @@ ROWS = st.lists(st.lists(st.integers(0, 30_000), min_size=0, max_size=12), min_s
                 max_size=8).filter(lambda rows: any(rows))
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=8, deadline=None)
 @given(rows=ROWS, dtype=st.sampled_from(["int64", "int32", "uint16"]),
        mask=st.booleans(), backend=st.sampled_from(["flash", "sdpa"]))
 def test_collator_numpy_and_tensor_rows_match_lists(rows: list[list[int]], dtype: str,
@@ -192,7 +192,7 @@ def _rollouts(group: int, prompt: int, response: int) -> Any:
                       batch["input_ids"].shape[1])
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(st.lists(st.integers(-1, 6), min_size=1, max_size=12), st.data())
 def test_tree_gathered_keys_are_each_segments_path(raw: list[int], data: Any) -> None:
     """The flash kernel's key rows (built with one arange, not per segment): segment
