@@ -414,6 +414,9 @@ def _from_rows(rows: Sequence[Any], mask: bool, name: str = "data") -> Ragged:
             return _ragged(values, offsets, mask, name)
         except FastpackError:
             pass  # not all lists of ints: the general path below says what is wrong
+    same = _same_arrays(rows)
+    if same is not None:
+        return _ragged(*same, mask, name)
     for i, row in enumerate(rows):
         if isinstance(row, (str, bytes, dict)) or not hasattr(row, "__len__"):
             raise FastpackTypeError(
@@ -433,6 +436,42 @@ def _from_rows(rows: Sequence[Any], mask: bool, name: str = "data") -> Ragged:
     except (TypeError, ValueError, OverflowError) as e:
         raise FastpackTypeError(f"{name}: expected rows of integers ({e})") from None
     return _ragged(values, offsets, mask, name)
+
+
+#: Names of the torch dtypes read in place by ``_same_arrays`` (numpy has each of them).
+_TORCH_INTEGER_NAMES = ("int8", "int16", "int32", "int64", "uint8", "bool")
+
+
+def _same_arrays(rows: Sequence[Any]) -> tuple[np.ndarray, np.ndarray] | None:
+    """``(values, offsets)`` of rows that are all 1-D numpy arrays of one dtype (what a
+    ``with_format("numpy")`` dataset gives), or CPU torch tensors of one dtype: one
+    concatenation, no per-row conversion. None for anything else (the general path)."""
+    if not isinstance(rows, list) or not rows:
+        return None
+    kind = type(rows[0])
+    if kind is np.ndarray:
+        if set(map(type, rows)) != {kind} or len({r.dtype for r in rows}) != 1:
+            return None
+        try:
+            values = np.concatenate(rows)
+        except ValueError:  # rows of different or no dimensions: the general path's error
+            return None
+        if values.ndim != 1:
+            return None
+    elif kind.__module__.startswith("torch") and kind.__name__ == "Tensor":
+        dtype = rows[0].dtype
+        if str(dtype).removeprefix("torch.") not in _TORCH_INTEGER_NAMES or not all(
+                type(r) is kind and r.ndim == 1 and r.dtype == dtype and r.device.type == "cpu"
+                for r in rows):
+            return None
+        import torch
+
+        values = torch.cat([r.detach() for r in rows]).numpy()
+    else:
+        return None
+    offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+    np.cumsum(np.fromiter(map(len, rows), dtype=np.int64, count=len(rows)), out=offsets[1:])
+    return values, offsets
 
 
 def _ragged(values: Any, offsets: Any, mask: bool, name: str) -> Ragged:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -63,7 +64,9 @@ class PackedCollator(WithOptions):
             most ``max_len`` tokens.
         backend: ``"flash"``, ``"sdpa"``, ``"eager"``, ``"flex"`` or ``"padded"`` — the
             model's ``attn_implementation`` (``"padded"``: the unpacked baseline, one sample
-            per row: its strategy is ``"one_per_pack"``, and no other).
+            per row: its strategy is ``"one_per_pack"``, and no other). ``"flex"``: Hugging
+            Face compiles ``flex_attention`` on its first call, tens of seconds on a CPU
+            (warned once where there is no accelerator).
         mask: ``"position_ids"`` (default; no ``attention_mask``) or ``"explicit"``
             (sdpa / eager / flex only; see the module docs).
         pad_to_multiple_of: round the row width (flash: the flat row) up to a multiple.
@@ -149,6 +152,8 @@ class PackedCollator(WithOptions):
         # Every option is checked here, so a mistake fails where the collator is built,
         # not at the first batch.
         self.backend = _choice("backend", backend, BACKENDS)
+        if self.backend == "flex":
+            _warn_flex_on_cpu()
         if self.backend == "padded" and options is None and "strategy" not in kwargs:
             kwargs = {**kwargs, "strategy": _ONE_PER_ROW}  # the padded backend's default
         #: The packing options of every batch (and the base of a dataset's).
@@ -306,7 +311,7 @@ class PackedCollator(WithOptions):
         if not features:
             raise FastpackError("features: got an empty batch; expected at least one sample")
         for i, f in enumerate(features):
-            if not isinstance(f, Mapping):
+            if type(f) is not dict and not isinstance(f, Mapping):
                 raise FastpackTypeError(
                     f"features: sample {i} is {type(f).__name__}; expected a dict with "
                     f"'input_ids'"
@@ -315,11 +320,15 @@ class PackedCollator(WithOptions):
             return self._pairs(features)
         tokens = _from_rows(self._column(features, "input_ids"), mask=False, name="input_ids")
         lengths = tokens.lengths
-        for i, f in enumerate(features):
-            if f.keys() - self._known:
-                self.check_keys(f, i, int(lengths[i]))
-            if "attention_mask" in f or "position_ids" in f:
-                _check_unpacked(f, i, int(lengths[i]), self.ignore_keys)
+        # Every key of the batch, once: the per-sample checks below run only when some
+        # sample has a key that needs one (a batch of input_ids and labels skips them).
+        keys = set().union(*features) if len(features) > 1 else set(features[0])
+        if keys - self._known or "attention_mask" in keys or "position_ids" in keys:
+            for i, f in enumerate(features):
+                if f.keys() - self._known:
+                    self.check_keys(f, i, int(lengths[i]))
+                if "attention_mask" in f or "position_ids" in f:
+                    _check_unpacked(f, i, int(lengths[i]), self.ignore_keys)
         if not lengths.any():
             raise FastpackError(
                 f"features: the batch holds no tokens: sample(s) "
@@ -327,9 +336,9 @@ class PackedCollator(WithOptions):
                 f"{', ...' if len(features) > 5 else ''} have empty 'input_ids'"
             )
         labels = None
-        if any("labels" in f for f in features):
+        if "labels" in keys:
             labels = _from_rows(self._column(features, "labels"), mask=False, name="labels")
-        key = self._mask_key(features)
+        key = self._mask_key(features, keys)
         loss_mask = None if key is None else _from_rows(
             self._column(features, key), mask=True, name=key
         )
@@ -398,6 +407,10 @@ class PackedCollator(WithOptions):
 
     @staticmethod
     def _column(features: Sequence[Mapping[str, Any]], key: str) -> list[Any]:
+        try:
+            return [f[key] for f in features]
+        except KeyError:
+            pass
         missing = [i for i, f in enumerate(features) if key not in f]
         if missing:
             raise FastpackError(
@@ -407,17 +420,18 @@ class PackedCollator(WithOptions):
             )
         return [f[key] for f in features]
 
-    def _mask_key(self, features: Sequence[Mapping[str, Any]]) -> str | None:
+    def _mask_key(self, features: Sequence[Mapping[str, Any]], keys: set[Any]) -> str | None:
+        """The loss-mask key of a batch whose samples have ``keys`` (all of them)."""
         if self.loss_mask_key is False:
             return None
         if isinstance(self.loss_mask_key, str):
-            if not any(self.loss_mask_key in f for f in features):
+            if self.loss_mask_key not in keys:
                 raise FastpackError(
                     f"loss_mask_key: no sample has {self.loss_mask_key!r}; its keys are "
                     f"{sorted(features[0])}"
                 )
             return self.loss_mask_key
-        return next((k for k in LOSS_MASK_KEYS if any(k in f for f in features)), None)
+        return next((k for k in LOSS_MASK_KEYS if k in keys), None)
 
     def plan(
         self, lengths: Any, *, options: PackOptions | None = None, media: Any = None,
@@ -558,6 +572,31 @@ def _samples(plan: Plan, packs: Any, rows: dict[str, Any], mapping: np.ndarray |
         rows_of = np.repeat(np.arange(len(chosen), dtype=np.int64), fills)
         tokens = rows_of * width + np.arange(total, dtype=np.int64) - np.repeat(starts, fills)
     return {"sample_ids": ids, "sample_tokens": tokens, "sample_offsets": sample_offsets}
+
+
+#: Whether the flex-on-the-CPU warning was given (once per process).
+_FLEX_WARNED = False
+
+
+def _warn_flex_on_cpu() -> None:
+    """Hugging Face's ``flex_attention`` compiles (inductor) on its first call: tens of
+    seconds on a CPU (~50 s for a small model), where a GPU takes a few. Said once, on a
+    machine with no accelerator, where the model will run on the CPU."""
+    global _FLEX_WARNED
+    accelerator = getattr(torch, "accelerator", None)
+    has = (accelerator.is_available() if accelerator is not None
+           else torch.cuda.is_available())
+    if _FLEX_WARNED or has:
+        return
+    _FLEX_WARNED = True
+    warnings.warn(
+        "backend='flex': no accelerator here, so the model's flex_attention runs on the "
+        "CPU, where torch.compile compiles it on its first call (~50 s for a small model; "
+        "later calls are fast). For short CPU runs, backend='flash' with "
+        "register_hf_attention() (per-sequence SDPA, no compile) or backend='sdpa' is "
+        "exact too",
+        stacklevel=3,
+    )
 
 
 def as_collator(value: Any) -> PackedCollator:

@@ -35,6 +35,7 @@ from __future__ import annotations
 import functools
 import importlib
 import math
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -93,6 +94,12 @@ _ROW_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", *
 
 #: Queries x keys of one masked SDPA call on the CPU path (a block of a run's queries).
 _MASK_BUDGET = 1 << 22
+#: Queries x keys of a run batched with others by the SDPA path; larger runs go alone.
+#: Measured (CPU, fwd+bwd, benches/bench_speed_traps.py): batching wins where the calls'
+#: overhead dominates (zigzag over 32-token sequences: ~2x); on rows of mixed lengths,
+#: batching runs of 10^3 pairs and more measured 0.66-1.0x (padding to powers of two,
+#: masks), so only the smallest runs are batched.
+_SHORT_RUN = 1 << 8
 
 
 # ------------------------------------------------------------------------- sharding
@@ -406,28 +413,171 @@ def _resolve(kernel: str, q: torch.Tensor, mode: str, window: int | None,
     return kernel
 
 
-def _runs_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-               cu_q: list[int], cu_k: list[int], scale: float | None, window: int | None,
-               softcap: float | None) -> torch.Tensor:
+class _Runs:
+    """A rank's runs as the attention reads them, built once per batch (the boundaries
+    read on the host once, not in every layer): the host bounds, the device ``cu`` arrays
+    of the flash kernel, and the SDPA kernel's plan — short runs batched into padded
+    groups (one SDPA call per group), long ones alone."""
+
+    def __init__(self, cu_q: list[int], cu_k: list[int], device: torch.device) -> None:
+        self.cu_q, self.cu_k = cu_q, cu_k
+        self.device = device
+        self._flash: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._plan: _SdpaPlan | None = None
+
+    def flash(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._flash is None:
+            self._flash = tuple(torch.tensor(c, dtype=torch.int32, device=self.device)
+                                for c in (self.cu_q, self.cu_k))  # type: ignore[assignment]
+        assert self._flash is not None
+        return self._flash
+
+    def plan(self) -> _SdpaPlan:
+        """The SDPA kernel's plan (see :class:`_SdpaPlan`), built on the first call."""
+        if self._plan is None:
+            self._plan = _SdpaPlan(self.cu_q, self.cu_k, self.device)
+        return self._plan
+
+
+class _SdpaPlan:
+    """Short runs in padded groups (sizes rounded up to powers of two; a group's mask at
+    most :data:`_MASK_BUDGET` entries) and the others alone: long runs, and runs whose
+    queries are all their keys (one causal call each).
+
+    ``q_index`` / ``k_index``: the rows of every group's queries and keys, group after
+    group (one gather per tensor and layer: each gather's backward writes a gradient as
+    large as the whole tensor); padding reads row 0. Per group ``(limits [R, Lq], real,
+    R, Lq, Lk)``: each query's last key (0 for a padding query: it sees its run's first
+    key, so no softmax row is empty; its output is dropped) and which of its ``R·Lq``
+    outputs are real. ``long``: the runs computed alone; ``order``: the inverse of the
+    local rows of the outputs, the groups' then the long runs' (None: already in order).
+    """
+
+    def __init__(self, host_q: list[int], host_k: list[int], device: torch.device) -> None:
+        cu_q, cu_k = np.asarray(host_q, np.int64), np.asarray(host_k, np.int64)
+        lq, lk = np.diff(cu_q), np.diff(cu_k)
+        runs = np.flatnonzero(lq > 0)
+        # A run whose queries are its keys (a whole sequence, or its first piece) is one
+        # causal call without a mask, SDPA's fastest: it is never batched.
+        batched = (lq * lk <= _SHORT_RUN) & (lq < lk)
+        short = runs[batched[runs]]
+        self.long = [int(r) for r in runs if not batched[r]]
+        bucket_q = np.left_shift(1, np.ceil(np.log2(np.maximum(lq[short], 1))).astype(np.int64))
+        bucket_k = np.left_shift(1, np.ceil(np.log2(np.maximum(lk[short], 1))).astype(np.int64))
+        by = np.lexsort((short, bucket_q, bucket_k))
+        self.groups: list[tuple[Any, ...]] = []
+        q_rows: list[np.ndarray] = []
+        k_rows: list[np.ndarray] = []
+        dest: list[np.ndarray] = []
+        i = 0
+        while i < len(by):
+            bq, bk = int(bucket_q[by[i]]), int(bucket_k[by[i]])
+            j = i
+            while (j < len(by) and bucket_q[by[j]] == bq and bucket_k[by[j]] == bk
+                   and (j - i + 1) * bq * bk <= _MASK_BUDGET):
+                j += 1
+            members = short[by[i:j]]
+            width_q, width_k = int(lq[members].max()), int(lk[members].max())
+            col_q, col_k = np.arange(width_q), np.arange(width_k)
+            real_q = col_q[None, :] < lq[members][:, None]
+            q_index = np.where(real_q, cu_q[members][:, None] + col_q[None, :], 0).reshape(-1)
+            q_rows.append(q_index)
+            k_rows.append(np.where(col_k[None, :] < lk[members][:, None],
+                                   cu_k[members][:, None] + col_k[None, :], 0).reshape(-1))
+            # Query i of a run sits at key position (lk - lq) + i of its keys.
+            limits = np.where(real_q, (lk[members] - lq[members])[:, None] + col_q[None, :], 0)
+            real = np.flatnonzero(real_q.reshape(-1))
+            dest.append(q_index[real])
+            self.groups.append((torch.from_numpy(limits).to(device),
+                                torch.from_numpy(real).to(device),
+                                len(members), width_q, width_k))
+            i = j
+        self.q_index, self.k_index = (
+            torch.from_numpy(np.concatenate(rows) if rows else np.zeros(0, np.int64)).to(device)
+            for rows in (q_rows, k_rows))
+        self.q_sizes = [len(r) for r in q_rows]
+        self.k_sizes = [len(r) for r in k_rows]
+        dest.extend(np.arange(cu_q[r], cu_q[r + 1]) for r in self.long)
+        order = np.concatenate(dest) if dest else np.zeros(0, np.int64)
+        self.order: torch.Tensor | None = None
+        if not np.array_equal(order, np.arange(len(order))):
+            inverse = np.empty_like(order)
+            inverse[order] = np.arange(len(order))
+            self.order = torch.from_numpy(inverse).to(device)
+
+
+class _RunsCache:
+    """The :class:`_Runs` of the last batch (by the identity and in-place version of its
+    ``cp_cu_seqlens_q`` / ``_k`` tensors, and the device), so a forward reads its
+    boundaries on the host once, not in every layer."""
+
+    def __init__(self) -> None:
+        self._key: tuple[Any, ...] | None = None
+        self._refs: tuple[Any, Any] | None = None
+        self.runs: _Runs | None = None
+
+    def get(self, batch: Mapping[str, Any], device: torch.device) -> _Runs:
+        cu_q, cu_k = batch["cp_cu_seqlens_q"], batch["cp_cu_seqlens_k"]
+        tensors = isinstance(cu_q, torch.Tensor) and isinstance(cu_k, torch.Tensor)
+        if tensors:
+            key = (cu_q._version, cu_k._version, device)
+            if (self._refs is not None and self._refs[0]() is cu_q and self._refs[1]() is cu_k
+                    and self._key == key and self.runs is not None):
+                return self.runs
+        host_q, host_k = (torch.as_tensor(c).detach().to("cpu", torch.int64).tolist()
+                          for c in (cu_q, cu_k))
+        runs = _Runs(host_q, host_k, device)
+        if tensors:
+            self._refs = (weakref.ref(cu_q), weakref.ref(cu_k))
+            self._key, self.runs = key, runs
+        return runs
+
+
+_RUNS = _RunsCache()
+
+
+def _runs_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, runs: _Runs,
+               scale: float | None, window: int | None, softcap: float | None) -> torch.Tensor:
     """Each run's queries over its keys, causally with the queries aligned to the keys'
-    end (the run's queries are its sequence's last ones so far); per run one SDPA call
-    (``is_causal`` where queries and keys coincide) or a few masked calls over blocks of
-    queries, each mask at most :data:`_MASK_BUDGET` entries."""
-    sdpa = torch.nn.functional.scaled_dot_product_attention
+    end (the run's queries are its sequence's last ones so far). Short runs go in padded
+    groups, one masked SDPA call each (a row of many short sequences is a few calls per
+    layer, not one or more per run); a long run is one SDPA call (``is_causal`` where
+    queries and keys coincide) or a few masked calls over blocks of its queries. Every
+    mask is at most :data:`_MASK_BUDGET` entries."""
     keys, values, gqa = _sdpa_gqa(q, keys, values, softcap)
-    q_sizes = [b - a for a, b in zip(cu_q[:-1], cu_q[1:])]
-    k_sizes = [b - a for a, b in zip(cu_k[:-1], cu_k[1:])]
-    q_parts = q.transpose(0, 1).unsqueeze(0).split(q_sizes, dim=2)
-    k_parts, v_parts = (t.transpose(0, 1).unsqueeze(0).split(k_sizes, dim=2)
-                        for t in (keys, values))
+    plan = runs.plan()
     outs = []
-    for qs, ks, vs in zip(q_parts, k_parts, v_parts):
+    if plan.groups:
+        q_all = q.index_select(0, plan.q_index).split(plan.q_sizes)
+        k_all, v_all = (t.index_select(0, plan.k_index).split(plan.k_sizes)
+                        for t in (keys, values))
+    for g, (limits, real, count, width_q, width_k) in enumerate(plan.groups):
+        qs = q_all[g].view(count, width_q, *q.shape[1:]).transpose(1, 2)
+        ks, vs = (t[g].view(count, width_k, *t[g].shape[1:]).transpose(1, 2)
+                  for t in (k_all, v_all))
+        key_pos = torch.arange(width_k, device=q.device)
+        allowed = key_pos <= limits[:, :, None]
+        if window is not None:
+            allowed &= limits[:, :, None] - key_pos < window
+        out = _attend(qs, ks, vs, allowed[:, None], True, scale, softcap, gqa)
+        outs.append(out.transpose(1, 2).reshape(1, count * width_q, *out.shape[1::2])
+                    .index_select(1, real))
+    long, order = plan.long, plan.order
+    if long:
+        # Split once, in SDPA's layout (1, H, T, D): a slice per run would write a
+        # gradient as large as the whole tensor in the backward pass, and views per run
+        # add autograd nodes that cost more than tiny runs' attention.
+        cu_q, cu_k = runs.cu_q, runs.cu_k
+        q_parts = q.transpose(0, 1).unsqueeze(0).split(
+            [b - a for a, b in zip(cu_q[:-1], cu_q[1:])], dim=2)
+        k_parts, v_parts = (t.transpose(0, 1).unsqueeze(0).split(
+            [b - a for a, b in zip(cu_k[:-1], cu_k[1:])], dim=2) for t in (keys, values))
+    for r in long:
+        qs, ks, vs = q_parts[r], k_parts[r], v_parts[r]
         lq, lk = qs.shape[2], ks.shape[2]
-        if not lq:
-            continue
         offset = lk - lq  # query i sits at key position offset + i
         if offset == 0 and softcap is None and (window is None or lk <= window):
-            out = sdpa(qs, ks, vs, is_causal=True, scale=scale, **gqa)
+            out = _attend(qs, ks, vs, None, True, scale, softcap, gqa)
             outs.append(out.transpose(1, 2))
             continue
         block = max(1, _MASK_BUDGET // max(lk, 1))
@@ -440,13 +590,13 @@ def _runs_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
             allowed = key_pos <= query_pos
             if window is not None:
                 allowed &= query_pos - key_pos < window
-            qb = qs[:, :, i0:i1]
-            kb, vb = ks[:, :, first:last], vs[:, :, first:last]
-            out = _attend(qb, kb, vb, allowed, True, scale, softcap, gqa)
+            out = _attend(qs[:, :, i0:i1], ks[:, :, first:last], vs[:, :, first:last],
+                          allowed, True, scale, softcap, gqa)
             outs.append(out.transpose(1, 2))
     if not outs:
         return q[:0]
-    return torch.cat(outs, dim=1)[0]
+    result = (torch.cat(outs, dim=1) if len(outs) > 1 else outs[0])[0]
+    return result if order is None else result.index_select(0, order)
 
 
 # ------------------------------------------------------------------------ attention
@@ -461,13 +611,14 @@ def _local_meta(batch: Mapping[str, Any], n: int, device: torch.device) -> dict[
             f"shard it with fastpack.torch.shard_for_context_parallel"
         )
     mode = _choice("batch['cp_mode']", batch["cp_mode"], CP_MODES)
-    cu_q = torch.as_tensor(batch["cp_cu_seqlens_q"])
-    if int(cu_q[-1]) != n:
+    runs = _RUNS.get(batch, device)  # the boundaries on the host, once per batch
+    if runs.cu_q[-1] != n:
         raise FastpackError(
-            f"q: holds {n} tokens, but the batch's rank holds {int(cu_q[-1])} "
+            f"q: holds {n} tokens, but the batch's rank holds {runs.cu_q[-1]} "
             f"(cp_cu_seqlens_q[-1]); pass the local batch these q/k/v were computed from"
         )
-    return {"mode": mode, "size": int(batch["cp_size"]), "rank": int(batch["cp_rank"])}
+    return {"mode": mode, "size": int(batch["cp_size"]), "rank": int(batch["cp_rank"]),
+            "runs": runs}
 
 
 def context_parallel_attention(
@@ -552,9 +703,9 @@ def attend_gathered(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     else:
         index = torch.as_tensor(batch["cp_k_index"]).to(device)
         keys, values = keys.index_select(0, index), values.index_select(0, index)
-    cu_q = torch.as_tensor(batch["cp_cu_seqlens_q"]).to(device=device, dtype=torch.int32)
-    cu_k = torch.as_tensor(batch["cp_cu_seqlens_k"]).to(device=device, dtype=torch.int32)
+    runs = _RUNS.get(batch, device)  # read on the host once per batch, not per layer
     if kernel == "flash":
+        cu_q, cu_k = runs.flash()
         kwargs: dict[str, Any] = {}
         if window is not None:
             kwargs["window_size"] = (window - 1, 0)  # inclusive, as flash-attn counts
@@ -568,7 +719,7 @@ def attend_gathered(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
             softmax_scale=scale, causal=True, **kwargs,
         )
         return out
-    return _runs_sdpa(q, keys, values, cu_q.tolist(), cu_k.tolist(), scale, window, softcap)
+    return _runs_sdpa(q, keys, values, runs, scale, window, softcap)
 
 
 def _ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

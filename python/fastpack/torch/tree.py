@@ -13,7 +13,13 @@ lowerings compute exactly that:
   SDPA call per segment over its path (a prefix's own causal attention once, each
   continuation's queries over the path's keys, gathered); on CUDA flash-attn varlen with
   each segment's path keys and values gathered (``cu_seqlens_k`` over the paths, causal
-  aligned bottom-right), or compiled flex attention with the tree's ``BlockMask``;
+  aligned bottom-right), or compiled flex attention with the tree's ``BlockMask``. The
+  gathered keys and values cost memory: every segment's whole path, about ``G · P`` rows
+  for ``G`` rollouts of a ``P``-token prompt (:attr:`TreeLayout.gathered_rows`), kept by
+  flash-attn for the backward pass in every layer — the K/V memory of unpacked rollouts,
+  where the row itself holds ``P + G · R``. ``kernel="auto"`` therefore takes flex when
+  that exceeds :data:`FLASH_GATHER_LIMIT` times the row (and flex runs: CUDA, triton);
+  flex reads the row in place, but compiles on its first call and for new shapes;
 - Hugging Face's ``flex_attention``: the batch's ``attention_mask`` is a flex
   ``BlockMask`` built from the tree directly (block tables from the segments' bounds,
   O((T/128)^2), and a ``mask_mod`` reading one subtree end per token);
@@ -51,7 +57,8 @@ from .attention import (
 )
 
 __all__ = [
-    "SAMPLE_KEYS", "TARGET_KEYS", "TREE_KERNELS", "TREE_KEYS", "TreeLayout", "available_kernels",
+    "FLASH_GATHER_LIMIT", "SAMPLE_KEYS", "TARGET_KEYS", "TREE_KERNELS", "TREE_KEYS", "TreeLayout",
+    "available_kernels",
     "is_tree_batch",
     "per_sample", "token_logprobs", "tree_attention", "tree_batch", "tree_block_mask",
     "tree_layout",
@@ -61,7 +68,8 @@ __all__ = [
 TREE_KEYS = ("tree_cu_seqlens", "tree_parents")
 TARGET_KEYS = ("target_index", "target_labels", "target_offsets")
 SAMPLE_KEYS = ("sample_ids", "sample_tokens", "sample_offsets")
-#: The kernels of :func:`tree_attention` (``"auto"``: flash, flex, then sdpa).
+#: The kernels of :func:`tree_attention` (``"auto"``: flash, flex, then sdpa; flex before
+#: flash for trees whose gathered K/V would exceed :data:`FLASH_GATHER_LIMIT` rows).
 TREE_KERNELS = ("auto", "flash", "flex", "sdpa")
 
 
@@ -135,27 +143,43 @@ class TreeLayout:
         value: torch.Tensor = self._device[key]
         return value
 
+    def _pieces(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Every segment's key run as row ranges — its ancestors' segments from the root,
+        then itself: ``(starts, lengths, per_segment)`` (the ranges end to end, and how many
+        ranges each segment's run has)."""
+        segments = [a for s in range(len(self.parents)) for a in (*self.ancestors[s], s)]
+        bounds = np.asarray(self.bounds, dtype=np.int64)
+        ids = np.asarray(segments, dtype=np.int64)
+        counts = np.fromiter((len(a) + 1 for a in self.ancestors), dtype=np.int64,
+                             count=len(self.parents))
+        return bounds[ids], bounds[ids + 1] - bounds[ids], counts
+
+    @functools.cached_property
+    def gathered_rows(self) -> int:
+        """Rows of K and V the ``"flash"`` kernel gathers: every segment's path and itself,
+        so about ``G · P`` for ``G`` rollouts of a ``P``-token prompt (the row holds
+        ``P + G · R``)."""
+        return int(self._pieces()[1].sum())
+
     def gathered(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int, int]:
         """For a varlen kernel: the row positions of every segment's keys (its path then
         itself) end to end, their ``cu_seqlens`` (int32) and the longest query and key
         runs."""
         key = ("gathered", device)
         if key not in self._device:
-            index, lengths = [], []
-            for s in range(len(self.parents)):
-                lo, hi = self.bounds[s], self.bounds[s + 1]
-                parts = [np.arange(self.bounds[a], self.bounds[a + 1]) for a in self.ancestors[s]]
-                parts.append(np.arange(lo, hi))
-                run = np.concatenate(parts)
-                index.append(run)
-                lengths.append(len(run))
-            cu_k = np.zeros(len(lengths) + 1, dtype=np.int32)
-            np.cumsum(lengths, out=cu_k[1:])
-            longest_q = int(np.diff(np.asarray(self.bounds)).max()) if lengths else 0
+            starts, lengths, counts = self._pieces()
+            total = int(lengths.sum())
+            # Each range's rows: its start plus 0, 1, ... (one arange over all of them).
+            first = np.cumsum(lengths) - lengths
+            index = np.repeat(starts - first, lengths) + np.arange(total, dtype=np.int64)
+            per_segment = np.add.reduceat(lengths, np.cumsum(counts) - counts) \
+                if len(counts) else np.zeros(0, np.int64)
+            cu_k = np.zeros(len(counts) + 1, dtype=np.int32)
+            np.cumsum(per_segment, out=cu_k[1:])
+            longest_q = int(np.diff(np.asarray(self.bounds)).max()) if len(counts) else 0
             self._device[key] = (
-                torch.from_numpy(np.concatenate(index) if index else np.zeros(0, np.int64))
-                .to(device),
-                torch.from_numpy(cu_k).to(device), longest_q, max(lengths, default=0),
+                torch.from_numpy(index).to(device), torch.from_numpy(cu_k).to(device),
+                longest_q, int(per_segment.max()) if len(counts) else 0,
             )
         value: tuple[torch.Tensor, torch.Tensor, int, int] = self._device[key]
         return value
@@ -381,9 +405,15 @@ def available_kernels(q: torch.Tensor) -> list[str]:
         "sdpa"]
 
 
-def _tree_kernel(kernel: str, q: torch.Tensor) -> str:
+#: ``"auto"`` takes flex over flash when flash would gather more than this many times
+#: the row's rows of K and V (see :meth:`TreeLayout.gathered_rows`): flash-attn keeps
+#: them for the backward pass, every layer, while flex reads the row where it lies.
+FLASH_GATHER_LIMIT = 2.0
+
+
+def _tree_kernel(kernel: str, q: torch.Tensor, layout: TreeLayout | None = None) -> str:
     if kernel == "auto":
-        return available_kernels(q)[0]
+        return _auto_kernel(available_kernels(q), layout)
     if kernel not in TREE_KERNELS:
         raise FastpackError(
             f"kernel: {kernel!r} cannot compute a tree batch; expected one of "
@@ -393,6 +423,17 @@ def _tree_kernel(kernel: str, q: torch.Tensor) -> str:
     if reason is not None:
         raise FastpackError(f"kernel={kernel!r} is not available: {reason}")
     return kernel
+
+
+def _auto_kernel(available: list[str], layout: TreeLayout | None) -> str:
+    """``"auto"``'s kernel among ``available`` (in order): flash, unless its gathered
+    K/V would exceed :data:`FLASH_GATHER_LIMIT` times the row's and flex is there (high
+    fan-out trees: many rollouts of a long prompt)."""
+    chosen = available[0]
+    if (chosen == "flash" and "flex" in available and layout is not None
+            and layout.gathered_rows > FLASH_GATHER_LIMIT * max(layout.total, 1)):
+        return "flex"
+    return chosen
 
 
 def tree_attention(
@@ -411,7 +452,9 @@ def tree_attention(
     own segment's past, nothing else. ``q``: ``(T, Hq, D)``, ``k``/``v``: ``(T, Hkv, D)``;
     returns ``(T, Hq, D)``. ``sliding_window`` (Hugging Face's: a query sees keys whose
     position is less than ``w`` before its own) needs ``positions`` for the flex kernel."""
-    chosen = _tree_kernel(kernel, q)
+    # flex needs the positions for a window: without them "auto" keeps flash.
+    chosen = _tree_kernel(kernel, q, layout if sliding_window is None or positions is not None
+                          else None)
     if chosen == "flash":
         return _tree_flash(q, k, v, layout, softmax_scale, sliding_window, softcap)
     if chosen == "flex":
@@ -615,8 +658,13 @@ def per_sample(
 def token_logprobs(logits: torch.Tensor, batch: Mapping[str, Any]) -> torch.Tensor:
     """The log-probability the model gives every target of ``batch`` (``[M]``, in the
     target map's order: sample by sample, position by position): ``log_softmax`` of the
-    predicting logit at the target's label, computed once per row position however many
-    targets share it (half precision upcast to float32)."""
+    predicting logit at the target's label (half precision upcast to float32). The
+    normaliser is computed per target, so a shared prefix's last token, which predicts
+    the first token of each of its continuations, counts once per continuation: that
+    costs a few rows, where finding the distinct rows would make the host wait for the
+    device. On the CPU the labels are checked against the vocabulary; on an accelerator
+    (where the check would wait for the device too) an id outside it is the kernel's
+    index error."""
     if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
         raise FastpackTypeError("logits: expected a floating-point torch.Tensor")
     flat = _flat(logits, batch, "logits")
@@ -625,11 +673,11 @@ def token_logprobs(logits: torch.Tensor, batch: Mapping[str, Any]) -> torch.Tens
     if flat.dtype not in (torch.float32, torch.float64):
         flat = flat.float()
     index, labels, _ = targets(batch, flat.device)
-    if labels.numel() and not 0 <= int(labels.min()) <= int(labels.max()) < flat.shape[-1]:
+    if flat.device.type == "cpu" and labels.numel() and not (
+            0 <= int(labels.min()) <= int(labels.max()) < flat.shape[-1]):
         bad = int(labels.min()) if int(labels.min()) < 0 else int(labels.max())
         raise FastpackError(
             f"labels: token id {bad} is outside the vocabulary 0..{flat.shape[-1] - 1}"
         )
-    rows, inverse = torch.unique(index, return_inverse=True)
-    norm = torch.logsumexp(flat.index_select(0, rows), dim=-1)
-    return flat[index, labels] - norm[inverse]
+    picked = flat.index_select(0, index)
+    return picked.gather(1, labels[:, None])[:, 0] - torch.logsumexp(picked, dim=-1)
