@@ -546,7 +546,7 @@ def bench_model(
         if elapsed() > TIME_BUDGET_S:
             rows.append({"layout": "packed", "attn": kernel, "skipped": "time budget"})
             continue
-        set_attn(model, register_hf_attention(f"fastpack_{kernel}", kernel=kernel))
+        set_attn(model, register_hf_attention(f"gpu_check_{kernel}", kernel=kernel))
         reset_peak(torch, device)
         try:
             loss = step(packed)
@@ -943,7 +943,7 @@ def bench_tree_model(
     baseline = max(rel_err(a, t) for a, t in zip(alone, truth))
     rows = []
     for kernel in tm.available_kernels(torch.empty(1, device=device, dtype=dtype)):
-        set_attn(model, register_hf_attention(f"fastpack_tree_{kernel}", kernel=kernel))
+        set_attn(model, register_hf_attention(f"gpu_check_tree_{kernel}", kernel=kernel))
         row: dict[str, Any] = {"kernel": kernel}
         try:
             with torch.no_grad():
