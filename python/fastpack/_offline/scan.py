@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from .outdir import OutputDir
 
 __all__ = [
+    "TRAINING_COLUMNS",
     "Scan",
     "column_dtype",
     "default_columns",
