@@ -7,7 +7,6 @@ they keep leaking whatever fastpack's own preparation of a model learns."""
 from __future__ import annotations
 
 import re
-
 import sys
 import warnings
 from pathlib import Path
