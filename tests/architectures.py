@@ -462,7 +462,8 @@ def run(model: Any, fmt: str, alone: list[torch.Tensor]) -> Outcome:
     inputs = {k: v for k, v in batch.items() if k not in _BOOKKEEPING}
     try:
         with torch.no_grad():
-            packed = model(**inputs).logits[0]
+            logits = model(**inputs).logits
+            packed = logits.reshape(-1, logits.shape[-1])
     except FastpackError as e:
         return Outcome("REFUSED", f"in the forward: {e}{via}")
     except ValueError as e:  # transformers refuses the packed inputs on purpose
@@ -471,9 +472,10 @@ def run(model: Any, fmt: str, alone: list[torch.Tensor]) -> Outcome:
         return Outcome("CRASH", _first_line(e) + via)
     worst = 0.0
     offsets = batch["sample_offsets"].tolist()
+    tokens = batch["sample_tokens"]
     for j, sid in enumerate(batch["sample_ids"].tolist()):
         ref = alone[sid]
-        got = packed[offsets[j]:offsets[j] + ref.shape[0]]
+        got = packed[tokens[offsets[j]:offsets[j + 1]]]  # the sample's row positions
         worst = max(worst, (got - ref).abs().max().item())
     scale = max(1.0, max(a.abs().max().item() for a in alone))
     verified = None

@@ -339,7 +339,7 @@ def test_context_parallel_cell(impl: str, fmt: str, family: str, dtype: str) -> 
     """A rank's share of the row: fastpack's context-parallel attention gives every token
     the logits of its sequence alone (the ranks' logits assembled); every other
     implementation refuses the batch before computing (it would attend within one rank's
-    tokens)."""
+    tokens), in check_model_batch and in the forward."""
     if impl != "fastpack_cp":
         m = model(family, dtype)
         if expected(impl, "flash", family) == "raises":  # Hugging Face refuses the model
@@ -351,10 +351,12 @@ def test_context_parallel_cell(impl: str, fmt: str, family: str, dtype: str) -> 
             batch = cp_batch(fmt)
             with pytest.raises(FastpackError, match="context-parallel batch"):
                 check_model_batch(m, batch)
-            if impl == "fastpack":  # and fastpack's own attention refuses it at the forward
-                with pytest.raises(FastpackError, match="context-parallel batch"), \
-                        torch.no_grad():
-                    m(**batch)
+            # And the forward itself refuses it, before the first layer: the shard's
+            # attention_mask (a ShardMask) raises when the model's mask code reads it.
+            with pytest.raises(FastpackError, match=r"^attention_mask: this batch is one "
+                                                    r"rank's share of a context-parallel row"), \
+                    torch.no_grad():
+                m(**batch)
         finally:
             m.set_attn_implementation("eager")
         return

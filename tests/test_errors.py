@@ -341,7 +341,7 @@ def _vlm_rows() -> list[Row]:
     from fastpack.torch import PackedCollator, shard_for_context_parallel
 
     qwen = transformers.Qwen2VLConfig(image_token_id=60, video_token_id=61,
-                                      vision_config={"spatial_merge_size": 2})
+                                      vision_config={"spatial_merge_size": 2, "patch_size": 2})
     llava = transformers.LlavaConfig(image_token_id=60, image_seq_length=4)
     image = {"input_ids": [1, 60, 60, 60, 60, 2], "image_grid_thw": torch.tensor([[1, 4, 4]]),
              "pixel_values": torch.zeros(16, 24)}
@@ -820,7 +820,9 @@ def _context_parallel_torch_rows() -> list[Row]:
 
             forward = transformers.AttentionInterface()[name]
             q = torch.zeros(1, 4, batch["input_ids"].shape[1], 8)
-            return forward(torch.nn.Linear(1, 1), q, q, q, None, **batch)
+            # The layers get the model's mask, not the batch's (a shard's is a guard).
+            kwargs = {k: v for k, v in batch.items() if k != "attention_mask"}
+            return forward(torch.nn.Linear(1, 1), q, q, q, None, **kwargs)
         return run
 
     def register(**kwargs: Any) -> Callable[[], Any]:

@@ -94,7 +94,8 @@ def vlm_dataset(seed: int = 0) -> PackedDataset:
     transformers = pytest.importorskip("transformers")
     image = 10**6
     config = transformers.Qwen2VLConfig(image_token_id=image, video_token_id=image + 1,
-                                        vision_config={"spatial_merge_size": 2})
+                                        vision_config={"spatial_merge_size": 2, "patch_size": 1,
+                                                       "temporal_patch_size": 1})
     samples = []
     for i, n in enumerate(np.minimum(lengths(), 30)):
         images = i % 4

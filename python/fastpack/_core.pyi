@@ -59,7 +59,7 @@ def rope_index(
     image_grid_thw: np.ndarray | None = None,
     video_grid_thw: np.ndarray | None = None,
     second_per_grid_ts: np.ndarray | None = None,
-    time_f32: bool = True,
+    time_math: str = "float32",
     text_row: bool = False,
     threads: int | None = None,
 ) -> np.ndarray: ...
@@ -192,6 +192,7 @@ def segment_targets(
     separator_id: int | None = None,
     train_separators: bool = False,
     threads: int | None = None,
+    ignore_tokens: list[int] | None = None,
 ) -> np.ndarray: ...
 def flatten_int_lists(rows: list[Any], mask: bool = False) -> tuple[np.ndarray, np.ndarray]: ...
 def tree_items(

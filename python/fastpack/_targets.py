@@ -30,12 +30,15 @@ def segment_targets(
     separator_id: int | None = None,
     train_separators: bool = False,
     threads: int | None = None,
+    ignore_tokens: tuple[int, ...] = (),
 ) -> np.ndarray:
     """Targets of every segment of ``plan`` (uint32 [S]), as materialize would label them:
     one parallel pass over the labels and the loss mask of the plan's sequences, read where
     they lie (Arrow chunks through a dataset's indices mapping, never copied). The token
-    ids themselves are never read (a token id is never -100): without labels and mask the
-    counts follow from the segments' lengths."""
+    ids themselves are read only with ``ignore_tokens`` (a token id is never -100: without
+    labels and mask the counts follow from the segments' lengths). A token whose id is in
+    ``ignore_tokens`` is never a target: a vision-language batch's image and video
+    placeholders, whose labels the collator sets to -100."""
     if plan.num_sequences != len(tokens):
         raise FastpackError(
             f"plan: made from {plan.num_sequences} lengths, but the token data has "
@@ -47,5 +50,6 @@ def segment_targets(
         None if labels is None else labels.column,
         None if loss_mask is None else loss_mask.column,
         separator_id, bool(train_separators), threads,
+        [int(t) for t in ignore_tokens] or None,
     )
     return result

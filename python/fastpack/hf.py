@@ -330,6 +330,8 @@ def _pack_one(
     order = [first] + [k for k in range(len(handles)) if k != first]
     lengths = _core.column_lengths([handles[k] for k in order], threads)
     media = [c for c in _media_columns(dataset) if c not in names]
+    if media:
+        _refuse_cut_media(options, media)
     limits = None
     if options.budgets:
         mrope = "image_grid_thw" in media or "video_grid_thw" in media
@@ -397,6 +399,23 @@ def _pack_one(
     (logger.warning if lost else logger.info)("pack_dataset%s: %s", where,
                                               summary.replace("\n", "; "))
     return packed
+
+
+def _refuse_cut_media(options: PackOptions, media: list[str]) -> None:
+    """A packed row takes its rows' media whole (every image of a row it holds), so a
+    row's tokens must stay whole too, as ``PackedCollator(model_config=...)`` requires."""
+    if options.strategy == "wrapped":
+        name, value = "strategy", "'wrapped'"
+    elif options.overlong in ("truncate", "split"):
+        name, value = "overlong", repr(options.overlong)
+    else:
+        return
+    raise FastpackError(
+        f"{name}: {value} would cut rows with media ({', '.join(media)}) across packs or "
+        f"short, leaving image placeholders apart from their pixels and grids; with media "
+        f"columns keep rows whole: overlong='error' or 'drop' and strategy 'bfd', 'ffd', "
+        f"'next_fit' or 'one_per_pack'"
+    )
 
 
 def _media_columns(dataset: Any) -> list[str]:

@@ -47,6 +47,7 @@ from ._offline.plan import (
 from ._offline.progress import log
 from ._offline.report import PlanStats, make_report
 from ._offline.scan import (
+    TRAINING_COLUMNS,
     column_dtype,
     default_columns,
     load_tokenizer,
@@ -503,6 +504,11 @@ class _Pipeline:
         everything = [*self.columns, *self.candidates]
         for i, c in enumerate(self.candidates):
             if uneven >> i & 1:
+                if c in TRAINING_COLUMNS:  # a model trains on it: a data bug, not a skip
+                    raise InputError(
+                        f"some rows have another length than {self.columns[0]!r}; a "
+                        f"{c!r} column needs one value per token (pass --columns to choose "
+                        f"the packed columns)", column=c)
                 self.left_out[c] = uneven_reason(self.columns[0])
             else:
                 self.columns.append(c)

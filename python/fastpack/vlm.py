@@ -91,6 +91,9 @@ class VlmConfig:
     #: Placeholders per image of a plain-position model with a fixed count (LLaVA's
     #: ``image_seq_length``); None where it varies (LLaVA-Next tiles) or for mRoPE.
     tokens_per_image: int | None = None
+    #: Values per row of an mRoPE model's ``pixel_values`` (one patch: channels x
+    #: temporal patch x patch²), or None where the config does not say.
+    patch_values: int | None = None
 
     @property
     def mrope(self) -> bool:
@@ -135,6 +138,11 @@ class VlmConfig:
         else:
             merge = 1
         per_second = _get(vision, "tokens_per_second")
+        channels = _get(vision, "in_channels") or _get(vision, "in_chans")
+        sizes = (channels, _get(vision, "temporal_patch_size"), _get(vision, "patch_size"))
+        patch_values = (int(sizes[0]) * int(sizes[1]) * int(sizes[2]) ** 2
+                        if model_type in MROPE_FAMILIES and all(
+                            isinstance(v, int) and v > 0 for v in sizes) else None)
         width = _get(vision, "embed_dim") or _get(vision, "hidden_size") or 0
         depth = _get(vision, "depth") or _get(vision, "num_hidden_layers") or 0
         return cls(
@@ -146,6 +154,7 @@ class VlmConfig:
             tokens_per_image=(int(_get(config, "image_seq_length"))
                               if model_type == "llava" and _get(config, "image_seq_length")
                               else None),
+            patch_values=patch_values,
         )
 
 
@@ -180,19 +189,35 @@ def _grids(value: Any, name: str) -> np.ndarray | None:
     return np.ascontiguousarray(array.reshape(-1), dtype=np.int64)
 
 
-def _seconds(value: Any) -> tuple[np.ndarray | None, bool]:
-    """``second_per_grid_ts`` as float64 and whether Hugging Face multiplies it in float32:
-    a float32 array or tensor (the processor's) and Python floats do, float64 does not."""
+#: The dtypes of a ``second_per_grid_ts`` tensor whose products Hugging Face computes in
+#: that dtype; every other form (numpy arrays and scalars, lists, other tensors) goes
+#: through a numpy or Python scalar, which torch multiplies in float32.
+_TIME_DTYPES = ("float16", "bfloat16", "float64")
+
+
+def _seconds(value: Any) -> tuple[np.ndarray | None, str]:
+    """``second_per_grid_ts`` as float64 and the dtype Hugging Face multiplies it in.
+
+    ``get_rope_index`` iterates it: a tensor gives 0-d tensors of its dtype, so a float16,
+    bfloat16 or float64 tensor multiplies in that dtype; a numpy array gives numpy scalars
+    and a list Python floats, which torch multiplies with ``arange`` in float32."""
     if value is None:
-        return None, True
+        return None, "float32"
+    dtype = getattr(value, "dtype", None)
+    math = "float32"
+    if type(value).__module__.startswith("torch"):
+        name = str(dtype).rpartition(".")[2]
+        if name in _TIME_DTYPES:
+            math = name
+        if value.is_floating_point() and name != "float64":
+            value = value.float()  # numpy has no bfloat16; float32 holds both halves exactly
     array = _array(value)
     if array.ndim != 1 or array.dtype.kind not in "fiu":
         raise FastpackError(
             f"second_per_grid_ts: expected one number per video (1-D), got {array.dtype} of "
             f"shape {array.shape}"
         )
-    return np.ascontiguousarray(array, dtype=np.float64), array.dtype != np.float64 or \
-        isinstance(value, (list, tuple))
+    return np.ascontiguousarray(array, dtype=np.float64), math
 
 
 def rope_index(
@@ -216,8 +241,10 @@ def rope_index(
         input_ids: the document's token ids, placeholders expanded (1-D, or ``(1, T)``).
         image_grid_thw, video_grid_thw: ``(n, 3)`` grids in placeholder order, as the
             processor gives them.
-        second_per_grid_ts: seconds per temporal grid of each video (Qwen2.5-VL); a
-            float32 array (the processor's) is multiplied in float32, as the model does.
+        second_per_grid_ts: seconds per temporal grid of each video (Qwen2.5-VL),
+            multiplied as the model's ``get_rope_index`` multiplies it: a float16,
+            bfloat16 or float64 tensor in its dtype, anything else (the processor's
+            float32 tensor, a numpy array of any float dtype, a list) in float32.
         cu_seqlens: many documents laid end to end: document ``d`` is
             ``input_ids[cu_seqlens[d]:cu_seqlens[d+1]]``, from position 0, with the next
             grids in placeholder order (computed in parallel, the same on any thread
@@ -242,7 +269,7 @@ def _positions(config: Any, input_ids: Any, image_grid_thw: Any, video_grid_thw:
     ids = _ids(input_ids)
     images = _grids(image_grid_thw, "image_grid_thw")
     videos = _grids(video_grid_thw, "video_grid_thw")
-    seconds, f32 = _seconds(second_per_grid_ts)
+    seconds, math = _seconds(second_per_grid_ts)
     cu = None
     if cu_seqlens is not None:
         cu = np.ascontiguousarray(_array(cu_seqlens), dtype=np.int64)
@@ -252,7 +279,7 @@ def _positions(config: Any, input_ids: Any, image_grid_thw: Any, video_grid_thw:
     flat = _core.rope_index(
         ids, cu, cfg.model_type, cfg.image_token_id,
         -1 if cfg.video_token_id is None else cfg.video_token_id, cfg.spatial_merge_size,
-        cfg.tokens_per_second, images, videos, seconds, f32, text_row, threads,
+        cfg.tokens_per_second, images, videos, seconds, math, text_row, threads,
     )
     return flat.reshape(4 if text_row else 3, len(ids))
 

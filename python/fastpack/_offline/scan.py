@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from .outdir import OutputDir
 
 __all__ = [
+    "TRAINING_COLUMNS",
     "Scan",
     "column_dtype",
     "default_columns",
@@ -171,6 +172,11 @@ def text_left_out(sources: Sequence[Source], text_column: str) -> dict[str, str]
             for n in names if n != text_column}
 
 
+#: Columns that are never left out for a length that differs from the tokens': a model
+#: trains on them, so a mismatch is a data bug (rc 2), not a column to skip.
+TRAINING_COLUMNS = ("labels", "assistant_masks", "completion_mask", "loss_mask")
+
+
 def uneven_reason(column: str) -> str:
     return f"not one value per token of {column!r}"
 
@@ -201,7 +207,8 @@ def scan_lengths(
                         bad = np.flatnonzero(other != lengths)
                         if not bad.size:
                             continue
-                        if c in alive:  # a list column of another length: not per token
+                        if c in alive and c not in TRAINING_COLUMNS:
+                            # a list column of another length: not per token
                             alive.remove(c)
                             del dtypes[c]
                             left[c] = uneven_reason(columns[0])
@@ -212,6 +219,8 @@ def scan_lengths(
                             f"{lengths[i]:,} tokens; packed columns need one value per token",
                             path=source.path, row=batch.row + i, column=c,
                             line=batch.line(i))
+                    _check_token_ids(table.column(columns[0]), lengths, source, batch,
+                                     columns[0])
                     for c in [*columns, *alive]:
                         value_type = table.column(c).type.value_type
                         if column_dtype(table.column(c)) == "int64":
@@ -239,6 +248,24 @@ def scan_lengths(
             bar.set_postfix(f"{docs:,} documents")
     lengths = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
     return Scan(lengths, file_rows, dtypes, left)
+
+
+def _check_token_ids(column: pa.ChunkedArray, lengths: np.ndarray, source: Source,
+                     batch: Any, name: str) -> None:
+    """Token ids index the vocabulary: a negative one would be packed and fail far away,
+    in the embedding of a training run."""
+    import pyarrow.compute as pc
+
+    if pa.types.is_unsigned_integer(column.type.value_type):
+        return
+    values = pc.list_flatten(column)
+    if not len(values) or pc.min(values).as_py() >= 0:
+        return
+    at = int(np.argmax(np.asarray(values) < 0))
+    i = int(np.searchsorted(np.cumsum(lengths), at, side="right"))
+    raise InputError(f"holds the negative token id {np.asarray(values)[at]} (token ids index "
+                     "the vocabulary from 0)", path=source.path, row=batch.row + i,
+                     column=name, line=batch.line(i))
 
 
 def _check_uint64(column: pa.ChunkedArray, source: Source, row: int, name: str) -> None:

@@ -47,6 +47,7 @@ from .collator import LOSS_MASK_KEYS, PackedCollator
 from .context_parallel import (
     CP_KERNELS,
     CP_KEYS,
+    ShardMask,
     context_parallel_attention,
     shard_for_context_parallel,
 )
@@ -76,6 +77,7 @@ __all__ = [
     "PackedSampler",
     "PackedTrainerMixin",
     "Schedule",
+    "ShardMask",
     "Step",
     "StepTable",
     "check_model_batch",

@@ -12,7 +12,14 @@ import torch
 
 from .._checks import _bool_arg, _choice, _int_arg, _threads
 from .._errors import FastpackError, FastpackTypeError
-from .._materialize import TokenData, _from_rows, as_ragged, materialize
+from .._materialize import (
+    IGNORE_INDEX,
+    Ragged,
+    TokenData,
+    _from_rows,
+    as_ragged,
+    materialize,
+)
 from .._options import (
     PLAN_OPTIONS,
     PackArgs,
@@ -87,7 +94,9 @@ class PackedCollator(WithOptions):
         mask_dtype: dtype of the additive eager mask (match the model's dtype).
         return_seq_idx: add ``seq_idx`` (int32, segment index per token; Mamba / FLA).
         return_num_items: add ``num_items_in_batch`` (targets in the batch; the Trainer
-            computes the same number itself, so this is for plain training loops).
+            computes the same number itself, so this is for plain training loops) and
+            ``num_sequences_in_batch`` (sequences with at least one target:
+            ``weighting="sequence"``'s normaliser, which a context-parallel shard needs).
         share_prefix (an option: a keyword or in ``options``): compute shared prefixes
             once: samples with the same ``group`` value
             share their longest common token prefix (RL rollouts of one prompt), samples
@@ -316,10 +325,19 @@ class PackedCollator(WithOptions):
                     f"features: sample {i} is {type(f).__name__}; expected a dict with "
                     f"'input_ids'"
                 )
-        if self.share_prefix and pair_keys(features[0]) is not None:
-            return self._pairs(features)
+        if pair_keys(features[0]) is not None:
+            if self.share_prefix:
+                return self._pairs(features)
+            if "input_ids" not in features[0]:
+                keys = pair_keys(features[0])
+                raise FastpackError(
+                    f"features: sample 0 is a preference pair ({', '.join(map(repr, keys or ()))}"
+                    f"); pairs are packed as trees, their prompt shared: pass "
+                    f"share_prefix=True (backend 'flash' or 'flex')"
+                )
         tokens = _from_rows(self._column(features, "input_ids"), mask=False, name="input_ids")
         lengths = tokens.lengths
+        _refuse_negative(tokens)
         # Every key of the batch, once: the per-sample checks below run only when some
         # sample has a key that needs one (a batch of input_ids and labels skips them).
         keys = set().union(*features) if len(features) > 1 else set(features[0])
@@ -342,6 +360,8 @@ class PackedCollator(WithOptions):
         loss_mask = None if key is None else _from_rows(
             self._column(features, key), mask=True, name=key
         )
+        if labels is not None:
+            _warn_shifted(tokens, labels)
         if self.share_prefix:
             groups = None
             if any(GROUP_KEY in f for f in features):
@@ -349,6 +369,14 @@ class PackedCollator(WithOptions):
             # One flat row holds every pack: the trees in the samples' order.
             plan = pack_trees(tokens, groups=groups, options=self._batch_options,
                               threads=self.threads)
+            if groups is None and len(features) > 1 and plan.sample_tokens == plan.total_tokens:
+                warnings.warn(
+                    f"share_prefix: True, but the {len(features)} samples of this batch share "
+                    f"no prefix ({plan.total_tokens} tokens computed, 0 saved): no sample has "
+                    f"a {GROUP_KEY!r} key, so they form a trie, and no two start alike; give "
+                    f"RL rollouts of one prompt the prompt's id as {GROUP_KEY!r}",
+                    stacklevel=2,
+                )
         elif self.options.budgets:
             assert self.vlm is not None
             values = media_budgets(features, [n for n, _ in self.options.budgets],
@@ -389,6 +417,13 @@ class PackedCollator(WithOptions):
                 f"straight to the model"
             )
         for key in sorted(sample.keys() - self._known, key=str):
+            if key == GROUP_KEY and not self.share_prefix:
+                raise FastpackError(
+                    f"features: sample {index} has {GROUP_KEY!r}, which says which samples "
+                    f"share a prefix, but the collator packs them without sharing any; pass "
+                    f"share_prefix=True (backend 'flash' or 'flex'), or ignore_keys="
+                    f"({GROUP_KEY!r},) to pack them plainly"
+                )
             if key in MEDIA_KEYS and sample[key] is not None:
                 raise FastpackError(
                     f"features: sample {index} has the media key {key!r}, but the collator "
@@ -484,8 +519,9 @@ class PackedCollator(WithOptions):
         media: Any = None,
     ) -> dict[str, Any]:
         """The batch of ``packs`` (default: all) of ``plan`` over ``tokens``. Every batch
-        lists its samples — ``sample_ids`` (int64 [N]: indices into ``tokens``, or into
-        ``sample_ids`` when given), ``sample_tokens`` (the flattened row positions of each
+        lists its samples in input order, on every backend — ``sample_ids`` (int64 [N],
+        ascending: indices into ``tokens``, or into ``sample_ids`` when given; a split
+        sample once per piece), ``sample_tokens`` (the flattened row positions of each
         sample's tokens, in order) and ``sample_offsets`` (int64 [N+1]) — which
         :func:`fastpack.torch.per_sample` reads. A plan of trees gives a tree batch. With a
         ``model_config``, ``media[i]`` is sample ``i``'s dict of media keys (a list of
@@ -517,9 +553,13 @@ class PackedCollator(WithOptions):
             layout=self.layout, pad_to=self.pad_to, pad_to_multiple_of=self.pad_to_multiple_of,
             pad_id=self.pad_id, threads=self.threads,
         )
+        # The media path sets the placeholders' labels to -100 (and lowers the rows' target
+        # count), so it runs before the format reads the labels and num_items_in_batch.
+        media_keys = (self._media(plan, tokens, packs, rows, media)
+                      if self.vlm is not None else None)
         out = self.format(rows)
-        if self.vlm is not None:
-            out.update(self._media(plan, tokens, packs, rows, media))
+        if media_keys is not None:
+            out.update(media_keys)
         listed = _samples(plan, packs, rows, sample_ids)
         conv = torch.from_numpy if self.return_tensors == "pt" else (lambda a: a)
         out.update({key: conv(value) for key, value in listed.items()})
@@ -549,8 +589,10 @@ class PackedCollator(WithOptions):
 
 def _samples(plan: Plan, packs: Any, rows: dict[str, Any], mapping: np.ndarray | None
              ) -> dict[str, np.ndarray]:
-    """The samples a plain batch holds, one per segment in row order: their ids, and each
-    one's tokens as flattened row positions (a row's padding is in no sample)."""
+    """The samples a plain batch holds, one per segment, in input order (ascending sample
+    ids, a split sample's pieces in order) whatever order the plan put them in the rows:
+    their ids, and each one's tokens as flattened row positions (a row's padding is in no
+    sample)."""
     chosen = plan._packs(packs)
     offsets = np.asarray(plan.pack_offsets, dtype=np.int64)
     counts = offsets[chosen + 1] - offsets[chosen]
@@ -571,6 +613,17 @@ def _samples(plan: Plan, packs: Any, rows: dict[str, Any], mapping: np.ndarray |
         starts = np.cumsum(fills) - fills
         rows_of = np.repeat(np.arange(len(chosen), dtype=np.int64), fills)
         tokens = rows_of * width + np.arange(total, dtype=np.int64) - np.repeat(starts, fills)
+    # One order on every backend: bin packing (rows) may reorder the samples, and code that
+    # zips per-sample results with its inputs (rewards, advantages) reads them in input order.
+    pieces = np.asarray(plan.starts, dtype=np.int64)[segments]
+    order = np.lexsort((pieces, ids))
+    if len(order) and np.any(order != np.arange(len(order))):
+        lengths = seqlens[order]
+        begins = sample_offsets[:-1][order]
+        ids = ids[order]
+        np.cumsum(lengths, out=sample_offsets[1:])
+        tokens = tokens[np.repeat(begins - sample_offsets[:-1], lengths)
+                        + np.arange(total, dtype=np.int64)]
     return {"sample_ids": ids, "sample_tokens": tokens, "sample_offsets": sample_offsets}
 
 
@@ -597,6 +650,49 @@ def _warn_flex_on_cpu() -> None:
         "exact too",
         stacklevel=3,
     )
+
+
+def _refuse_negative(tokens: Ragged) -> None:
+    """Token ids index the embedding: a negative one would fail there, far from here."""
+    values = np.asarray(tokens.values)
+    if values.size and values.dtype.kind == "i" and values.min() < 0:
+        at = int(np.argmax(values < 0))
+        sample = int(np.searchsorted(np.asarray(tokens.offsets), at, side="right")) - 1
+        raise FastpackError(
+            f"input_ids: sample {sample} holds the negative token id {int(values[at])} (token "
+            f"{at - int(tokens.offsets[sample])}); token ids index the vocabulary from 0"
+        )
+
+
+def _warn_shifted(tokens: Ragged, labels: Ragged) -> None:
+    """Warns when every sample's labels look shifted already (``labels[:-1] ==
+    input_ids[1:]``, the classic off-by-one: Hugging Face shifts them once more) and not
+    aligned (``labels == input_ids``)."""
+    ids, lab = np.asarray(tokens.values), np.asarray(labels.values)
+    if ids.shape != lab.shape or ids.size < 2:
+        return
+    offsets = np.asarray(tokens.offsets)
+    first = int(np.argmax(np.diff(offsets) > 1))  # a sample of 2 tokens or more
+    lo, hi = int(offsets[first]), int(offsets[first + 1])
+    if hi - lo < 2 or not np.all((lab[lo:hi - 1] == ids[lo + 1:hi])
+                                 | (lab[lo:hi - 1] == IGNORE_INDEX)):
+        return  # the common case, decided by one sample
+    ends = offsets[1:] - 1
+    inside = np.ones(ids.size, dtype=bool)
+    inside[ends[ends >= 0]] = False  # a sample's last label has no next token
+    inside[-1] = False
+    where = np.flatnonzero(inside & (lab != IGNORE_INDEX))
+    if not where.size:
+        return
+    shifted = bool(np.all(lab[where] == ids[where + 1]))
+    if shifted and not np.all(lab[where] == ids[where]):
+        warnings.warn(
+            "labels: every label equals the next token (labels[:-1] == input_ids[1:]), so "
+            "they look shifted already; Hugging Face models and fastpack's loss shift them "
+            "once more (label t is the target of the logits at t - 1): pass unshifted labels "
+            "(a copy of input_ids, -100 where there is no target)",
+            stacklevel=3,
+        )
 
 
 def as_collator(value: Any) -> PackedCollator:

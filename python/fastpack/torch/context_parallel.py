@@ -59,7 +59,7 @@ from .attention import (
 from .tree import SAMPLE_KEYS
 
 __all__ = [
-    "CP_KERNELS", "CP_KEYS", "attend_gathered", "context_parallel_attention",
+    "CP_KERNELS", "CP_KEYS", "ShardMask", "attend_gathered", "context_parallel_attention",
     "shard_for_context_parallel",
 ]
 
@@ -78,13 +78,50 @@ CP_KERNELS = ("auto", "ring", "flash", "sdpa")
 #: ``cp_max_seqlen_q`` / ``cp_max_seqlen_k`` (ring-flash-attn's llama3 arrays in the
 #: contiguous modes), ``cp_local_k_slice`` (contiguous, Ulysses) or ``cp_k_index``
 #: (zigzag), and ``cp_sequence_targets`` (the targets of each run's whole sequence, for
-#: ``weighting="sequence"``). Hugging Face's own attention reads none of them, so a CP
-#: batch is never silently taken for a plain packed one.
+#: ``weighting="sequence"``). Hugging Face's own attention reads none of them; the
+#: shard's ``attention_mask`` (a :class:`ShardMask`) is what keeps it from being taken for
+#: a plain packed batch: Hugging Face's mask code reads it and raises.
 CP_KEYS = (
     "cp_size", "cp_rank", "cp_mode", "cp_cu_seqlens", "cp_cu_seqlens_padded", "cp_max_seqlen",
     "cp_cu_seqlens_q", "cp_cu_seqlens_k", "cp_max_seqlen_q", "cp_max_seqlen_k",
     "cp_local_k_slice", "cp_k_index", "cp_sequence_targets",
 )
+
+class ShardMask:
+    """The ``attention_mask`` of a context-parallel shard: a guard, not a mask.
+
+    Hugging Face's own attention (sdpa, eager, flash, flex) would run a shard's forward
+    with each rank attending to its own tokens only, silently. Every one of them reads
+    ``attention_mask`` in its mask code before the first layer, and reading anything of
+    this object (``.ndim``, ``.shape``, ...) raises, naming the fix. fastpack's
+    context-parallel attention is registered without a mask function, so Hugging Face
+    hands it no mask and never reads this one. ``.to(...)`` returns it unchanged, so
+    code that moves a batch's values to a device keeps it.
+    """
+
+    __slots__ = ()
+
+    def to(self, *args: Any, **kwargs: Any) -> ShardMask:
+        return self
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise FastpackError(
+            "attention_mask: this batch is one rank's share of a context-parallel row "
+            "(shard_for_context_parallel), and the model's attention is not fastpack's "
+            "context-parallel one, so every rank would attend to its own tokens only; load "
+            "the model with attn_implementation=register_hf_attention("
+            "context_parallel_group=group, mode=...) (Hugging Face read the mask's "
+            f"{name!r})"
+        )
+
+    def __repr__(self) -> str:
+        return "ShardMask()"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (ShardMask, ())
+
 
 #: Per-token keys of a flash batch that sharding rebuilds; other per-token keys raise.
 _TOKEN_KEYS = ("input_ids", "labels", "position_ids", "seq_idx")
@@ -142,7 +179,9 @@ def shard_for_context_parallel(
         slicing, -100 on pads: what the loss reads), ``position_ids`` (positions in the
         padded row, computed before slicing), ``loss_mask`` (``shift_labels != -100``),
         ``seq_idx`` (int32, the run of every token: rank-local, from 0), the
-        :data:`CP_KEYS`, ``use_cache=False``, and ``num_items_in_batch`` /
+        :data:`CP_KEYS`, ``use_cache=False``, ``attention_mask`` (a :class:`ShardMask`:
+        Hugging Face's own attention raises on it before the first layer, where it would
+        attend within this rank's tokens only), and ``num_items_in_batch`` /
         ``num_sequences_in_batch`` unchanged (each target counts once over the group).
         Tensors are on ``input_ids``' device; numpy in, numpy out.
 
@@ -286,6 +325,7 @@ def _shard(batch: Mapping[str, Any], layout: CPLayout, rank: int, ids: torch.Ten
     if local.k_index is not None:
         out["cp_k_index"] = on_device(local.k_index)
     out["use_cache"] = False
+    out["attention_mask"] = ShardMask()
     for key in ("num_items_in_batch", "num_sequences_in_batch"):
         if key in batch:
             out[key] = batch[key]

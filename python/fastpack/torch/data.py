@@ -54,8 +54,9 @@ class StepTable:
     piece of a split one). ``tokens`` (Σ l) and ``squared_tokens`` (Σ l²) sum over the
     step's segments, reserved separator slots included: the linear layers' work grows with
     the first, attention's with the second. ``targets`` are the labels other than -100 the
-    step's batch will hold (loss masks, ``labels``, separators and split pieces included);
-    ``sequences`` the segments with at least one target. All int64 [N].
+    step's batch will hold (loss masks, ``labels``, separators and split pieces included;
+    a vision-language step's image and video placeholders not); ``sequences`` the
+    segments with at least one target. All int64 [N].
     ``segment_targets`` (uint32 [S]) is the same count per segment, for steps cut smaller.
 
     A plan made for context parallelism (``cp_size``) adds, for the step's row sharded
@@ -267,13 +268,18 @@ class PackedDataset(torch.utils.data.Dataset, WithOptions):  # type: ignore[type
             per_path = path_targets(self.plan, self.tokens, labels=self.labels,
                                     loss_mask=self.loss_mask, threads=self.collator.threads)
             return tree_step_table(self.plan, self.step_pack_offsets, per_path)
+        vlm = self.collator.vlm
+        # A vision-language batch's placeholders get label -100 (the collator's media
+        # path): never targets, so never in a step's normaliser.
+        placeholders = () if vlm is None else tuple(
+            t for t in (vlm.image_token_id, vlm.video_token_id) if t is not None)
         per_segment = segment_targets(
             self.plan, self.tokens, labels=self.labels, loss_mask=self.loss_mask,
             separator_id=self.collator.separator_id,
             train_separators=self.collator.train_separators, threads=self.collator.threads,
+            ignore_tokens=placeholders,
         )
         vision = patches = None
-        vlm = self.collator.vlm
         if vlm is not None and vlm.mrope and self.media is not None:
             terms = vision_terms(self.media)[np.asarray(self.plan.sample_ids)]
             vision = 6.0 * vlm.vision_hidden_size * terms[:, 0] + terms[:, 1]

@@ -107,8 +107,11 @@ class BatchFormat:
         if self.return_seq_idx:
             out["seq_idx"] = conv(rows["seq_idx"])
         if self.return_num_items:
+            pt = self.return_tensors == "pt"
             n = int(rows["num_targets"])
-            out["num_items_in_batch"] = torch.tensor(n) if self.return_tensors == "pt" else n
+            out["num_items_in_batch"] = torch.tensor(n) if pt else n
+            seqs = _sequences_with_targets(rows)
+            out["num_sequences_in_batch"] = torch.tensor(seqs) if pt else seqs
         return out
 
     def _explicit_mask(self, rows: dict[str, Any]) -> Any:
@@ -127,6 +130,20 @@ class BatchFormat:
         additive = torch.zeros(allowed.shape, dtype=self.mask_dtype)
         additive.masked_fill_(~allowed, torch.finfo(self.mask_dtype).min)
         return additive if self.return_tensors == "pt" else additive.numpy()
+
+
+def _sequences_with_targets(rows: dict[str, Any]) -> int:
+    """The sequences (segments) of the rows with at least one target: ``weighting=
+    "sequence"``'s normaliser. A target's label sits on a token of its own sequence (the
+    first token of every sequence has none)."""
+    labels, seq_idx = rows["labels"], rows["seq_idx"]
+    keep = labels != -100
+    if not keep.any():
+        return 0
+    width = int(seq_idx.max()) + 1
+    row = np.broadcast_to(np.arange(labels.shape[0])[:, None], labels.shape)
+    # O(T): a count per (row, segment), no sort.
+    return int(np.count_nonzero(np.bincount((row[keep] * width + seq_idx[keep]).ravel())))
 
 
 def _pad_cu(cu: np.ndarray, size: int) -> np.ndarray:

@@ -24,6 +24,7 @@ from .attention import KERNELS, Kernel, varlen_attention
 from .collator import LOSS_MASK_KEYS, PackedCollator
 from .context_parallel import (
     CP_KERNELS,
+    ShardMask,
     context_parallel_attention,
     shard_for_context_parallel,
 )
@@ -79,8 +80,10 @@ def register_hf_attention(
     :func:`~fastpack.torch.shard_for_context_parallel` made with the same ``mode``
     (``"zigzag"`` by default, ``"contiguous"`` or ``"ulysses"``); ``kernel`` is one of
     :data:`~fastpack.torch.CP_KERNELS`, and ``name`` defaults to ``"fastpack_cp_<mode>"``.
-    An unsharded batch raises there, and a sharded one raises in every attention that is
-    not a context-parallel one of its mode."""
+    An unsharded batch raises there, and a sharded one raises in every other attention: in
+    a context-parallel one of another mode, and in Hugging Face's mask code before the
+    first layer (its ``attention_mask`` is a :class:`~fastpack.torch.ShardMask`).
+    Registered with no mask function, so Hugging Face hands it no mask."""
     if context_parallel_group is not None or mode is not None:
         return _register_context_parallel(name, kernel, context_parallel_group, mode)
     if name is None:
@@ -150,11 +153,14 @@ def _register(name: Any, attend: Callable[..., tuple[torch.Tensor, None]],
                       kwargs)
 
     AttentionInterface.register(name, fastpack_attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(name, _fastpack_mask)
     _REGISTERED.add(name)
     if context_parallel is None:
+        ALL_MASK_ATTENTION_FUNCTIONS.register(name, _fastpack_mask)
         _CONTEXT_PARALLEL.pop(name, None)
     else:
+        # No mask function: Hugging Face then hands the attention no mask and never reads
+        # the shard's attention_mask (a ShardMask, which raises in every other attention).
+        ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.pop(name, None)
         _CONTEXT_PARALLEL[name] = context_parallel
     return name
 
@@ -1360,6 +1366,7 @@ class PackedTrainerMixin:
         num_items_in_batch: torch.Tensor | int | None = None,
     ) -> Any:
         if self._fastpack_cp is not None:  # this rank's share of the step's row
+            self._refuse_own_loss("context parallelism")
             _, mode, size, rank = self._fastpack_cp
             inputs = shard_for_context_parallel(
                 inputs, size, rank, mode,
@@ -1378,6 +1385,7 @@ class PackedTrainerMixin:
                 num_items_in_batch = steps["num_items_in_batch"]
             return parent.compute_loss(model, inputs, return_outputs=return_outputs,
                                        num_items_in_batch=num_items_in_batch)
+        self._refuse_own_loss("packed_loss")
         outputs = model(**{k: v for k, v in inputs.items() if k != "labels"})
         loss = packed_loss(outputs.logits, {**inputs, **steps},
                            weighting=self.fastpack_weighting)  # type: ignore[arg-type]
@@ -1408,10 +1416,34 @@ class PackedTrainerMixin:
         if show:
             print(f"fastpack: {report} (first micro-batch; off with verify_packing=False)")
 
+    def _refuse_own_loss(self, path: str) -> None:
+        """Hugging Face's label smoother and a ``compute_loss_func`` take ``labels`` and
+        shift them themselves: on a context-parallel shard (not contiguous) that pairs
+        tokens across chunk boundaries, and on the ``packed_loss`` path they would not run
+        at all. Refused before the forward, by the option's name."""
+        why = ("a context-parallel shard's labels are one rank's chunks glued together, "
+               "so shifting them pairs tokens across chunk boundaries (the shard's "
+               "shift_labels hold the right targets)" if path == "context parallelism" else
+               "this step's loss is fastpack's packed_loss (weighting='sequence', a tree "
+               "batch or a model without loss kwargs), which would skip it")
+        if getattr(self, "label_smoother", None) is not None:
+            factor = getattr(self.args, "label_smoothing_factor", None)  # type: ignore[attr-defined]
+            raise FastpackError(
+                f"label_smoothing_factor: {factor} is not supported with PackedTrainerMixin "
+                f"here: {why}; set it to 0"
+            )
+        if getattr(self, "compute_loss_func", None) is not None:
+            raise FastpackError(
+                f"compute_loss_func: is not supported with PackedTrainerMixin here: {why}; "
+                f"leave it out (or override compute_loss and read the batch's shift_labels)"
+            )
+
     def _check_format(self, model: torch.nn.Module, inputs: dict[str, Any]) -> None:
         """:func:`check_model_batch` once per batch format (its keys and mask kind), so a
         wrong format/attention pair raises before the first forward, at no cost after."""
         mask = inputs.get("attention_mask")
+        if isinstance(mask, ShardMask):  # a guard that raises on every read
+            mask = None
         key = (tuple(sorted(inputs)), type(mask).__name__, getattr(mask, "ndim", None),
                getattr(mask, "dtype", None))
         if key not in self._fastpack_checked:

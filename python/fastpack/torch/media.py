@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from .._errors import FastpackError
+from .._materialize import IGNORE_INDEX
 from ..vlm import (
     IMAGE_KEYS,
     MEDIA_BUDGETS,
@@ -42,7 +43,10 @@ __all__ = [
 
 def _numpy(value: Any) -> np.ndarray:
     if isinstance(value, torch.Tensor):
-        return value.detach().cpu().numpy()
+        value = value.detach().cpu()
+        if value.dtype == torch.bfloat16:  # numpy has no bfloat16; float32 holds it exactly
+            value = value.float()
+        return value.numpy()
     return np.asarray(value)
 
 
@@ -110,10 +114,15 @@ def sample_media(cfg: VlmConfig, sample: Mapping[str, Any], index: int,
         if tokens != patches // merge:
             raise fail(grids, f"its grids need {patches // merge} {kind} placeholder token(s) "
                               f"(t*h*w / {merge}), the sample's input_ids hold {tokens}")
-        rows = len(_numpy(present[pixels])) if not isinstance(present[pixels], torch.Tensor) \
-            else int(present[pixels].shape[0])
+        shape = tuple(present[pixels].shape) if isinstance(present[pixels], torch.Tensor) \
+            else _numpy(present[pixels]).shape
+        rows = shape[0] if shape else 0
         if rows != patches:
             raise fail(pixels, f"{rows} rows, but its grids hold {patches} patches")
+        if cfg.patch_values is not None and shape[1:] != (cfg.patch_values,):
+            raise fail(pixels, f"shape {shape}: the model's patches have {cfg.patch_values} "
+                               f"values each (vision_config's channels x temporal_patch_size "
+                               f"x patch_size²), expected ({rows}, {cfg.patch_values})")
     if "second_per_grid_ts" in present:
         videos = len(_numpy(present.get("video_grid_thw", np.zeros((0, 3)))))
         seconds = _numpy(present["second_per_grid_ts"]).reshape(-1)
@@ -145,12 +154,16 @@ def media_batch(
     (the order of their segments in ``rows``, the materialized rows): concatenated media
     keys, ``mm_token_type_ids`` and, for mRoPE families, ``position_ids`` ``[4, rows,
     width]`` (not for ``padded``, where the model computes them from its
-    ``attention_mask``). Sets ``rows["labels"]`` to -100 on every placeholder."""
+    ``attention_mask``). Sets ``rows["labels"]`` to -100 on every placeholder, and
+    lowers ``rows["num_targets"]`` by the targets that removes."""
     ids = rows["input_ids"]
     placeholder = ids == cfg.image_token_id
     if cfg.video_token_id is not None:
         placeholder |= ids == cfg.video_token_id
-    rows["labels"][placeholder] = -100
+    labels = rows["labels"]
+    unmasked = int(np.count_nonzero(labels[placeholder] != IGNORE_INDEX))
+    labels[placeholder] = IGNORE_INDEX
+    rows["num_targets"] = int(rows["num_targets"]) - unmasked
     out: dict[str, Any] = {}
     for key in IMAGE_KEYS + VIDEO_KEYS:
         values = [m[key] for m in media if key in m]

@@ -624,7 +624,10 @@ def per_sample(
     reduction: Literal["sum", "mean"] | None = None,
 ) -> list[torch.Tensor] | torch.Tensor:
     """Values of every sample of ``batch``, in the batch's sample order (its
-    ``sample_ids``), for plain and tree batches alike — differentiable.
+    ``sample_ids``), for plain and tree batches alike — differentiable. That order is the
+    input order on every backend (ascending ``sample_ids``, even where bin packing put the
+    samples in other rows), so per-sample results zip with per-input values (rewards,
+    advantages) as they are.
 
     ``of="tokens"``: ``values`` has one entry per token of the batch (``[rows, T, ...]``
     as the logits or hidden states come, or flattened); sample ``k`` gets the values at

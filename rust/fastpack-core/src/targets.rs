@@ -11,9 +11,12 @@
 //! its label (the token itself without labels) is not `-100` and its loss mask is not 0; a
 //! separator is a target with `train_separators`; the first position of a segment never is.
 //!
-//! Token ids are vocabulary indices, never `-100`, so the token values themselves are never
-//! read: without labels and mask the counts follow from the segments' lengths alone, and
-//! a mask alone is read without the tokens. A proptest below checks the counts against
+//! Token ids are vocabulary indices, never `-100`, so the token values themselves are not
+//! read unless `ignore_tokens` names some: without labels and mask the counts follow from
+//! the segments' lengths alone, and a mask alone is read without the tokens. A
+//! vision-language batch sets the labels of its image and video placeholders to `-100`
+//! after materializing; `ignore_tokens` (the placeholder ids) counts its targets as that
+//! batch has them, reading the token values of those datasets only. A proptest below checks the counts against
 //! materialize's own, pack by pack, over chunked columns read through a mapping.
 //!
 //! ```
@@ -25,8 +28,11 @@
 //! let chunk = ListChunk { offsets: Ints::I64(&[0, 3, 5]), values: Values::of(&[10i32, 11, 12, 20, 21]) };
 //! let tokens = Column::new("input_ids", vec![chunk], None).unwrap();
 //! let sources = Sources { tokens: &tokens, labels: None, loss_mask: None };
-//! let counts = segment_targets(&PlanRef::from(&plan), &sources, None, false).unwrap();
+//! let counts = segment_targets(&PlanRef::from(&plan), &sources, None, false, &[]).unwrap();
 //! assert_eq!(counts.iter().sum::<u32>(), 3); // labels [-100, 11, 12] and [-100, 21]
+//! // Token 12 a placeholder (its label set to -100): one target fewer.
+//! let counts = segment_targets(&PlanRef::from(&plan), &sources, None, false, &[12]).unwrap();
+//! assert_eq!(counts.iter().sum::<u32>(), 2);
 //! ```
 //!
 //! [`materialize`]: crate::materialize::materialize
@@ -43,14 +49,17 @@ const TASK_SEGMENTS: usize = 1 << 12;
 const BLOCK: usize = 256;
 
 /// Target tokens of every segment of `plan` (in segment order), as
-/// [`materialize`](crate::materialize::materialize) would label them with these options.
-/// Every segment and its rows are checked as gather and materialize check them. Run it
-/// inside [`crate::pool::install`] to choose the thread count.
+/// [`materialize`](crate::materialize::materialize) would label them with these options,
+/// a data token whose id is in `ignore_tokens` never a target (a placeholder whose label
+/// the caller sets to `-100`). Every segment and its rows are checked as gather and
+/// materialize check them. Run it inside [`crate::pool::install`] to choose the thread
+/// count.
 pub fn segment_targets(
     plan: &PlanRef<'_>,
     sources: &Sources<'_>,
     separator_id: Option<i64>,
     train_separators: bool,
+    ignore_tokens: &[i64],
 ) -> Result<Vec<u32>> {
     if plan.parents.is_some() {
         return Err(Error::invalid(
@@ -98,8 +107,11 @@ pub fn segment_targets(
             ));
         }
     }
-    let separator = u64::from(train_separators && separator_id.is_some_and(|s| s != IGNORE_INDEX));
-    let count = |s: usize| segment(plan, sources, separator, s);
+    let separator = u64::from(
+        train_separators
+            && separator_id.is_some_and(|s| s != IGNORE_INDEX && !ignore_tokens.contains(&s)),
+    );
+    let count = |s: usize| segment(plan, sources, separator, ignore_tokens, s);
     let mut out = vec![0u32; segments];
     out.par_chunks_mut(TASK_SEGMENTS).enumerate().try_for_each(|(task, chunk)| {
         let base = task * TASK_SEGMENTS;
@@ -113,11 +125,18 @@ pub fn segment_targets(
 
 /// The targets of segment `s`: its rows resolved and checked (offsets only), its piece
 /// from [`PlanRef::segment_source`], then the labels and mask of that piece counted.
-fn segment<'a>(plan: &PlanRef<'_>, sources: &Sources<'a>, separator: u64, s: usize) -> Result<u32> {
+fn segment<'a>(
+    plan: &PlanRef<'_>,
+    sources: &Sources<'a>,
+    separator: u64,
+    ignore: &[i64],
+    s: usize,
+) -> Result<u32> {
     let tokens = sources.tokens;
     let i = plan.sample(s, tokens.rows())?;
     let row = tokens.row(i)?;
     let len = row.len();
+    let ids = (!ignore.is_empty()).then(|| (*tokens.values(row), row.lo));
     let side = |column: Option<&Column<'a>>| -> Result<Option<(Values<'a>, usize)>> {
         column.map(|c| check_row_len(c, tokens, i, len).map(|r| (*c.values(r), r.lo))).transpose()
     };
@@ -125,8 +144,11 @@ fn segment<'a>(plan: &PlanRef<'_>, sources: &Sources<'a>, separator: u64, s: usi
     let mask = side(sources.loss_mask)?;
     let (from, n) = plan.segment_source(s, len as u64)?;
     let seqlen = plan.seqlens[s] as u64;
-    let (data, first) =
-        count_data(labels.map(|(v, lo)| (v, lo + from)), mask.map(|(v, lo)| (v, lo + from)), n);
+    let at = |side: Option<(Values<'a>, usize)>| side.map(|(v, lo)| (v, lo + from));
+    let (data, first) = match at(ids) {
+        None => count_data(at(labels), at(mask), n),
+        Some(ids) => count_blocks(at(labels), at(mask), Some((ids.0, ids.1, ignore)), n),
+    };
     // The first position is never a target: a data token, or a separator when n == 0.
     let first = if n > 0 { u64::from(first) } else { separator };
     Ok((data + (seqlen - n as u64) * separator - first) as u32)
@@ -162,7 +184,7 @@ fn count_data<'a>(
             _ => None,
         },
     };
-    fast.unwrap_or_else(|| count_blocks(labels, mask, n))
+    fast.unwrap_or_else(|| count_blocks(labels, mask, None, n))
 }
 
 /// An int8 mask read as bytes (only compared with 0).
@@ -229,16 +251,23 @@ impl Labels<'_> {
     }
 }
 
-/// [`count_data`] for the other types: blocks of labels widened to i64 and mask flags.
+/// [`count_data`] for the other types, and with token ids to ignore (`ids`: the token
+/// values, where the data starts, the ids that are never targets): blocks of labels
+/// widened to i64 and mask flags.
 fn count_blocks(
     labels: Option<(Values<'_>, usize)>,
     mask: Option<(Values<'_>, usize)>,
+    ids: Option<(Values<'_>, usize, &[i64])>,
     n: usize,
 ) -> (u64, bool) {
-    if labels.is_none() && mask.is_none() {
+    if n == 0 {
+        return (0, false);
+    }
+    if labels.is_none() && mask.is_none() && ids.is_none() {
         return (n as u64, true);
     }
     let mut label = [0i64; BLOCK];
+    let mut token = [0i64; BLOCK];
     let mut keep = [1u8; BLOCK];
     let (mut total, mut first) = (0u64, false);
     for at in (0..n).step_by(BLOCK) {
@@ -246,6 +275,12 @@ fn count_blocks(
         keep[..m].fill(1);
         if let Some((v, lo)) = &mask {
             v.for_each_zero(lo + at, m, |k| keep[k] = 0);
+        }
+        if let Some((v, lo, ignore)) = &ids {
+            v.copy_i64(lo + at, &mut token[..m]);
+            for (k, t) in keep[..m].iter_mut().zip(&token[..m]) {
+                *k &= u8::from(!ignore.contains(t));
+            }
         }
         // Branch-free sums of 0/1 so the loops vectorise.
         total += match &labels {
@@ -403,13 +438,19 @@ mod tests {
                     labels: with_labels.then_some(&label_column),
                     loss_mask: with_mask.then_some(&mask_column),
                 };
-                let counts = segment_targets(&plan_ref, &sources, separator, train_separators).unwrap();
+                let counts = segment_targets(&plan_ref, &sources, separator, train_separators, &[]).unwrap();
+                // Token ids 1 and 3 as placeholders: their labels -100 once materialized.
+                let ignored = segment_targets(&plan_ref, &sources, separator, train_separators, &[1, 3]).unwrap();
                 let mopts = MaterializeOptions { separator_id: separator, train_separators, ..Default::default() };
                 for p in 0..plan.num_packs() {
                     let rows = materialize(&plan_ref, &sources, &[p as i64], &mopts).unwrap();
                     let range = plan.pack_offsets[p] as usize..plan.pack_offsets[p + 1] as usize;
-                    let ours: u64 = counts[range].iter().map(|&c| c as u64).sum();
+                    let ours: u64 = counts[range.clone()].iter().map(|&c| c as u64).sum();
                     prop_assert_eq!(ours, rows.num_targets);
+                    let kept = rows.labels.iter().zip(&rows.input_ids)
+                        .filter(|&(&l, &t)| l != IGNORE_INDEX && t != 1 && t != 3).count() as u64;
+                    let ours: u64 = ignored[range].iter().map(|&c| c as u64).sum();
+                    prop_assert_eq!(ours, kept);
                 }
             }
         }
@@ -440,7 +481,7 @@ mod tests {
             ),
         ] {
             let sources = Sources { tokens: &tokens, labels: Some(&l), loss_mask: Some(&m) };
-            let counts = segment_targets(&plan_ref, &sources, None, false).unwrap();
+            let counts = segment_targets(&plan_ref, &sources, None, false, &[]).unwrap();
             let rows =
                 materialize(&plan_ref, &sources, &all, &MaterializeOptions::default()).unwrap();
             assert_eq!(counts.iter().map(|&c| c as u64).sum::<u64>(), rows.num_targets);
@@ -456,18 +497,19 @@ mod tests {
         let plan = pack(&[3u32, 2], &PackOptions::new(8)).unwrap();
         let short = column("input_ids", &[0, 3], Values::of(&[1i32, 2, 3]));
         let sources = Sources { tokens: &short, labels: None, loss_mask: None };
-        let err = segment_targets(&PlanRef::from(&plan), &sources, None, false).unwrap_err();
+        let err = segment_targets(&PlanRef::from(&plan), &sources, None, false, &[]).unwrap_err();
         assert!(err.to_string().contains("refers to sequence 1"), "{err}");
         let mut opts = PackOptions::new(8);
         opts.reserve = 1;
         let plan = pack(&[3u32], &opts).unwrap();
         let sources = Sources { tokens: &short, labels: None, loss_mask: None };
-        let err = segment_targets(&PlanRef::from(&plan), &sources, None, false).unwrap_err();
+        let err = segment_targets(&PlanRef::from(&plan), &sources, None, false, &[]).unwrap_err();
         assert!(err.to_string().starts_with("separator_id:"), "{err}");
         // A labels column with more rows than the tokens is refused, as gather refuses it.
         let labels = column("labels", &[0, 3, 4], Values::of(&[1i64, 2, 3, 4]));
         let sources = Sources { tokens: &short, labels: Some(&labels), loss_mask: None };
-        let err = segment_targets(&PlanRef::from(&plan), &sources, Some(0), false).unwrap_err();
+        let err =
+            segment_targets(&PlanRef::from(&plan), &sources, Some(0), false, &[]).unwrap_err();
         assert!(err.to_string().contains("column 'labels' has 2 rows"), "{err}");
     }
 
@@ -498,7 +540,8 @@ mod tests {
                 crate::gather::gather(&plan, &[0], &columns, &crate::gather::GatherOptions::new(1))
                     .unwrap_err()
                     .to_string();
-            let counted = segment_targets(&plan, &sources, None, false).unwrap_err().to_string();
+            let counted =
+                segment_targets(&plan, &sources, None, false, &[]).unwrap_err().to_string();
             assert_eq!(counted, gathered);
             let made = materialize(&plan, &sources, &[0], &MaterializeOptions::default())
                 .unwrap_err()

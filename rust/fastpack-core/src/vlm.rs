@@ -59,11 +59,47 @@ impl Family {
 }
 
 /// How a video's temporal step is computed: as Hugging Face computes it for the dtype of
-/// `second_per_grid_ts` (a float32 tensor, the processor's, multiplies in float32).
+/// `second_per_grid_ts` (a float32 tensor, the processor's, multiplies in float32; a
+/// float16 or bfloat16 tensor rounds the step, each frame index and each product to its
+/// dtype, the product itself computed exactly).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TimeMath {
+    F16,
+    BF16,
     F32,
     F64,
+}
+
+/// The largest temporal offset of a video (`⌊(t - 1)·interval⌋`): beyond 2^53 a position
+/// is no longer an exact float, and `as i64` would saturate.
+const TIME_LIMIT: f64 = 9_007_199_254_740_992.0;
+
+/// `x` rounded to the nearest float16 (ties to even), as a float32: what casting a float32
+/// to `torch.float16` gives (`inf` beyond its range).
+fn round_f16(x: f32) -> f32 {
+    let a = x.abs();
+    if !a.is_finite() || a >= 65520.0 {
+        return if a.is_nan() { x } else { f32::INFINITY.copysign(x) };
+    }
+    if a < 6.103_515_6e-5 {
+        // Subnormal float16: multiples of 2^-24.
+        let q = 5.960_464_5e-8_f32;
+        return ((x / q).round_ties_even()) * q;
+    }
+    // 10 mantissa bits of float32's 23: round away the low 13 (ties to even).
+    let bits = x.to_bits();
+    let rounded = bits + 0x0fff + ((bits >> 13) & 1);
+    f32::from_bits(rounded & !0x1fff)
+}
+
+/// `x` rounded to the nearest bfloat16 (ties to even), as a float32.
+fn round_bf16(x: f32) -> f32 {
+    if !x.is_finite() {
+        return x;
+    }
+    let bits = x.to_bits();
+    let rounded = bits.wrapping_add(0x7fff + ((bits >> 16) & 1));
+    f32::from_bits(rounded & 0xffff_0000)
 }
 
 /// What a model's positions depend on: its family and its config's numbers.
@@ -103,18 +139,33 @@ struct Grid {
 #[derive(Debug, Clone, Copy)]
 enum Interval {
     One,
+    F16(f32),
+    BF16(f32),
     F32(f32),
     F64(f64),
 }
 
 impl Interval {
+    /// The product before truncation: Hugging Face's `arange(t) * interval` in the
+    /// interval's dtype (for half precision: the index rounded, the exact product rounded).
+    #[inline]
+    fn value(self, i: u64) -> f64 {
+        match self {
+            Interval::One => i as f64,
+            Interval::F16(x) => f64::from(round_f16(round_f16(i as f32) * x)),
+            Interval::BF16(x) => f64::from(round_bf16(round_bf16(i as f32) * x)),
+            Interval::F32(x) => f64::from((i as f32) * x),
+            Interval::F64(x) => (i as f64) * x,
+        }
+    }
+
+    /// `(arange(t) * interval).long()`: the product truncated; checked finite and at most
+    /// [`TIME_LIMIT`] for the last frame when the grid is made.
     #[inline]
     fn at(self, i: u64) -> i64 {
         match self {
             Interval::One => i as i64,
-            // Hugging Face: `(arange(t) * interval).long()`: a float product, truncated.
-            Interval::F32(x) => ((i as f32) * x) as i64,
-            Interval::F64(x) => ((i as f64) * x) as i64,
+            other => other.value(i) as i64,
         }
     }
 }
@@ -184,6 +235,18 @@ fn grids(cfg: &RopeConfig, media: &Media<'_>) -> Result<Units> {
             ));
         }
     }
+    let per_second = cfg.tokens_per_second;
+    if cfg.family == Family::Qwen25Vl
+        && !video.is_empty()
+        && !(per_second.is_finite() && per_second >= 0.0)
+    {
+        return Err(Error::invalid(
+            "tokens_per_second",
+            format!(
+                "is {per_second}; expected a finite number >= 0 (vision_config.tokens_per_second)"
+            ),
+        ));
+    }
     let images = image.iter().map(|&[t, h, w]| Grid { t, h, w, interval: Interval::One }).collect();
     let mut videos = Vec::new();
     let mut video_of = Vec::new();
@@ -195,11 +258,35 @@ fn grids(cfg: &RopeConfig, media: &Media<'_>) -> Result<Units> {
             }
             Family::Qwen25Vl => {
                 let seconds = media.second_per_grid_ts.map_or(1.0, |s| s[k]);
-                let step = cfg.tokens_per_second * seconds;
+                let step = per_second * seconds;
+                // Hugging Face's `tokens_per_second * second_per_grid_ts[k]`: a Python
+                // number times a 0-d tensor, computed in float32 and rounded to its dtype.
+                let step32 = (per_second as f32) * (seconds as f32);
                 let interval = match media.time_math.unwrap_or(TimeMath::F32) {
+                    TimeMath::F16 => Interval::F16(round_f16(step32)),
+                    TimeMath::BF16 => Interval::BF16(round_bf16(step32)),
                     TimeMath::F32 => Interval::F32(step as f32),
                     TimeMath::F64 => Interval::F64(step),
                 };
+                let last = interval.value(t - 1);
+                if !(last.is_finite() && last <= TIME_LIMIT) {
+                    // Name the larger factor: the one a user would have mistyped.
+                    let arg = if seconds > per_second {
+                        "second_per_grid_ts"
+                    } else {
+                        "tokens_per_second"
+                    };
+                    return Err(Error::invalid(
+                        arg,
+                        format!(
+                            "video {k}: its last temporal position ({} frames x tokens_per_second \
+                             {per_second} x second_per_grid_ts {seconds}) is {last}, beyond \
+                             2^53; expected seconds per temporal grid and a tokens_per_second \
+                             of a real video",
+                            t - 1
+                        ),
+                    ));
+                }
                 videos.push(Grid { t, h, w, interval });
                 video_of.push(k as u32);
             }
@@ -283,6 +370,13 @@ fn one_document(
             ));
         }
         let mut k = i;
+        // Positions grow by at most 2^20 per grid and by the temporal offset (at most
+        // 2^53, checked with the grid); checked all the same, never a wrapped position.
+        let overflow =
+            || Error::invalid("input_ids", name(&format!("the positions overflow at token {i}")));
+        let span = grid.h.max(grid.w) as i64;
+        pos.checked_add(grid.interval.at(grid.t - 1)).ok_or_else(overflow)?;
+        pos.checked_add(span).ok_or_else(overflow)?;
         for ti in 0..grid.t {
             let t_pos = pos + grid.interval.at(ti);
             for hi in 0..grid.h {
@@ -294,7 +388,7 @@ fn one_document(
                 }
             }
         }
-        pos += grid.h.max(grid.w) as i64;
+        pos += span;
         *next += 1;
         i += tokens;
     }
@@ -717,6 +811,45 @@ mod tests {
             video_token_id: 8,
             spatial_merge_size: 2,
             tokens_per_second: 2.0,
+        }
+    }
+
+    #[test]
+    fn half_precision_rounds_as_torch_casts() {
+        // torch.tensor([x]).half() / .bfloat16(), read back as float32.
+        for (x, half, brain) in [
+            (0.1f32, 0.099_975_586f32, 0.100_097_656f32),
+            (2.0 / 24.0, 0.083_312_99, 0.083_496_094),
+            (65519.0, 65504.0, 65536.0),
+            (3e-8, 5.960_464_5e-8, 3e-8),
+            (1.0, 1.0, 1.0),
+        ] {
+            assert_eq!(round_f16(x), half, "{x}");
+            if x != 3e-8 {
+                assert_eq!(round_bf16(x), brain, "{x}");
+            }
+        }
+        assert_eq!(round_f16(65520.0), f32::INFINITY);
+        assert_eq!(round_f16(1e-8), 0.0);
+    }
+
+    #[test]
+    fn a_huge_time_step_is_an_error_naming_its_argument() {
+        let ids = [1, 8, 8, 2];
+        for (per_second, seconds, arg) in
+            [(2.0, 1e300, "second_per_grid_ts"), (1e300, 0.5, "tokens_per_second")]
+        {
+            let c = RopeConfig { tokens_per_second: per_second, ..cfg(Family::Qwen25Vl) };
+            for math in [TimeMath::F16, TimeMath::BF16, TimeMath::F32, TimeMath::F64] {
+                let media = Media {
+                    video_grid_thw: &[2, 2, 2],
+                    second_per_grid_ts: Some(&[seconds]),
+                    time_math: Some(math),
+                    ..Media::default()
+                };
+                let err = rope_index(&c, &ids, &media).unwrap_err().to_string();
+                assert!(err.starts_with(&format!("{arg}: video 0")), "{err}");
+            }
         }
     }
 

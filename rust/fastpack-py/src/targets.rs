@@ -12,12 +12,14 @@ use crate::column::ListColumn;
 use crate::{fastpack_error, guarded, plan_ref, to_py};
 
 /// `segment_targets(plan arrays..., tokens, labels, loss_mask, ...)`: labels other than
-/// -100 that `materialize` gives each segment (uint32 [S]). The token values are never
-/// read (only their row lengths); labels and mask are read in place.
+/// -100 that `materialize` gives each segment (uint32 [S]), a token of `ignore_tokens`
+/// never one. The token values are read only with `ignore_tokens` (else only their row
+/// lengths); labels and mask are read in place.
 #[pyfunction]
 #[pyo3(signature = (
     sample_ids, starts, seqlens, reserve, strategy, overlong, tokens, labels=None,
-    loss_mask=None, separator_id=None, train_separators=false, threads=None
+    loss_mask=None, separator_id=None, train_separators=false, threads=None,
+    ignore_tokens=None
 ))]
 #[allow(clippy::too_many_arguments)]
 pub fn segment_targets<'py>(
@@ -34,7 +36,9 @@ pub fn segment_targets<'py>(
     separator_id: Option<i64>,
     train_separators: bool,
     threads: Option<usize>,
+    ignore_tokens: Option<Vec<i64>>,
 ) -> PyResult<Bound<'py, PyArray1<u32>>> {
+    let ignore = ignore_tokens.unwrap_or_default();
     if !(sample_ids.is_contiguous() && starts.is_contiguous() && seqlens.is_contiguous()) {
         return Err(fastpack_error("plan: expected contiguous arrays"));
     }
@@ -47,7 +51,9 @@ pub fn segment_targets<'py>(
     let counts = py
         .detach(|| {
             pool::install(threads, || {
-                guarded(|| core::segment_targets(&plan, &sources, separator_id, train_separators))
+                guarded(|| {
+                    core::segment_targets(&plan, &sources, separator_id, train_separators, &ignore)
+                })
             })
         })
         .map_err(to_py)?

@@ -21,15 +21,16 @@ fn slice<'a>(array: &'a Option<PyReadonlyArray1<'_, i64>>, name: &str) -> PyResu
 
 /// `rope_index(input_ids, cu_seqlens, model_type, image_token_id, video_token_id,
 /// spatial_merge_size, tokens_per_second, image_grid_thw, video_grid_thw,
-/// second_per_grid_ts, time_f32, text_row, threads)`: the mRoPE positions `(3, T)` flat
+/// second_per_grid_ts, time_math, text_row, threads)`: the mRoPE positions `(3, T)` flat
 /// (row-major) of one document (`cu_seqlens=None`) or of the documents `cu_seqlens` cuts
 /// `input_ids` into (`text_row`: `(4, T)`, the text position first); grids flat
-/// `(t, h, w)` int64 in placeholder order.
+/// `(t, h, w)` int64 in placeholder order; `time_math` the dtype Hugging Face multiplies
+/// `second_per_grid_ts` in (`"float16"`, `"bfloat16"`, `"float32"` or `"float64"`).
 #[pyfunction]
 #[pyo3(signature = (
     input_ids, cu_seqlens, model_type, image_token_id, video_token_id, spatial_merge_size,
     tokens_per_second, image_grid_thw=None, video_grid_thw=None, second_per_grid_ts=None,
-    time_f32=true, text_row=false, threads=None
+    time_math="float32", text_row=false, threads=None
 ))]
 #[allow(clippy::too_many_arguments)]
 pub fn rope_index<'py>(
@@ -44,7 +45,7 @@ pub fn rope_index<'py>(
     image_grid_thw: Option<PyReadonlyArray1<'py, i64>>,
     video_grid_thw: Option<PyReadonlyArray1<'py, i64>>,
     second_per_grid_ts: Option<PyReadonlyArray1<'py, f64>>,
-    time_f32: bool,
+    time_math: &str,
     text_row: bool,
     threads: Option<usize>,
 ) -> PyResult<Bound<'py, PyArray1<i64>>> {
@@ -69,7 +70,18 @@ pub fn rope_index<'py>(
         image_grid_thw: slice(&image_grid_thw, "image_grid_thw")?,
         video_grid_thw: slice(&video_grid_thw, "video_grid_thw")?,
         second_per_grid_ts: seconds,
-        time_math: Some(if time_f32 { TimeMath::F32 } else { TimeMath::F64 }),
+        time_math: Some(match time_math {
+            "float16" => TimeMath::F16,
+            "bfloat16" => TimeMath::BF16,
+            "float32" => TimeMath::F32,
+            "float64" => TimeMath::F64,
+            other => {
+                return Err(fastpack_error(&format!(
+                    "time_math: {other:?}; expected \"float16\", \"bfloat16\", \"float32\" \
+                     or \"float64\""
+                )))
+            }
+        }),
     };
     let cu = match &cu_seqlens {
         None => None,
