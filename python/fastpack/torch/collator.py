@@ -329,9 +329,9 @@ class PackedCollator(WithOptions):
             if self.share_prefix:
                 return self._pairs(features)
             if "input_ids" not in features[0]:
-                keys = pair_keys(features[0])
+                pair = pair_keys(features[0])
                 raise FastpackError(
-                    f"features: sample 0 is a preference pair ({', '.join(map(repr, keys or ()))}"
+                    f"features: sample 0 is a preference pair ({', '.join(map(repr, pair or ()))}"
                     f"); pairs are packed as trees, their prompt shared: pass "
                     f"share_prefix=True (backend 'flash' or 'flex')"
                 )
