@@ -324,3 +324,28 @@ def test_the_command_refuses_a_mismatched_labels_column_and_negative_ids(
     assert code == 2 and "'labels'" in out and "has 1 values where 'input_ids' has 2" in out
     code, out = run([{"input_ids": [1, 2, 3]}, {"input_ids": [4, -5]}], "negative")
     assert code == 2 and "row 1" in out and "negative token id -5" in out, out
+
+
+# -- 9f: a tree batch given to an attention that takes tensor masks
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+@pytest.mark.parametrize("backend", ["flash", "flex"])
+def test_a_tree_batch_raises_in_an_attention_of_tensor_masks(impl: str, backend: str) -> None:
+    """A tree batch's mask is a flex BlockMask; Hugging Face's sdpa and eager used to fail
+    inside torch with a TypeError that names no fix. Now the forward raises a
+    FastpackError naming attention_mask and the attention to load."""
+    from fastpack.torch import register_hf_attention
+
+    samples = [{"input_ids": [1, 2, 3, 4, 5, 6], "group": 0},
+               {"input_ids": [1, 2, 3, 4, 9, 9, 9], "group": 0}]
+    batch = PackedCollator(max_len=64, backend=backend, share_prefix=True)(samples)
+    m = _llama(impl)
+    with torch.no_grad(), pytest.raises(FastpackError, match="^attention_mask: this is a "
+                                        "tree batch.*register_hf_attention"):
+        m(**batch)
+    # fastpack's attention computes the same batch: the guard never reaches it.
+    m.set_attn_implementation(register_hf_attention())
+    with torch.no_grad():
+        out = m(**batch).logits
+    assert out.shape[1] == batch["input_ids"].shape[1]

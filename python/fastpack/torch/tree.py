@@ -387,11 +387,49 @@ def tree_batch(rows: Mapping[str, Any], *, return_num_items: bool = False) -> di
     }
     total = int(out["input_ids"].shape[-1])
     layout = check_tree(out["tree_cu_seqlens"], out["tree_parents"], total)
-    out["attention_mask"] = tree_block_mask(layout)
+    out["attention_mask"] = _guarded(tree_block_mask(layout))
     out["use_cache"] = False
     if return_num_items:
         out["num_items_in_batch"] = torch.tensor(int(rows["num_targets"]))
     return out
+
+
+_PLAIN_ATTENTION = (
+    "attention_mask: this is a tree batch (share_prefix=True): its mask is a flex "
+    "BlockMask over shared prefixes, which only flex attention reads, and {what} used it as "
+    "a tensor mask; load the model with attn_implementation=register_hf_attention() (any "
+    "backend) or attn_implementation='flex_attention'"
+)
+
+
+try:
+    from torch.nn.attention.flex_attention import BlockMask as _BlockMask
+except Exception:  # a torch without flex attention builds no tree batch (flex_available)
+    _BlockMask = object  # type: ignore[assignment,misc]
+
+
+class TreeBlockMask(_BlockMask):  # type: ignore[misc,valid-type]
+    """A tree batch's ``BlockMask``: flex attention reads it as any other, and an attention
+    that takes tensor masks (Hugging Face's sdpa and eager) raises a :class:`FastpackError`
+    where it uses it — as an argument of a torch function or in ``scores + mask`` —
+    instead of torch's TypeError. Module-level, so a batch pickles for loader workers."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        name = getattr(func, "__name__", str(func))
+        raise FastpackError(_PLAIN_ATTENTION.format(what=f"torch's {name}"))
+
+    def __radd__(self, other: Any) -> Any:
+        raise FastpackError(_PLAIN_ATTENTION.format(what="an attention adding it to its "
+                                                    "scores"))
+
+    __add__ = __radd__
+
+
+def _guarded(mask: Any) -> Any:
+    mask.__class__ = TreeBlockMask
+    return mask
 
 
 # --------------------------------------------------------------------- attention
