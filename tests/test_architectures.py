@@ -36,9 +36,7 @@ from transformers.models.auto.modeling_auto import (  # noqa: E402
 #: Cells (architecture, format) the library does not handle yet, and how they fail.
 #: Strict xfail: each entry fails the suite once it passes, so the list only shrinks.
 #: Regenerate: ``PYTHONPATH=python:tests python3 tests/architectures.py --known``.
-KNOWN: dict[tuple[str, str], str] = {
-    ('blt', 'sdpa'): 'silently different: model (BltModel) passes other positions or ids than the sample alone (not restarted at each sequence?) (4.3e+00)',
-}
+KNOWN: dict[tuple[str, str], str] = {}
 
 
 @dataclass
