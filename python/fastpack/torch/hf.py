@@ -971,9 +971,9 @@ def _own_softmax(cls: type) -> bool:
 
 
 def _forward_tree(cls: type) -> ast.FunctionDef | None:
-    """The syntax tree of a module class's own ``forward`` (``None`` where its source is
-    not readable: compiled or built at run time)."""
-    forward = cls.__dict__.get("forward")
+    """The syntax tree of a module class's ``forward``, its own or inherited (``None``
+    where its source is not readable: compiled or built at run time)."""
+    forward = getattr(cls, "forward", None)  # inherited: the parent's runs
     if forward is None:
         return None
     try:
