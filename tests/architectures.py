@@ -284,7 +284,10 @@ OVERRIDES["qwen4_exp_text"] = _set(indexer_n_heads=HEADS, indexer_kv_heads=1,
                                    indexer_head_dim=HEAD_DIM, indexer_budget=WINDOW,
                                    indexer_compress_ratio=2)
 # Per-layer indices of layers: derived again from the layers kept.
-OVERRIDES["kolibri1_1"] = _set(index_layers=None, kv_source_layers=None)
+# Its indexer's budgets below the samples' lengths (the defaults select every key).
+OVERRIDES["kolibri1_1"] = _set(index_layers=None, kv_source_layers=None, index_topk=2,
+                               index_pool_size=4, index_compression=2,
+                               index_num_local_tokens=1, index_num_sink_tokens=1)
 OVERRIDES["gemma3n_text"] = _set(num_kv_shared_layers=0)
 OVERRIDES["zaya"] = _set(num_experts_per_tok=1)
 #: Defaults that do not build as they are (transformers' validator refuses them).

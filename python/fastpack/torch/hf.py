@@ -5,9 +5,11 @@ implementation of transformers models (:func:`register_hf_attention`), and the
 
 from __future__ import annotations
 
+import ast
 import functools
 import inspect
 import re
+import textwrap
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -841,10 +843,10 @@ def check_model_batch(model: Any, batch: dict[str, Any]) -> None:
                    f"(sliding_window={window})",
                    "use mask='position_ids' (the default) or backend='flash'")
         return
-    if not ours and getattr(config, "model_type", None) in _MASK_WITHOUT_POSITIONS and (
-            _packs_sequences(batch)):
-        refuse("packed rows on a model that builds its attention mask without position_ids "
-               "(every token would see the whole row)",
+    blind = None if ours or not _packs_sequences(batch) else _mask_builder(model, "omitted")
+    if blind is not None:
+        refuse(f"packed rows on a model that builds its attention mask without position_ids "
+               f"({blind}: every token would see the whole row)",
                "use attn_implementation=register_hf_attention() with prepare_model(model), "
                "or an explicit mask (mask='explicit')")
     if ours or "cu_seq_lens_q" in batch or positions is None:
@@ -910,9 +912,8 @@ _STATE_PARAMETERS = ("A_log", "dt_bias", "time_decay", "time_first", "recurrent_
 _MEDIA_TOWERS = re.compile(r"(^|\.)(visual|vision_tower|vision_model|vision_encoder|"
                            r"audio_tower|audio_model|audio_encoder|audio_embed|"
                            r"embed_tokens_extend|multi_modal_projector)(\.|$)")
-#: Model types whose model builds the attention mask without the positions, so Hugging
-#: Face's attentions never see where packed sequences restart.
-_MASK_WITHOUT_POSITIONS = ("granitemoehybrid", "afmoe", "biogpt", "opt")
+#: Hugging Face's mask builders: given ``position_ids`` they keep packed sequences apart.
+_MASK_BUILDERS = re.compile(r"create_\w*causal_mask$", re.ASCII)
 #: Model types that cannot keep packed sequences apart, and why (found by the sweep of
 #: every causal LM transformers registers: silently different on packed rows).
 _NOT_PACKABLE = {
@@ -922,7 +923,6 @@ _NOT_PACKABLE = {
     "xlnet": "its relative attention runs over the whole row",
     "cpmant": "its position bias runs over the whole row",
     "reformer": "its LSH / axial attention and positions run over the whole row",
-    "git": "its text attention is built over the whole row beside the image tokens",
     "prophetnet": "its n-gram attention runs over the whole row",
     "big_bird": "its bidirectional attention is its own, not the attention interface: every "
                 "token sees the whole row",
@@ -931,12 +931,149 @@ _NOT_PACKABLE = {
     "rembert": "its bidirectional attention is its own, not the attention interface: every "
                "token sees the whole row",
 }
+#: Model types that keep a text-only packed row apart (Hugging Face's attentions) but not one
+#: beside images, and why.
+_NOT_PACKABLE_WITH_MEDIA = {
+    "git": "its image tokens are one prefix of the row, which every sequence of the row sees",
+}
 #: Token-mixing classes that keep packed sequences apart themselves (checked by the sweep).
 _KEEPS_APART = {
     "InklingShortConvolution": "masks its window with the model's conv_mask",
 }
+#: Sparse-attention indexers that select keys per document from Hugging Face's 4-D mask
+#: (read in their source; exact in the sweep with budgets smaller than its samples). The
+#: others take ``torch.topk`` over the row, whose ties (ReLU scores are often exactly 0)
+#: fall on other keys once the sequence sits elsewhere in the row: AXK2 and HY-V4 are
+#: exact in the sweep with ``index_topk=4`` by luck, 0.06 / 4e-3 off with 2.
+_INDEXES_PER_DOCUMENT = {
+    "Kolibri1_1Indexer": "groups queries by their first visible key and breaks ties "
+                         "towards that document's earlier keys",
+}
 #: Model types whose attention adds ALiBi biases outside the attention interface.
 _ALIBI_TYPES = ("bloom", "mpt")
+
+
+#: What :func:`_mask_positions` and :func:`_own_mask` read from each class's source.
+_SOURCE_FACTS: dict[type, tuple[str | None, bool, bool]] = {}
+
+
+def _source_facts(cls: type) -> tuple[str | None, bool, bool]:
+    """:func:`_mask_positions`, :func:`_own_mask` and :func:`_own_softmax` of ``cls``,
+    parsed once per class."""
+    facts = _SOURCE_FACTS.get(cls)
+    if facts is None:
+        facts = _SOURCE_FACTS[cls] = (_mask_positions(cls), _own_mask(cls),
+                                      _own_softmax(cls))
+    return facts
+
+
+def _own_softmax(cls: type) -> bool:
+    """Whether ``cls.forward`` takes a softmax itself and calls no attention interface
+    (GIT's text attention: the registered attention never runs there)."""
+    tree = _forward_tree(cls)
+    if tree is None:
+        return False
+    calls = {_call_name(node) for node in ast.walk(tree) if isinstance(node, ast.Call)}
+    return "softmax" in calls and "attention_interface" not in calls
+
+
+def _forward_tree(cls: type) -> ast.FunctionDef | None:
+    """The syntax tree of a module class's ``forward``, its own or inherited (``None``
+    where its source is not readable: compiled or built at run time)."""
+    forward = getattr(cls, "forward", None)  # inherited: the parent's runs
+    if forward is None:
+        return None
+    try:
+        node = ast.parse(textwrap.dedent(inspect.getsource(forward))).body[0]
+    except (OSError, TypeError, SyntaxError, IndexError):
+        return None
+    return node if isinstance(node, ast.FunctionDef) else None
+
+
+def _call_name(node: ast.Call) -> str:
+    func = node.func
+    return func.id if isinstance(func, ast.Name) else (
+        func.attr if isinstance(func, ast.Attribute) else "")
+
+
+def _mask_positions(cls: type) -> str | None:
+    """How ``cls.forward`` gives Hugging Face's mask builders the positions: ``"omitted"``
+    where no builder call gets any (the mask then spans the whole row), ``"none"`` where
+    one gets ``position_ids=None`` on purpose (a mask over a sequence of the model's own,
+    e.g. BLT's patches of the row's bytes), else ``None`` (positions given, or no mask
+    built)."""
+    tree = _forward_tree(cls)
+    if tree is None:
+        return None
+    literals = {}  # mask_kwargs = {...}: the keys of dicts the calls unpack
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict) and (
+                len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)):
+            literals[node.targets[0].id] = {
+                k.value for k in node.value.keys if isinstance(k, ast.Constant)}
+    calls = given = 0
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and _MASK_BUILDERS.match(_call_name(node))):
+            continue
+        calls += 1
+        for kw in node.keywords:
+            if kw.arg == "position_ids":
+                if isinstance(kw.value, ast.Constant) and kw.value.value is None:
+                    return "none"
+                given += 1
+            elif kw.arg is None and not (isinstance(kw.value, ast.Name) and (
+                    "position_ids" not in literals.get(kw.value.id, {"position_ids"}))):
+                given += 1  # **kwargs that hold, or may hold, the positions
+    return "omitted" if calls and not given else None
+
+
+def _mask_builder(model: Any, how: str) -> str | None:
+    """The first module (``"path (Class)"``) whose forward builds its attention mask with
+    positions ``how`` (see :func:`_mask_positions`), else ``None``."""
+    inner = model
+    for attr in ("module", "_orig_mod"):
+        inner = getattr(inner, attr, inner)
+    if not isinstance(inner, torch.nn.Module):
+        return None
+    for path, module in inner.named_modules():
+        if not _MEDIA_TOWERS.search(path) and _source_facts(type(module))[0] == how:
+            return f"{path or 'the model'} ({type(module).__name__})"
+    return None
+
+
+def _own_mask(cls: type) -> bool:
+    """Whether ``cls.forward`` hands its attention a mask it computes itself (Doge's
+    dynamic mask: a bias per key and a top-k over the keys), not the one it was given."""
+    tree = _forward_tree(cls)
+    if tree is None:
+        return False
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and _call_name(node) == "attention_interface":
+            for kw in node.keywords:
+                if kw.arg == "attention_mask" and not (
+                        isinstance(kw.value, ast.Constant) and kw.value.value is None) and not (
+                        isinstance(kw.value, ast.Name) and kw.value.id == "attention_mask"):
+                    return True
+    return False
+
+
+def _takes_positions(model: torch.nn.Module) -> bool:
+    """Whether ``model(position_ids=...)`` reaches its layers: a ``position_ids``
+    parameter, or ``**kwargs`` passed on to a stack of layers (a module holding a
+    ``ModuleList``) that takes them (Whisper's decoder, a multimodal model's language
+    model)."""
+    params = inspect.signature(model.forward).parameters
+    if "position_ids" in params:
+        return True
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return False
+    for path, module in model.named_modules():
+        if not path or _MEDIA_TOWERS.search(path):
+            continue
+        if any(isinstance(c, torch.nn.ModuleList) for c in module.children()) and (
+                "position_ids" in inspect.signature(module.forward).parameters):
+            return True
+    return False
 
 
 def _mixing_reason(module: torch.nn.Module) -> str | None:
@@ -961,7 +1098,8 @@ def _check_mixing(model: Any, config: Any, batch: dict[str, Any], impl: str, our
     """Refuses a packed batch for a model with a layer that would mix its sequences: a
     known token mixer :func:`~fastpack.torch.prepare_model` has not prepared (or one it
     cannot keep apart on this batch), any other module that mixes tokens, ALiBi, attention
-    sinks on fastpack's attention, and bidirectional attention."""
+    a mask over a sequence of the model's own or computed in a layer, and bidirectional
+    attention."""
     from .mixers import MIXERS, is_prepared
 
     kind = getattr(config, "model_type", None)
@@ -972,6 +1110,9 @@ def _check_mixing(model: Any, config: Any, batch: dict[str, Any], impl: str, our
     if kind in _NOT_PACKABLE:
         refuse(f"packed rows on {kind} ({_NOT_PACKABLE[kind]})",
                "use PackedCollator(backend='padded') for this model")
+    if kind in _NOT_PACKABLE_WITH_MEDIA and "pixel_values" in batch:
+        refuse(f"packed rows with pixel_values on {kind} ({_NOT_PACKABLE_WITH_MEDIA[kind]})",
+               "pack text only, or use PackedCollator(backend='padded') for this model")
     if ours and getattr(config, "attention_chunk_size", None):
         refuse(f"packed rows on a model with chunked attention (attention_chunk_size="
                f"{config.attention_chunk_size}: fastpack's attention does not add the chunks)",
@@ -984,8 +1125,7 @@ def _check_mixing(model: Any, config: Any, batch: dict[str, Any], impl: str, our
     prepared = is_prepared(inner)
     forward = getattr(inner, "forward", None)
     attends = any("Attention" in type(m).__name__ for m in inner.modules())
-    if attends and forward is not None and (
-            "position_ids" not in inspect.signature(forward).parameters):
+    if attends and forward is not None and not _takes_positions(inner):
         refuse(f"packed rows on a model that takes no position_ids ({type(inner).__name__}: "
                f"its positions count along the row, so they do not restart per sequence)",
                "use PackedCollator(backend='padded') for this model")
@@ -994,12 +1134,32 @@ def _check_mixing(model: Any, config: Any, batch: dict[str, Any], impl: str, our
         if any(path == k or path.startswith(k + ".") for k in known) or _MEDIA_TOWERS.search(path):
             continue
         cls = type(module).__name__
-        if getattr(module, "sinks", None) is not None and not ours:
+        builds, owns, softmax = _source_facts(type(module))
+        if softmax and ours and "Attention" in cls:
             raise FastpackError(
-                f"{path} ({cls}) adds attention sinks (a per-head logit every query sees): "
-                f"not supported with attn_implementation={impl!r} on packed rows because "
-                f"its mask does not keep the rows' sequences apart with the sink; use "
-                f"attn_implementation=fastpack.torch.register_hf_attention()")
+                f"{path} ({cls}) computes its attention itself (a softmax in its forward, not "
+                f"the attention interface): not supported with attn_implementation={impl!r} "
+                f"on packed rows because fastpack's attention never runs there and the layer "
+                f"gets no mask that keeps the sequences apart; use attn_implementation="
+                f"'eager' (its mask then comes from position_ids) or "
+                f"PackedCollator(backend='padded')")
+        if builds == "none":
+            raise FastpackError(
+                f"{path or 'the model'} ({cls}) builds an attention mask over a sequence of "
+                f"its own (position_ids=None: not the row's tokens, e.g. patches of them): "
+                f"not supported on packed rows because that sequence runs across the packed "
+                f"sequences; use PackedCollator(backend='padded') for this model")
+        if owns:
+            # Doge's: a bias per key and, on rows longer than keep_window_size, a top-k of
+            # the row's keys (the sweep's rows are shorter and come out exact; with
+            # keep_window_size=3 they are 0.28 off): nothing proves it per sequence.
+            why = ("fastpack's attention adds no mask to a packed row" if ours else
+                   "its terms and any selection of keys are computed over the whole row")
+            raise FastpackError(
+                f"{path} ({cls}) hands its attention a mask it computes itself (attention_"
+                f"mask=... built in the layer: a bias or a selection of keys): not supported "
+                f"on packed rows with attn_implementation={impl!r} because {why}; use "
+                f"PackedCollator(backend='padded') for this model")
         if hasattr(module, "create_position_ids_from_input_ids"):
             raise FastpackError(
                 f"{path} ({cls}) numbers positions from the padding index along the row: "
@@ -1008,6 +1168,15 @@ def _check_mixing(model: Any, config: Any, batch: dict[str, Any], impl: str, our
         if cls in _KEEPS_APART:
             known.append(path)
             continue
+        if cls in _INDEXES_PER_DOCUMENT and not ours:
+            known.append(path)
+            continue
+        if cls in _INDEXES_PER_DOCUMENT:
+            raise FastpackError(
+                f"{path} ({cls}) selects keys from the model's 4-D mask (it "
+                f"{_INDEXES_PER_DOCUMENT[cls]}): not supported with attn_implementation="
+                f"{impl!r} because fastpack's attention leaves it no mask; use "
+                f"attn_implementation='sdpa' or 'eager' with PackedCollator(backend='sdpa')")
         if "Indexer" in cls:
             raise FastpackError(
                 f"{path} ({cls}) selects keys for sparse attention over the whole row: "
