@@ -226,6 +226,14 @@ def test_a_step_of_few_long_sequences_gets_filler_micro_batches() -> None:
         assert bool((batch["labels"] == -100).all())  # no targets: zero loss, zero grad
         assert batch["num_items_in_batch"] > 0  # the optimizer step's count, unchanged
         assert len(ds.samples(step)) == 0
+        logits = torch.randn(1, batch["input_ids"].shape[1], 98, requires_grad=True)
+        for weighting in ("token", "sequence"):
+            loss = fastpack.torch.packed_loss(
+                logits, batch, weighting=weighting,
+                num_items_in_batch=batch["num_items_in_batch"],
+                num_sequences_in_batch=batch["num_sequences_in_batch"])
+            loss.backward()
+            assert loss.item() == 0.0 and not logits.grad.any()
     # A state saved after such a step loads, and the resumed run ends the epoch alike.
     where = next(i for i, s in enumerate(out[0] + out[1]) if len(s.segments) == 0)
     first = samplers(ds, 2, micro_batch_tokens=400, seed=13804)
