@@ -64,6 +64,23 @@ def test_layer_types_mix_windows_and_full() -> None:
     assert "sliding" in repr(cost) and "m = l − 8" in repr(cost)
 
 
+def test_short_convolution_and_chunked_layers_by_hand() -> None:
+    h = 64
+    conv = CostModel.from_config({**LLAMA, "model_type": "lfm2", "conv_L_cache": 3,
+                                  "layer_types": ["conv", "full_attention"]})
+    attention_only = CostModel.from_config({**LLAMA, "num_hidden_layers": 1})
+    mlp = 3 * 2 * h * 128
+    # in_proj (h → 3h), 3 depthwise taps over h channels, out_proj (h → h); an MLP each.
+    assert conv.linear - attention_only.linear == pytest.approx(
+        3.0 * (2 * h * 3 * h + 2 * 3 * h + 2 * h * h + mlp))
+    assert conv.quadratic == attention_only.quadratic
+    assert dict(conv.layers) == {"conv": 1, "full": 1}
+    chunked = CostModel.from_config({**LLAMA, "model_type": "llama4_text",
+                                     "attention_chunk_size": 8,
+                                     "layer_types": ["chunked_attention", "full_attention"]})
+    assert [w for w, _ in chunked.windows] == [8]  # within a chunk: at most 8 keys
+
+
 def test_moe_counts_active_experts_only() -> None:
     moe = {**LLAMA, "model_type": "qwen3_moe", "num_experts": 64, "num_experts_per_tok": 2,
            "moe_intermediate_size": 32}
@@ -175,6 +192,12 @@ def _families():  # type: ignore[no-untyped-def]
             shared_expert_intermediate_size=16, linear_num_key_heads=2,
             linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
             layer_types=["linear_attention", "full_attention"]),
+        # LFM2: short convolutions (in_proj, 3 causal taps, out_proj) and attention.
+        "lfm2": t.Lfm2Config(**{**TINY, "num_hidden_layers": 3},
+                             layer_types=["conv", "full_attention", "conv"]),
+        # Falcon-H1: attention and a Mamba2 mixer side by side in every layer.
+        "falcon_h1": t.FalconH1Config(**TINY, mamba_d_ssm=64, mamba_n_heads=4,
+                                      mamba_d_state=8, mamba_chunk_size=8),
     }
 
 
@@ -185,7 +208,8 @@ def _solve_flops(a_shape, b_shape, *args, **kwargs) -> int:  # type: ignore[no-u
     return batch * n * n * k
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen3_moe", "bamba", "qwen3_next"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen3_moe", "bamba", "qwen3_next",
+                                    "lfm2", "falcon_h1"])
 def test_against_flop_counter(family: str, exact: str) -> None:
     import torch
 

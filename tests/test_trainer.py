@@ -156,6 +156,23 @@ def test_resume_replays_the_schedule(tmp_path: Path) -> None:
     assert resumed.seen == full.seen[4:]
 
 
+def test_a_config_the_cost_model_cannot_read_falls_back_with_one_warning(
+    tmp_path: Path,
+) -> None:
+    import warnings
+
+    trainers = [make_trainer(tmp_path / str(i)) for i in range(2)]
+    for t in trainers:
+        config = t.model.config
+        config.layer_types = ["full_attention", "retention"] * (config.num_hidden_layers // 2)
+    with pytest.warns(UserWarning, match="'retention'"):
+        sampler = trainers[0].packed_sampler
+    assert sampler.cost.name == f"hidden_size={trainers[0].model.config.hidden_size}"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert trainers[1].packed_sampler.cost.key == sampler.cost.key  # warned once
+
+
 def test_batch_counts_are_the_step_normaliser(tmp_path: Path) -> None:
     trainer = make_trainer(tmp_path)
     loader = trainer.get_train_dataloader()

@@ -8,8 +8,11 @@ lengths (an RL rollout batch, a benchmark). Its guarantees, per global step:
 - no micro-batch holds more than the token cap or costs more than the cost cap (a
   sequence over a cap raises, or with ``overlong="drop"`` is left out and counted);
 - every rank gets the same number ``k`` of micro-batches, a multiple of
-  ``pipeline_group`` (the micro-batches a pipeline's virtual stages take at a time), and
-  none is empty;
+  ``pipeline_group`` (the micro-batches a pipeline's virtual stages take at a time); a
+  micro-batch is empty only in a step with fewer sequences than ``R·k`` (a few long
+  ones): each sequence then has a micro-batch to itself and the rest stay empty, so that
+  every rank still runs ``k`` (the sampler turns an empty one into a filler batch with
+  no targets, see :class:`~fastpack.torch.PackedDataset`);
 - the ranks and the micro-batches carry nearly the same cost (longest-processing-time
   first, twice: a step's sequences in decreasing cost each to the lightest rank, then a
   rank's each into its lightest micro-batch that stays under the caps; a step where a rank
@@ -180,18 +183,19 @@ class MicroBatches:
                 float(np.mean(ranks.max(axis=1) / np.maximum(ranks.mean(axis=1), 1e-300))))
 
 
-def _check_room(k: np.ndarray, sizes: np.ndarray, ranks: int, token_cap: Any,
-                cost_cap: Any) -> None:
-    """Raise when a step has too few sequences for ``R·k`` non-empty micro-batches."""
-    over = np.flatnonzero(k * ranks > sizes)
-    if len(over):
-        s = int(over[0])
-        raise FastpackError(
-            f"micro-batches: global step {s} holds {int(sizes[s])} sequence(s), too few "
-            f"to fill {ranks} rank(s) × {int(k[s])} micro-batches (token cap {token_cap}, "
-            f"cost cap {cost_cap}, and the pipeline group); raise the cap or put more "
-            f"sequences in a step"
-        )
+def _one_each(step: np.ndarray, cost: np.ndarray, k: np.ndarray, ranks: int) -> np.ndarray:
+    """A micro-batch to each unit of steps with at most ``R·k`` units (any unit fits a
+    micro-batch alone): the ``j``-th costliest of its step goes to rank ``j % R`` (in a
+    snake, ``R-1-j % R`` on odd rounds, to even out the ranks), micro-batch ``j // R``.
+    Returns each unit's bin inside its step (``rank·k + micro``)."""
+    order = np.lexsort((-cost, step))
+    sizes = np.bincount(step, minlength=len(k))
+    starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+    j = np.empty(len(step), dtype=np.int64)
+    j[order] = np.arange(len(step)) - starts[step[order]]
+    rnd, rank = j // ranks, j % ranks
+    rank = np.where(rnd % 2 == 1, ranks - 1 - rank, rank)
+    return np.asarray(rank * k[step] + rnd, dtype=np.int64)
 
 
 def split_steps(step: np.ndarray, tokens: np.ndarray, cost: np.ndarray, *, steps: int,
@@ -205,12 +209,6 @@ def split_steps(step: np.ndarray, tokens: np.ndarray, cost: np.ndarray, *, steps
     ccap = math.inf if cost_cap is None else float(cost_cap)
     n = len(step)
     sizes = np.bincount(step, minlength=steps)
-    if np.any(sizes[:steps] < ranks):
-        s = int(np.flatnonzero(sizes < ranks)[0])
-        raise FastpackError(
-            f"ranks: global step {s} holds {int(sizes[s])} sequence(s), fewer than the "
-            f"{ranks} ranks; every rank needs a non-empty micro-batch"
-        )
     floor = max(1, min_micro_batches)
     weights = tokens.astype(np.float64)
 
@@ -223,7 +221,6 @@ def split_steps(step: np.ndarray, tokens: np.ndarray, cost: np.ndarray, *, steps
         return np.asarray(-(-k // pipeline_group) * pipeline_group, dtype=np.int64)
 
     pooled_k = bound(step, steps, ranks)
-    _check_room(pooled_k, sizes, ranks, token_cap, cost_cap)
     # Two levels first: each step's sequences over its ranks by cost (LPT, no cap), then
     # each rank's into k micro-batches under the caps (k the largest any rank needs). A
     # placement costs O(R + k) this way, not O(R·k).
@@ -253,10 +250,20 @@ def split_steps(step: np.ndarray, tokens: np.ndarray, cost: np.ndarray, *, steps
         unit_bin[units] = rank[units] * k[step[units]] + slots
         todo = np.unique(groups[failed] // ranks)
         k[todo] += pipeline_group
-    # Pooled: the step's sequences into all its R·k micro-batches at once.
+    # Pooled: the step's sequences into all its R·k micro-batches at once; a step with no
+    # more sequences than that gives each its own (some left empty when fewer).
     k[pooled] = pooled_k[pooled]
     todo = np.flatnonzero(pooled)
     while len(todo):
+        few = sizes[todo] <= k[todo] * ranks
+        if np.any(few):
+            mask = np.zeros(steps, dtype=bool)
+            mask[todo[few]] = True
+            units = np.flatnonzero(mask[step])
+            unit_bin[units] = _one_each(step[units], cost[units], k, ranks)
+            todo = todo[~few]
+            if not len(todo):
+                break
         mask = np.zeros(steps, dtype=bool)
         mask[todo] = True
         units = np.flatnonzero(mask[step])
@@ -266,9 +273,7 @@ def split_steps(step: np.ndarray, tokens: np.ndarray, cost: np.ndarray, *, steps
                             k[todo] * ranks, tcap, ccap)
         unit_bin[units] = bins
         todo = todo[failed]
-        if len(todo):
-            k[todo] += pipeline_group
-            _check_room(k, sizes, ranks, token_cap, cost_cap)
+        k[todo] += pipeline_group
     # Bin b of step s: rank b // k, that rank's (b % k)-th micro-batch before ordering.
     step_first = np.concatenate(([0], np.cumsum(k * ranks)[:-1])).astype(np.int64)
     batch = step_first[step] + unit_bin

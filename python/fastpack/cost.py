@@ -173,12 +173,23 @@ class CostModel:
         return text + ")"
 
 
+#: ``layer_types`` values of transformers' configs and the mixer each names: ``conv`` is
+#: LFM2's short convolution; ``chunked`` Llama 4's attention within chunks of
+#: ``attention_chunk_size`` (counted as a window of that size: an upper bound, at most
+#: twice the pairs); ``hybrid`` attention and a Mamba2 mixer side by side (Falcon-H1).
+LAYER_KINDS = {"full_attention": "full", "attention": "full", "sliding_attention": "sliding",
+               "linear_attention": "delta", "mamba": "mamba", "mamba2": "mamba",
+               "conv": "conv", "chunked_attention": "chunked", "hybrid": "hybrid"}
+
+
 def _layer_kinds(text: Any, n: int) -> list[str]:
-    """Each layer's token mixer: ``full``, ``sliding``, ``mamba`` or ``delta``."""
+    """Each layer's token mixer: ``full``, ``sliding``, ``chunked``, ``mamba``, ``delta``,
+    ``conv`` or ``hybrid`` (see :data:`LAYER_KINDS`)."""
     types = _get(text, "layer_types")
+    if types is None:
+        types = _get(text, "layers_block_type")  # Falcon-H1: every layer "hybrid"
     if types is not None and len(types) == n:
-        names = {"full_attention": "full", "attention": "full", "sliding_attention": "sliding",
-                 "linear_attention": "delta", "mamba": "mamba", "mamba2": "mamba"}
+        names = LAYER_KINDS
         out = []
         for t in types:
             if t not in names:
@@ -206,6 +217,13 @@ def _text(text: Any, model_type: str) -> tuple[float, list[tuple[int, float]], d
     kv = int(_get(text, "num_key_value_heads", heads))
     d = int(_get(text, "head_dim", h // heads))
     inter = int(_get(text, "intermediate_size", 4 * h))
+    if _get(text, "block_auto_adjust_ff_dim", False):
+        # LFM2's MLP: 2/3 of intermediate_size, times a multiplier, rounded up.
+        inter = int(2 * inter / 3)
+        if _get(text, "block_ffn_dim_multiplier") is not None:
+            multiple = int(_get(text, "block_multiple_of", 256))
+            inter = int(float(_get(text, "block_ffn_dim_multiplier")) * inter)
+            inter = multiple * (-(-inter // multiple))
     vocab = int(_get(text, "vocab_size", 0))
     mlp_type = str(_get(text, "model_type", model_type))
     gated = 3 if mlp_type not in _PLAIN_MLP else 2
@@ -229,6 +247,7 @@ def _text(text: Any, model_type: str) -> tuple[float, list[tuple[int, float]], d
     dense = gated * 2 * h * inter
 
     window = int(_get(text, "sliding_window") or 0)
+    chunk = int(_get(text, "attention_chunk_size") or 0)
     kinds = _layer_kinds(text, n)
     counts: dict[str, int] = {}
     per_token = 2.0 * h * vocab  # the LM head (the embedding is a lookup)
@@ -237,12 +256,15 @@ def _text(text: Any, model_type: str) -> tuple[float, list[tuple[int, float]], d
         is_moe = (experts > 0 and top_k > 0 and i not in dense_only and i >= first_dense
                   and (i + 1) % max(step, 1) == 0)
         per_token += moe if is_moe else dense
-        if kind in ("full", "sliding"):
+        if kind in ("full", "sliding", "chunked", "hybrid"):
             per_token += attention
-            pairs.append((window if kind == "sliding" else 0, 4.0 * heads * d))
-        elif kind == "mamba":
+            span = {"sliding": window, "chunked": chunk}.get(kind, 0)
+            pairs.append((span, 4.0 * heads * d))
+        if kind in ("mamba", "hybrid"):
             per_token += _mamba(text, h)
-        else:
+        elif kind == "conv":
+            per_token += _short_conv(text, h)
+        elif kind == "delta":
             per_token += _delta(text, h)
         label = f"{kind}{'+moe' if is_moe else ''}"
         counts[label] = counts.get(label, 0) + 1
@@ -259,11 +281,19 @@ def _mamba(text: Any, h: int) -> float:
     groups = int(_get(text, "mamba_n_groups", 1))
     conv_k = int(_get(text, "mamba_d_conv", 4))
     chunk = int(_get(text, "mamba_chunk_size", 256))
-    inner = int(_get(text, "mamba_expand", 2) * h)
+    inner = int(_get(text, "mamba_d_ssm") or _get(text, "mamba_expand", 2) * h)
     conv = inner + 2 * groups * n_state
     projections = 2 * h * (inner + conv + heads) + 2 * inner * h
     scan = 2 * heads * chunk * (n_state + p) + 4 * heads * p * n_state
     return float(projections + 2 * conv_k * conv + scan)
+
+
+def _short_conv(text: Any, h: int) -> float:
+    """LFM2's short convolution's forward FLOPs per token: ``in_proj`` (``h`` to ``3h``:
+    two gates and the input), a depthwise causal convolution of ``conv_L_cache`` taps
+    over ``h`` channels, ``out_proj`` (``h`` to ``h``)."""
+    taps = int(_get(text, "conv_L_cache", 3))
+    return float(2 * h * 3 * h + 2 * taps * h + 2 * h * h)
 
 
 def _delta(text: Any, h: int) -> float:

@@ -369,12 +369,22 @@ class PackedDataset(torch.utils.data.Dataset, WithOptions):  # type: ignore[type
         step = index if isinstance(index, Step) else None
         p0, p1, lo, hi = self._segments(index)
         selection = _selection(index, self.plan.num_segments)
+        filler = selection is not None and not len(selection)
+        if filler:
+            # An empty micro-batch (a step with fewer sequences than R·k): the rank still
+            # runs a forward and backward pass, so that every rank makes the same
+            # collective calls, over the shortest sequence of its dataset step with no
+            # targets (its loss and gradient are zero; num_items_in_batch is unchanged).
+            a, b = int(self.plan.pack_offsets[p0]), int(self.plan.pack_offsets[p1])
+            selection = np.asarray([a + int(np.argmin(self.plan.seqlens[a:b]))])
         part = (sub_plan(self.plan, p0, p1, lo, hi) if selection is None
                 else select_plan(self.plan, selection))
         batch = self.collator.batch(
             part, self.tokens, None,
             labels=self.labels, loss_mask=self.loss_mask, media=self.media,
         )
+        if filler:
+            batch["labels"] = _no_targets(batch["labels"])
         if step is not None:
             for key in ("num_items_in_batch", "num_sequences_in_batch"):
                 value = int(getattr(step, key))
@@ -391,17 +401,24 @@ class PackedDataset(torch.utils.data.Dataset, WithOptions):  # type: ignore[type
         return (self[i] for i in range(len(self)))
 
 
+def _no_targets(labels: Any) -> Any:
+    """``labels`` with every position ignored (-100), a tensor or an array alike."""
+    out = labels.clone() if isinstance(labels, torch.Tensor) else np.array(labels)
+    out[...] = -100
+    return out
+
+
 def _selection(index: int | Step, count: int) -> np.ndarray | None:
     """The segments a micro-batch ``Step`` names (checked), or None for a step or a range."""
     if not isinstance(index, Step) or not isinstance(index.segments, np.ndarray):
         return None
     segments = index.segments
-    if (segments.ndim != 1 or segments.dtype.kind not in "iu" or not len(segments)
-            or segments[0] < 0 or segments[-1] >= count
+    if (segments.ndim != 1 or segments.dtype.kind not in "iu"
+            or (len(segments) and (segments[0] < 0 or segments[-1] >= count))
             or (len(segments) > 1 and np.any(np.diff(segments) <= 0))):
         raise FastpackError(
-            f"step.segments: expected a non-empty ascending int array of the plan's "
-            f"segments (0..{count - 1}), got {segments.dtype} {segments[:8]}"
+            f"step.segments: expected an ascending int array of the plan's segments "
+            f"(0..{count - 1}), got {segments.dtype} {segments[:8]}"
         )
     return segments
 

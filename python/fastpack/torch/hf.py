@@ -10,6 +10,7 @@ import functools
 import inspect
 import re
 import textwrap
+import warnings
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -1213,6 +1214,20 @@ def _check_mixing(model: Any, config: Any, batch: dict[str, Any], impl: str, our
 STEP_KEYS = ("num_items_in_batch", "num_sequences_in_batch")
 
 
+_COST_WARNED: set[str] = set()
+
+
+def _warn_cost_fallback(error: Exception) -> None:
+    """Warn once per message that the cost model could not read the model's config."""
+    text = str(error)
+    if text in _COST_WARNED:
+        return
+    _COST_WARNED.add(text)
+    warnings.warn(f"fastpack: the cost model cannot read this model's config ({text}); "
+                  "the sampler balances 6·hidden_size·l + l² instead (pass cost= or "
+                  "hidden_size= to choose)", stacklevel=3)
+
+
 class PackedTrainerMixin:
     """Hugging Face ``Trainer`` / TRL ``SFTTrainer`` on many ranks with one global plan.
 
@@ -1433,7 +1448,10 @@ class PackedTrainerMixin:
             if hidden is None and cost is None and config is not None:
                 try:
                     cost = CostModel.from_config(config)
-                except (FastpackError, TypeError, ValueError):  # a config it does not read
+                except (FastpackError, TypeError, ValueError) as error:
+                    # A config it does not read (a new layer kind): balance on the
+                    # hidden_size estimate rather than fail the run.
+                    _warn_cost_fallback(error)
                     cost = None
             if hidden is None:
                 hidden = getattr(config, "hidden_size", None) or 4096

@@ -28,7 +28,10 @@ class Step(NamedTuple):
     ``segments``, an ascending int64 array of the plan's segments (taken from any of the
     global step's dataset steps; ``index`` is then this rank's dataset step, for the
     record); it is its rank's ``micro``-th of ``micro_batches`` in the global step, and
-    ``last`` when it ends its optimizer step (step the optimizer after it).
+    ``last`` when it ends its optimizer step (step the optimizer after it). The array is
+    empty for a filler micro-batch (a global step with fewer sequences than ranks ×
+    micro-batches): the dataset gives a batch without targets, which keeps the rank in
+    lockstep at zero loss.
     """
 
     index: int  # type: ignore[assignment]  # shadows tuple.index, by contract
