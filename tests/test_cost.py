@@ -280,6 +280,7 @@ def test_sampler_balances_the_cost_model() -> None:
     """The schedule's cost of every micro-step is the cost model's FLOPs of its segments,
     sliding windows included; a state saved under one cost model does not load under
     another."""
+    pytest.importorskip("torch")
     from fastpack.torch import PackedSampler
 
     ds = _dataset()
@@ -304,6 +305,7 @@ def test_sampler_balances_the_cost_model() -> None:
 def test_sampler_hidden_size_unchanged() -> None:
     """``hidden_size=h`` and ``cost=CostModel.from_hidden_size(h)`` give the same schedule,
     the older ``6·h·Σl + Σl²``."""
+    pytest.importorskip("torch")
     from fastpack.torch import PackedSampler
 
     ds = _dataset(1)
