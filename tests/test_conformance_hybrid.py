@@ -318,6 +318,35 @@ def test_moe_aux_loss_packed_equals_unpacked() -> None:
     assert abs(a.item() - b.item()) <= 1e-6 * max(1.0, abs(b.item()))
 
 
+def test_moe_aux_loss_over_padded_rows_is_refused() -> None:
+    """Rows padded to the longest carry no attention_mask, so Hugging Face's router loss
+    would average over their padding: check_model_batch refuses them, names the fix, and
+    the padding really changes the loss."""
+    torch.manual_seed(0)
+    cfg = config("qwen3_next")
+    cfg.output_router_logits = True
+    cfg.router_aux_loss_coef = 0.1
+    m = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    m.set_attn_implementation(FASTPACK)
+    prepare_model(m)
+    lengths = (9, 14, 6, 20)
+    rows = PackedCollator(max_len=24, backend="sdpa")(
+        [{"input_ids": list(range(1, n + 1))} for n in lengths])
+    assert rows["sample_tokens"].numel() < rows["input_ids"].numel()
+    with pytest.raises(FastpackError, match=r"padding token.*router's auxiliary loss.*"
+                                            r"backend='flash'"):
+        check_model_batch(m, rows)
+    flat = PackedCollator(max_len=64, backend="flash")(
+        [{"input_ids": list(range(1, n + 1))} for n in lengths])
+    check_model_batch(m, flat)
+    padded = PackedCollator(max_len=24, backend="padded")(
+        [{"input_ids": list(range(1, n + 1))} for n in lengths])
+    with torch.no_grad():
+        a = m(**{k: v for k, v in rows.items() if k != "labels"}).aux_loss
+        b = m(**{k: v for k, v in padded.items() if k != "labels"}).aux_loss
+    assert abs(a.item() - b.item()) > 1e-6
+
+
 def test_gpu_check_hybrid_section_on_cpu() -> None:
     """benches/gpu_check.py's hybrid section runs (tiny, fp32 on the CPU) and passes."""
     import importlib.util

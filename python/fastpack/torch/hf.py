@@ -732,6 +732,25 @@ def _window(config: Any) -> int | None:
     return int(window)
 
 
+def _check_router_loss(config: Any, batch: dict[str, Any], mask: Any,
+                       refuse: Callable[[str, str], None]) -> None:
+    """Hugging Face's MoE router loss (``output_router_logits=True``) averages over every
+    token of the batch that its ``attention_mask`` does not exclude: packed rows padded to
+    the longest carry no mask, so their padding would count as tokens routed."""
+    if not getattr(config, "output_router_logits", False) or mask is not None:
+        return
+    real, ids = batch.get("sample_tokens"), batch.get("input_ids")
+    if not isinstance(real, torch.Tensor) or not isinstance(ids, torch.Tensor):
+        return
+    padding = ids.numel() - real.numel()  # sample_tokens: each sample token's place
+    if padding > 0 and "tree_parents" not in batch:
+        refuse(f"rows holding {padding} padding token(s) and the router's auxiliary loss "
+               f"(output_router_logits=True)",
+               "Hugging Face averages that loss over every token of the rows, padding "
+               "included, with no attention_mask to leave it out: use backend='flash' (one "
+               "row, no padding) or output_router_logits=False")
+
+
 def check_model_batch(model: Any, batch: dict[str, Any]) -> None:
     """Raises a :class:`~fastpack.FastpackError` when ``model(**batch)`` would not compute
     what the unpacked model computes for this batch format and the model's
@@ -760,6 +779,8 @@ def check_model_batch(model: Any, batch: dict[str, Any]) -> None:
       anything but a context-parallel attention of its mode
       (``register_hf_attention(context_parallel_group=..., mode=...)``) — every other
       attention would attend within one rank's tokens — and an unsharded batch for one;
+    * packed rows with padding for an MoE model that returns its router loss
+      (``output_router_logits=True``): Hugging Face would average it over the padding;
     * for mRoPE models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): ``position_ids`` of 3 rows (no
       text row: the model then builds no per-document mask) or 2-D beside media (no
       mRoPE for the images); ``PackedCollator(model_config=...)`` gives ``[4, rows,
@@ -782,6 +803,7 @@ def check_model_batch(model: Any, batch: dict[str, Any]) -> None:
 
     if _packs_sequences(batch):
         _check_mixing(model, config, batch, impl, ours, refuse)
+    _check_router_loss(config, batch, mask, refuse)
 
     sharded = "cp_size" in batch
     if sharded or impl in _CONTEXT_PARALLEL:
