@@ -308,3 +308,9 @@ def test_llava_batch_passes() -> None:
     batch = PackedCollator(48, backend="sdpa", model_config=m.config)(docs)
     report = verify_packing(m, batch)
     assert report.samples == (0, 1, 2) and report.worst < 1e-10
+    # fastpack's attention on a flash batch: the CLIP tower gets the text row's
+    # cu_seq_lens_q too, and attends over its own images, not the row (it raised before).
+    m.set_attn_implementation(FASTPACK)
+    flat = PackedCollator(64, backend="flash", model_config=m.config)(docs)
+    report = verify_packing(m, flat)
+    assert report.samples == (0, 1, 2) and report.worst < 1e-10

@@ -375,6 +375,13 @@ def _attention(
     if kwargs.get("tree_parents") is not None:
         return _tree(name, kernel, module, query, key, value, kwargs, scaling, dropout, causal,
                      window, softcap)
+    if cu_seqlens is not None and not causal and (
+            rows != 1 or q_len != int(cu_seqlens[-1])):
+        # Not the packed row: an encoder inside the model (LLaVA's CLIP tower) that Hugging
+        # Face handed the text row's kwargs. Its rows are its own sequences (an image
+        # each), bidirectional, as sdpa computes them. Causal calls never take this way.
+        return _dense(name, module, query, key, value, attention_mask, scaling, dropout,
+                      False, softcap, kwargs)
     if cu_seqlens is not None:
         cu_k = kwargs.get("cu_seq_lens_k")
         if cu_k is not None and cu_k is not cu_seqlens and not torch.equal(
