@@ -325,13 +325,13 @@ class PackedCollator(WithOptions):
                     f"features: sample {i} is {type(f).__name__}; expected a dict with "
                     f"'input_ids'"
                 )
-        if pair_keys(features[0]) is not None:
+        pair = pair_keys(features[0])
+        if pair is not None:
             if self.share_prefix:
                 return self._pairs(features)
             if "input_ids" not in features[0]:
-                pair = pair_keys(features[0])
                 raise FastpackError(
-                    f"features: sample 0 is a preference pair ({', '.join(map(repr, pair or ()))}"
+                    f"features: sample 0 is a preference pair ({', '.join(map(repr, pair))}"
                     f"); pairs are packed as trees, their prompt shared: pass "
                     f"share_prefix=True (backend 'flash' or 'flex')"
                 )

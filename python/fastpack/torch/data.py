@@ -16,7 +16,7 @@ from .. import _core
 from .._checks import _int_arg
 from .._context_parallel import cp_rows
 from .._errors import FastpackError, FastpackTypeError
-from .._materialize import Ragged, TokenData, _is_dataset, as_ragged
+from .._materialize import IGNORE_INDEX, Ragged, TokenData, _is_dataset, as_ragged
 from .._options import PackArgs, PackOptions, WithOptions, check_plan, layered
 from .._plan import Plan, select_plan, sub_plan
 from .._targets import segment_targets
@@ -404,7 +404,7 @@ class PackedDataset(torch.utils.data.Dataset, WithOptions):  # type: ignore[type
 def _no_targets(labels: Any) -> Any:
     """``labels`` with every position ignored (-100), a tensor or an array alike."""
     out = labels.clone() if isinstance(labels, torch.Tensor) else np.array(labels)
-    out[...] = -100
+    out[...] = IGNORE_INDEX
     return out
 
 
