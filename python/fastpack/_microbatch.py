@@ -220,6 +220,12 @@ def split_steps(step: np.ndarray, tokens: np.ndarray, cost: np.ndarray, *, steps
         k = np.maximum(need.astype(np.int64), floor)
         return np.asarray(-(-k // pipeline_group) * pipeline_group, dtype=np.int64)
 
+    def units_of(chosen: np.ndarray) -> np.ndarray:
+        """The units of steps ``chosen``, ascending."""
+        mask = np.zeros(steps, dtype=bool)
+        mask[chosen] = True
+        return np.flatnonzero(mask[step])
+
     pooled_k = bound(step, steps, ranks)
     # Two levels first: each step's sequences over its ranks by cost (LPT, no cap), then
     # each rank's into k micro-batches under the caps (k the largest any rank needs). A
@@ -239,9 +245,7 @@ def split_steps(step: np.ndarray, tokens: np.ndarray, cost: np.ndarray, *, steps
         todo = todo[~short]
         if not len(todo):
             break
-        mask = np.zeros(steps, dtype=bool)
-        mask[todo] = True
-        units = np.flatnonzero(mask[step])
+        units = units_of(todo)
         groups = (todo[:, None] * ranks + np.arange(ranks)).ravel()
         remap = np.full(steps * ranks, -1, dtype=np.int64)
         remap[groups] = np.arange(len(groups))
@@ -257,16 +261,12 @@ def split_steps(step: np.ndarray, tokens: np.ndarray, cost: np.ndarray, *, steps
     while len(todo):
         few = sizes[todo] <= k[todo] * ranks
         if np.any(few):
-            mask = np.zeros(steps, dtype=bool)
-            mask[todo[few]] = True
-            units = np.flatnonzero(mask[step])
+            units = units_of(todo[few])
             unit_bin[units] = _one_each(step[units], cost[units], k, ranks)
             todo = todo[~few]
             if not len(todo):
                 break
-        mask = np.zeros(steps, dtype=bool)
-        mask[todo] = True
-        units = np.flatnonzero(mask[step])
+        units = units_of(todo)
         remap = np.full(steps, -1, dtype=np.int64)
         remap[todo] = np.arange(len(todo))
         bins, failed = _lpt(remap[step[units]], cost[units], weights[units],
