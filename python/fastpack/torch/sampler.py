@@ -539,48 +539,50 @@ class PackedSampler(torch.utils.data.Sampler):  # type: ignore[type-arg]
         caps = [(int(g), None if t is None else int(t), None if c is None else float(c))
                 for g, t, c in state.get("caps", [])]
         mine = (self.epoch, self._history, self._caps, self._micro_cache)
-        self.epoch, self._history = epoch, [(r, a, p) for r, a, p in history]
-        if resized:
-            # Where the saved world size stopped: re-plan what it had not run for this one.
-            ranks = _int_arg("state['num_replicas']", state["num_replicas"], minimum=1)
-            accumulation = _int_arg("state['accumulation_steps']",
-                                    state["accumulation_steps"], minimum=1)
-            saved = _build(self, epoch, self._history, ranks, accumulation)
-            g = _int_arg("state['position']", state["position"], minimum=0)
-            if caps:  # the position counts micro-batches: find its global step
-                plan_ranks = ranks
-                k = np.concatenate([
-                    _split(self, saved, plan_ranks, a, min(b, len(saved)), t, c)[0].num_micro
-                    for (a, t, c), b in zip(caps, [c[0] for c in caps[1:]] + [len(saved)])
-                    if a < len(saved)] or [np.zeros(0, dtype=np.int64)])
-                ends = np.concatenate(([0], np.cumsum(k)))
-                at = int(np.searchsorted(ends, g))
-                if at > len(k) or ends[at] != g:
-                    self.epoch, self._history, self._caps, self._micro_cache = mine
-                    raise FastpackError(
-                        f"state: saved inside global step {int(np.searchsorted(ends, g)) - 1} "
-                        f"(micro-batch position {g}) with {ranks} ranks; another world size "
-                        "resumes only at a global-step boundary (save at optimizer steps)"
-                    )
-                g = at
-            if g > len(saved):
-                self.epoch, self._history, self._caps, self._micro_cache = mine
-                raise FastpackError(f"state['position']: {g} is past the {len(saved)} global "
-                                    "steps of the saved schedule")
-            self._history.append((ranks, accumulation, g))
-            position = 0
-            if self._caps or caps:
-                last = caps[-1][1:] if caps else self._caps[-1][1:]
-                self._caps = [(0, *last)] if self._caps else []
-        else:
-            if self._caps and caps:
-                self._caps = caps
-            position = _int_arg("state['position']", state["position"], minimum=0)
-        self._micro_cache = {}
-        if position > len(self):
+        try:
+            self.epoch, self._history = epoch, [(r, a, p) for r, a, p in history]
+            if resized:
+                # Where the saved world size stopped: re-plan what it had not run for this one.
+                ranks = _int_arg("state['num_replicas']", state["num_replicas"], minimum=1)
+                accumulation = _int_arg("state['accumulation_steps']",
+                                        state["accumulation_steps"], minimum=1)
+                saved = _build(self, epoch, self._history, ranks, accumulation)
+                g = _int_arg("state['position']", state["position"], minimum=0)
+                if caps:  # the position counts micro-batches: find its global step
+                    plan_ranks = ranks
+                    k = np.concatenate([
+                        _split(self, saved, plan_ranks, a, min(b, len(saved)), t, c)[0].num_micro
+                        for (a, t, c), b in zip(caps, [c[0] for c in caps[1:]] + [len(saved)])
+                        if a < len(saved)] or [np.zeros(0, dtype=np.int64)])
+                    ends = np.concatenate(([0], np.cumsum(k)))
+                    at = int(np.searchsorted(ends, g))
+                    if at > len(k) or ends[at] != g:
+                        raise FastpackError(
+                            f"state: saved inside global step {int(np.searchsorted(ends, g)) - 1} "
+                            f"(micro-batch position {g}) with {ranks} ranks; another world size "
+                            "resumes only at a global-step boundary (save at optimizer steps)"
+                        )
+                    g = at
+                if g > len(saved):
+                    raise FastpackError(f"state['position']: {g} is past the {len(saved)} global "
+                                        "steps of the saved schedule")
+                self._history.append((ranks, accumulation, g))
+                position = 0
+                if self._caps or caps:
+                    last = caps[-1][1:] if caps else self._caps[-1][1:]
+                    self._caps = [(0, *last)] if self._caps else []
+            else:
+                if self._caps and caps:
+                    self._caps = caps
+                position = _int_arg("state['position']", state["position"], minimum=0)
+            self._micro_cache = {}
+            if position > len(self):
+                raise FastpackError(f"state['position']: got {position}; expected an integer in "
+                                    f"0..={len(self)} (this epoch's micro-steps)")
+        except FastpackError:
+            # A state that does not load leaves the sampler as it was.
             self.epoch, self._history, self._caps, self._micro_cache = mine
-            raise FastpackError(f"state['position']: got {position}; expected an integer in "
-                                f"0..={len(self)} (this epoch's micro-steps)")
+            raise
         if not resized and position == len(self) and mine[0] > epoch:
             self.epoch, self._history, self._caps, self._micro_cache = mine
             return  # epoch `epoch` is done and this sampler is already past it
