@@ -33,7 +33,7 @@ from .context_parallel import (
 )
 from .data import PackedDataset, first_item
 from .loss import WEIGHTINGS, packed_loss
-from .mixers import current_layout, prepare_model, token_mixers
+from .mixers import _unwrap, current_layout, prepare_model, token_mixers
 from .sampler import BALANCES, PackedSampler, Step
 from .tree import is_tree_batch, tree_attention, tree_layout
 
@@ -717,9 +717,7 @@ _TENSOR_MASK_IMPLS = {True: ("sdpa",), False: ("sdpa", "eager")}
 
 
 def _config_of(model: Any) -> Any:
-    inner = model
-    for attr in ("module", "_orig_mod"):  # DDP / FSDP wrappers, torch.compile
-        inner = getattr(inner, attr, inner)
+    inner = _unwrap(model)  # DDP / FSDP wrappers, torch.compile
     config = getattr(inner, "config", None)
     if config is None:
         raise FastpackTypeError(
@@ -1060,9 +1058,7 @@ def _mask_positions(cls: type) -> str | None:
 def _mask_builder(model: Any, how: str) -> str | None:
     """The first module (``"path (Class)"``) whose forward builds its attention mask with
     positions ``how`` (see :func:`_mask_positions`), else ``None``."""
-    inner = model
-    for attr in ("module", "_orig_mod"):
-        inner = getattr(inner, attr, inner)
+    inner = _unwrap(model)
     if not isinstance(inner, torch.nn.Module):
         return None
     for path, module in inner.named_modules():
@@ -1147,9 +1143,7 @@ def _check_mixing(model: Any, config: Any, batch: dict[str, Any], impl: str, our
         refuse(f"packed rows on a model with chunked attention (attention_chunk_size="
                f"{config.attention_chunk_size}: fastpack's attention does not add the chunks)",
                "use attn_implementation='sdpa' or 'eager' with PackedCollator(backend='sdpa')")
-    inner = model
-    for attr in ("module", "_orig_mod"):
-        inner = getattr(inner, attr, inner)
+    inner = _unwrap(model)
     if not isinstance(inner, torch.nn.Module):
         return
     prepared = is_prepared(inner)

@@ -103,6 +103,15 @@ def token_mixers(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module,
             yield path, module, kind
 
 
+def _unwrap(model: Any) -> Any:
+    """The model a DDP / FSDP wrapper (``.module``) or ``torch.compile`` (``._orig_mod``)
+    holds, else ``model``."""
+    inner = model
+    for attr in ("module", "_orig_mod"):
+        inner = getattr(inner, attr, inner)
+    return inner
+
+
 @dataclass
 class _Layout:
     """The sequences of one packed batch of ``rows`` rows of ``width`` tokens, laid end to
@@ -120,6 +129,10 @@ class _Layout:
     @property
     def packed(self) -> bool:
         return len(self.lengths) > self.rows
+
+    def cu_seqlens(self) -> torch.Tensor:
+        """int64 ``[N + 1]`` on the host: where each sequence begins, then the token count."""
+        return torch.cat([self.begins, torch.tensor([self.rows * self.width])])
 
 
 def _layout(starts: torch.Tensor) -> _Layout:
@@ -199,7 +212,7 @@ def current_layout(rows: int, width: int) -> tuple[torch.Tensor, int] | None:
         return torch.arange(rows + 1) * width, width
     if (layout.rows, layout.width) != (rows, width):
         return None
-    return torch.cat([layout.begins, torch.tensor([rows * width])]), int(layout.lengths.max())
+    return layout.cu_seqlens(), int(layout.lengths.max())
 
 
 class _Prepared:
@@ -295,9 +308,7 @@ def prepare_model(model: torch.nn.Module, *, strategy: str = "auto") -> torch.nn
     if not isinstance(model, torch.nn.Module):
         raise FastpackTypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     strategy = _choice("strategy", strategy, STRATEGIES)
-    inner = model
-    for attr in ("module", "_orig_mod"):  # DDP / FSDP wrappers, torch.compile
-        inner = getattr(inner, attr, inner)
+    inner = _unwrap(model)
     existing: _Prepared | None = getattr(inner, "_fastpack_prepared", None)
     fresh = existing is None
     state = existing if existing is not None else _Prepared(strategy)
@@ -342,9 +353,7 @@ def prepare_model(model: torch.nn.Module, *, strategy: str = "auto") -> torch.nn
 
 def is_prepared(model: Any) -> bool:
     """Whether :func:`prepare_model` prepared ``model`` (or the model a wrapper holds)."""
-    inner = model
-    for attr in ("module", "_orig_mod"):
-        inner = getattr(inner, attr, inner)
+    inner = _unwrap(model)
     return getattr(inner, "_fastpack_prepared", None) is not None
 
 
@@ -353,9 +362,7 @@ def mixer_paths(model: Any) -> dict[str, str]:
     by module path: ``"kernels: causal_conv1d_fn(seq_idx), ..."``, ``"batched: <why not
     the kernels>"``, ``"varlen convolution"`` or ``"loop"``. Empty before a packed
     forward."""
-    inner = model
-    for attr in ("module", "_orig_mod"):
-        inner = getattr(inner, attr, inner)
+    inner = _unwrap(model)
     state: _Prepared | None = getattr(inner, "_fastpack_prepared", None)
     return dict(state.paths) if state is not None else {}
 
@@ -540,8 +547,7 @@ def _boundaries(layout: _Layout, device: torch.device) -> tuple[torch.Tensor, to
         count = len(layout.lengths)
         seq_idx = torch.repeat_interleave(torch.arange(count, dtype=torch.int32),
                                           layout.lengths)[None]
-        cu = torch.cat([layout.begins, torch.tensor([layout.rows * layout.width])])
-        layout.device_cache[key] = (seq_idx.to(device), cu.to(device))
+        layout.device_cache[key] = (seq_idx.to(device), layout.cu_seqlens().to(device))
     return layout.device_cache[key]  # type: ignore[no-any-return]
 
 
