@@ -1,0 +1,619 @@
+//! Related documents packed together: best-fit decreasing that prefers packs of one key.
+//!
+//! Every sequence carries a key (a cluster id the caller computed: embeddings, MinHash, a
+//! URL domain). The placement has two phases:
+//!
+//! 1. **Per key**: each key's items by plain best-fit decreasing among the key's own packs
+//!    (keys in parallel). A pack left with at most `slack` tokens of room is kept: it
+//!    holds one key. The other packs (a key's last, partly filled ones) are dissolved.
+//! 2. **Leftovers**: the dissolved packs' items, longest first, by best fit over the kept
+//!    packs' rooms and new packs, preferring the best fitting pack of the item's own key
+//!    when its room exceeds the best fit overall by at most `slack` tokens. A pack belongs
+//!    to the key that opened it.
+//!
+//! **Efficiency.** A fallback places every item by phase 2 alone with `slack = 0`: an item
+//! then goes to its key's pack only when that pack's room equals the best fit overall, so
+//! the rooms evolve exactly as in plain best fit and the plan has exactly its number of
+//! packs. The two-phase plan is kept when it has at most `bfd + bfd / 1000` packs (`bfd`:
+//! plain best fit's, counted first), else the fallback's is: the plan's efficiency is
+//! within 0.1% of plain best fit's whatever the input.
+//!
+//! Keys are placed in parallel but each on its own, and phase 2 is one sequential greedy
+//! over one sorted order: the plan does not depend on the number of threads.
+
+use std::collections::BTreeSet;
+
+use rayon::prelude::*;
+
+use crate::error::{Error, Result};
+use crate::length::Length;
+use crate::memory;
+use crate::plan::{PackOptions, Plan, Strategy, MAX_ITEMS};
+use crate::shuffle::permutation;
+
+use super::classify::{Class, Rules};
+use super::histogram::Histogram;
+use super::placement::{best_fit, Placement, RoomSet, NONE};
+use super::Input;
+
+/// How related a plan's packs are.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Affinity {
+    /// Distinct keys among the packed sequences.
+    pub num_keys: u64,
+    /// Over every pair of tokens from two different sequences of one pack: the share whose
+    /// sequences have the same key.
+    pub same_key_share: f64,
+    /// The same share expected from a random packing: two tokens of different sequences
+    /// drawn at random share a key with probability
+    /// `(Σ_k t_k² − Σ_i l_i²) / (T² − Σ_i l_i²)` (`t_k` the tokens of key `k`, `l_i` of
+    /// sequence `i`, `T` all tokens).
+    pub random_share: f64,
+    /// Packs whose sequences (two or more) all have one key, over the packs of two or more.
+    pub pure_packs: f64,
+    /// The slack the plan was placed with (0 when the preferred placement cost more than
+    /// 0.1% efficiency and was redone).
+    pub slack: u32,
+    /// Packs plain best fit makes from the same input.
+    pub bfd_packs: u64,
+}
+
+/// A plan packed with affinity keys, and how related its packs are.
+#[derive(Debug, Clone)]
+pub struct AffinityPlan {
+    pub plan: Plan,
+    pub affinity: Affinity,
+}
+
+/// The default slack, `max_len / DEFAULT_SLACK_DIV` tokens (32 for 4096): measured on
+/// long-tailed lengths (`benches/results/affinity.md`), 16 keeps fewer packs of one key,
+/// 64 or more gains little.
+pub const DEFAULT_SLACK_DIV: u64 = 128;
+
+/// Packs `lengths` (strategy `"bfd"`, any over-long policy and reserve, optional shuffle)
+/// preferring packs whose sequences share `keys[i]` (non-negative, one per sequence).
+/// `slack`: see the module docs (`None`: `max_len / DEFAULT_SLACK_DIV`).
+///
+/// ```
+/// use fastpack_core::{pack_affinity, PackOptions};
+/// let mut opts = PackOptions::new(8);
+/// opts.shuffle_seed = None;
+/// let out = pack_affinity(&[4u32, 4, 4, 4], &[0, 1, 0, 1], &opts, None).unwrap();
+/// assert_eq!(out.plan.num_packs(), 2);
+/// assert_eq!(out.affinity.same_key_share, 1.0);
+/// ```
+pub fn pack_affinity<L: Length>(
+    lengths: &[L],
+    keys: &[i64],
+    opts: &PackOptions,
+    slack: Option<u32>,
+) -> Result<AffinityPlan> {
+    opts.validate()?;
+    if opts.strategy != Strategy::BestFitDecreasing {
+        return Err(Error::invalid(
+            "affinity",
+            format!(
+                "packs related documents together with best fit; strategy {:?} keeps its own \
+                 order (use strategy=\"bfd\", or no affinity)",
+                opts.strategy.name()
+            ),
+        ));
+    }
+    if keys.len() != lengths.len() {
+        return Err(Error::invalid(
+            "affinity",
+            format!(
+                "got {} keys for {} sequences; expected one per sequence",
+                keys.len(),
+                lengths.len()
+            ),
+        ));
+    }
+    if lengths.len() as u64 > MAX_ITEMS {
+        return Err(Error::overflow(
+            "lengths",
+            format!("got {} sequences; at most {MAX_ITEMS} are supported", lengths.len()),
+        ));
+    }
+    if let Some(i) = keys.par_iter().position_first(|&k| k < 0) {
+        return Err(Error::invalid(
+            "affinity",
+            format!("negative key {} at index {i}; keys must be non-negative integers", keys[i]),
+        ));
+    }
+    let rules = Rules::new(opts, false);
+    let max_len = opts.max_len as u32;
+    // The classification, counts and errors of plain best fit, and its number of packs.
+    let hist = Histogram::build(Input { lengths, ids: None }, &rules)?;
+    let stats = hist.stats.clone();
+    let full = hist.full_pieces();
+    let bfd_packs = Placement::new(&hist, Strategy::BestFitDecreasing, opts.max_len, usize::MAX)
+        .count(full, false)?
+        .packs;
+    drop(hist);
+
+    let (kid, num_keys) = key_ids(keys)?;
+    let items = Items::collect(lengths, &kid, &rules)?;
+    let order = items.sorted(num_keys, max_len as usize)?;
+
+    let bound = bfd_packs + bfd_packs / 1000;
+    let mut slack = slack.unwrap_or((opts.max_len / DEFAULT_SLACK_DIV) as u32);
+    let mut placed = place_by_key(&items, &order, num_keys, max_len, slack)?;
+    if full + placed.packs > bound {
+        // Plain best fit's rooms, exactly (module docs).
+        slack = 0;
+        let mut pack_of = std::mem::take(&mut placed.pack_of);
+        let packs = place(&items, &order, &[], num_keys, max_len, 0, &mut pack_of)?;
+        placed = Placed { pack_of, packs };
+    }
+    let plan = items.plan(lengths, &order, &placed, full, &rules, opts, stats)?;
+    let affinity = measure(&plan.seqlens, &plan.pack_offsets, &plan.sample_ids, keys)?;
+    Ok(AffinityPlan { plan, affinity: Affinity { slack, bfd_packs: bfd_packs as u64, ..affinity } })
+}
+
+/// Dense key ids `0..K` in ascending key order (`K` keys present).
+fn key_ids(keys: &[i64]) -> Result<(Vec<u32>, usize)> {
+    let n = keys.len();
+    let max = keys.par_iter().copied().max().unwrap_or(0) as u64;
+    let mut kid = memory::try_with_capacity::<u32>(n, "the key ids")?;
+    if max < (4 * n as u64).max(1 << 16) {
+        // Small keys: a table of the keys present.
+        let mut table = memory::try_zeroed::<u32>(max as usize + 1, "the key ids")?;
+        for &k in keys {
+            table[k as usize] = 1;
+        }
+        let mut next = 0u32;
+        for t in table.iter_mut() {
+            let present = *t;
+            *t = next;
+            next += present;
+        }
+        kid.par_extend(keys.par_iter().map(|&k| table[k as usize]));
+        Ok((kid, next as usize))
+    } else {
+        let mut unique = memory::try_with_capacity::<i64>(n, "the key ids")?;
+        unique.extend_from_slice(keys);
+        unique.par_sort_unstable();
+        unique.dedup();
+        kid.par_extend(keys.par_iter().map(|k| unique.binary_search(k).unwrap_or(0) as u32));
+        Ok((kid, unique.len()))
+    }
+}
+
+/// The sortable items (whole sequences and split remainders), in input order.
+struct Items {
+    len: Vec<u32>,
+    key: Vec<u32>,
+    seq: Vec<u32>,
+    /// Sequences split into full pieces (each a pack of its own), with their count.
+    split: Vec<(u32, u32)>,
+}
+
+impl Items {
+    fn collect<L: Length>(lengths: &[L], kid: &[u32], rules: &Rules) -> Result<Self> {
+        let n = lengths.len();
+        let mut items = Self {
+            len: memory::try_with_capacity(n, "the items")?,
+            key: memory::try_with_capacity(n, "the items")?,
+            seq: memory::try_with_capacity(n, "the items")?,
+            split: Vec::new(),
+        };
+        for (j, raw) in lengths.iter().enumerate() {
+            let value = raw.to_u64();
+            let len = match rules.fits(value) {
+                Some(len) => len,
+                None => match rules.classify(value) {
+                    Class::Whole { len, .. } => len,
+                    Class::Split { full, rest, .. } => {
+                        items.split.push((j as u32, full as u32));
+                        if rest == 0 {
+                            continue;
+                        }
+                        rest
+                    }
+                    // Empty, dropped (counted by the histogram); errors were raised there.
+                    _ => continue,
+                },
+            };
+            items.len.push(len as u32);
+            items.key.push(kid[j]);
+            items.seq.push(j as u32);
+        }
+        Ok(items)
+    }
+
+    /// Item indices longest first; within a length by key, then in input order (two stable
+    /// counting sorts), so a key's items of one length are placed one after another.
+    fn sorted(&self, num_keys: usize, max_len: usize) -> Result<Vec<u32>> {
+        let n = self.len.len();
+        let mut by_key = memory::try_zeroed::<u32>(n, "the sorted order")?;
+        let mut at = memory::try_zeroed::<usize>(num_keys + 1, "the sorted order")?;
+        for &k in &self.key {
+            at[k as usize + 1] += 1;
+        }
+        for k in 0..num_keys {
+            at[k + 1] += at[k];
+        }
+        for (i, &k) in self.key.iter().enumerate() {
+            by_key[at[k as usize]] = i as u32;
+            at[k as usize] += 1;
+        }
+        let mut order = memory::try_zeroed::<u32>(n, "the sorted order")?;
+        let mut at = memory::try_zeroed::<usize>(max_len + 2, "the sorted order")?;
+        // Slot `max_len - len`: longest first.
+        for &l in &self.len {
+            at[max_len - l as usize + 1] += 1;
+        }
+        for s in 0..=max_len {
+            at[s + 1] += at[s];
+        }
+        for &i in &by_key {
+            let s = max_len - self.len[i as usize] as usize;
+            order[at[s]] = i;
+            at[s] += 1;
+        }
+        Ok(order)
+    }
+
+    /// The plan: full-piece packs first (input order), then the placed packs as opened,
+    /// each pack's segments as placed; shuffled when the options say so.
+    #[allow(clippy::too_many_arguments)]
+    fn plan<L: Length>(
+        &self,
+        lengths: &[L],
+        order: &[u32],
+        placed: &Placed,
+        full: usize,
+        rules: &Rules,
+        opts: &PackOptions,
+        stats: crate::plan::Stats,
+    ) -> Result<Plan> {
+        let packs = full + placed.packs;
+        let segments = full + order.len();
+        let mut counts = memory::try_zeroed::<i64>(packs + 1, "pack_offsets")?;
+        for c in counts[1..=full].iter_mut() {
+            *c = 1;
+        }
+        for &i in order {
+            counts[full + placed.pack_of[i as usize] as usize + 1] += 1;
+        }
+        // Pack `p` goes to position `at[p]` of the final order.
+        let perm = match opts.shuffle_seed {
+            Some(seed) => Some(permutation(packs, seed)?),
+            None => None,
+        };
+        let mut pack_offsets = memory::try_zeroed::<i64>(packs + 1, "pack_offsets")?;
+        let mut first = memory::try_zeroed::<i64>(packs, "pack_offsets")?;
+        for q in 0..packs {
+            let p = perm.as_ref().map_or(q, |o| o[q] as usize);
+            first[p] = pack_offsets[q];
+            pack_offsets[q + 1] = pack_offsets[q] + counts[p + 1];
+        }
+        drop(counts);
+        let mut sample_ids = memory::try_zeroed::<i64>(segments, "sample_ids")?;
+        let mut starts = memory::try_zeroed::<i64>(segments, "starts")?;
+        let mut seqlens = memory::try_zeroed::<i32>(segments, "seqlens")?;
+        let m = rules.max_len;
+        let mut p = 0;
+        for &(j, pieces) in &self.split {
+            for i in 0..pieces as u64 {
+                let s = first[p] as usize;
+                sample_ids[s] = j as i64;
+                starts[s] = (i * m) as i64;
+                seqlens[s] = m as i32;
+                p += 1;
+            }
+        }
+        if p != full {
+            return Err(Error::input_changed("lengths"));
+        }
+        for &i in order {
+            let i = i as usize;
+            let pack = placed.pack_of[i];
+            let slot = &mut first[full + pack as usize];
+            let s = *slot as usize;
+            *slot += 1;
+            let j = self.seq[i];
+            sample_ids[s] = j as i64;
+            seqlens[s] = self.len[i] as i32;
+            if let Class::Split { full, .. } = rules.classify(lengths[j as usize].to_u64()) {
+                starts[s] = (full * m) as i64;
+            }
+        }
+        Ok(Plan {
+            sample_ids,
+            starts,
+            seqlens,
+            pack_offsets,
+            max_len: opts.max_len,
+            reserve: opts.reserve,
+            strategy: opts.strategy,
+            overlong: opts.overlong,
+            stats,
+        })
+    }
+}
+
+/// A placement: the pack of each item (by item index), packs numbered `0..packs`.
+struct Placed {
+    pack_of: Vec<u32>,
+    packs: usize,
+}
+
+/// Places the items in two phases (module docs): each key's items by best fit among the
+/// key's own packs (keys in parallel), then the items of the packs left with more than
+/// `slack` tokens of room, longest first, by [`place`] into the kept packs' rooms and new
+/// packs.
+fn place_by_key(
+    items: &Items,
+    order: &[u32],
+    num_keys: usize,
+    max_len: u32,
+    slack: u32,
+) -> Result<Placed> {
+    let n = order.len();
+    // Key-major order (stable: longest first within a key).
+    let mut at = memory::try_zeroed::<usize>(num_keys + 1, "the key order")?;
+    for &k in &items.key {
+        at[k as usize + 1] += 1;
+    }
+    for k in 0..num_keys {
+        at[k + 1] += at[k];
+    }
+    let bounds = at.clone();
+    let mut by_key = memory::try_zeroed::<u32>(n, "the key order")?;
+    for &i in order {
+        let k = items.key[i as usize] as usize;
+        by_key[at[k]] = i;
+        at[k] += 1;
+    }
+    drop(at);
+    // Phase 1, per key: (local pack of each of its items, each local pack's room), by the
+    // run-wise best fit of plain `bfd` (a key's items of one length are consecutive).
+    let per_key: Vec<Result<(Vec<u32>, Vec<u32>)>> = (0..num_keys)
+        .into_par_iter()
+        .map_init(Vec::new, |present: &mut Vec<(u32, usize, usize)>, k| {
+            let mine = &by_key[bounds[k]..bounds[k + 1]];
+            present.clear();
+            for (pos, &i) in mine.iter().enumerate() {
+                let len = items.len[i as usize];
+                match present.last_mut() {
+                    Some(last) if last.0 == len => last.2 += 1,
+                    _ => present.push((len, pos, 1)),
+                }
+            }
+            let lens: Vec<u32> = present.iter().map(|e| e.0).collect();
+            let range = |len: u32| {
+                let at = present.partition_point(|e| e.0 > len);
+                (present[at].1, present[at].2)
+            };
+            let mut local = memory::try_zeroed::<u32>(mine.len(), "the placement")?;
+            let mut rooms: Vec<u32> = Vec::new();
+            let mut failed = None;
+            best_fit(max_len, &lens, range, 0, |pack, pos, count, len| {
+                local[pos..pos + count].fill(pack);
+                if pack as usize == rooms.len() && failed.is_none() {
+                    failed = memory::try_push(&mut rooms, max_len, "the placement").err();
+                }
+                if let Some(r) = rooms.get_mut(pack as usize) {
+                    *r -= count as u32 * len;
+                }
+            })?;
+            if let Some(e) = failed {
+                return Err(e);
+            }
+            Ok((local, rooms))
+        })
+        .collect();
+    // Kept packs, numbered key by key; the others' items go to phase 2.
+    let mut pack_of = memory::try_filled::<u32>(items.len.len(), NONE, "the placement")?;
+    let mut kept: Vec<(u32, u32)> = Vec::new();
+    let mut renumber: Vec<u32> = Vec::new();
+    for (k, result) in per_key.into_iter().enumerate() {
+        let (local, rooms) = result?;
+        renumber.clear();
+        for &r in &rooms {
+            if r <= slack {
+                renumber.push(kept.len() as u32);
+                memory::try_push(&mut kept, (r, k as u32), "the placement")?;
+            } else {
+                renumber.push(NONE);
+            }
+        }
+        for (&i, &p) in by_key[bounds[k]..bounds[k + 1]].iter().zip(&local) {
+            pack_of[i as usize] = renumber[p as usize];
+        }
+    }
+    drop(by_key);
+    let pooled = order.iter().filter(|&&i| pack_of[i as usize] == NONE).count();
+    let mut rest = memory::try_with_capacity::<u32>(pooled, "the placement")?;
+    rest.extend(order.iter().copied().filter(|&i| pack_of[i as usize] == NONE));
+    let packs = place(items, &rest, &kept, num_keys, max_len, slack, &mut pack_of)?;
+    Ok(Placed { pack_of, packs })
+}
+
+/// Best fit over `order` preferring the item's key's packs within `slack` (module docs),
+/// packs `0..initial.len()` open with `initial`'s (room, key); writes each item's pack to
+/// `pack_of` and returns the number of packs.
+#[allow(clippy::too_many_arguments)]
+fn place(
+    items: &Items,
+    order: &[u32],
+    initial: &[(u32, u32)],
+    num_keys: usize,
+    max_len: u32,
+    slack: u32,
+    pack_of: &mut [u32],
+) -> Result<usize> {
+    let cap = max_len as usize;
+    // Open packs by room: the rooms present, and a doubly linked list of packs per room
+    // (a pack chosen through its key's set leaves its room's list from the middle).
+    let mut rooms = RoomSet::new(cap)?;
+    let mut head = memory::try_filled(cap + 1, NONE, "the capacity index")?;
+    let mut next: Vec<u32> = Vec::new();
+    let mut prev: Vec<u32> = Vec::new();
+    let mut room: Vec<u32> = Vec::new();
+    let mut owner: Vec<u32> = Vec::new();
+    // Each key's open packs, by (room, pack).
+    let mut by_key: Vec<BTreeSet<(u32, u32)>> = Vec::new();
+    by_key.try_reserve_exact(num_keys).map_err(|_| Error::out_of_memory("the key index", 0))?;
+    by_key.resize_with(num_keys, BTreeSet::new);
+
+    let unlink = |p: u32,
+                  r: usize,
+                  head: &mut [u32],
+                  next: &mut [u32],
+                  prev: &mut [u32],
+                  rooms: &mut RoomSet| {
+        let (n, v) = (next[p as usize], prev[p as usize]);
+        if v == NONE {
+            head[r] = n;
+            if n == NONE {
+                rooms.remove(r);
+            }
+        } else {
+            next[v as usize] = n;
+        }
+        if n != NONE {
+            prev[n as usize] = v;
+        }
+    };
+    let link = |p: u32,
+                r: usize,
+                head: &mut [u32],
+                next: &mut [u32],
+                prev: &mut [u32],
+                rooms: &mut RoomSet| {
+        let h = head[r];
+        if h == NONE {
+            rooms.insert(r);
+        } else {
+            prev[h as usize] = p;
+        }
+        next[p as usize] = h;
+        prev[p as usize] = NONE;
+        head[r] = p;
+    };
+    for (p, &(r, k)) in initial.iter().enumerate() {
+        memory::try_push(&mut room, r, "the placement")?;
+        memory::try_push(&mut owner, k, "the placement")?;
+        memory::try_push(&mut next, NONE, "the placement")?;
+        memory::try_push(&mut prev, NONE, "the placement")?;
+        if r > 0 {
+            link(p as u32, r as usize, &mut head, &mut next, &mut prev, &mut rooms);
+            by_key[k as usize].insert((r, p as u32));
+        }
+    }
+    for &i in order {
+        let len = items.len[i as usize];
+        let key = items.key[i as usize] as usize;
+        let pack = match rooms.first_at_least(len as usize) {
+            None => {
+                let p = room.len() as u32;
+                memory::try_push(&mut room, max_len, "the placement")?;
+                memory::try_push(&mut owner, key as u32, "the placement")?;
+                memory::try_push(&mut next, NONE, "the placement")?;
+                memory::try_push(&mut prev, NONE, "the placement")?;
+                p
+            }
+            Some(best) => {
+                let own = by_key[key].range((len, 0)..).next().copied();
+                let p = match own {
+                    Some((r, p)) if r - best as u32 <= slack => p,
+                    _ => head[best],
+                };
+                let r = room[p as usize] as usize;
+                unlink(p, r, &mut head, &mut next, &mut prev, &mut rooms);
+                by_key[owner[p as usize] as usize].remove(&(r as u32, p));
+                p
+            }
+        };
+        pack_of[i as usize] = pack;
+        let rest = room[pack as usize] - len;
+        room[pack as usize] = rest;
+        if rest > 0 {
+            link(pack, rest as usize, &mut head, &mut next, &mut prev, &mut rooms);
+            by_key[owner[pack as usize] as usize].insert((rest, pack));
+        }
+    }
+    Ok(room.len())
+}
+
+/// How related the packs of a plan are (see [`Affinity`]); `keys` indexes by sample id.
+pub fn measure(
+    seqlens: &[i32],
+    pack_offsets: &[i64],
+    sample_ids: &[i64],
+    keys: &[i64],
+) -> Result<Affinity> {
+    let n = keys.len();
+    let bad =
+        || Error::invalid("affinity", "expected one non-negative key per sequence of the plan");
+    if sample_ids.par_iter().any(|&s| s < 0 || s as usize >= n) || keys.par_iter().any(|&k| k < 0) {
+        return Err(bad());
+    }
+    let segments = seqlens.len();
+    if pack_offsets.first().is_some_and(|&o| o != 0)
+        || pack_offsets.last().is_some_and(|&o| o as usize != segments)
+        || pack_offsets.windows(2).any(|w| w[0] > w[1])
+        || sample_ids.len() != segments
+    {
+        return Err(Error::invalid("pack_offsets", "not the offsets of the plan's segments"));
+    }
+    let (kid, num_keys) = key_ids(keys)?;
+    let packs = pack_offsets.len().saturating_sub(1);
+    // Per pack: (same-key pairs, all pairs, pure, of two or more); pairs are ordered pairs
+    // of tokens from two different segments (each of a different sequence).
+    let per_pack = (0..packs)
+        .into_par_iter()
+        .map_init(Vec::new, |seg: &mut Vec<(u32, u128)>, p| {
+            let (lo, hi) = (pack_offsets[p] as usize, pack_offsets[p + 1] as usize);
+            seg.clear();
+            seg.extend((lo..hi).map(|s| (kid[sample_ids[s] as usize], seqlens[s].max(0) as u128)));
+            seg.sort_unstable();
+            let total: u128 = seg.iter().map(|s| s.1).sum();
+            let squares: u128 = seg.iter().map(|s| s.1 * s.1).sum();
+            let (mut same, mut groups, mut at) = (0u128, 0, 0);
+            while at < seg.len() {
+                let (k, mut t) = (seg[at].0, 0u128);
+                while at < seg.len() && seg[at].0 == k {
+                    t += seg[at].1;
+                    at += 1;
+                }
+                same += t * t;
+                groups += 1;
+            }
+            let several = seg.len() >= 2;
+            (
+                same - squares,
+                total * total - squares,
+                (several && groups == 1) as u64,
+                several as u64,
+            )
+        })
+        .reduce(|| (0, 0, 0, 0), |a, b| (a.0 + b.0, a.1 + b.1, a.2 + b.2, a.3 + b.3));
+    let (same, all, pure, several) = per_pack;
+    // The random baseline from each sequence's and each key's tokens.
+    let mut per_seq = memory::try_zeroed::<u64>(n, "the affinity metrics")?;
+    for (&s, &l) in sample_ids.iter().zip(seqlens) {
+        per_seq[s as usize] += l.max(0) as u64;
+    }
+    let mut per_key = memory::try_zeroed::<u64>(num_keys, "the affinity metrics")?;
+    let mut seq_squares = 0u128;
+    for (&t, &k) in per_seq.iter().zip(&kid) {
+        per_key[k as usize] += t;
+        seq_squares += t as u128 * t as u128;
+    }
+    let total: u128 = per_key.iter().map(|&t| t as u128).sum();
+    let key_squares: u128 = per_key.iter().map(|&t| t as u128 * t as u128).sum();
+    let used = per_key.iter().filter(|&&t| t > 0).count() as u64;
+    let share = |a: u128, b: u128| if b == 0 { 0.0 } else { a as f64 / b as f64 };
+    Ok(Affinity {
+        num_keys: used,
+        same_key_share: share(same, all),
+        random_share: share(key_squares - seq_squares, total * total - seq_squares),
+        pure_packs: share(pure as u128, several as u128),
+        slack: 0,
+        bfd_packs: 0,
+    })
+}
