@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
+import pyarrow as pa  # a dependency of fastpack's command
+import pyarrow.parquet as pq
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -154,7 +159,6 @@ def test_a_plan_without_keys_has_no_affinity() -> None:
 
 
 def test_affinity_keys_hash_strings_deterministically() -> None:
-    pa = pytest.importorskip("pyarrow")
     keys = fastpack.affinity_keys(["a.com", "b.org", "a.com"])
     assert keys.dtype == np.int64 and keys[0] == keys[2] != keys[1] and (keys >= 0).all()
     # Fixed across runs and machines (BLAKE2b of the UTF-8 text), numpy or Arrow alike.
@@ -166,3 +170,96 @@ def test_affinity_keys_hash_strings_deterministically() -> None:
         fastpack.affinity_keys(pa.array(["a", None]))
     with pytest.raises(FastpackError, match="negative"):
         fastpack.affinity_keys([-1, 2])
+
+
+# ---------------------------------------------------------------------------------------
+# the command: fastpack pack --affinity-column
+
+
+def _corpus_with_keys(tmp_path: Path) -> tuple[list[str], list[np.ndarray], list[object]]:
+    from corpus import documents, write
+
+    rng = np.random.default_rng(5)
+    paths, docs, keys = [], [], []
+    domains = ["a.org", "b.com", "c.net", "d.io"]
+    for name in ["p.parquet", "q.parquet"]:
+        lengths = rng.integers(1, 120, 80).tolist()
+        part = documents(lengths, first=len(docs))
+        path = write(tmp_path / name, part)
+        table = pq.read_table(path)
+        domain = [domains[i % 4] for i in rng.integers(0, 4, len(part))]
+        table = table.append_column("domain", pa.array(domain))
+        table = table.append_column("cluster", pa.array(rng.integers(0, 6, len(part))))
+        pq.write_table(table, path)
+        paths.append(str(path))
+        docs.extend(part)
+        keys.extend(domain)
+    return paths, docs, keys
+
+
+def test_cli_packs_a_parquet_key_column_together(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+    from corpus import check_output, read_rows
+
+    from fastpack.cli import main
+
+    paths, docs, domains = _corpus_with_keys(tmp_path)
+    out_dir = tmp_path / "out"
+    result = CliRunner().invoke(main, ["pack", *paths, "-o", str(out_dir), "--max-len", "256",
+                                       "--seed", "4", "--affinity-column", "domain",
+                                       "--no-plot"])
+    assert result.exit_code == 0, result.output
+    rows = check_output(out_dir, docs, max_len=256)
+    # Exactly fastpack.pack's plan with the hashed domains as keys.
+    lengths = np.array([len(d) for d in docs])
+    keys = fastpack.affinity_keys(domains)
+    plan = fastpack.pack(lengths, 256, seed=4, affinity=keys)
+    assert rows.num_rows == plan.num_packs
+    for p in range(plan.num_packs):
+        assert rows.column("seq_lengths")[p].as_py() == plan.segments(p)[2].tolist()
+    report = json.loads((out_dir / "report.json").read_text())
+    assert plan.affinity is not None
+    assert report["affinity"]["same_key_share"] == pytest.approx(plan.affinity.same_key_share)
+    assert report["settings"]["affinity_column"] == "domain"
+    assert "token pairs of one key in a pack" in result.output
+    # An integer column is a key as it is; a run without the flag has no affinity.
+    out2 = tmp_path / "out2"
+    result = CliRunner().invoke(main, ["pack", *paths, "-o", str(out2), "--max-len", "256",
+                                       "--affinity-column", "cluster", "--no-plot"])
+    assert result.exit_code == 0, result.output
+    cluster = pa.concat_arrays([pq.read_table(p).column("cluster").combine_chunks()
+                                for p in paths]).to_numpy()
+    plan = fastpack.pack(lengths, 256, affinity=cluster)
+    assert read_rows(out2).num_rows == plan.num_packs
+    report = json.loads((out2 / "report.json").read_text())
+    assert plan.affinity is not None
+    assert report["affinity"]["num_keys"] == plan.affinity.num_keys == 6
+
+
+def test_cli_refuses_a_bad_key_column(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from fastpack.cli import main
+
+    paths, _, _ = _corpus_with_keys(tmp_path)
+    for column, words in [("nope", "no such column"), ("input_ids", "needs integers or strings")]:
+        result = CliRunner().invoke(main, ["pack", *paths, "-o", str(tmp_path / column),
+                                           "--max-len", "256", "--affinity-column", column])
+        assert result.exit_code == 2, result.output
+        assert words in result.output and column in result.output
+    result = CliRunner().invoke(main, ["pack", *paths, "-o", str(tmp_path / "x"), "--max-len",
+                                       "256", "--affinity-column", "domain", "--strategy",
+                                       "next_fit"])
+    assert result.exit_code == 2 and "--affinity-column" in result.output, result.output
+
+
+def test_keys_from_json_lines_integers_or_strings(tmp_path: Path) -> None:
+    from fastpack._offline.affinity import read_keys
+    from fastpack._offline.sources import expand_inputs
+
+    rows = [{"input_ids": [1, 2], "n": 7, "d": "x.org"}, {"input_ids": [3], "n": 2, "d": "y"}]
+    path = tmp_path / "k.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    sources = expand_inputs([str(path)])
+    np.testing.assert_array_equal(read_keys(sources, "n"), [7, 2])
+    np.testing.assert_array_equal(read_keys(sources, "d"), fastpack.affinity_keys(["x.org", "y"]))

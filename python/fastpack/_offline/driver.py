@@ -34,6 +34,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -81,7 +82,7 @@ def pack_corpus(
         out.packing(scan.columns)
         seconds["lengths"] = time.monotonic() - clock
         clock = time.monotonic()
-        plan, pack_counts = make_plan(scan, out.settings, read_sources)
+        plan, pack_counts = make_plan(scan, out.settings, read_sources, out.sources)
     seconds["plan"] = time.monotonic() - clock
     log(f"plan: {plan.num_packs:,} packs of {settings.max_len:,} tokens for "
         f"{len(scan.lengths):,} documents ({seconds['plan']:.2f} s)", quiet=quiet)
@@ -93,6 +94,8 @@ def pack_corpus(
     columns = output_schema(out.settings, scan.dtypes).names
     extra = {"passes": passes, "memory_budget": budget, "spilled": spill and passes > 1,
              "seconds": {k: round(v, 3) for k, v in seconds.items()}}
+    if plan.affinity is not None:
+        extra["affinity"] = asdict(plan.affinity)
     report = make_report(out, stats, entries, columns, extra, plot=plot,
                          left_out=scan.left_out)
     out.finish(report, entries, columns, stats.packs, plan.group_offsets)

@@ -85,6 +85,8 @@ class PackSettings(WithOptions):
     #: Packs per output shard (default: 2^25 tokens' worth at ``max_len``).
     shard_rows: int | None = None
     plan_shards: int = 1
+    #: The column of each document's key (``fastpack.pack(..., affinity=keys)``), or None.
+    affinity_column: str | None = None
 
     def __init__(
         self,
@@ -97,6 +99,7 @@ class PackSettings(WithOptions):
         tokenizer: str | None = None,
         shard_rows: int | None = None,
         plan_shards: int = 1,
+        affinity_column: str | None = None,
         **kwargs: Unpack[PackArgs],
     ) -> None:
         made = resolve(PackSettings, options, max_len, kwargs, refuse=REFUSED)
@@ -107,7 +110,16 @@ class PackSettings(WithOptions):
             "columns": None if columns is None else tuple(columns),
             "text_column": text_column, "tokenizer": tokenizer, "shard_rows": rows,
             "plan_shards": _int_arg("plan_shards", plan_shards, minimum=1),
+            "affinity_column": affinity_column,
         }
+        if affinity_column is not None:
+            from .._affinity import check_options
+
+            try:
+                check_options(made)
+            except FastpackError as e:
+                raise FastpackError(
+                    "affinity_column: " + str(e).removeprefix("affinity: ")) from None
         for name, value in values.items():
             object.__setattr__(self, name, value)
 
@@ -131,6 +143,8 @@ class PackSettings(WithOptions):
                        if f.name != "options"})
         if self.columns is not None:
             values["columns"] = list(self.columns)
+        if self.affinity_column is None:
+            del values["affinity_column"]  # the settings of a run without keys, unchanged
         ordered = {name: values.pop(name) for name in _ORDER}
         return {**ordered, **values}
 
