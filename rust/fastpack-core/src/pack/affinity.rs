@@ -27,7 +27,7 @@ use rayon::prelude::*;
 
 use crate::error::{Error, Result};
 use crate::length::Length;
-use crate::memory;
+use crate::memory::{self, Slots};
 use crate::plan::{PackOptions, Plan, Strategy, MAX_ITEMS};
 use crate::shuffle::permutation;
 
@@ -134,21 +134,41 @@ pub fn pack_affinity<L: Length>(
 
     let (kid, num_keys) = key_ids(keys)?;
     let items = Items::collect(lengths, &kid, &rules)?;
-    let order = items.sorted(num_keys, max_len as usize)?;
+    let by_key = items.key_major(num_keys, max_len as usize)?;
 
     let bound = bfd_packs + bfd_packs / 1000;
     let mut slack = slack.unwrap_or((opts.max_len / DEFAULT_SLACK_DIV) as u32);
-    let mut placed = place_by_key(&items, &order, num_keys, max_len, slack)?;
+    let mut placed = place_by_key(&items, &by_key, num_keys, max_len, slack)?;
     if full + placed.packs > bound {
-        // Plain best fit's rooms, exactly (module docs).
+        // Plain best fit's rooms, exactly (module docs): every item, longest first.
         slack = 0;
+        let order = items.longest_first(by_key.iter().copied(), max_len as usize)?;
         let mut pack_of = std::mem::take(&mut placed.pack_of);
         let packs = place(&items, &order, &[], num_keys, max_len, 0, &mut pack_of)?;
         placed = Placed { pack_of, packs };
     }
-    let plan = items.plan(lengths, &order, &placed, full, &rules, opts, stats)?;
-    let affinity = measure(&plan.seqlens, &plan.pack_offsets, &plan.sample_ids, keys)?;
+    let plan = items.plan(lengths, &by_key, &placed, full, &rules, opts, stats)?;
+    drop(by_key);
+    let tokens = sequence_tokens(lengths, &rules)?;
+    let (ids, offsets) = (&plan.sample_ids, &plan.pack_offsets);
+    let affinity = measure_ids(&plan.seqlens, offsets, ids, &kid, num_keys, &tokens)?;
     Ok(AffinityPlan { plan, affinity: Affinity { slack, bfd_packs: bfd_packs as u64, ..affinity } })
+}
+
+/// Each sequence's tokens in the plan (0 for an empty or dropped one).
+fn sequence_tokens<L: Length>(lengths: &[L], rules: &Rules) -> Result<Vec<u64>> {
+    let mut tokens = memory::try_with_capacity::<u64>(lengths.len(), "the affinity metrics")?;
+    tokens.par_extend(lengths.par_iter().map(|raw| {
+        let value = raw.to_u64();
+        match rules.fits(value) {
+            Some(len) => len,
+            None => match rules.classify(value) {
+                Class::Whole { len, .. } | Class::Split { len, .. } => len,
+                _ => 0,
+            },
+        }
+    }));
+    Ok(tokens)
 }
 
 /// Dense key ids `0..K` in ascending key order (`K` keys present).
@@ -222,41 +242,26 @@ impl Items {
         Ok(items)
     }
 
-    /// Item indices longest first; within a length by key, then in input order (two stable
-    /// counting sorts), so a key's items of one length are placed one after another.
-    fn sorted(&self, num_keys: usize, max_len: usize) -> Result<Vec<u32>> {
-        let n = self.len.len();
-        let mut by_key = memory::try_zeroed::<u32>(n, "the sorted order")?;
-        let mut at = memory::try_zeroed::<usize>(num_keys + 1, "the sorted order")?;
-        for &k in &self.key {
-            at[k as usize + 1] += 1;
-        }
-        for k in 0..num_keys {
-            at[k + 1] += at[k];
-        }
-        for (i, &k) in self.key.iter().enumerate() {
-            by_key[at[k as usize]] = i as u32;
-            at[k as usize] += 1;
-        }
-        let mut order = memory::try_zeroed::<u32>(n, "the sorted order")?;
-        let mut at = memory::try_zeroed::<usize>(max_len + 2, "the sorted order")?;
-        // Slot `max_len - len`: longest first.
-        for &l in &self.len {
-            at[max_len - l as usize + 1] += 1;
-        }
-        for s in 0..=max_len {
-            at[s + 1] += at[s];
-        }
-        for &i in &by_key {
-            let s = max_len - self.len[i as usize] as usize;
-            order[at[s]] = i;
-            at[s] += 1;
-        }
-        Ok(order)
+    /// Item indices by key, and within a key longest first, then in input order (two
+    /// stable counting sorts).
+    fn key_major(&self, num_keys: usize, max_len: usize) -> Result<Vec<u32>> {
+        let all = 0..self.len.len() as u32;
+        let by_len = self.longest_first(all, max_len)?;
+        stable_sort(&by_len, num_keys, |i| self.key[i as usize] as usize)
+    }
+
+    /// `items` (indices) longest first, stable.
+    fn longest_first(
+        &self,
+        items: impl IntoIterator<Item = u32>,
+        max_len: usize,
+    ) -> Result<Vec<u32>> {
+        let items: Vec<u32> = items.into_iter().collect();
+        stable_sort(&items, max_len + 1, |i| max_len - self.len[i as usize] as usize)
     }
 
     /// The plan: full-piece packs first (input order), then the placed packs as opened,
-    /// each pack's segments as placed; shuffled when the options say so.
+    /// each pack's segments in `order`; shuffled when the options say so.
     #[allow(clippy::too_many_arguments)]
     fn plan<L: Length>(
         &self,
@@ -270,55 +275,64 @@ impl Items {
     ) -> Result<Plan> {
         let packs = full + placed.packs;
         let segments = full + order.len();
-        let mut counts = memory::try_zeroed::<i64>(packs + 1, "pack_offsets")?;
-        for c in counts[1..=full].iter_mut() {
-            *c = 1;
+        let mut counts = memory::try_zeroed::<u32>(packs, "pack_offsets")?;
+        counts[..full].fill(1);
+        for &p in &placed.pack_of {
+            counts[full + p as usize] += 1;
         }
-        for &i in order {
-            counts[full + placed.pack_of[i as usize] as usize + 1] += 1;
-        }
-        // Pack `p` goes to position `at[p]` of the final order.
         let perm = match opts.shuffle_seed {
             Some(seed) => Some(permutation(packs, seed)?),
             None => None,
         };
+        // `first[p]`: pack `p`'s first slot in the final order (`perm[q]` is at `q`).
         let mut pack_offsets = memory::try_zeroed::<i64>(packs + 1, "pack_offsets")?;
         let mut first = memory::try_zeroed::<i64>(packs, "pack_offsets")?;
         for q in 0..packs {
             let p = perm.as_ref().map_or(q, |o| o[q] as usize);
             first[p] = pack_offsets[q];
-            pack_offsets[q + 1] = pack_offsets[q] + counts[p + 1];
+            pack_offsets[q + 1] = pack_offsets[q] + counts[p] as i64;
         }
         drop(counts);
+        drop(perm);
+        // Each item's slot (one pass in `order`), then every slot written in parallel.
+        let mut slot_of = memory::try_zeroed::<u64>(order.len(), "the plan's slots")?;
+        for (slot, &i) in slot_of.iter_mut().zip(order) {
+            let cursor = &mut first[full + placed.pack_of[i as usize] as usize];
+            *slot = *cursor as u64;
+            *cursor += 1;
+        }
         let mut sample_ids = memory::try_zeroed::<i64>(segments, "sample_ids")?;
         let mut starts = memory::try_zeroed::<i64>(segments, "starts")?;
         let mut seqlens = memory::try_zeroed::<i32>(segments, "seqlens")?;
         let m = rules.max_len;
-        let mut p = 0;
-        for &(j, pieces) in &self.split {
-            for i in 0..pieces as u64 {
-                let s = first[p] as usize;
-                sample_ids[s] = j as i64;
-                starts[s] = (i * m) as i64;
-                seqlens[s] = m as i32;
-                p += 1;
+        {
+            let (ids, st, lens) =
+                (Slots::new(&mut sample_ids), Slots::new(&mut starts), Slots::new(&mut seqlens));
+            let mut p = 0;
+            for &(j, pieces) in &self.split {
+                for i in 0..pieces as u64 {
+                    let s = first[p] as usize;
+                    ids.set(s, j as i64);
+                    st.set(s, (i * m) as i64);
+                    lens.set(s, m as i32);
+                    p += 1;
+                }
             }
-        }
-        if p != full {
-            return Err(Error::input_changed("lengths"));
-        }
-        for &i in order {
-            let i = i as usize;
-            let pack = placed.pack_of[i];
-            let slot = &mut first[full + pack as usize];
-            let s = *slot as usize;
-            *slot += 1;
-            let j = self.seq[i];
-            sample_ids[s] = j as i64;
-            seqlens[s] = self.len[i] as i32;
-            if let Class::Split { full, .. } = rules.classify(lengths[j as usize].to_u64()) {
-                starts[s] = (full * m) as i64;
+            if p != full {
+                return Err(Error::input_changed("lengths"));
             }
+            order.par_iter().zip(slot_of.par_iter()).for_each(|(&i, &s)| {
+                let (i, s) = (i as usize, s as usize);
+                let j = self.seq[i];
+                ids.set(s, j as i64);
+                lens.set(s, self.len[i] as i32);
+                if self.len[i] as u64 != lengths[j as usize].to_u64().unwrap_or(0) + rules.reserve {
+                    if let Class::Split { full, .. } = rules.classify(lengths[j as usize].to_u64())
+                    {
+                        st.set(s, (full * m) as i64);
+                    }
+                }
+            });
         }
         Ok(Plan {
             sample_ids,
@@ -334,6 +348,24 @@ impl Items {
     }
 }
 
+/// `items` stably sorted by `bucket(item)` in `0..buckets`: a counting sort.
+fn stable_sort(items: &[u32], buckets: usize, bucket: impl Fn(u32) -> usize) -> Result<Vec<u32>> {
+    let mut at = memory::try_zeroed::<usize>(buckets + 1, "the sorted order")?;
+    for &i in items {
+        at[bucket(i) + 1] += 1;
+    }
+    for b in 0..buckets {
+        at[b + 1] += at[b];
+    }
+    let mut out = memory::try_zeroed::<u32>(items.len(), "the sorted order")?;
+    for &i in items {
+        let b = bucket(i);
+        out[at[b]] = i;
+        at[b] += 1;
+    }
+    Ok(out)
+}
+
 /// A placement: the pack of each item (by item index), packs numbered `0..packs`.
 struct Placed {
     pack_of: Vec<u32>,
@@ -346,28 +378,19 @@ struct Placed {
 /// packs.
 fn place_by_key(
     items: &Items,
-    order: &[u32],
+    by_key: &[u32],
     num_keys: usize,
     max_len: u32,
     slack: u32,
 ) -> Result<Placed> {
-    let n = order.len();
-    // Key-major order (stable: longest first within a key).
-    let mut at = memory::try_zeroed::<usize>(num_keys + 1, "the key order")?;
+    // Where each key's items start in `by_key`.
+    let mut bounds = memory::try_zeroed::<usize>(num_keys + 1, "the key order")?;
     for &k in &items.key {
-        at[k as usize + 1] += 1;
+        bounds[k as usize + 1] += 1;
     }
     for k in 0..num_keys {
-        at[k + 1] += at[k];
+        bounds[k + 1] += bounds[k];
     }
-    let bounds = at.clone();
-    let mut by_key = memory::try_zeroed::<u32>(n, "the key order")?;
-    for &i in order {
-        let k = items.key[i as usize] as usize;
-        by_key[at[k]] = i;
-        at[k] += 1;
-    }
-    drop(at);
     // Phase 1, per key: (local pack of each of its items, each local pack's room), by the
     // run-wise best fit of plain `bfd` (a key's items of one length are consecutive).
     let per_key: Vec<Result<(Vec<u32>, Vec<u32>)>> = (0..num_keys)
@@ -424,10 +447,9 @@ fn place_by_key(
             pack_of[i as usize] = renumber[p as usize];
         }
     }
-    drop(by_key);
-    let pooled = order.iter().filter(|&&i| pack_of[i as usize] == NONE).count();
-    let mut rest = memory::try_with_capacity::<u32>(pooled, "the placement")?;
-    rest.extend(order.iter().copied().filter(|&i| pack_of[i as usize] == NONE));
+    // The leftovers longest first, then by key (they are in key order).
+    let pooled = by_key.iter().copied().filter(|&i| pack_of[i as usize] == NONE);
+    let rest = items.longest_first(pooled, max_len as usize)?;
     let packs = place(items, &rest, &kept, num_keys, max_len, slack, &mut pack_of)?;
     Ok(Placed { pack_of, packs })
 }
@@ -561,6 +583,22 @@ pub fn measure(
         return Err(Error::invalid("pack_offsets", "not the offsets of the plan's segments"));
     }
     let (kid, num_keys) = key_ids(keys)?;
+    let mut tokens = memory::try_zeroed::<u64>(n, "the affinity metrics")?;
+    for (&s, &l) in sample_ids.iter().zip(seqlens) {
+        tokens[s as usize] += l.max(0) as u64;
+    }
+    measure_ids(seqlens, pack_offsets, sample_ids, &kid, num_keys, &tokens)
+}
+
+/// [`measure`] with dense key ids (`kid[i]` in `0..num_keys`) and each sequence's tokens.
+fn measure_ids(
+    seqlens: &[i32],
+    pack_offsets: &[i64],
+    sample_ids: &[i64],
+    kid: &[u32],
+    num_keys: usize,
+    tokens: &[u64],
+) -> Result<Affinity> {
     let packs = pack_offsets.len().saturating_sub(1);
     // Per pack: (same-key pairs, all pairs, pure, of two or more); pairs are ordered pairs
     // of tokens from two different segments (each of a different sequence).
@@ -594,13 +632,9 @@ pub fn measure(
         .reduce(|| (0, 0, 0, 0), |a, b| (a.0 + b.0, a.1 + b.1, a.2 + b.2, a.3 + b.3));
     let (same, all, pure, several) = per_pack;
     // The random baseline from each sequence's and each key's tokens.
-    let mut per_seq = memory::try_zeroed::<u64>(n, "the affinity metrics")?;
-    for (&s, &l) in sample_ids.iter().zip(seqlens) {
-        per_seq[s as usize] += l.max(0) as u64;
-    }
     let mut per_key = memory::try_zeroed::<u64>(num_keys, "the affinity metrics")?;
     let mut seq_squares = 0u128;
-    for (&t, &k) in per_seq.iter().zip(&kid) {
+    for (&t, &k) in tokens.iter().zip(kid) {
         per_key[k as usize] += t;
         seq_squares += t as u128 * t as u128;
     }
