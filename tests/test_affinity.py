@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pickle
 from pathlib import Path
 
 import numpy as np
@@ -156,6 +157,7 @@ def test_a_plan_without_keys_has_no_affinity() -> None:
     assert fastpack.pack([3, 4, 5], 8).affinity is None
     fields = {name: getattr(plan, name) for name in fastpack.Plan._FIELDS}
     assert fastpack.Plan(fields).affinity is None
+    assert pickle.loads(pickle.dumps(plan)).affinity == plan.affinity
 
 
 def test_affinity_keys_hash_strings_deterministically() -> None:
