@@ -133,25 +133,24 @@ pub fn pack_affinity<L: Length>(
     drop(hist);
 
     let (kid, num_keys) = key_ids(keys)?;
-    let items = Items::collect(lengths, &kid, &rules)?;
-    let by_key = items.key_major(num_keys, max_len as usize)?;
+    let items = Items::collect(lengths, &kid, &rules)?.key_major(num_keys, max_len as usize)?;
 
     let bound = bfd_packs + bfd_packs / 1000;
     let mut slack = slack.unwrap_or((opts.max_len / DEFAULT_SLACK_DIV) as u32);
-    let mut placed = place_by_key(&items, &by_key, num_keys, max_len, slack)?;
+    let mut placed = place_by_key(&items, num_keys, max_len, slack)?;
     if full + placed.packs > bound {
         // Plain best fit's rooms, exactly (module docs): every item, longest first.
         slack = 0;
-        let order = items.longest_first(by_key.iter().copied(), max_len as usize)?;
+        let order = items.longest_first(0..items.len.len() as u32, max_len as usize)?;
         let mut pack_of = std::mem::take(&mut placed.pack_of);
         let packs = place(&items, &order, &[], num_keys, max_len, 0, &mut pack_of)?;
         placed = Placed { pack_of, packs };
     }
-    let plan = items.plan(lengths, &by_key, &placed, full, &rules, opts, stats)?;
-    drop(by_key);
+    let (plan, seg_keys) = items.plan(lengths, &kid, &placed, full, &rules, opts, stats)?;
+    drop(items);
     let tokens = sequence_tokens(lengths, &rules)?;
-    let (ids, offsets) = (&plan.sample_ids, &plan.pack_offsets);
-    let affinity = measure_ids(&plan.seqlens, offsets, ids, &kid, num_keys, &tokens)?;
+    let affinity =
+        measure_ids(&plan.seqlens, &plan.pack_offsets, &seg_keys, &kid, num_keys, &tokens)?;
     Ok(AffinityPlan { plan, affinity: Affinity { slack, bfd_packs: bfd_packs as u64, ..affinity } })
 }
 
@@ -205,6 +204,8 @@ struct Items {
     len: Vec<u32>,
     key: Vec<u32>,
     seq: Vec<u32>,
+    /// Whether the item is a split sequence's remainder (which starts after its pieces).
+    rem: Vec<bool>,
     /// Sequences split into full pieces (each a pack of its own), with their count.
     split: Vec<(u32, u32)>,
 }
@@ -216,20 +217,21 @@ impl Items {
             len: memory::try_with_capacity(n, "the items")?,
             key: memory::try_with_capacity(n, "the items")?,
             seq: memory::try_with_capacity(n, "the items")?,
+            rem: memory::try_with_capacity(n, "the items")?,
             split: Vec::new(),
         };
         for (j, raw) in lengths.iter().enumerate() {
             let value = raw.to_u64();
-            let len = match rules.fits(value) {
-                Some(len) => len,
+            let (len, rem) = match rules.fits(value) {
+                Some(len) => (len, false),
                 None => match rules.classify(value) {
-                    Class::Whole { len, .. } => len,
+                    Class::Whole { len, .. } => (len, false),
                     Class::Split { full, rest, .. } => {
                         items.split.push((j as u32, full as u32));
                         if rest == 0 {
                             continue;
                         }
-                        rest
+                        (rest, true)
                     }
                     // Empty, dropped (counted by the histogram); errors were raised there.
                     _ => continue,
@@ -238,16 +240,30 @@ impl Items {
             items.len.push(len as u32);
             items.key.push(kid[j]);
             items.seq.push(j as u32);
+            items.rem.push(rem);
         }
         Ok(items)
     }
 
-    /// Item indices by key, and within a key longest first, then in input order (two
-    /// stable counting sorts).
-    fn key_major(&self, num_keys: usize, max_len: usize) -> Result<Vec<u32>> {
+    /// The items reordered by key, within a key longest first, then in input order (two
+    /// stable counting sorts): every later pass reads them in this order, sequentially.
+    fn key_major(self, num_keys: usize, max_len: usize) -> Result<Self> {
         let all = 0..self.len.len() as u32;
         let by_len = self.longest_first(all, max_len)?;
-        stable_sort(&by_len, num_keys, |i| self.key[i as usize] as usize)
+        let order = stable_sort(&by_len, num_keys, |i| self.key[i as usize] as usize)?;
+        drop(by_len);
+        fn gather<T: Copy + Send + Sync>(v: &[T], order: &[u32]) -> Result<Vec<T>> {
+            let mut out = memory::try_with_capacity::<T>(order.len(), "the items")?;
+            out.par_extend(order.par_iter().map(|&i| v[i as usize]));
+            Ok(out)
+        }
+        Ok(Self {
+            len: gather(&self.len, &order)?,
+            key: gather(&self.key, &order)?,
+            seq: gather(&self.seq, &order)?,
+            rem: gather(&self.rem, &order)?,
+            split: self.split,
+        })
     }
 
     /// `items` (indices) longest first, stable.
@@ -261,20 +277,22 @@ impl Items {
     }
 
     /// The plan: full-piece packs first (input order), then the placed packs as opened,
-    /// each pack's segments in `order`; shuffled when the options say so.
+    /// each pack's segments in item order; shuffled when the options say so. Also each
+    /// segment's key id (`kid` per sequence), for the measure.
     #[allow(clippy::too_many_arguments)]
     fn plan<L: Length>(
         &self,
         lengths: &[L],
-        order: &[u32],
+        kid: &[u32],
         placed: &Placed,
         full: usize,
         rules: &Rules,
         opts: &PackOptions,
         stats: crate::plan::Stats,
-    ) -> Result<Plan> {
+    ) -> Result<(Plan, Vec<u32>)> {
+        let n = self.len.len();
         let packs = full + placed.packs;
-        let segments = full + order.len();
+        let segments = full + n;
         let mut counts = memory::try_zeroed::<u32>(packs, "pack_offsets")?;
         counts[..full].fill(1);
         for &p in &placed.pack_of {
@@ -294,20 +312,22 @@ impl Items {
         }
         drop(counts);
         drop(perm);
-        // Each item's slot (one pass in `order`), then every slot written in parallel.
-        let mut slot_of = memory::try_zeroed::<u64>(order.len(), "the plan's slots")?;
-        for (slot, &i) in slot_of.iter_mut().zip(order) {
-            let cursor = &mut first[full + placed.pack_of[i as usize] as usize];
+        // Each item's slot (one pass), then every slot written in parallel.
+        let mut slot_of = memory::try_zeroed::<u64>(n, "the plan's slots")?;
+        for (slot, &p) in slot_of.iter_mut().zip(&placed.pack_of) {
+            let cursor = &mut first[full + p as usize];
             *slot = *cursor as u64;
             *cursor += 1;
         }
         let mut sample_ids = memory::try_zeroed::<i64>(segments, "sample_ids")?;
         let mut starts = memory::try_zeroed::<i64>(segments, "starts")?;
         let mut seqlens = memory::try_zeroed::<i32>(segments, "seqlens")?;
+        let mut seg_keys = memory::try_zeroed::<u32>(segments, "the affinity metrics")?;
         let m = rules.max_len;
         {
             let (ids, st, lens) =
                 (Slots::new(&mut sample_ids), Slots::new(&mut starts), Slots::new(&mut seqlens));
+            let keys = Slots::new(&mut seg_keys);
             let mut p = 0;
             for &(j, pieces) in &self.split {
                 for i in 0..pieces as u64 {
@@ -315,18 +335,20 @@ impl Items {
                     ids.set(s, j as i64);
                     st.set(s, (i * m) as i64);
                     lens.set(s, m as i32);
+                    keys.set(s, kid[j as usize]);
                     p += 1;
                 }
             }
             if p != full {
                 return Err(Error::input_changed("lengths"));
             }
-            order.par_iter().zip(slot_of.par_iter()).for_each(|(&i, &s)| {
-                let (i, s) = (i as usize, s as usize);
+            slot_of.par_iter().enumerate().for_each(|(i, &s)| {
+                let s = s as usize;
                 let j = self.seq[i];
                 ids.set(s, j as i64);
                 lens.set(s, self.len[i] as i32);
-                if self.len[i] as u64 != lengths[j as usize].to_u64().unwrap_or(0) + rules.reserve {
+                keys.set(s, self.key[i]);
+                if self.rem[i] {
                     if let Class::Split { full, .. } = rules.classify(lengths[j as usize].to_u64())
                     {
                         st.set(s, (full * m) as i64);
@@ -334,7 +356,7 @@ impl Items {
                 }
             });
         }
-        Ok(Plan {
+        let plan = Plan {
             sample_ids,
             starts,
             seqlens,
@@ -344,7 +366,8 @@ impl Items {
             strategy: opts.strategy,
             overlong: opts.overlong,
             stats,
-        })
+        };
+        Ok((plan, seg_keys))
     }
 }
 
@@ -376,13 +399,7 @@ struct Placed {
 /// key's own packs (keys in parallel), then the items of the packs left with more than
 /// `slack` tokens of room, longest first, by [`place`] into the kept packs' rooms and new
 /// packs.
-fn place_by_key(
-    items: &Items,
-    by_key: &[u32],
-    num_keys: usize,
-    max_len: u32,
-    slack: u32,
-) -> Result<Placed> {
+fn place_by_key(items: &Items, num_keys: usize, max_len: u32, slack: u32) -> Result<Placed> {
     // Where each key's items start in `by_key`.
     let mut bounds = memory::try_zeroed::<usize>(num_keys + 1, "the key order")?;
     for &k in &items.key {
@@ -396,10 +413,9 @@ fn place_by_key(
     let per_key: Vec<Result<(Vec<u32>, Vec<u32>)>> = (0..num_keys)
         .into_par_iter()
         .map_init(Vec::new, |present: &mut Vec<(u32, usize, usize)>, k| {
-            let mine = &by_key[bounds[k]..bounds[k + 1]];
+            let mine = &items.len[bounds[k]..bounds[k + 1]];
             present.clear();
-            for (pos, &i) in mine.iter().enumerate() {
-                let len = items.len[i as usize];
+            for (pos, &len) in mine.iter().enumerate() {
                 match present.last_mut() {
                     Some(last) if last.0 == len => last.2 += 1,
                     _ => present.push((len, pos, 1)),
@@ -443,12 +459,12 @@ fn place_by_key(
                 renumber.push(NONE);
             }
         }
-        for (&i, &p) in by_key[bounds[k]..bounds[k + 1]].iter().zip(&local) {
-            pack_of[i as usize] = renumber[p as usize];
+        for (slot, &p) in pack_of[bounds[k]..bounds[k + 1]].iter_mut().zip(&local) {
+            *slot = renumber[p as usize];
         }
     }
     // The leftovers longest first, then by key (they are in key order).
-    let pooled = by_key.iter().copied().filter(|&i| pack_of[i as usize] == NONE);
+    let pooled = (0..pack_of.len() as u32).filter(|&i| pack_of[i as usize] == NONE);
     let rest = items.longest_first(pooled, max_len as usize)?;
     let packs = place(items, &rest, &kept, num_keys, max_len, slack, &mut pack_of)?;
     Ok(Placed { pack_of, packs })
@@ -587,14 +603,17 @@ pub fn measure(
     for (&s, &l) in sample_ids.iter().zip(seqlens) {
         tokens[s as usize] += l.max(0) as u64;
     }
-    measure_ids(seqlens, pack_offsets, sample_ids, &kid, num_keys, &tokens)
+    let mut seg_keys = memory::try_with_capacity::<u32>(segments, "the affinity metrics")?;
+    seg_keys.par_extend(sample_ids.par_iter().map(|&s| kid[s as usize]));
+    measure_ids(seqlens, pack_offsets, &seg_keys, &kid, num_keys, &tokens)
 }
 
 /// [`measure`] with dense key ids (`kid[i]` in `0..num_keys`) and each sequence's tokens.
+/// `seg_keys[s]`: segment `s`'s key id; `kid[i]`: sequence `i`'s.
 fn measure_ids(
     seqlens: &[i32],
     pack_offsets: &[i64],
-    sample_ids: &[i64],
+    seg_keys: &[u32],
     kid: &[u32],
     num_keys: usize,
     tokens: &[u64],
@@ -607,7 +626,7 @@ fn measure_ids(
         .map_init(Vec::new, |seg: &mut Vec<(u32, u128)>, p| {
             let (lo, hi) = (pack_offsets[p] as usize, pack_offsets[p + 1] as usize);
             seg.clear();
-            seg.extend((lo..hi).map(|s| (kid[sample_ids[s] as usize], seqlens[s].max(0) as u128)));
+            seg.extend((lo..hi).map(|s| (seg_keys[s], seqlens[s].max(0) as u128)));
             seg.sort_unstable();
             let total: u128 = seg.iter().map(|s| s.1).sum();
             let squares: u128 = seg.iter().map(|s| s.1 * s.1).sum();
