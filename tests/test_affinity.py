@@ -139,10 +139,10 @@ def test_bad_keys_raise_naming_affinity(keys: object, error: type, words: str) -
         ({"strategy": "ffd"}, "strategy='ffd'"),
         ({"strategy": "next_fit"}, "keeps input order"),
         ({"strategy": "wrapped"}, "strategy='wrapped'"),
-        ({"long_max_len": 64}, "long_max_len"),
-        ({"group_tokens": 16}, "group_tokens"),
-        ({"limits": {"images": ([0, 1, 0], 1)}}, "limits"),
-        ({"cp_size": 2}, "cp_size"),
+        ({"long_max_len": 64}, "not supported with long_max_len"),
+        ({"group_tokens": 16}, "not supported with group_tokens"),
+        ({"limits": {"images": ([0, 1, 0], 1)}}, "not supported with limits"),
+        ({"cp_size": 2}, "not supported with cp_size"),
     ],
 )
 def test_affinity_refuses_options_it_cannot_honour(kw: dict, words: str) -> None:

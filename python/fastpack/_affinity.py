@@ -82,12 +82,13 @@ def as_keys(keys: Any, n: int) -> np.ndarray:
     return keys64
 
 
-#: The options a plan with affinity keys cannot have, and why.
+#: The options a plan with affinity keys cannot have: option attribute -> (its keyword,
+#: what it is).
 _REFUSED = {
-    "long_max_len": "a long bucket",
-    "group_tokens": "level-2 groups",
-    "cp_size": "context-parallel padding",
-    "budgets": "limits",
+    "long_max_len": ("long_max_len", "a long bucket"),
+    "group_tokens": ("group_tokens", "level-2 groups"),
+    "cp_size": ("cp_size", "context-parallel padding"),
+    "budgets": ("limits", "budgets besides tokens"),
 }
 
 
@@ -99,8 +100,8 @@ def check_options(opts: PackOptions) -> None:
             f"{opts.strategy!r} {'keeps input order' if opts.strategy != 'ffd' else 'is first fit'}"
             "; use strategy='bfd' (the default) with affinity, or drop affinity"
         )
-    for name, what in _REFUSED.items():
-        if getattr(opts, name):
+    for attribute, (name, what) in _REFUSED.items():
+        if getattr(opts, attribute):
             raise FastpackError(
                 f"affinity: not supported with {name} ({what}) yet; pack without one of them"
             )
