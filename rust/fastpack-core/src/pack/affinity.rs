@@ -400,7 +400,7 @@ struct Placed {
 /// `slack` tokens of room, longest first, by [`place`] into the kept packs' rooms and new
 /// packs.
 fn place_by_key(items: &Items, num_keys: usize, max_len: u32, slack: u32) -> Result<Placed> {
-    // Where each key's items start in `by_key`.
+    // Where each key's items start (the items are in key order).
     let mut bounds = memory::try_zeroed::<usize>(num_keys + 1, "the key order")?;
     for &k in &items.key {
         bounds[k as usize + 1] += 1;
