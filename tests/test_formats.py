@@ -71,6 +71,9 @@ def test_the_shards_are_the_parquet_shards_in_another_layout(packed):
             for f in [shard, *shard.get("parts", [])]:
                 data = (packed[fmt] / f["file"]).read_bytes()
                 assert (len(data), hashlib.sha256(data).hexdigest()) == (f["bytes"], f["sha256"])
+        written = sum(p.stat().st_size for p in packed[fmt].iterdir()
+                      if p.name.startswith("shard-"))
+        assert json.loads((packed[fmt] / "report.json").read_text())["bytes"] == written
     assert "format" not in base["settings"]  # a parquet run's settings keep their bytes
     names = sorted(p.name for p in packed["megatron"].iterdir())
     assert "shard-00000-of-00005.bin" in names and "shard-00000-of-00005.labels.idx" in names
@@ -170,6 +173,12 @@ def test_a_format_name_is_checked(tmp_path):
     result = CliRunner().invoke(main, ["pack", "x.parquet", "-o", str(tmp_path / "o"),
                                        "--max-len", "8", "--format", "csv"])
     assert result.exit_code == 2 and "--format" in result.output
+    paths, _ = corpus(tmp_path, [[5, 9, 3]], ["a.parquet"])
+    result = CliRunner().invoke(main, ["pack", *paths, "-o", str(tmp_path / "m"), "--max-len",
+                                       "16", "--format", "megatron", "-q", "--no-plot"])
+    assert result.exit_code == 0, result.output
+    assert "in 1 megatron shard" in result.output
+    assert (tmp_path / "m" / "shard-00000-of-00001.idx").exists()
 
 
 def test_datatrove_pipeline_packs_its_tokenizer_output(tmp_path):
