@@ -136,7 +136,7 @@ def _texts(limit_bytes: int) -> list[str]:
     return texts
 
 
-def tokenize_bench(megabytes: int = 16) -> list[str]:
+def tokenize_bench(megabytes: int = 8) -> list[str]:
     import tokenizers
     import transformers
 
@@ -157,11 +157,8 @@ def tokenize_bench(megabytes: int = 16) -> list[str]:
         transformers.PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(saved)
         source = Path(tmp) / "texts.parquet"
         pq.write_table(pa.table({"text": texts}), source)
-        tokens = sum(len(e.ids) for e in tok.encode_batch(texts[:50]))  # warm up
         tokens = sum(len(e.ids) for e in tok.encode_batch(texts))
-        encode = _best(lambda: tok.encode_batch(texts))
         hf = load_tokenizer(str(saved))
-        call = _best(lambda: hf(texts))
         settings = PackSettings(4096, text_column="text", tokenizer=str(saved))
         sources = expand_inputs([str(source)])
 
@@ -169,7 +166,13 @@ def tokenize_bench(megabytes: int = 16) -> list[str]:
             spill = Path(tempfile.mkdtemp(dir=tmp))
             tokenize_inputs(sources, settings, spill, quiet=True)
 
-        whole = _best(run_pass)
+        # Round robin, best of each: the load of a shared machine moves within seconds.
+        times: dict[str, list[float]] = {"encode": [], "call": [], "pass": []}
+        for _ in range(REPEATS):
+            times["encode"].append(_best(lambda: tok.encode_batch(texts), 1))
+            times["call"].append(_best(lambda: hf(texts), 1))
+            times["pass"].append(_best(run_pass, 1))
+        encode, call, whole = (min(times[k]) for k in ("encode", "call", "pass"))
     rows = [("`Tokenizer.encode_batch` (tokenizers, in memory)", encode),
             ("the tokenizer as the pass calls it (`AutoTokenizer(texts)`, in memory)", call),
             ("`fastpack pack --text-column` tokenize pass (read parquet, tokenize, spill "
@@ -179,7 +182,8 @@ def tokenize_bench(megabytes: int = 16) -> list[str]:
         "",
         f"{len(texts):,} documents ({nbytes / 1e6:.1f} MB of CPython standard-library "
         f"source, {tokens:,} tokens), a byte-level BPE of 32,000 ids trained here; "
-        f"best of {REPEATS}. tokenizers' batch call runs on every core.",
+        f"best of {REPEATS}, run in turn. tokenizers' batch call runs on every core; "
+        "the pass turns the id lists into Arrow through numpy (`scan.id_lists`).",
         "",
         "| what | time | MB/s of text | tokens/s | time / encode_batch |",
         "|---|---:|---:|---:|---:|",

@@ -14,8 +14,11 @@ from pathlib import Path
 from types import ModuleType
 
 import numpy as np
+import pyarrow as pa
 import pytest
 from corpus import LABEL_OFFSET, STRIDE, check_output, corpus, read_rows
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fastpack import FastpackError
 from fastpack._offline.driver import pack_corpus
@@ -254,3 +257,13 @@ def test_megatron_refuses_what_its_index_cannot_hold():
 
     with pytest.raises(FastpackError, match="column 'x' holds uint32"):
         _megatron_dtype(np.dtype(np.uint32), "x")
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 2**31 - 1), max_size=20), max_size=30))
+def test_the_tokenize_pass_makes_the_arrow_array_of_its_ids(lists):
+    # --text-column's ids go to Arrow through numpy (pa.array on Python ints is the slow
+    # part of the pass): the same array, empty documents and batches included.
+    from fastpack._offline.scan import id_lists
+
+    assert id_lists(lists).equals(pa.array(lists, type=pa.list_(pa.int32())))
