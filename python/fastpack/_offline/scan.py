@@ -310,8 +310,9 @@ def load_tokenizer(directory: str) -> Any:
 
 
 def id_lists(lists: list[list[int]]) -> pa.ListArray:
-    """A tokenizer's id lists as an Arrow ``list<int32>`` array, through numpy: 15-20x
-    faster than ``pa.array`` on lists of Python ints, which cost as much as tokenizing."""
+    """A tokenizer's id lists as an Arrow ``list<int32>`` array, through numpy (about 1.5x
+    faster than ``pa.array`` on lists of Python ints, and without its first call's 0.5 s;
+    either is a few percent of the tokenizer's time: benches/results/formats.md)."""
     lengths = np.fromiter(map(len, lists), dtype=np.int64, count=len(lists))
     offsets = np.zeros(len(lists) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
