@@ -35,7 +35,8 @@ from ._errors import FastpackError
 try:
     from datatrove.pipeline.base import PipelineStep
 except ImportError as e:  # pragma: no cover - the message is the point
-    raise ImportError("fastpack.datatrove needs datatrove (pip install datatrove)") from e
+    raise ImportError("fastpack.datatrove needs datatrove: "
+                      "pip install 'fastpack-seq[datatrove]'") from e
 
 __all__ = ["PackTokenized", "tokenized_files"]
 
