@@ -83,6 +83,32 @@ def test_the_shards_are_the_parquet_shards_in_another_layout(packed):
     assert (packed["mds"] / "index.json").exists()
 
 
+def test_the_megatron_files_hold_the_parquet_packs(packed):
+    # Without megatron-core (the main suite, the base installs): its .idx layout read
+    # here with numpy -- header, sequence lengths, byte pointers, document indices.
+    manifest = json.loads((packed["megatron"] / "manifest.json").read_text())
+    got = []
+    for shard in manifest["shards"]:
+        idx = (packed["megatron"] / shard["file"]).with_suffix(".idx").read_bytes()
+        assert idx[:9] == b"MMIDIDX\x00\x00" and idx[9:17] == (1).to_bytes(8, "little")
+        assert idx[17] == 4  # int32 tokens
+        count, docs = np.frombuffer(idx, "<u8", 2, 18)
+        lengths = np.frombuffer(idx, "<i4", count, 34)
+        pointers = np.frombuffer(idx, "<i8", count, 34 + 4 * count)
+        bounds = np.frombuffer(idx, "<i8", docs, 34 + 12 * count)
+        assert len(idx) == 34 + 12 * count + 8 * docs
+        tokens = np.fromfile(packed["megatron"] / shard["file"], "<i4")
+        assert np.array_equal(pointers, 4 * np.concatenate([[0], np.cumsum(lengths)[:-1]]))
+        for p in range(docs - 1):
+            a, b = pointers[bounds[p]] // 4, (pointers[bounds[p + 1] - 1] // 4
+                                             + lengths[bounds[p + 1] - 1])
+            got.append((tokens[a:b], lengths[bounds[p]:bounds[p + 1]]))
+    expected = parquet_packs(packed["parquet"])
+    assert len(got) == len(expected)
+    for (t, n), (et, _, en) in zip(got, expected):
+        assert np.array_equal(t, et) and np.array_equal(n, en)
+
+
 def test_megatron_indexed_dataset_reads_every_pack(packed):
     indexed = consumer("megatron.core.datasets.indexed_dataset")
     manifest = json.loads((packed["megatron"] / "manifest.json").read_text())
