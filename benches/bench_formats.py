@@ -97,6 +97,7 @@ def write_bench(docs: int = 100_000, max_len: int = 4096) -> list[str]:
             files = 1 + len(entry.get("parts", []))
             lines.append(f"| {fmt} | {files} | {size / 1e6:,.1f} MB | {seconds:.3f} s | "
                          f"{size / seconds / 1e6:,.0f} | {total / seconds / 1e6:,.1f} M |")
+        lines += _mds_writer_row(Path(tmp), batches, Path(tmp) / "mds", total)
         lines += ["", "`fastpack pack` end to end (a parquet input of the same documents; "
                   "lengths, plan, gather and write; one run each):", "",
                   "| format | lengths | plan | gather + write | total | tokens/s |",
@@ -113,6 +114,35 @@ def write_bench(docs: int = 100_000, max_len: int = 4096) -> list[str]:
             lines.append(f"| {fmt} | {s['lengths']:.2f} s | {s['plan']:.2f} s | "
                          f"{s['gather']:.2f} s | {whole:.2f} s | {total / whole / 1e6:.1f} M |")
     return lines
+
+
+def _mds_writer_row(tmp: Path, batches: list, ours: Path, total: int) -> list[str]:
+    """mosaicml-streaming's own MDSWriter on the same packs (where it is installed: the
+    formats environment of requirements-formats.txt), its shard compared with ours."""
+    try:
+        from streaming import MDSWriter
+    except ImportError:
+        return ["", "(mosaicml-streaming not installed here: no `MDSWriter` row.)"]
+    columns = {c: "ndarray:int32" for c in ("input_ids", "labels", "seq_lengths",
+                                             "position_ids")}
+
+    def run() -> None:
+        with MDSWriter(columns=columns, out=str(tmp / "mdswriter"), size_limit=None,
+                       exist_ok=True) as writer:
+            for batch in batches:
+                cols = {c: batch.column(c) for c in columns}
+                for i in range(batch.num_rows):
+                    writer.write({c: np.asarray(cols[c][i].values).astype(np.int32)
+                                  for c in columns})
+
+    seconds = _best(run)
+    theirs = (tmp / "mdswriter" / "shard.00000.mds").read_bytes()
+    same = theirs == (ours / "shard-00000-of-00001.mds").read_bytes()
+    return [f"| mds by `streaming.MDSWriter` (a sample dict per pack) | 1 | "
+            f"{len(theirs) / 1e6:,.1f} MB | {seconds:.3f} s | "
+            f"{len(theirs) / seconds / 1e6:,.0f} | {total / seconds / 1e6:,.1f} M |",
+            "", f"MDSWriter's shard is {'byte for byte' if same else 'NOT'} the same as "
+            "fastpack's for these packs."]
 
 
 def _texts(limit_bytes: int) -> list[str]:
