@@ -153,6 +153,29 @@ def test_mds_streaming_dataset_reads_every_pack(packed, tmp_path, monkeypatch):
                                                               expected[:3]]
 
 
+def test_an_mds_shard_is_what_mdswriter_writes(packed, tmp_path):
+    # mosaicml-streaming's own writer, given each shard's packs as samples, writes the
+    # same bytes (fastpack writes them without it).
+    consumer("streaming")
+    from streaming import MDSWriter
+
+    manifest = json.loads((packed["mds"] / "manifest.json").read_text())
+    expected = parquet_packs(packed["parquet"])
+    first = 0
+    for k, shard in enumerate(manifest["shards"]):
+        columns = {c: "ndarray:int32" for c in ("input_ids", "labels", "position_ids",
+                                                "seq_lengths")}
+        with MDSWriter(columns=columns, out=str(tmp_path / str(k)), size_limit=None) as w:
+            for t, lab, n in expected[first:first + shard["rows"]]:
+                w.write({"input_ids": t.astype(np.int32), "labels": lab.astype(np.int32),
+                         "seq_lengths": n.astype(np.int32), "position_ids": np.concatenate(
+                             [np.arange(m, dtype=np.int32) for m in n])})
+        first += shard["rows"]
+        assert (tmp_path / str(k) / "shard.00000.mds").read_bytes() == \
+            (packed["mds"] / shard["file"]).read_bytes()
+    assert first == len(expected)
+
+
 @pytest.mark.parametrize("fmt", ["megatron", "mds"])
 def test_the_bytes_do_not_depend_on_the_gather_passes(packed, tmp_path, fmt):
     # A tight memory budget gathers in several passes (spilled, or read again per pass):
