@@ -43,6 +43,25 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str
                             "](" + "../" * depth + "benchmarks/")
 
 
+# Our docstrings cross-reference in Sphinx's roles (``:class:`fastpack.Plan```), which
+# Markdown renders as ":class:" before the code. mkdocstrings does not read roles: make each
+# one an optional autorefs link (a name the reference renders becomes a link, any other
+# stays code).
+ROLE = re.compile(r":(?:class|func|meth|attr|mod|data|exc|obj):<code>(~?)([\w.]+)(\(\))?</code>")
+# A role whose code the Markdown did not close on one name (a line break inside it).
+BARE_ROLE = re.compile(r":(?:class|func|meth|attr|mod|data|exc|obj):(?=<code>)")
+
+
+def _link(match: re.Match[str]) -> str:
+    short, name, call = match.group(1), match.group(2), match.group(3) or ""
+    shown = name.rpartition(".")[2] if short else name  # Sphinx's "~": the last part
+    return f'<autoref identifier="{name}" optional><code>{shown}{call}</code></autoref>'
+
+
+def on_page_content(content: str, page: Any, config: Any, files: Files) -> str:
+    return BARE_ROLE.sub("", ROLE.sub(_link, content))
+
+
 def on_files(files: Files, config: Any) -> Files:
     for path in _results():
         files.append(File.generated(config, f"benchmarks/{path.name}", abs_src_path=str(path)))
