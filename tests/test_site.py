@@ -124,29 +124,52 @@ def scripts() -> set[str]:
     return set(re.findall(r"^([\w-]+) = ", section, flags=re.M))
 
 
-def test_the_readme_commands_exist() -> None:
+KNOWN_TOOLS = {"pip", "python", "python3", "bash", "mkdocs", "cargo", "maturin", "cd", "git"}
+# A file a command names: a script, a requirements file, an example, the CI script.
+FILE_WORD = re.compile(r"[\w./-]+\.(py|txt|toml|yml|sh)|\.ci/[\w.-]+|examples/[\w./-]+")
+
+
+def command_problems(commands: list[str], root: Path = ROOT) -> list[str]:
+    """What in these shell commands would fail on a fresh clone: a program nothing
+    installs (not a console script of pyproject.toml, not a usual tool), a ``fastpack``
+    subcommand the command lacks, a file that is not in the tree."""
     from fastpack.cli import main
 
-    commands = readme_commands()
-    assert any(c.startswith("bash .ci/run") for c in commands)
-    known = scripts() | {"pip", "python", "python3", "bash", "mkdocs", "cargo", "maturin",
-                         "cd", "git"}
-    checked = 0
+    known = scripts() | KNOWN_TOOLS
+    problems = []
     for command in commands:
         for part in re.split(r"&&|\|\||;", command):
             words = shlex.split(part)
             if not words:
                 continue
-            assert words[0] in known, f"README runs {words[0]!r}, which nothing installs"
-            # Files it names (a script, a requirements file, an example) must exist.
-            for word in words[1:]:
-                if re.fullmatch(r"[\w./-]+\.(py|txt|toml|yml|sh)|\.ci/run|examples/[\w./-]+",
-                                word):
-                    assert (ROOT / word).exists(), f"README names {word}, which is missing"
-                    checked += 1
-            if words[0] == "fastpack" and len(words) > 1:
-                assert words[1] in main.commands, f"README runs {command!r}: no such subcommand"
-    assert checked >= 1
+            if words[0] not in known:
+                problems.append(f"{command!r}: {words[0]!r} is not installed by anything")
+            if words[0] == "fastpack" and len(words) > 1 and words[1] not in main.commands:
+                problems.append(f"{command!r}: the command has no subcommand {words[1]!r}")
+            problems += [f"{command!r}: no file {word}" for word in words[1:]
+                         if FILE_WORD.fullmatch(word) and not (root / word).exists()]
+    return problems
+
+
+def test_the_readme_commands_exist() -> None:
+    commands = readme_commands()
+    assert any(c.startswith("bash .ci/run") for c in commands)
+    assert any("fastpack demo" in c for c in commands)
+    assert command_problems(commands) == []
+
+
+def test_the_command_check_catches_each_mistake() -> None:
+    assert command_problems(["pip install -v . && fastpack demo", "bash .ci/run"]) == []
+    bad = {
+        "fastpack-train --max-len 8": "not installed by anything",
+        "fastpack pakc data/": "no subcommand 'pakc'",
+        "bash .ci/nope": "no file .ci/nope",
+        "python benches/bench_nope.py": "no file benches/bench_nope.py",
+        "pip install -r requirements-nope.txt": "no file requirements-nope.txt",
+    }
+    for command, problem in bad.items():
+        found = command_problems([command])
+        assert len(found) == 1 and problem in found[0], (command, found)
 
 
 @pytest.mark.parametrize("page", ["README.md"])
