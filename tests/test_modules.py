@@ -4,7 +4,10 @@ users already have keep working when a module is split."""
 from __future__ import annotations
 
 import ast
+import importlib
 from pathlib import Path
+
+import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "python" / "fastpack"
 
@@ -107,3 +110,27 @@ def test_no_import_circle() -> None:
     assert "fastpack._context_parallel" in graph["fastpack._plan"]  # the graph sees imports
     cycle = find_cycle(graph)
     assert cycle is None, f"import circle: {' -> '.join(cycle)}"
+
+
+#: Names that moved out of a module, by their old module: where they live now.
+MOVED = {
+    "fastpack.torch.hf": {
+        "register_hf_attention": "fastpack.torch.hf_attention",
+        "check_model_batch": "fastpack.torch.hf_check",
+        "PackedTrainerMixin": "fastpack.torch.trainer",
+        "StepBatches": "fastpack.torch.trainer",
+        "StepLoader": "fastpack.torch.trainer",
+        "STEP_KEYS": "fastpack.torch.trainer",
+    },
+}
+
+
+@pytest.mark.parametrize("old", sorted(MOVED))
+def test_old_import_paths_still_work(old: str) -> None:
+    """A user's ``from fastpack.torch.hf import PackedTrainerMixin`` gets the very object
+    the new module defines (not a copy that would drift)."""
+    pytest.importorskip("torch")
+    module = importlib.import_module(old)
+    assert sorted(module.__all__) == sorted(MOVED[old])
+    for name, new in MOVED[old].items():
+        assert getattr(module, name) is getattr(importlib.import_module(new), name), name

@@ -111,7 +111,7 @@ def test_logits_equal_one_by_one(arch: str, impl: str, mask: str) -> None:
 def test_registered_varlen_attention_equals_one_by_one(
     arch: str, select: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import fastpack.torch.hf as hf
+    import fastpack.torch.hf_attention as hf
     from fastpack.torch import register_hf_attention
 
     name = register_hf_attention()

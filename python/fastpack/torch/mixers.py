@@ -239,7 +239,8 @@ class _Prepared:
 def _batch_layout(kwargs: dict[str, Any]) -> tuple[_Layout | None, str | None]:
     """The layout of a model call's batch (``None`` when its rows hold one sequence each),
     or why its mixers cannot be kept apart."""
-    from .hf import _position_starts  # the attention's own rule for where positions restart
+    # the attention's own rule for where positions restart
+    from .hf_attention import _position_starts
 
     if kwargs.get("tree_parents") is not None:
         return None, ("a tree batch (share_prefix=True): a token's past is its path, not the "
