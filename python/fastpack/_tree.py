@@ -159,7 +159,7 @@ def path_targets(
     """Targets of every path of a tree plan (uint32 [M]): what :func:`tree_rows` lists for
     each sample, counted in one parallel pass in Rust without building a batch (labels and
     mask read in place)."""
-    parents, path_sample_ids, path_ends = check_tree_plan(plan)
+    check_tree_plan(plan)
     token_data = as_ragged(tokens, name="tokens")
     if plan.num_sequences != len(token_data):
         raise FastpackError(
@@ -169,8 +169,7 @@ def path_targets(
     label_data = None if labels is None else as_ragged(labels, name="labels")
     mask_data = None if loss_mask is None else as_ragged(loss_mask, mask=True, name="loss_mask")
     result: np.ndarray = _core.tree_path_targets(
-        plan.sample_ids, plan.starts, plan.seqlens, plan.pack_offsets, parents,
-        path_sample_ids, path_ends, token_data.column,
+        plan, token_data.column,
         None if label_data is None else label_data.column,
         None if mask_data is None else mask_data.column, _threads(threads),
     )
@@ -207,19 +206,17 @@ def tree_rows(
     first token of each of its children, so a logit may serve several targets, each
     counted once with its own label.
     """
-    parents, path_sample_ids, path_ends = check_tree_plan(plan)
+    check_tree_plan(plan)
     pad_to, multiple, pad_id = padding(pad_to, pad_to_multiple_of, pad_id)
     threads = _threads(threads)
     token_data, label_data, mask_data = token_sources(tokens, labels, loss_mask)
     chosen = plan._packs(packs)
     rows = _core.materialize(
-        plan.sample_ids, plan.starts, plan.seqlens, plan.pack_offsets, 0, plan.strategy,
-        "error", chosen, token_data.column, None, None, None, False, "flat", pad_to,
-        multiple, pad_id, threads, parents,
+        plan, chosen, token_data.column, None, None, None, False, "flat", pad_to, multiple,
+        pad_id, threads,
     )
     tree = _core.tree_rows(
-        plan.sample_ids, plan.starts, plan.seqlens, plan.pack_offsets, parents,
-        path_sample_ids, path_ends, chosen, token_data.column,
+        plan, chosen, token_data.column,
         None if label_data is None else label_data.column,
         None if mask_data is None else mask_data.column, threads,
     )
