@@ -21,7 +21,7 @@ from .._options import PackArgs, PackOptions, WithOptions, check_plan, layered
 from .._plan import Plan, select_plan, sub_plan
 from .._targets import segment_targets
 from .._tree import group_codes, pack_trees, path_targets
-from ..vlm import vision_terms
+from ..vlm import vision_cost_of, vision_terms
 from .collator import GROUP_KEY, PackedCollator, as_collator
 from .step import Step
 
@@ -282,7 +282,7 @@ class PackedDataset(torch.utils.data.Dataset, WithOptions):  # type: ignore[type
         vision = patches = None
         if vlm is not None and vlm.mrope and self.media is not None:
             terms = vision_terms(self.media)[np.asarray(self.plan.sample_ids)]
-            vision = 6.0 * vlm.vision_hidden_size * terms[:, 0] + terms[:, 1]
+            vision = vision_cost_of(terms, vlm.vision_hidden_size)
             patches = terms
         return step_table(self.plan, self.step_pack_offsets, per_segment, vision, patches)
 

@@ -18,6 +18,7 @@ from .._context_parallel import CP_MODES
 from .._errors import FastpackError, FastpackTypeError
 from .attention import KERNELS, Kernel, varlen_attention
 from .context_parallel import CP_KERNELS, context_parallel_attention
+from .formats import OncePerBatch, position_starts
 from .mixers import current_layout
 from .tree import tree_attention, tree_layout
 
@@ -239,52 +240,8 @@ def _built_from(mask: torch.Tensor) -> tuple[bool, torch.Tensor | None]:
     return False, None
 
 
-class _OncePerBatch:
-    """Remembers the last batch tensor checked (by identity and in-place version), so a
-    forward checks its ``cu_seqlens`` (a host read) once, not in every layer."""
-
-    def __init__(self) -> None:
-        self._ref: weakref.ref[torch.Tensor] | None = None
-        self._version = -1
-        self.value: Any = None
-
-    def hit(self, tensor: torch.Tensor) -> bool:
-        return (self._ref is not None and self._ref() is tensor
-                and self._version == tensor._version)
-
-    def remember(self, tensor: torch.Tensor, value: Any) -> None:
-        self._ref, self._version, self.value = weakref.ref(tensor), tensor._version, value
-
-
-_CU_CHECKED = _OncePerBatch()
-_POSITION_BOUNDS = _OncePerBatch()
-
-
-def _position_starts(position_ids: torch.Tensor, rows: int, width: int) -> torch.Tensor:
-    """``[rows, width]`` bool on the host: where a sequence starts — every row start and
-    wherever the position does not follow the previous one (Hugging Face's
-    ``find_packed_sequence_indices`` rule)."""
-    host = position_ids.detach().to("cpu", torch.int64)
-    if host.ndim == 3 and host.shape[0] == 4:
-        host = host[0]  # mRoPE [4, B, T]: row 0 is the text position, where documents restart
-    elif host.ndim == 3:
-        raise FastpackError(
-            f"position_ids: got shape {tuple(position_ids.shape)}: 3-D positions without the "
-            f"text row (expected [4, batch, tokens], row 0 restarting in every document), so "
-            f"the documents' boundaries cannot be read; build the batch with "
-            f"PackedCollator(model_config=...)"
-        )
-    if host.ndim == 1:
-        host = host[None]
-    if host.ndim != 2 or host.shape[-1] != width or host.shape[0] not in (1, rows):
-        raise FastpackError(
-            f"position_ids: expected shape (batch, {width}) for {rows} rows of {width} "
-            f"tokens, got {tuple(position_ids.shape)}"
-        )
-    host = host.expand(rows, width)
-    starts = torch.ones(rows, width, dtype=torch.bool)
-    starts[:, 1:] = host[:, 1:] - host[:, :-1] != 1
-    return starts
+_CU_CHECKED = OncePerBatch()
+_POSITION_BOUNDS = OncePerBatch()
 
 
 def _position_bounds(
@@ -295,7 +252,7 @@ def _position_bounds(
     key = (rows, width, device)
     if _POSITION_BOUNDS.hit(position_ids) and _POSITION_BOUNDS.value[0] == key:
         return _POSITION_BOUNDS.value[1]  # type: ignore[no-any-return]
-    begin = torch.nonzero(_position_starts(position_ids, rows, width).reshape(-1))[:, 0]
+    begin = torch.nonzero(position_starts(position_ids, rows, width).reshape(-1))[:, 0]
     cu = torch.cat([begin, torch.tensor([rows * width])])
     longest = int((cu[1:] - cu[:-1]).max()) if width else 0
     result = (cu.to(device=device, dtype=torch.int32), longest)
@@ -311,13 +268,13 @@ def _packed_under_padding(
     if _PADDING_CHECKED.hit(position_ids):
         return bool(_PADDING_CHECKED.value)
     real = padding.detach().to("cpu", torch.bool)[:, -width:].expand(rows, width)
-    starts = _position_starts(position_ids, rows, width)
+    starts = position_starts(position_ids, rows, width)
     packed = bool((starts[:, 1:] & real[:, 1:] & real[:, :-1]).any())
     _PADDING_CHECKED.remember(position_ids, packed)
     return packed
 
 
-_PADDING_CHECKED = _OncePerBatch()
+_PADDING_CHECKED = OncePerBatch()
 
 
 def _attention(
