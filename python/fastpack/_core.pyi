@@ -187,7 +187,7 @@ def segment_targets(
 def flatten_int_lists(rows: list[Any], mask: bool = False) -> tuple[np.ndarray, np.ndarray]: ...
 def tree_items(
     tokens: ListColumn,
-    groups: np.ndarray | None,
+    prompt_ids: np.ndarray | None,
     max_len: int,
     overlong: str = "error",
     split: bool = True,

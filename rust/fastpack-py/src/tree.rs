@@ -12,15 +12,15 @@ use pyo3::types::PyDict;
 use crate::column::ListColumn;
 use crate::{guarded, to_py, PlanArgs};
 
-/// `tree_items(tokens, groups, max_len, overlong, split, threads)`: the trees of the
-/// samples (by `groups`, int64 per sample, or a trie) cut into items of at most `max_len`
+/// `tree_items(tokens, prompt_ids, max_len, overlong, split, threads)`: the trees of the
+/// samples (by `prompt_ids`, int64 per sample, or a trie) cut into items of at most `max_len`
 /// tokens; a dict of the items' arrays and the counts of what was kept.
 #[pyfunction]
-#[pyo3(signature = (tokens, groups, max_len, overlong="error", split=true, threads=None))]
+#[pyo3(signature = (tokens, prompt_ids, max_len, overlong="error", split=true, threads=None))]
 pub fn tree_items<'py>(
     py: Python<'py>,
     tokens: PyRef<'py, ListColumn>,
-    groups: Option<PyReadonlyArray1<'py, i64>>,
+    prompt_ids: Option<PyReadonlyArray1<'py, i64>>,
     max_len: u64,
     overlong: &str,
     split: bool,
@@ -28,9 +28,9 @@ pub fn tree_items<'py>(
 ) -> PyResult<Bound<'py, PyDict>> {
     let opts = TreeOptions { max_len, overlong: Overlong::parse(overlong).map_err(to_py)?, split };
     let column = tokens.column(py)?;
-    let groups = groups.as_ref().map(|g| g.as_slice()).transpose()?;
+    let prompts = prompt_ids.as_ref().map(|g| g.as_slice()).transpose()?;
     let items = py
-        .detach(|| pool::install(threads, || guarded(|| core::build(column, groups, &opts))))
+        .detach(|| pool::install(threads, || guarded(|| core::build(column, prompts, &opts))))
         .map_err(to_py)?
         .map_err(to_py)?;
     let d = PyDict::new(py);
