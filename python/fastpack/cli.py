@@ -14,6 +14,7 @@ import numpy as np
 
 from . import DISTRIBUTION
 from ._errors import FastpackError
+from ._offline.formats import FORMATS
 from ._options import OVERLONG_POLICIES, STRATEGIES, PackOptions
 
 __all__ = ["main"]
@@ -216,6 +217,12 @@ def stats(inputs: Sequence[str], caps: list[int], column: str, quiet: bool, batc
               help="Shuffle the pack order (--no-shuffle: packs come sorted by size).")
 @click.option("--seed", type=int, default=0, show_default=True,
               help="Seed of the shuffle (0 to 2^64-1).")
+@click.option("--format", "out_format", type=click.Choice(FORMATS), default="parquet",
+              show_default=True,
+              help="parquet: TRL's columns; megatron: Megatron-LM/NeMo indexed datasets "
+              "(.bin/.idx, a pack per document); mds: MosaicML streaming shards and "
+              "index.json. The same packs in the same order in every format "
+              "(docs/cli.md, Formats trainers read).")
 @click.option("--shard-rows", type=click.IntRange(min=1), default=None,
               help="Packed rows per parquet shard [default: 2^25 tokens' worth, e.g. 8192 "
               "at --max-len 4096].")
@@ -243,7 +250,8 @@ def stats(inputs: Sequence[str], caps: list[int], column: str, quiet: bool, batc
 def pack(inputs: Sequence[str], outdir: str, max_len: int, column: str, quiet: bool,
          columns: tuple[str, ...] | None, text_column: str | None, tokenizer: str | None,
          strategy: str, overlong: str, long_max_len: int | None, group_tokens: int | None,
-         shuffle: bool, seed: int, shard_rows: int | None, plan_shards: int, memory: str,
+         shuffle: bool, seed: int, out_format: str, shard_rows: int | None,
+         plan_shards: int, memory: str,
          spill: bool, resume: bool, overwrite: bool, ray_address: str | None,
          plot: bool | None) -> None:
     """Pack the documents of INPUT... (files or directories) into parquet shards of packed
@@ -275,7 +283,7 @@ def pack(inputs: Sequence[str], outdir: str, max_len: int, column: str, quiet: b
             tokenizer=str(Path(tokenizer).resolve()) if tokenizer else None,
             strategy=strategy, overlong=overlong, long_max_len=long_max_len,
             group_tokens=group_tokens, shuffle=shuffle, seed=seed, shard_rows=shard_rows,
-            plan_shards=plan_shards)
+            plan_shards=plan_shards, format=out_format)
     except FastpackError as e:
         _fail(_flagged(e))
     try:

@@ -22,6 +22,7 @@ are detected and refused).
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, replace
@@ -32,9 +33,10 @@ import numpy as np
 import pyarrow as pa
 
 from ._errors import FastpackError
+from ._offline.formats import write_format_shard
 from ._offline.gather import shard_batches
-from ._offline.layout import output_schema, shard_name
-from ._offline.outdir import OutputDir, write_shard
+from ._offline.layout import output_schema
+from ._offline.outdir import OutputDir
 from ._offline.plan import (
     ROW_BITS,
     mix64,
@@ -405,8 +407,9 @@ def _gather_stage(table: pa.Table, *, columns: list[str], planners: list[Any],
         packed = pa.Table.from_batches(list(batches), schema=schema)
         return packed.append_column("pack_index", pa.array(
             np.arange(first, first + packed.num_rows, dtype=np.int64)))
-    entry = write_shard(Path(outdir), shard_name(out, num_out), schema, batches)
-    return pa.table({"shard": [out], **{k: [v] for k, v in entry.items()}})
+    entry = write_format_shard(settings_.format, Path(outdir), out, num_out, schema,
+                               settings_.token_columns, window.num_packs, batches)
+    return pa.table({"shard": [out], "entry": [json.dumps(entry)]})
 
 
 def _check_collisions(sorted_keys: np.ndarray, order: np.ndarray,
@@ -689,7 +692,7 @@ def pack_files(
     entries = dict(done)
     if len(done) < pipeline.num_out:
         for row in _reraising(pipeline.gather(str(out.path), frozenset(done)).iter_rows()):
-            entry = {k: row[k] for k in ("file", "rows", "tokens", "bytes", "sha256")}
+            entry = json.loads(row["entry"])
             out.record(int(row["shard"]), entry)
             entries[int(row["shard"])] = entry
     pipeline.timings["gather"] = time.monotonic() - clock

@@ -14,6 +14,7 @@ import numpy as np
 
 from .. import _core
 from .._plan import Plan
+from .formats import entry_files
 from .outdir import FORMAT, OutputDir
 from .progress import human_bytes
 from .settings import PackSettings
@@ -157,7 +158,7 @@ def make_report(out: OutputDir, stats: PlanStats, entries: Sequence[dict[str, An
         **stats.report(),
         "shards": len(entries),
         "rows": sum(e["rows"] for e in entries),
-        "bytes": sum(e["bytes"] for e in entries),
+        "bytes": sum(f["bytes"] for e in entries for f in entry_files(e)),
         "columns": list(columns),
         "left_out": dict(left_out),
         "picture": picture,
@@ -170,7 +171,8 @@ def summary_lines(report: dict[str, Any], outdir: str) -> Iterator[str]:
     r = report
     yield (f"packed {r['documents']:,} documents, {r['input_tokens']:,} tokens -> "
            f"{r['packs']:,} packs of {r['settings']['max_len']:,} in {r['shards']} "
-           f"shard{'s' if r['shards'] != 1 else ''} "
+           + (f"{r['settings']['format']} " if "format" in r["settings"] else "")
+           + f"shard{'s' if r['shards'] != 1 else ''} "
            f"({human_bytes(r['bytes'])}) in {outdir}")
     yield (f"efficiency {r['efficiency']:.4%}; packs over the lower bound: "
            f"{r['packs_over_lower_bound']:,} ({r['packs']:,} for {r['lower_bound']:,})")

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from .._checks import _int_arg
 from .._errors import FastpackError
 from .._options import PackArgs, PackOptions, WithOptions, resolve
+from .formats import check_format
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -92,6 +93,9 @@ class PackSettings(WithOptions):
     #: Packs per output shard (default: 2^25 tokens' worth at ``max_len``).
     shard_rows: int | None = None
     plan_shards: int = 1
+    #: The output's format (:data:`~fastpack._offline.formats.FORMATS`): the same packs
+    #: in every one.
+    format: str = "parquet"
 
     def __init__(
         self,
@@ -104,6 +108,7 @@ class PackSettings(WithOptions):
         tokenizer: str | None = None,
         shard_rows: int | None = None,
         plan_shards: int = 1,
+        format: str = "parquet",
         **kwargs: Unpack[PackArgs],
     ) -> None:
         made = resolve(PackSettings, options, max_len, kwargs, refuse=REFUSED)
@@ -114,6 +119,7 @@ class PackSettings(WithOptions):
             "columns": None if columns is None else tuple(columns),
             "text_column": text_column, "tokenizer": tokenizer, "shard_rows": rows,
             "plan_shards": _int_arg("plan_shards", plan_shards, minimum=1),
+            "format": check_format(format),
         }
         for name, value in values.items():
             object.__setattr__(self, name, value)
@@ -138,6 +144,8 @@ class PackSettings(WithOptions):
                        if f.name != "options"})
         if self.columns is not None:
             values["columns"] = list(self.columns)
+        if self.format == "parquet":
+            del values["format"]  # the settings of a parquet run keep their bytes
         ordered = {name: values.pop(name) for name in _ORDER}
         return {**ordered, **values}
 
