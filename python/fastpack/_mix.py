@@ -319,7 +319,8 @@ def _queue(lengths: np.ndarray, epochs: float, target: float, by_tokens: bool, s
     if by_tokens:
         left = target - whole * float(lengths.sum(dtype=np.int64))
         starts = np.cumsum(lengths[extra], dtype=np.int64) - lengths[extra]
-        k = int(np.searchsorted(starts, left, side="left")) if left > 0 else 0
+        # (a float target's rounding error is no reason to read one more document)
+        k = int(np.searchsorted(starts, left, side="left")) if left > 1e-6 else 0
     else:
         k = int(math.floor((epochs - whole) * n + 0.5))
     part = extra[:k]
