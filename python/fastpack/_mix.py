@@ -14,7 +14,9 @@ How (the one algorithm, for :func:`mix` and ``fastpack pack --mix``):
    budget: copy ``i`` of source ``s`` is in step ``floor(start_i * K / Q_s)``. So through
    every step ``k`` each source has supplied its share ``Q_s * k / K`` of tokens, less
    than one document short, and no step is more than one document of any source away
-   from its share.
+   from its share. With ``overlong="split"`` the unit is a piece of at most the cap
+   (pieces train as sequences of their own), so a source of long documents stays within
+   one piece per step, not one book.
 3. **Pack** -- each step's documents are packed on their own (``fastpack.pack`` with the
    run's options, each step shuffled by its own seed); the steps' plans are laid end to
    end and ``step_offsets`` marks where each step's packs begin. Each step leaves at most
@@ -249,10 +251,9 @@ class MixedPlan:
     """A mixture's plan: ``plan`` (its ``sample_ids`` index the sources' documents laid
     end to end, in the mixture's order; a repeated document appears once per copy),
     ``step_offsets`` (int64 [K+1]: step ``k`` is packs ``step_offsets[k]:step_offsets[k+1]``),
-    ``lengths`` (the token count of every copy, in the order copies were packed: what the
-    plan packed), ``copies`` (int32 per document: how many times it is in the output) and
-    ``sources``: per source what was asked and what the output holds (report.json's
-    ``mix``)."""
+    ``lengths`` (the token count of every copy, source by source: what the plan packed),
+    ``copies`` (int32 per document: how many times it is in the output) and ``sources``
+    (per source what was asked and what the output holds: report.json's ``mix``)."""
 
     plan: Plan
     step_offsets: np.ndarray
@@ -328,6 +329,30 @@ def _queue(lengths: np.ndarray, epochs: float, target: float, by_tokens: bool, s
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
+def _units(docs: np.ndarray, lengths: np.ndarray, opts: PackOptions,
+           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The units one source's copies are interleaved in: ``(document, first token,
+    tokens)`` each. A copy is one unit of the tokens the plan keeps of it (the cap's
+    worth when truncated, none when dropped), or with ``overlong="split"`` one per piece
+    of at most the cap (the pieces the plan would cut)."""
+    cap = (opts.long_max_len or opts.max_len) - opts.reserve
+    zero = np.zeros(len(docs), dtype=np.int64)
+    if opts.strategy == "wrapped" or cap <= 0 or not (lengths > cap).any():
+        return docs, zero, lengths
+    if opts.overlong == "truncate":
+        return docs, zero, np.minimum(lengths, cap)
+    if opts.overlong == "drop":
+        return docs, zero, np.where(lengths > cap, 0, lengths)
+    if opts.overlong != "split":
+        return docs, zero, lengths  # "error": refused before planning
+    pieces = np.maximum(-(-lengths // cap), 1)
+    first = np.cumsum(pieces) - pieces
+    rank = np.arange(int(pieces.sum()), dtype=np.int64) - np.repeat(first, pieces)
+    starts = rank * cap
+    total = np.repeat(lengths, pieces)
+    return np.repeat(docs, pieces), starts, np.minimum(total - starts, cap)
+
+
 def mix(
     lengths: Mapping[str, Any] | Sequence[Any],
     mixture: Mixture | Mapping[str, Any],
@@ -390,53 +415,59 @@ def plan_mixture(per_source: Sequence[np.ndarray], mixture: Mixture, opts: PackO
     doc_base = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     target = _targets(mixture, tokens)
     seed = opts.seed
-    queues, starts_all, q_tokens = [], [], []
+    queues, units, q_tokens = [], [], []
     for i, (s, a) in enumerate(zip(sources, per_source)):
         if s.epochs is not None:
             q = _queue(a, s.epochs, target[i], False, seed, i, opts.shuffle, threads)
         else:
             e = target[i] / float(tokens[i])
             q = _queue(a, e, target[i], True, seed, i, opts.shuffle, threads)
-        lens = a[q]
-        starts = np.cumsum(lens, dtype=np.int64) - lens
         queues.append(q)
-        starts_all.append(starts)
-        q_tokens.append(int(lens.sum(dtype=np.int64)))
+        units.append(_units(q, a[q], opts))
+        q_tokens.append(int(units[-1][2].sum(dtype=np.int64)))
     total = sum(q_tokens)
     num_steps = max(1, -(-total // mixture.step_tokens))
-    # Step of every copy: floor(start * K / Q_s) (the source's tokens before it, as a
+    # Step of every unit: floor(start * K / Q_s) (the source's tokens before it, as a
     # fraction of its own); ordering by (step, that fraction) interleaves the sources
-    # smoothly within steps too (what next_fit and wrapped keep).
-    steps, fracs, docs, lens_all, src_all = [], [], [], [], []
-    for i, (q, st) in enumerate(zip(queues, starts_all)):
+    # smoothly within steps too (what next_fit and wrapped keep). A unit is a copy of a
+    # document, or with overlong="split" a piece of one (at most the cap): pieces train
+    # as sequences of their own, and the proportions then hold within one piece.
+    steps, fracs, docs, lens_all, src_all, piece_starts = [], [], [], [], [], []
+    for i, (unit_docs, offsets, lens) in enumerate(units):
+        st = np.cumsum(lens, dtype=np.int64) - lens
         qs = max(q_tokens[i], 1)
         step = np.minimum((st * num_steps) // qs, num_steps - 1) if total else \
-            np.zeros(len(q), dtype=np.int64)
+            np.zeros(len(unit_docs), dtype=np.int64)
         steps.append(step)
         fracs.append(st / qs)
-        docs.append(q + doc_base[i])
-        lens_all.append(per_source[i][q])
-        src_all.append(np.full(len(q), i, dtype=np.int32))
+        docs.append(unit_docs + doc_base[i])
+        lens_all.append(lens)
+        piece_starts.append(offsets)
+        src_all.append(np.full(len(unit_docs), i, dtype=np.int32))
     step_of = np.concatenate(steps) if steps else np.zeros(0, np.int64)
     order = np.lexsort((np.concatenate(fracs), step_of))
     step_of = step_of[order]
     doc_order = np.concatenate(docs)[order]
     len_order = np.concatenate(lens_all)[order]
     src_order = np.concatenate(src_all)[order]
+    start_order = np.concatenate(piece_starts)[order]
     bounds = np.searchsorted(step_of, np.arange(num_steps + 1))
-    plans, maps = [], []
+    plans, maps, start_maps = [], [], []
     for k in range(num_steps):
         lo, hi = int(bounds[k]), int(bounds[k + 1])
         step_opts = opts.replace(seed=_seed(seed, _SALT_STEP, k))
         plans.append(pack(len_order[lo:hi], options=step_opts,
                           threads=1 if hi - lo < (1 << 17) else threads))
         maps.append(doc_order[lo:hi])
+        start_maps.append(start_order[lo:hi])
     from ._offline.plan import combine_plans
 
-    plan = combine_plans(plans, maps, opts)
+    plan = combine_plans(plans, maps, opts, start_maps)
     step_offsets = np.concatenate([[0], np.cumsum([p.num_packs for p in plans])]
                                   ).astype(np.int64)
-    copies = np.bincount(doc_order, minlength=int(doc_base[-1])).astype(np.int32)
+    copies = np.zeros(int(doc_base[-1]), dtype=np.int32)
+    for i, q in enumerate(queues):
+        copies[doc_base[i]:doc_base[i + 1]] = np.bincount(q, minlength=int(counts[i]))
     # Per step and source, tokens against the share: the proportion guarantee, measured.
     per_step = np.zeros((len(sources), num_steps), dtype=np.int64)
     np.add.at(per_step, (src_order, step_of), len_order)
@@ -460,7 +491,9 @@ def plan_mixture(per_source: Sequence[np.ndarray], mixture: Mixture, opts: PackO
             "repeated": int(np.maximum(mine - 1, 0).sum(dtype=np.int64)),
             "left_out": int((mine == 0).sum()),
             "longest_document": int(per_source[i].max()) if counts[i] else 0,
+            "longest_piece": int(lens_all[i].max()) if len(lens_all[i]) else 0,
             "max_step_deviation_tokens": float(deviation.max()) if num_steps else 0.0,
         })
-    return MixedPlan(plan, step_offsets, len_order, copies, report,
+    copy_lengths = np.concatenate([per_source[i][q] for i, q in enumerate(queues)])
+    return MixedPlan(plan, step_offsets, copy_lengths, copies, report,
                      step_tokens=-(-total // num_steps) if total else 0)
