@@ -469,8 +469,9 @@ def plan_mixture(per_source: Sequence[np.ndarray], mixture: Mixture, opts: PackO
     for i, q in enumerate(queues):
         copies[doc_base[i]:doc_base[i + 1]] = np.bincount(q, minlength=int(counts[i]))
     # Per step and source, tokens against the share: the proportion guarantee, measured.
-    per_step = np.zeros((len(sources), num_steps), dtype=np.int64)
-    np.add.at(per_step, (src_order, step_of), len_order)
+    per_step = np.bincount(src_order.astype(np.int64) * num_steps + step_of,
+                           weights=len_order, minlength=len(sources) * num_steps
+                           ).reshape(len(sources), num_steps)
     report = []
     target_total = float(target.sum()) or 1.0
     for i, s in enumerate(sources):
