@@ -43,7 +43,7 @@ import numpy as np
 from . import _core
 from ._errors import FastpackError
 from ._options import PackArgs, PackOptions, resolve
-from ._plan import Plan, pack
+from ._plan import Plan
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -353,6 +353,50 @@ def _units(docs: np.ndarray, lengths: np.ndarray, opts: PackOptions,
     return np.repeat(docs, pieces), starts, np.minimum(total - starts, cap)
 
 
+def _step_seeds(seed: int, num_steps: int) -> np.ndarray:
+    """``_seed(seed, _SALT_STEP, k)`` for every step ``k`` at once (uint64)."""
+    from ._offline.plan import mix64
+
+    base = _seed(seed, _SALT_STEP)
+    first = np.uint64(base * 1_000_003 % 2**64)
+    with np.errstate(over="ignore"):  # modulo 2^64, as shard_seed
+        keys = first + np.arange(num_steps, dtype=np.uint64)
+    return mix64(keys) >> np.uint64(1)
+
+
+def _pack_steps(lengths: np.ndarray, bounds: np.ndarray, opts: PackOptions,
+                threads: int | None) -> list[Any]:
+    """Each step's plan (``lengths[bounds[k]:bounds[k+1]]``, int64, shuffled by the step's
+    own seed), as the core's fields with what :func:`combine_plans` reads. Steps are
+    independent: several are packed at once on a pool of threads (the core releases the
+    GIL), each on one thread, so the plans do not depend on how many. The core is called
+    directly: ``opts`` are checked, and a step's Python overhead would otherwise cost as
+    much as packing it."""
+    from types import SimpleNamespace
+
+    num_steps = len(bounds) - 1
+    seeds = _step_seeds(opts.seed, num_steps).tolist()
+
+    def one(k: int) -> Any:
+        fields = _core.pack(
+            lengths[int(bounds[k]):int(bounds[k + 1])], opts.max_len, opts.strategy,
+            opts.overlong, opts.reserve, seeds[k] if opts.shuffle else None, 1, None,
+            opts.long_max_len, None, [])
+        buckets = [SimpleNamespace(**b) for b in fields.pop("buckets", None) or ()]
+        return SimpleNamespace(**{**fields, "buckets": buckets, "group_offsets": None,
+                                  "long_max_len": opts.long_max_len,
+                                  "num_segments": len(fields["seqlens"]),
+                                  "num_packs": len(fields["pack_offsets"]) - 1})
+
+    workers = min(threads or _core.default_threads(), num_steps)
+    if workers <= 1:
+        return [one(k) for k in range(num_steps)]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(one, range(num_steps), chunksize=64))
+
+
 def mix(
     lengths: Mapping[str, Any] | Sequence[Any],
     mixture: Mixture | Mapping[str, Any],
@@ -429,7 +473,7 @@ def plan_mixture(per_source: Sequence[np.ndarray], mixture: Mixture, opts: PackO
     num_steps = max(1, -(-total // mixture.step_tokens))
     # Step of every unit: floor(start * K / Q_s) (the source's tokens before it, as a
     # fraction of its own); ordering by (step, that fraction) interleaves the sources
-    # smoothly within steps too (what next_fit and wrapped keep). A unit is a copy of a
+    # smoothly within steps too (what the order-keeping strategies keep). A unit is a copy of a
     # document, or with overlong="split" a piece of one (at most the cap): pieces train
     # as sequences of their own, and the proportions then hold within one piece.
     steps, fracs, docs, lens_all, src_all, piece_starts = [], [], [], [], [], []
@@ -445,21 +489,21 @@ def plan_mixture(per_source: Sequence[np.ndarray], mixture: Mixture, opts: PackO
         piece_starts.append(offsets)
         src_all.append(np.full(len(unit_docs), i, dtype=np.int32))
     step_of = np.concatenate(steps) if steps else np.zeros(0, np.int64)
-    order = np.lexsort((np.concatenate(fracs), step_of))
+    if opts.strategy in ("bfd", "ffd"):
+        # Best/first fit sort each step by length: only the steps matter (a stable sort
+        # of the sources' sorted runs, source by source within a step).
+        order = np.argsort(step_of, kind="stable")
+    else:
+        order = np.lexsort((np.concatenate(fracs), step_of))
     step_of = step_of[order]
     doc_order = np.concatenate(docs)[order]
     len_order = np.concatenate(lens_all)[order]
     src_order = np.concatenate(src_all)[order]
     start_order = np.concatenate(piece_starts)[order]
     bounds = np.searchsorted(step_of, np.arange(num_steps + 1))
-    plans, maps, start_maps = [], [], []
-    for k in range(num_steps):
-        lo, hi = int(bounds[k]), int(bounds[k + 1])
-        step_opts = opts.replace(seed=_seed(seed, _SALT_STEP, k))
-        plans.append(pack(len_order[lo:hi], options=step_opts,
-                          threads=1 if hi - lo < (1 << 17) else threads))
-        maps.append(doc_order[lo:hi])
-        start_maps.append(start_order[lo:hi])
+    plans = _pack_steps(len_order, bounds, opts, threads)
+    maps = [doc_order[bounds[k]:bounds[k + 1]] for k in range(num_steps)]
+    start_maps = [start_order[bounds[k]:bounds[k + 1]] for k in range(num_steps)]
     from ._offline.plan import combine_plans
 
     plan = combine_plans(plans, maps, opts, start_maps)
