@@ -125,7 +125,7 @@ def bench_plan(lines: list[str], scale: float = 1.0) -> None:
               "the weighted source with the most tokens; the others scaled to their "
               "weights).", ""]
     load_before = load()
-    t_bfd, plain = timed(lambda: fastpack.pack(everything, MAX_LEN, overlong="split"), 2)
+    t_bfd, plain = timed(lambda: fastpack.pack(everything, MAX_LEN, overlong="split"), 3)
     lines += ["| plan | time (s) | documents packed | packs | lower bound | packs over LB | efficiency |",
               "|---|---:|---:|---:|---:|---:|---:|"]
     lines.append(f"| plain `bfd`, every document once | {t_bfd:.2f} | {n:,} | "
@@ -136,7 +136,7 @@ def bench_plan(lines: list[str], scale: float = 1.0) -> None:
     for step in (1 << 19, 1 << 21, 1 << 23):
         mixture = Mixture(MIX, step_tokens=step)
         t_mix, planned = timed(lambda m=mixture: fastpack.mix(lengths, m, MAX_LEN,
-                                                               overlong="split"), 2)
+                                                               overlong="split"), 3)
         results[step] = planned
         p = planned.plan
         lines.append(f"| mix, steps of 2^{step.bit_length() - 1} tokens ({planned.num_steps:,} "
@@ -144,7 +144,7 @@ def bench_plan(lines: list[str], scale: float = 1.0) -> None:
                      f"{p.num_packs:,} | {p.lower_bound:,} | {p.num_packs - p.lower_bound:,} | "
                      f"{p.efficiency:.4%} |")
     planned = results[1 << 21]
-    t_one, one = timed(lambda: fastpack.pack(planned.lengths, MAX_LEN, overlong="split"), 1)
+    t_one, one = timed(lambda: fastpack.pack(planned.lengths, MAX_LEN, overlong="split"), 3)
     lines.append(f"| plain `bfd` of the mix's copies, no steps | {t_one:.2f} | "
                  f"{len(planned.lengths):,} copies | {one.num_packs:,} | {one.lower_bound:,} | "
                  f"{one.num_packs - one.lower_bound:,} | {one.efficiency:.4%} |")
@@ -254,8 +254,8 @@ def main() -> None:
     what = sys.argv[1] if len(sys.argv) > 1 else "all"
     lines = ["# Mixtures by tokens: planning time, efficiency and proportions per step", "",
              f"{cpu()}, Python {sys.version.split()[0]}, numpy {np.__version__}; "
-             f"`python benches/bench_mix.py {what}`. Times are the best of 2 runs "
-             "(planning: all cores).", ""]
+             f"`python benches/bench_mix.py {what}`. Planning times are the best of 3 runs "
+             "(all cores: 2, shared with other jobs; see the load).", ""]
     if what in ("plan", "all"):
         bench_plan(lines, float(os.environ.get("BENCH_SCALE", "1")))
     if what in ("command", "all"):

@@ -34,7 +34,7 @@ import glob as _glob
 import math
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -261,7 +261,6 @@ class MixedPlan:
     copies: np.ndarray
     sources: list[dict[str, Any]]
     step_tokens: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_steps(self) -> int:
@@ -269,7 +268,7 @@ class MixedPlan:
 
     def report(self) -> dict[str, Any]:
         """What report.json's ``mix`` holds."""
-        return {"steps": self.num_steps, "step_tokens": self.step_tokens, **self.extra,
+        return {"steps": self.num_steps, "step_tokens": self.step_tokens,
                 "sources": self.sources}
 
 

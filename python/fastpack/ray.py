@@ -650,6 +650,9 @@ def pack_files(
 ) -> dict[str, Any]:
     """``fastpack pack --ray``: files to parquet shards, byte for byte those of the
     single-machine path, with the same manifest, report and resume."""
+    if settings.mix is not None:
+        raise FastpackError("mix: a mixture is planned on one machine (fastpack pack --mix, "
+                            "or --shard jobs); not on Ray")
     ray = _ray()
     check_plot(plot)
     if not ray.is_initialized():
