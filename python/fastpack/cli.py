@@ -320,8 +320,10 @@ def pack(inputs: Sequence[str], outdir: str, max_len: int | None, column: str, q
         _fail(e, 1)
     if job is not None:
         i, n = job
-        click.echo(f"job {i}/{n}: wrote {len(report['shards'])} shards ({report['rows']:,} "
-                   f"packs, {report['tokens']:,} tokens) in {outdir}; when all {n} jobs are "
+        count = len(report["shards"])
+        click.echo(f"job {i}/{n}: {count} shard{'s' if count != 1 else ''} "
+                   f"({report['rows']:,} packs, {report['tokens']:,} tokens) complete in "
+                   f"{outdir}; when all {n} jobs are "
                    f"done: fastpack pack -o {outdir} --finalize")
         return
     for line in summary_lines(report, outdir):
