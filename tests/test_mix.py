@@ -183,6 +183,8 @@ def test_bad_lengths_and_options_are_named():
         mix({"a": [0, 0], "b": [1]}, m, 8)
     with pytest.raises(FastpackError, match="group_tokens"):
         mix({"a": [1], "b": [1]}, m, 8, group_tokens=16)
+    with pytest.raises(FastpackError, match="source 'b', document 1: 9 tokens, over the cap"):
+        mix({"a": [1], "b": [3, 9]}, m, 8)
 
 
 # ---------------------------------------------------------------------------------------

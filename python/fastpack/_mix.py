@@ -457,6 +457,15 @@ def plan_mixture(per_source: Sequence[np.ndarray], mixture: Mixture, opts: PackO
     counts = np.array([len(a) for a in per_source], dtype=np.int64)
     doc_base = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     target = _targets(mixture, tokens)
+    cap = (opts.long_max_len or opts.max_len) - opts.reserve
+    if opts.overlong == "error" and opts.strategy != "wrapped":
+        for s, a in zip(sources, per_source):
+            over = np.flatnonzero(a > cap)
+            if over.size:  # named here: a step's plan would name its own index
+                raise FastpackError(
+                    f"lengths: source {s.name!r}, document {int(over[0])}: {int(a[over[0]]):,} "
+                    f"tokens, over the cap of {cap:,} ({over.size - 1:,} more); pass "
+                    "overlong='split', 'truncate' or 'drop'")
     seed = opts.seed
     queues, units, q_tokens = [], [], []
     for i, (s, a) in enumerate(zip(sources, per_source)):
