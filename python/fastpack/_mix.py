@@ -112,7 +112,7 @@ class MixSource:
         return value
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Mixture:
     """Sources mixed by tokens (see the module's docstring for how).
 
