@@ -11,6 +11,7 @@ import numpy as np
 
 from . import _core
 from ._checks import _int_arg, _threads
+from ._context_parallel import cp_rows, pack_for_context_parallel
 from ._errors import FastpackError, FastpackTypeError
 from ._options import OVERLONG_POLICIES, STRATEGIES, PackArgs, PackOptions, resolve
 
@@ -472,8 +473,6 @@ class Plan:
         ``total_tokens`` (the real ones); every padded pack fits ``max_len``."""
         if self.cp_size is None:
             return 0
-        from ._context_parallel import cp_rows
-
         padded, _ = cp_rows(self, self.seqlens, self.pack_offsets, work=False)
         return int(padded.sum()) - self.total_tokens
 
@@ -825,9 +824,9 @@ def pack(
     if threads is None and len(array) < _SMALL_INPUT:
         threads = 1  # waking a pool costs more than it saves here; the plan is the same
     if opts.cp_size is not None:
-        from ._context_parallel import pack_for_context_parallel
-
-        return pack_for_context_parallel(array, opts, threads)
+        plan = Plan(pack_for_context_parallel(array, opts, threads))
+        plan._options = opts
+        return plan
     fields = _core.pack(
         array, opts.max_len, opts.strategy, opts.overlong, opts.reserve,
         opts.seed if opts.shuffle else None, threads, None, opts.long_max_len,

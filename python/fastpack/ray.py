@@ -101,7 +101,8 @@ def _ray() -> Any:
         import ray.data  # noqa: F401
     except ImportError:
         raise FastpackError(
-            "fastpack.ray needs Ray Data: pip install 'fastpack-seq[ray]'") from None
+            "fastpack.ray needs Ray Data: pip install 'ray[data]>=2.40' aiohttp "
+            "(the ray extra)") from None
     return ray
 
 

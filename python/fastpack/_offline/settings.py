@@ -11,12 +11,19 @@ from typing import TYPE_CHECKING, Any
 from .._checks import _int_arg
 from .._errors import FastpackError
 from .._options import PackArgs, PackOptions, WithOptions, resolve
-from .layout import default_shard_rows
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-__all__ = ["REFUSED", "PackSettings", "parse_size", "token_columns"]
+__all__ = ["REFUSED", "PackSettings", "default_shard_rows", "parse_size", "token_columns"]
+
+# Tokens per shard when --shard-rows is not given (about 100 MB of zstd parquet).
+SHARD_TOKENS = 1 << 25
+
+
+def default_shard_rows(max_len: int) -> int:
+    return max(1, SHARD_TOKENS // max_len)
+
 
 #: The packing options the command (and ``fastpack.ray``) cannot honour, with why: given
 #: another value than the default, they raise, naming it (so they are always at their

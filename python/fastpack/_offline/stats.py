@@ -203,9 +203,8 @@ def plot_unavailable() -> str | None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        from .. import DISTRIBUTION
-
-        return f"matplotlib is not installed (pip install '{DISTRIBUTION}[cli]')"
+        # Named by the package, not the extra: fastpack-seq is not on the public index yet.
+        return "matplotlib is not installed (pip install matplotlib: the cli extra)"
     return None
 
 

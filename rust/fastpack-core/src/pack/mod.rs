@@ -37,6 +37,7 @@ pub(crate) mod limits;
 mod order;
 mod placement;
 mod replay;
+mod room_set;
 mod sort;
 mod unpack;
 
