@@ -540,6 +540,7 @@ def plan_mixture(per_source: Sequence[np.ndarray], mixture: Mixture, opts: PackO
             "output_documents": int(len(queues[i])),
             "output_tokens": q_tokens[i],
             "realised_share": share,
+            "epochs_target": float(target[i] / tokens[i]) if tokens[i] else 0.0,
             "epochs_realised": q_tokens[i] / int(tokens[i]) if tokens[i] else 0.0,
             "repeated": int(np.maximum(mine - 1, 0).sum(dtype=np.int64)),
             "left_out": int((mine == 0).sum()),
