@@ -415,8 +415,8 @@ def mix(
     >>> import fastpack
     >>> m = fastpack.Mixture({"web": {"weight": 3}, "code": {"weight": 1}}, step_tokens=4096)
     >>> planned = fastpack.mix({"web": [300] * 90, "code": [200] * 40}, m, max_len=1024)
-    >>> [(s["name"], round(s["realised_share"], 3)) for s in planned.sources]
-    [('web', 0.75), ('code', 0.25)]
+    >>> print(", ".join(f"{s['name']} {s['realised_share']:.0%}" for s in planned.sources))
+    web 75%, code 25%
     """
     if not isinstance(mixture, Mixture):
         mixture = Mixture.from_dict(mixture)
