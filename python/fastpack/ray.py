@@ -363,7 +363,8 @@ def _lengths_stage(table: pa.Table, *, columns: list[str], optional: list[str],
 
 
 def _route_stage(table: pa.Table, *, columns: list[str], order: str | None, planners: list[Any],
-                 shard_base: np.ndarray, skip: frozenset[int]) -> pa.Table:
+                 shard_base: np.ndarray, skip: frozenset[int],
+                 dtypes: dict[str, str] | None = None) -> pa.Table:
     ray = _ray()
     keys = _keys(table, columns[0], order)
     plan_of = shard_of(keys, len(planners))
@@ -378,6 +379,13 @@ def _route_stage(table: pa.Table, *, columns: list[str], order: str | None, plan
     rows = np.concatenate([r for r, _ in parts]) if parts else np.zeros(0, np.int64)
     outs = np.concatenate([o for _, o in parts]) if parts else np.zeros(0, np.int64)
     routed = table.select(columns).take(pa.array(rows))
+    if dtypes is not None:
+        # One type per column in every block: the shuffle concatenates blocks of several
+        # files, and parquet's list<element: int32> and JSON's list<item: int64> do not
+        # concatenate (the gather casts to the output's types anyway).
+        routed = routed.cast(pa.schema([
+            pa.field(c, pa.large_list(pa.from_numpy_dtype(np.dtype(dtypes[c]))))
+            for c in columns]))
     return routed.append_column(_KEY, pa.array(keys[rows])).append_column(
         _SHARD, pa.array(outs.astype(np.int64)))
 
@@ -539,7 +547,7 @@ class _Pipeline:
         return self.ds.map_batches(
             _route_stage, batch_format="pyarrow",
             fn_kwargs={"columns": self.columns, "order": self.order, "planners": self.planners,
-                       "shard_base": self.shard_base, "skip": skip})
+                       "shard_base": self.shard_base, "skip": skip, "dtypes": self.dtypes})
 
     def gather(self, outdir: str | None, skip: frozenset[int] = frozenset()) -> Any:
         routed = self.routed(skip)
@@ -654,6 +662,9 @@ def pack_files(
 ) -> dict[str, Any]:
     """``fastpack pack --ray``: files to parquet shards, byte for byte those of the
     single-machine path, with the same manifest, report and resume."""
+    if settings.mix is not None:
+        raise FastpackError("mix: a mixture is planned on one machine (fastpack pack --mix, "
+                            "or --shard jobs); not on Ray")
     ray = _ray()
     check_plot(plot)
     if not ray.is_initialized():

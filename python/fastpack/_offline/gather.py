@@ -53,7 +53,7 @@ def gather_passes(out: OutputDir, sources: Sequence[Source], scan: Scan, plan: P
     bounds = shard_bounds(pack_counts, settings.shard_rows)
     n = len(bounds) - 1
     done = out.verified_done(n)
-    todo = [i for i in range(n) if i not in done]
+    todo = [i for i in out.wanted(n) if i not in done]
     itemsize = sum(np.dtype(scan.dtypes[c]).itemsize for c in settings.token_columns)
     budget = memory if memory is not None else memory_budget(len(scan.lengths))
     row_groups = _row_groups(bounds, todo, row_group_packs(settings))
@@ -78,7 +78,7 @@ def gather_passes(out: OutputDir, sources: Sequence[Source], scan: Scan, plan: P
         entries[i] = entry
         log(f"wrote {entry['file']} ({entry['rows']:,} packs, {human_bytes(entry['bytes'])})",
             quiet=out.quiet or len(todo) > 50)
-    return [entries[i] for i in range(n)], len(passes), budget
+    return [entries[i] for i in out.wanted(n)], len(passes), budget
 
 
 def memory_budget(documents: int) -> int:

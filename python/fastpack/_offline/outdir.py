@@ -229,6 +229,10 @@ class OutputDir:
                 f"{num_shards - len(done)}", quiet=self.quiet)
         return done
 
+    def wanted(self, num_shards: int) -> range:
+        """The output shards this run writes: all of them (a ``--shard`` job: its share)."""
+        return range(num_shards)
+
     def record(self, shard: int, entry: dict[str, Any]) -> None:
         with open(self.journal, "a") as f:
             f.write(json.dumps({"shard": shard, **entry}) + "\n")

@@ -73,6 +73,23 @@ def token_columns(column: str, columns: Sequence[str] | None) -> list[str]:
     return [column] + [c for c in columns or () if c != column]
 
 
+def _checked_mix(mix: dict[str, Any] | None, options: PackOptions,
+                 plan_shards: int) -> dict[str, Any] | None:
+    """A mixture's JSON, checked (``fastpack.Mixture``'s messages) and in its canonical
+    form; what a mixture cannot be combined with is refused, naming it."""
+    if mix is None:
+        return None
+    from .._mix import Mixture
+
+    if plan_shards != 1:
+        raise FastpackError("plan_shards: a mixture is planned step by step in one plan; "
+                            "leave --plan-shards out with --mix")
+    if options.group_tokens is not None:
+        raise FastpackError("group_tokens: a mixture's steps are its groups (step_tokens "
+                            "in the mix file); leave --group-tokens out with --mix")
+    return Mixture.from_dict(mix).to_json()
+
+
 @dataclass(frozen=True, init=False)
 class PackSettings(WithOptions):
     """Everything that decides the output's bytes: the same settings and inputs give the
@@ -96,6 +113,9 @@ class PackSettings(WithOptions):
     #: The output's format (:data:`~fastpack._offline.formats.FORMATS`): the same packs
     #: in every one.
     format: str = "parquet"
+    #: A mixture of sources by tokens (``fastpack.Mixture.to_json()``; ``--mix``): the
+    #: inputs are its sources' files, and it decides which documents the output holds.
+    mix: dict[str, Any] | None = None
 
     def __init__(
         self,
@@ -109,6 +129,7 @@ class PackSettings(WithOptions):
         shard_rows: int | None = None,
         plan_shards: int = 1,
         format: str = "parquet",
+        mix: dict[str, Any] | None = None,
         **kwargs: Unpack[PackArgs],
     ) -> None:
         made = resolve(PackSettings, options, max_len, kwargs, refuse=REFUSED)
@@ -120,6 +141,7 @@ class PackSettings(WithOptions):
             "text_column": text_column, "tokenizer": tokenizer, "shard_rows": rows,
             "plan_shards": _int_arg("plan_shards", plan_shards, minimum=1),
             "format": check_format(format),
+            "mix": _checked_mix(mix, made, plan_shards),
         }
         for name, value in values.items():
             object.__setattr__(self, name, value)
@@ -146,6 +168,8 @@ class PackSettings(WithOptions):
             values["columns"] = list(self.columns)
         if self.format == "parquet":
             del values["format"]  # the settings of a parquet run keep their bytes
+        if self.mix is None:
+            del values["mix"]  # a run without a mixture records what it always did
         ordered = {name: values.pop(name) for name in _ORDER}
         return {**ordered, **values}
 
