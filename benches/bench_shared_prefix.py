@@ -94,7 +94,7 @@ def tokens_table(configs: list[tuple[int, int, tuple[int, int], tuple[int, int]]
         rows, _, groups = rollouts(prompts, g, p, r, seed=1)
         lengths = [len(x) for x in rows]
         plain = fastpack.pack(lengths, 16384)
-        tree = fastpack.pack_trees(rows, 16384, groups=groups)
+        tree = fastpack.pack_trees(rows, 16384, prompt_ids=groups)
         assert tree.sample_tokens == plain.total_tokens
         lines.append(
             f"| {g} | {p[0]}..{p[1] - 1} | {r[0]}..{r[1] - 1} | {len(rows):,} | "
@@ -166,7 +166,7 @@ def step_table(configs: list[tuple[int, int, tuple[int, int], tuple[int, int]]],
                     for x, k in zip(rows, masks)]
         plain = PackedCollator(1 << 16, backend="flash")(features)
         tree = PackedCollator(1 << 16, backend="flash", share_prefix=True)(
-            [{**f, "group": int(k)} for f, k in zip(features, groups)])
+            [{**f, "prompt_id": int(k)} for f, k in zip(features, groups)])
         dense = {k: v for k, v in tree.items() if k != "attention_mask"}
         dense["attention_mask"] = dense_tree_mask(tree)
 

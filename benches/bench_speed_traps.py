@@ -94,7 +94,7 @@ def measure_tree() -> dict[str, float]:
     out = {}
     for group, prompt, response in ((16, 1024, 64), (64, 2048, 256)):
         samples = [{"input_ids": list(range(1, prompt + 1)) + [prompt + 1 + g] * response,
-                    "group": 0} for g in range(group)]
+                    "prompt_id": 0} for g in range(group)]
         batch = PackedCollator(prompt + group * response, backend="flash",
                                share_prefix=True)(samples)
         total = batch["input_ids"].shape[1]

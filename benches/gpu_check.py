@@ -836,7 +836,7 @@ def tree_samples(cfg: dict[str, Any], seed: int = 0) -> list[list[dict[str, Any]
     rollouts = []
     for g, (prompt, responses) in enumerate(cfg["tree_groups"]):
         head = tokens(prompt)
-        rollouts += [{"input_ids": head + tokens(r), "group": g} for r in responses]
+        rollouts += [{"input_ids": head + tokens(r), "prompt_id": g} for r in responses]
     chat: list[dict[str, Any]] = []
     system = tokens(cfg["tree_chat"][0])
     for user in cfg["tree_chat"][1:]:

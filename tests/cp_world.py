@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import tempfile
 import warnings
 import zlib
@@ -22,6 +21,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from gloo import free_port
 
 import fastpack
 from fastpack.torch import (
@@ -317,13 +317,6 @@ def _worker(rank: int, size: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 _WORLDS: dict[int, list[dict[str, Any]]] = {}
 
 
@@ -332,7 +325,7 @@ def world(size: int) -> list[dict[str, Any]]:
     if size not in _WORLDS:
         out = tempfile.mkdtemp(prefix=f"fastpack-cp{size}-")
         os.environ.setdefault("OMP_NUM_THREADS", "1")
-        torch.multiprocessing.spawn(_worker, args=(size, _free_port(), out), nprocs=size,
+        torch.multiprocessing.spawn(_worker, args=(size, free_port(), out), nprocs=size,
                                     join=True)
         _WORLDS[size] = [torch.load(Path(out) / f"rank{r}.pt") for r in range(size)]
     return _WORLDS[size]

@@ -705,7 +705,7 @@ def test_without_matplotlib_the_picture_is_skipped_or_refused_before_work(tmp_pa
     assert not (tmp_path / "out" / "report.png").exists()
     check_output(tmp_path / "out", docs, max_len=32)
     assert "picture: report.png skipped: matplotlib is not installed (pip install " \
-        "'fastpack-seq[cli]')" in out.stdout
+        "matplotlib: the cli extra)" in out.stdout
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert report["picture"].startswith("report.png skipped")
     asked = [("pack", *paths, "-o", str(tmp_path / "asked"), "--max-len", "32", "--plot"),

@@ -398,10 +398,10 @@ def test_context_parallel_attention_refuses_unsharded_formats(fmt: str) -> None:
 #: (share_prefix=True) shares their prefixes. Paths are longer than WINDOW, so the window
 #: bites inside them.
 TREE_SAMPLES = [
-    {"input_ids": [1, 2, 3, 4, 5, 6, 7, 8, 9], "group": 0},
-    {"input_ids": [1, 2, 3, 4, 5, 6, 10, 11], "group": 0},
-    {"input_ids": [1, 2, 3, 4, 5, 6, 12, 13, 14, 15, 16], "group": 0},
-    {"input_ids": [20, 21, 22], "group": 1},
+    {"input_ids": [1, 2, 3, 4, 5, 6, 7, 8, 9], "prompt_id": 0},
+    {"input_ids": [1, 2, 3, 4, 5, 6, 10, 11], "prompt_id": 0},
+    {"input_ids": [1, 2, 3, 4, 5, 6, 12, 13, 14, 15, 16], "prompt_id": 0},
+    {"input_ids": [20, 21, 22], "prompt_id": 1},
 ]
 TREE_CHATS = [[30, 31, 32, 33, 34], [30, 31, 32, 33, 34, 35, 36, 37], [30, 31, 32, 38, 39]]
 _TREE_REFERENCE: dict[tuple[str, str], list[torch.Tensor]] = {}

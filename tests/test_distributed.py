@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import socket
 import warnings
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from gloo import free_port
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -152,18 +152,11 @@ class _nothing:
         return None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("ddp")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.multiprocessing.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD,
+    torch.multiprocessing.spawn(_worker, args=(free_port(), str(out)), nprocs=WORLD,
                                 join=True)
     return out
 

@@ -83,3 +83,27 @@ def test_without_torch_no_training_path_is_claimed(monkeypatch: pytest.MonkeyPat
     found = doctor.report()
     assert "torch is not installed" in found.device
     assert [p.exact for p in found.paths] == [False]
+
+
+def test_flex_attention_s_compiler_is_the_one_torch_compile_calls(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The C++ compiler reported is the one inductor would call (its ``cpp.cxx`` setting,
+    from ``$CXX``), and without it flex attention is not claimed to run on the CPU."""
+    torch = pytest.importorskip("torch")
+    import shutil
+
+    from torch._inductor import config
+
+    found = doctor.report()
+    compilers = {c.name: c.found for c in found.compilers}
+    expected = next((shutil.which(c) for c in config.cpp.cxx if c and shutil.which(c)), None)
+    assert compilers["C++ (torch.compile, CPU)"] == expected
+    assert compilers["triton"] == (importlib.metadata.version("triton")
+                                   if importlib.util.find_spec("triton") else None)
+    monkeypatch.setattr(config.cpp, "cxx", (None, "no-such-compiler-fastpack"))
+    found = doctor.report()
+    assert {c.name: c.found for c in found.compilers}["C++ (torch.compile, CPU)"] is None
+    if not torch.cuda.is_available():
+        flex = _paths(found)["flex batches (attn_implementation='flex_attention')"]
+        assert not flex.exact and "none found" in flex.note
+    assert "compilers (flex attention)" in found.format()

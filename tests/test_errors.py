@@ -916,7 +916,7 @@ def _tree_rows() -> list[Row]:
         return lambda: PackedCollator(**{"max_len": 16, "share_prefix": True, **kwargs})
 
     batch = PackedCollator(16, backend="flash", share_prefix=True)(
-        [{"input_ids": r, "group": 0} for r in rows])
+        [{"input_ids": r, "prompt_id": 0} for r in rows])
     try:
         import datasets
 
@@ -962,11 +962,11 @@ def _tree_rows() -> list[Row]:
         Row("share-prefix-collator-plan",
             lambda: PackedCollator(8, backend="flash", share_prefix=True).plan([3, 2]), E,
             r"^share_prefix: True plans the samples' tokens, not their lengths"),
-        Row("share-prefix-group-on-some", tree_collate({"input_ids": [1, 2], "group": 0},
+        Row("share-prefix-prompt-on-some", tree_collate({"input_ids": [1, 2], "prompt_id": 0},
                                                        {"input_ids": [1, 3]}), E,
-            r"^features: sample 1 has no 'group' \(1 of 2 samples lack it\)"),
-        Row("share-prefix-group-unhashable", tree_collate({"input_ids": [1, 2], "group": [0]}), T,
-            r"^groups: sample 0 has the unhashable group value \[0\]"),
+            r"^features: sample 1 has no 'prompt_id' \(1 of 2 samples lack it\)"),
+        Row("share-prefix-prompt-unhashable", tree_collate({"input_ids": [1, 2], "prompt_id": [0]}), T,
+            r"^prompt_id: sample 0 has the unhashable value \[0\]"),
         Row("share-prefix-overlong", tree_collate({"input_ids": list(range(1, 20))}), E,
             r"^lengths: 1 sequence\(s\) longer than 16 tokens \(first at index 0, length 19\)"),
         Row("pair-prompts-differ", tree_collate({"chosen": [1, 2, 3], "rejected": [4, 5]}), E,
@@ -988,8 +988,8 @@ def _tree_rows() -> list[Row]:
             r"more than max_len \(16\); they must stay in one pack"),
         Row("pair-ids-not-ints", tree_collate({"chosen": [1.5], "rejected": [1, 2]}), T,
             r"^features: pair 0 'chosen': expected token ids"),
-        Row("trees-groups-count", lambda: fastpack.pack_trees(rows, 8, groups=[0]), E,
-            r"^groups: got 1 values for 2 samples; expected one per sample"),
+        Row("trees-prompts-count", lambda: fastpack.pack_trees(rows, 8, prompt_ids=[0]), E,
+            r"^prompt_ids: got 1 values for 2 samples; expected one per sample"),
         Row("trees-wrapped", lambda: fastpack.pack_trees(rows, 8, strategy="wrapped"), E,
             r"^share_prefix: True does not take strategy='wrapped'"),
         Row("trees-split", lambda: fastpack.pack_trees(rows, 8, overlong="split"), E,
@@ -1005,9 +1005,9 @@ def _tree_rows() -> list[Row]:
         Row("trees-other-data", lambda: fastpack.tree_rows(tree_plan, [[1, 2, 3, 4], [1, 9, 5]]),
             E, r"^plan: sample 1 differs from segment \d+ \(sample 0, positions 0\.\.2\) that its "
                r"path shares; was the plan made from this data\?"),
-        Row("dataset-groups-without-share-prefix",
-            lambda: PackedDataset(rows, PackedCollator(8), groups=[0, 0]), E,
-            r"^groups: apply with a collator made with share_prefix=True"),
+        Row("dataset-prompts-without-share-prefix",
+            lambda: PackedDataset(rows, PackedCollator(8), prompt_ids=[0, 0]), E,
+            r"^prompt_ids: apply with a collator made with share_prefix=True"),
         Row("dataset-trees-long-max-len",
             lambda: PackedDataset(rows, PackedCollator(8, backend="flash", share_prefix=True),
                                   long_max_len=16), E,

@@ -82,6 +82,31 @@ def test_ray_sharded_plan_matches_the_single_machine_one(cluster, tmp_path):
     assert one["packs"] <= on_ray["packs"] <= one["packs"] + 3
 
 
+def test_ray_bytes_do_not_depend_on_how_many_workers_run(cluster, tmp_path):
+    """The cluster's tasks one at a time (Ray Data limited to one CPU) or two at once:
+    every file the single machine writes, byte for byte (the report but for timings)."""
+    from fastpack.ray import pack_files
+
+    rng = np.random.default_rng(5)
+    paths, docs = corpus(tmp_path, [rng.integers(1, 300, 80).tolist() for _ in range(2)],
+                         ["a.parquet", "b.jsonl"])
+    settings = PackSettings(max_len=256, overlong="split", seed=5, shard_rows=9,
+                            group_tokens=1024)
+    local = pack_corpus(paths, tmp_path / "local", settings, quiet=True, plot=False)
+    context = ray.data.DataContext.get_current()
+    limits = context.execution_options.resource_limits
+    context.execution_options.resource_limits = ray.data.ExecutionResources(cpu=1)
+    try:
+        one = pack_files(paths, str(tmp_path / "one"), settings, quiet=True, plot=False)
+    finally:
+        context.execution_options.resource_limits = limits
+    _same_report(one, local)
+    for name in ["manifest.json", "group_offsets.npy", *shard_bytes(tmp_path / "local")]:
+        assert (tmp_path / "one" / name).read_bytes() == \
+            (tmp_path / "local" / name).read_bytes(), name
+    check_output(tmp_path / "one", docs, max_len=256, overlong="split")
+
+
 def test_pack_dataset_orders_documents_by_content(cluster):
     """No id column and a shuffled, many-block dataset: the plan follows the documents'
     content keys, identical documents are interchangeable, and the rows equal the
@@ -210,3 +235,21 @@ def test_pack_dataset_of_read_parquet_gives_the_commands_packs(cluster, tmp_path
     for name in expected.column_names:
         assert got.column(name).to_pylist() == expected.column(name).to_pylist(), name
     check_output(tmp_path / "cmd", docs, max_len=256, overlong="split", labels=True)
+
+
+def test_ray_writes_another_format_byte_for_byte(cluster, tmp_path):
+    # A format's files (shards gathered by two Ray workers, their journal entries sent
+    # back to the driver) are the single-machine run's, and so are MDS's index.json and
+    # the manifest. One format: a Ray run costs seconds; the writers are the same code.
+    from fastpack.ray import pack_files
+
+    rng = np.random.default_rng(4)
+    paths, _ = corpus(tmp_path, [rng.integers(1, 300, 90).tolist()] * 2,
+                      ["a.parquet", "b.jsonl"], labels=True)
+    settings = PackSettings(max_len=256, overlong="split", seed=1, shard_rows=9, format="mds")
+    pack_corpus(paths, tmp_path / "local", settings, quiet=True, plot=False)
+    pack_files(paths, str(tmp_path / "ray"), settings, quiet=True, plot=False)
+    local = {p.name: p.read_bytes() for p in (tmp_path / "local").iterdir()
+             if p.name != "report.json"}
+    assert len(local) > 8
+    assert {n: (tmp_path / "ray" / n).read_bytes() for n in local} == local

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import socket
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from gloo import free_port
 
 torch = pytest.importorskip("torch")
 if not torch.distributed.is_available():
@@ -69,13 +69,6 @@ def _worker(rank: int, world: int, stop: int | None, port: int, phase: int, out:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("resize")
@@ -83,7 +76,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
     for phase, (world, stop) in enumerate(PHASES):
         torch.multiprocessing.start_processes(
-            _worker, args=(world, stop, _free_port(), phase, str(out)), nprocs=world,
+            _worker, args=(world, stop, free_port(), phase, str(out)), nprocs=world,
             join=True, start_method=method)
     return out
 

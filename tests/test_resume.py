@@ -120,7 +120,7 @@ def make_tree_dataset(seed: int = 0) -> PackedDataset:
             rows.append(np.concatenate([prompt, rng.integers(1, 64, int(rng.integers(1, 6)))]))
             groups.append(g)
     collator = PackedCollator(max_len=MAX_LEN, backend="flash", share_prefix=True)
-    return PackedDataset(rows, collator, groups=groups, group_tokens=MAX_LEN, seed=seed)
+    return PackedDataset(rows, collator, prompt_ids=groups, group_tokens=MAX_LEN, seed=seed)
 
 
 def make_sampler(ds: PackedDataset, ranks: int, rank: int, kind: str = "text") -> PackedSampler:

@@ -265,12 +265,12 @@ def test_pre_shifted_labels_warn() -> None:
         collator([{"input_ids": [5, 5, 5], "labels": [5, 5, 5]}])  # both readings: fine
 
 
-def test_a_group_key_needs_share_prefix() -> None:
-    samples = [{"input_ids": [1, 2, 3], "group": 0}, {"input_ids": [1, 2, 4], "group": 0}]
-    with pytest.raises(FastpackError, match=r"^features: sample 0 has 'group', .* pass "
+def test_a_prompt_key_needs_share_prefix() -> None:
+    samples = [{"input_ids": [1, 2, 3], "prompt_id": 0}, {"input_ids": [1, 2, 4], "prompt_id": 0}]
+    with pytest.raises(FastpackError, match=r"^features: sample 0 has 'prompt_id', .* pass "
                                             r"share_prefix=True"):
         PackedCollator(max_len=16, backend="flash")(samples)
-    PackedCollator(max_len=16, backend="flash", ignore_keys=("group",))(samples)
+    PackedCollator(max_len=16, backend="flash", ignore_keys=("prompt_id",))(samples)
 
 
 def test_share_prefix_that_shares_nothing_warns_with_the_count() -> None:
@@ -337,8 +337,8 @@ def test_a_tree_batch_raises_in_an_attention_of_tensor_masks(impl: str, backend:
     FastpackError naming attention_mask and the attention to load."""
     from fastpack.torch import register_hf_attention
 
-    samples = [{"input_ids": [1, 2, 3, 4, 5, 6], "group": 0},
-               {"input_ids": [1, 2, 3, 4, 9, 9, 9], "group": 0}]
+    samples = [{"input_ids": [1, 2, 3, 4, 5, 6], "prompt_id": 0},
+               {"input_ids": [1, 2, 3, 4, 9, 9, 9], "prompt_id": 0}]
     batch = PackedCollator(max_len=64, backend=backend, share_prefix=True)(samples)
     m = _llama(impl)
     with torch.no_grad(), pytest.raises(FastpackError, match="^attention_mask: this is a "

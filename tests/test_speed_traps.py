@@ -136,7 +136,7 @@ def _grpo_batch() -> dict[str, Any]:
     from fastpack.torch import PackedCollator
 
     prompt = [3, 1, 4, 1, 5]
-    samples = [{"input_ids": prompt + [9, 2, 6][: k + 1], "group": 0} for k in range(3)]
+    samples = [{"input_ids": prompt + [9, 2, 6][: k + 1], "prompt_id": 0} for k in range(3)]
     return PackedCollator(64, backend="flash", share_prefix=True)(samples)
 
 
@@ -185,7 +185,7 @@ def _rollouts(group: int, prompt: int, response: int) -> Any:
     from fastpack.torch.tree import check_tree
 
     samples = [{"input_ids": list(range(1, prompt + 1)) + [prompt + 1 + g] * response,
-                "group": 0} for g in range(group)]
+                "prompt_id": 0} for g in range(group)]
     batch = PackedCollator(prompt + group * response, backend="flash",
                            share_prefix=True)(samples)
     return check_tree(batch["tree_cu_seqlens"], batch["tree_parents"],

@@ -106,12 +106,27 @@ def test_logits_equal_one_by_one(arch: str, impl: str, mask: str) -> None:
     assert check_logits(model, batch, feats) <= ATOL
 
 
+def test_position_starts_read_once_per_batch() -> None:
+    """A prepared model's hook and every attention layer read one batch's position_ids:
+    its sequence starts are read from the tensor once, and again once it changed."""
+    from fastpack.torch.formats import position_starts
+
+    positions = torch.tensor([[0, 1, 2, 0, 1]])
+    first = position_starts(positions, 1, 5)
+    assert first.tolist() == [[True, False, False, True, False]]
+    assert position_starts(positions, 1, 5) is first
+    positions[0, 3] = 3  # changed in place: read again
+    again = position_starts(positions, 1, 5)
+    assert again is not first and again.tolist() == [[True, False, False, False, True]]
+    assert position_starts(positions.clone(), 1, 5) is not again  # another tensor
+
+
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 @pytest.mark.parametrize("select", ["config", "set_attn_implementation"])
 def test_registered_varlen_attention_equals_one_by_one(
     arch: str, select: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import fastpack.torch.hf as hf
+    import fastpack.torch.hf_attention as hf
     from fastpack.torch import register_hf_attention
 
     name = register_hf_attention()

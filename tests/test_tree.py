@@ -71,7 +71,7 @@ def test_every_kept_sample_is_one_path_spelling_its_tokens(
     rows: list[list[int]], grouped: bool, max_len: int, overlong: str, groups: Any
 ) -> None:
     ids = groups.draw(st.lists(st.integers(0, 3), min_size=len(rows), max_size=len(rows)))
-    kwargs = {"groups": ids if grouped else None, "overlong": overlong, "max_len": max_len}
+    kwargs = {"prompt_ids": ids if grouped else None, "overlong": overlong, "max_len": max_len}
     plan = fastpack.pack_trees(rows, threads=1, **kwargs)
     assert plan.efficiency == fastpack.pack_trees(rows, threads=2, **kwargs).efficiency
     again = fastpack.pack_trees(rows, threads=2, **kwargs)
@@ -96,29 +96,60 @@ def test_every_kept_sample_is_one_path_spelling_its_tokens(
         assert spelled == rows[i][:max_len]
 
 
-def test_groups_share_their_longest_common_prefix_and_a_trie_every_prefix() -> None:
+def test_prompts_share_their_longest_common_prefix_and_a_trie_every_prefix() -> None:
     rows = [[5, 6, 7, 1, 2], [5, 6, 7, 1, 3], [5, 6, 9], [8, 8]]
-    grouped = fastpack.pack_trees(rows, 64, groups=["a", "a", "a", "b"], shuffle=False)
-    # The group's prefix [5, 6] once; its three remainders below it; "b" alone.
+    grouped = fastpack.pack_trees(rows, 64, prompt_ids=["a", "a", "a", "b"], shuffle=False)
+    # Prompt "a"'s prefix [5, 6] once; its three remainders below it; "b" alone.
     assert grouped.seqlens.tolist() == [2, 3, 3, 1, 2]
     assert grouped.parents.tolist() == [-1, 0, 0, 0, -1]
     trie = fastpack.pack_trees(rows, 64, shuffle=False)
     # [5, 6] -> {[7, 1] -> {[2], [3]}, [9]}; [8, 8]: every shared token once.
     assert trie.total_tokens == 9 and trie.sample_tokens == 15
     assert sorted(trie.seqlens.tolist()) == [1, 1, 1, 2, 2, 2]
-    nothing = fastpack.pack_trees([[1, 2], [3, 4]], 64, groups=[0, 0])
-    assert nothing.parents.tolist() == [-1, -1]  # a group sharing nothing: no error
+    nothing = fastpack.pack_trees([[1, 2], [3, 4]], 64, prompt_ids=[0, 0])
+    assert nothing.parents.tolist() == [-1, -1]  # a prompt's samples sharing nothing: fine
+
+
+def test_groups_and_the_group_key_are_the_old_names_of_prompt_ids() -> None:
+    """The rollout key was once called *group*, the word of packs under group_tokens: the
+    old names still work, warn, and give what the new ones give."""
+    rows = [[5, 6, 7, 1], [5, 6, 7, 2], [5, 6, 9], [8, 8]]
+    prompts = [0, 0, 1, 1]
+    new = fastpack.pack_trees(rows, 64, prompt_ids=prompts, shuffle=False)
+    with pytest.warns(DeprecationWarning, match=r"^groups= is deprecated: pass prompt_ids="):
+        old = fastpack.pack_trees(rows, 64, groups=prompts, shuffle=False)
+    for name in ("sample_ids", "starts", "seqlens", "parents", "pack_offsets"):
+        assert np.array_equal(getattr(old, name), getattr(new, name)), name
+    with pytest.raises(FastpackError, match=r"^groups: the old name of prompt_ids; pass "
+                                            r"prompt_ids alone"):
+        fastpack.pack_trees(rows, 64, prompt_ids=prompts, groups=prompts)
+    collator = PackedCollator(max_len=64, backend="flash", share_prefix=True)
+    with pytest.warns(DeprecationWarning, match=r"^groups= is deprecated"):
+        dataset = PackedDataset(rows, collator, groups=prompts, packs_per_batch=1, shuffle=False)
+    assert np.array_equal(dataset.plan.parents, new.parents)
+    by_key = collator([{"input_ids": r, "prompt_id": p} for r, p in zip(rows, prompts)])
+    with pytest.warns(DeprecationWarning, match=r"^the samples' 'group' key is deprecated"):
+        by_old_key = collator([{"input_ids": r, "group": p} for r, p in zip(rows, prompts)])
+    for key, value in by_key.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(by_old_key[key], value), key
+    assert by_key["input_ids"].shape[1] == 10  # prompt 0's [5, 6, 7] once: 13 - 3
+    datasets = pytest.importorskip("datasets")
+    table = datasets.Dataset.from_dict({"input_ids": rows, "group": prompts})
+    with pytest.warns(DeprecationWarning, match=r"^the samples' 'group' key is deprecated"):
+        from_column = PackedDataset(table, collator, packs_per_batch=1, shuffle=False)
+    assert np.array_equal(from_column.plan.parents, new.parents)
 
 
 def test_an_oversized_group_is_split_with_its_prefix_charged_again() -> None:
     prompt = list(range(1, 11))
     rows = [prompt + [20 + k] * 6 for k in range(5)]  # 10 + 5 * 6 = 40 distinct tokens
-    plan = fastpack.pack_trees(rows, 22, groups=[0] * 5, shuffle=False)
+    plan = fastpack.pack_trees(rows, 22, prompt_ids=[0] * 5, shuffle=False)
     assert plan.num_packs == 3  # the prompt + 2 responses, twice; + 1
     assert plan.total_tokens == 3 * 10 + 5 * 6
     assert sorted(plan.path_sample_ids.tolist()) == list(range(5))
     with pytest.raises(FastpackError, match="must stay in one pack"):
-        fastpack.pack_trees(rows, 22, groups=[0] * 5, split=False)
+        fastpack.pack_trees(rows, 22, prompt_ids=[0] * 5, split=False)
 
 
 def test_a_part_of_a_tree_plan_holds_whole_trees_and_counts_its_paths() -> None:
@@ -128,7 +159,7 @@ def test_a_part_of_a_tree_plan_holds_whole_trees_and_counts_its_paths() -> None:
     from fastpack._plan import sub_plan
 
     rows = [[5, 6, 7, 1, 2], [5, 6, 7, 1, 3], [5, 6, 9], [8, 8, 4], [8, 8, 3, 3]]
-    plan = fastpack.pack_trees(rows, 8, groups=[0, 0, 0, 1, 1], shuffle=False)
+    plan = fastpack.pack_trees(rows, 8, prompt_ids=[0, 0, 0, 1, 1], shuffle=False)
     # Group 0 (9 distinct tokens) is split, [5, 6] repeated: pack 0 holds [5, 6] -> {[7, 1,
     # 2], [7, 1, 3]}; pack 1 group 1's tree [8, 8] -> {[4], [3, 3]} and [5, 6] -> [9].
     assert plan.pack_offsets.tolist() == [0, 3, 8]
@@ -166,7 +197,7 @@ def _ancestor_relation(layout: Any) -> np.ndarray:
 def test_the_tree_mask_is_the_ancestor_relation(
     rows: list[list[int]], grouped: bool, block: int, pad: int | None
 ) -> None:
-    features = [{"input_ids": r, **({"group": i % 3} if grouped else {})}
+    features = [{"input_ids": r, **({"prompt_id": i % 3} if grouped else {})}
                 for i, r in enumerate(rows)]
     batch = PackedCollator(128, backend="flash", share_prefix=True,
                            pad_to_multiple_of=pad)(features)
@@ -214,7 +245,7 @@ def test_the_target_map_gives_every_sample_position_once(
         if labelled:
             f["labels"] = [t if (t + i) % 3 else -100 for t in r]
         if grouped:
-            f["group"] = i % 2
+            f["prompt_id"] = i % 2
         features.append(f)
     batch = PackedCollator(64, backend="flex", share_prefix=True)(features)
     ids, pos = batch["input_ids"][0], batch["position_ids"][0]
@@ -273,7 +304,7 @@ def grpo(groups: int, size: int, prompt: tuple[int, int], response: tuple[int, i
         for _ in range(size):
             r = rng.integers(1, VOCAB, int(rng.integers(*response))).tolist()
             out.append({"input_ids": p + r, "completion_mask": [0] * len(p) + [1] * len(r),
-                        "group": f"prompt-{g}"})
+                        "prompt_id": f"prompt-{g}"})
     return out
 
 
@@ -503,7 +534,8 @@ def test_tree_batches_through_dataset_sampler_and_steps() -> None:
     rows = [s["input_ids"] for s in samples]
     masks = [s["completion_mask"] for s in samples]
     collator = PackedCollator(300, backend="flash", share_prefix=True)
-    ds = PackedDataset(rows, collator, loss_mask=masks, groups=[s["group"] for s in samples],
+    ds = PackedDataset(rows, collator, loss_mask=masks,
+                       prompt_ids=[s["prompt_id"] for s in samples],
                        packs_per_batch=1)
     assert ds.plan.parents is not None and len(ds) % 2  # so a step is cut for 2 ranks
     accumulation = len(PackedSampler(ds, num_replicas=2, rank=0))
@@ -604,7 +636,7 @@ def test_the_sampler_balances_a_trees_attention_work() -> None:
     rows = [prompt + r for r in responses]
     masks = [[0] * 10 + [1] * len(r) for r in responses]
     ds = PackedDataset(rows, PackedCollator(64, backend="flash", share_prefix=True),
-                       loss_mask=masks, groups=[0, 0, 0])
+                       loss_mask=masks, prompt_ids=[0, 0, 0])
     table = ds.steps
     assert table.tokens.tolist() == [10 + 3 + 5 + 1]
     assert table.squared_tokens.tolist() == [10**2 + sum(r * r + 2 * 10 * r for r in (3, 5, 1))]
@@ -621,7 +653,7 @@ def test_a_step_is_never_cut_inside_a_tree() -> None:
     samples = grpo(3, 3, (20, 30), (5, 9), 11)
     ds = PackedDataset([s["input_ids"] for s in samples],
                        PackedCollator(64, backend="flash", share_prefix=True),
-                       groups=[s["group"] for s in samples], packs_per_batch=1)
+                       prompt_ids=[s["prompt_id"] for s in samples], packs_per_batch=1)
     assert len(ds) == 3 and (ds.plan.parents < 0).sum() == 3
     assert ds.plan.num_segments == 3 * 4  # segments enough to cut, were trees not whole
     with pytest.raises(FastpackError, match=r"hold only 3 trees, too few to cut"):
@@ -638,18 +670,18 @@ def test_a_state_saved_over_other_trees_does_not_load() -> None:
     nothing, or no sharing at all) raises, naming what differs."""
     samples = grpo(4, 3, (6, 12), (2, 6), 13)
     rows = [s["input_ids"] for s in samples]
-    groups = [s["group"] for s in samples]
+    groups = [s["prompt_id"] for s in samples]
     collator = PackedCollator(64, backend="flash", share_prefix=True)
     one_step = {"packs_per_batch": 100}  # every plan one step: the plans are compared
-    sampler = PackedSampler(PackedDataset(rows, collator, groups=groups, **one_step))
+    sampler = PackedSampler(PackedDataset(rows, collator, prompt_ids=groups, **one_step))
     next(iter(sampler))
     state = sampler.state_dict()
-    PackedSampler(PackedDataset(rows, collator, groups=groups, **one_step)).load_state_dict(
+    PackedSampler(PackedDataset(rows, collator, prompt_ids=groups, **one_step)).load_state_dict(
         state)
     merged = [int(g.split("-")[1]) // 2 for g in groups]
     plain = PackedCollator(64, backend="flash")
     for other, message in (
-        (PackedDataset(rows, collator, groups=merged, **one_step),
+        (PackedDataset(rows, collator, prompt_ids=merged, **one_step),
          r"another plan.*the trees: which"),
         (PackedDataset(rows, plain, **one_step), r"another plan"),
     ):

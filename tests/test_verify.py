@@ -81,9 +81,9 @@ def test_correct_paths_pass(family: str, impl: str, backend: str) -> None:
 
 def test_tree_batch_passes_with_gradients() -> None:
     m = tiny("mistral", "fastpack")
-    tree = [{"input_ids": [1, 2, 3, 4, 5, 6, 7, 8, 9], "group": 0},
-            {"input_ids": [1, 2, 3, 4, 5, 6, 10, 11], "group": 0},
-            {"input_ids": [20, 21, 22], "group": 1}]
+    tree = [{"input_ids": [1, 2, 3, 4, 5, 6, 7, 8, 9], "prompt_id": 0},
+            {"input_ids": [1, 2, 3, 4, 5, 6, 10, 11], "prompt_id": 0},
+            {"input_ids": [20, 21, 22], "prompt_id": 1}]
     batch = PackedCollator(max_len=32, backend="flash", share_prefix=True)(tree)
     report = verify_packing(m, batch, grads=True)
     assert report.samples == (0, 1, 2)

@@ -405,7 +405,7 @@ def test_check_model_batch_refuses_the_positions_that_are_silently_wrong() -> No
 
 
 def test_fastpack_attention_reads_row_0_of_4_row_positions() -> None:
-    from fastpack.torch.hf import _position_bounds
+    from fastpack.torch.hf_attention import _position_bounds
 
     pos = torch.tensor([[[0, 1, 2, 0, 1]], [[0, 1, 1, 0, 5]], [[0, 1, 2, 0, 6]],
                         [[0, 1, 2, 0, 7]]])

@@ -19,6 +19,7 @@ from ._examples import example_lengths
 from ._gather import gather
 from ._materialize import IGNORE_INDEX, Ragged, as_ragged, loss_mask_from_spans, materialize
 from ._microbatch import BudgetController, MemoryModel, MicroBatches, plan_micro_batches
+from ._mix import MixedPlan, MixSource, Mixture, mix
 from ._options import PackOptions
 from ._plan import OVERLONG_POLICIES, STRATEGIES, Bucket, LimitUse, Plan, pack
 from ._stream import StreamPacker, StreamStats
@@ -60,6 +61,9 @@ __all__ = [
     "LimitUse",
     "MemoryModel",
     "MicroBatches",
+    "MixSource",
+    "MixedPlan",
+    "Mixture",
     "PackOptions",
     "Plan",
     "Ragged",
@@ -75,6 +79,7 @@ __all__ = [
     "loss_mask_from_spans",
     "materialize",
     "measure_affinity",
+    "mix",
     "pack",
     "pack_trees",
     "plan_micro_batches",

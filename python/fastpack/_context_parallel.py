@@ -11,7 +11,7 @@ docs/context_parallel.md says which array is which contract's.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -22,7 +22,6 @@ from ._options import CP_MODES, check_cp, cp_divisor
 
 if TYPE_CHECKING:
     from ._options import PackOptions
-    from ._plan import Plan
 
 __all__ = ["CP_MODES", "CPLayout", "RankLayout", "cp_layout"]
 
@@ -236,7 +235,16 @@ def cp_layout(
                     work=_readonly(work.astype(np.int64)), threads=_threads(threads))
 
 
-def cp_rows(plan: Plan, seqlens: np.ndarray, offsets: np.ndarray,
+class CPGroup(Protocol):
+    """What :func:`cp_rows` reads of a plan: its CP group (a :class:`fastpack.Plan`; a
+    protocol so this module never imports the plan's)."""
+
+    cp_size: int | None
+    cp_mode: str | None
+    pad_multiple: int | None
+
+
+def cp_rows(plan: CPGroup, seqlens: np.ndarray, offsets: np.ndarray,
             work: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """Padded tokens (int64 [N]) and each CP rank's attention work (int64 [N, cp]; [N, 0]
     with ``work=False``, which skips it) of the rows ``offsets[i]:offsets[i+1]`` of
@@ -253,9 +261,10 @@ def cp_rows(plan: Plan, seqlens: np.ndarray, offsets: np.ndarray,
 
 
 def pack_for_context_parallel(lengths: np.ndarray, options: PackOptions,
-                              threads: int | None) -> Plan:
-    """:func:`fastpack.pack` with ``options.cp_size`` (``lengths`` a native integer array;
-    the options checked, so every cap holds at least one padded sequence): the existing
+                              threads: int | None) -> dict[str, Any]:
+    """The plan's fields (for :class:`fastpack.Plan`) of :func:`fastpack.pack` with
+    ``options.cp_size`` (``lengths`` a native integer array; the options checked, so every
+    cap holds at least one padded sequence): the existing
     core plans the padded lengths under caps rounded down to the padding divisor, and the
     real lengths are mapped back.
 
@@ -263,9 +272,8 @@ def pack_for_context_parallel(lengths: np.ndarray, options: PackOptions,
     multiples of ``d``, every piece of a split (or wrapped) sequence starts at a multiple
     of ``d`` below its real end, so its real length is ``min(seqlen, len - start)`` and no
     piece is all padding. The contiguous modes pad a pack's end only: planning under
-    ``floor(max_len / d) · d`` leaves room for it."""
-    from ._plan import Plan
-
+    ``floor(max_len / d) · d`` leaves room for it; the plan's metrics come from the real
+    seqlens, against the real caps."""
     o = options
     assert o.cp_size is not None
     d = cp_divisor(o.cp_size, o.cp_mode, o.pad_multiple)
@@ -311,6 +319,4 @@ def pack_for_context_parallel(lengths: np.ndarray, options: PackOptions,
         fields["long_max_len"] = o.long_max_len
     fields.update(max_len=o.max_len, cp_size=o.cp_size, cp_mode=o.cp_mode,
                   pad_multiple=o.pad_multiple, shuffle=o.shuffle, seed=o.seed)
-    plan = Plan(fields)  # every metric from the real seqlens, against the real caps
-    plan._options = o
-    return plan
+    return fields

@@ -2,6 +2,8 @@ from typing import Any, final
 
 import numpy as np
 
+from fastpack._plan import Plan
+
 __all__ = [
     "affinity_metrics",
     "best_fit_oldest",
@@ -157,13 +159,7 @@ def cp_real_seqlens(
     threads: int | None = None,
 ) -> None: ...
 def materialize(
-    sample_ids: np.ndarray,
-    starts: np.ndarray,
-    seqlens: np.ndarray,
-    pack_offsets: np.ndarray,
-    reserve: int,
-    strategy: str,
-    overlong: str,
+    plan: Plan,
     packs: np.ndarray,
     tokens: ListColumn,
     labels: ListColumn | None = None,
@@ -175,7 +171,6 @@ def materialize(
     pad_to_multiple_of: int = 1,
     pad_id: int = 0,
     threads: int | None = None,
-    parents: np.ndarray | None = None,
 ) -> dict[str, Any]: ...
 def permutation(n: int, seed: int, threads: int | None = None) -> np.ndarray: ...
 def by_cost(cost: np.ndarray, seed: int, threads: int | None = None) -> np.ndarray: ...
@@ -195,12 +190,7 @@ def step_sums(
     threads: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]: ...
 def segment_targets(
-    sample_ids: np.ndarray,
-    starts: np.ndarray,
-    seqlens: np.ndarray,
-    reserve: int,
-    strategy: str,
-    overlong: str,
+    plan: Plan,
     tokens: ListColumn,
     labels: ListColumn | None = None,
     loss_mask: ListColumn | None = None,
@@ -212,7 +202,7 @@ def segment_targets(
 def flatten_int_lists(rows: list[Any], mask: bool = False) -> tuple[np.ndarray, np.ndarray]: ...
 def tree_items(
     tokens: ListColumn,
-    groups: np.ndarray | None,
+    prompt_ids: np.ndarray | None,
     max_len: int,
     overlong: str = "error",
     split: bool = True,
@@ -231,26 +221,14 @@ def tree_expand(
     item_pack_offsets: np.ndarray,
 ) -> dict[str, Any]: ...
 def tree_path_targets(
-    sample_ids: np.ndarray,
-    starts: np.ndarray,
-    seqlens: np.ndarray,
-    pack_offsets: np.ndarray,
-    parents: np.ndarray,
-    path_sample_ids: np.ndarray,
-    path_ends: np.ndarray,
+    plan: Plan,
     tokens: ListColumn,
     labels: ListColumn | None = None,
     loss_mask: ListColumn | None = None,
     threads: int | None = None,
 ) -> np.ndarray: ...
 def tree_rows(
-    sample_ids: np.ndarray,
-    starts: np.ndarray,
-    seqlens: np.ndarray,
-    pack_offsets: np.ndarray,
-    parents: np.ndarray,
-    path_sample_ids: np.ndarray,
-    path_ends: np.ndarray,
+    plan: Plan,
     packs: np.ndarray,
     tokens: ListColumn,
     labels: ListColumn | None = None,
@@ -278,15 +256,9 @@ class ListColumn:
     def __len__(self) -> int: ...
 
 def column_lengths(columns: list[ListColumn], threads: int | None = None) -> np.ndarray: ...
-def pack_tokens(seqlens: np.ndarray, pack_offsets: np.ndarray, packs: np.ndarray) -> np.ndarray: ...
+def pack_tokens(plan: Plan, packs: np.ndarray) -> np.ndarray: ...
 def gather(
-    sample_ids: np.ndarray,
-    starts: np.ndarray,
-    seqlens: np.ndarray,
-    pack_offsets: np.ndarray,
-    reserve: int,
-    strategy: str,
-    overlong: str,
+    plan: Plan,
     packs: np.ndarray,
     columns: list[ListColumn],
     separator_values: list[bytes],

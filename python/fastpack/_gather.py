@@ -217,7 +217,7 @@ def prepare(
     slots = separators(names, [_value_dtype(t) for t in types], plan.reserve, separator_id,
                        separator_values, [t.value_type for t in types])
     chosen = plan._packs(packs)
-    pack_tokens = _core.pack_tokens(plan.seqlens, plan.pack_offsets, chosen)
+    pack_tokens = _core.pack_tokens(plan, chosen)
     out_types = [_output_type(t) for t in types]
     schema = pa.schema([pa.field(n, t) for n, t in zip(names, out_types)]
                        + written_fields(position_ids))
@@ -241,11 +241,7 @@ def _iterate(
     threads: int | None, schema: Any,
 ) -> Iterator[Any]:
     for lo, hi in _batches(pack_tokens, batch_tokens):
-        out = _core.gather(
-            plan.sample_ids, plan.starts, plan.seqlens, plan.pack_offsets, plan.reserve,
-            plan.strategy, plan.overlong, chosen[lo:hi], handles, separators, position_ids,
-            threads,
-        )
+        out = _core.gather(plan, chosen[lo:hi], handles, separators, position_ids, threads)
         yield _record_batch(out, out_types, position_ids, schema)
 
 

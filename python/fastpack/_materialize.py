@@ -603,8 +603,7 @@ def materialize(
     threads = _threads(threads)
     token_data, label_data, mask_data = token_sources(tokens, labels, loss_mask)
     out: dict[str, Any] = _core.materialize(
-        plan.sample_ids, plan.starts, plan.seqlens, plan.pack_offsets, plan.reserve,
-        plan.strategy, plan.overlong, plan._packs(packs), token_data.column,
+        plan, plan._packs(packs), token_data.column,
         None if label_data is None else label_data.column,
         None if mask_data is None else mask_data.column,
         separator_id, bool(train_separators), layout, pad_to, multiple, int(pad_id), threads,

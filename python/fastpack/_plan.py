@@ -12,6 +12,7 @@ import numpy as np
 from . import _core
 from ._affinity import Affinity
 from ._checks import _int_arg, _threads
+from ._context_parallel import cp_rows, pack_for_context_parallel
 from ._errors import FastpackError, FastpackTypeError
 from ._options import OVERLONG_POLICIES, STRATEGIES, PackArgs, PackOptions, resolve
 
@@ -480,8 +481,6 @@ class Plan:
         ``total_tokens`` (the real ones); every padded pack fits ``max_len``."""
         if self.cp_size is None:
             return 0
-        from ._context_parallel import cp_rows
-
         padded, _ = cp_rows(self, self.seqlens, self.pack_offsets, work=False)
         return int(padded.sum()) - self.total_tokens
 
@@ -852,9 +851,9 @@ def pack(
 
         return Plan._from_core(pack_affinity(array, affinity, opts, threads), opts)
     if opts.cp_size is not None:
-        from ._context_parallel import pack_for_context_parallel
-
-        return pack_for_context_parallel(array, opts, threads)
+        plan = Plan(pack_for_context_parallel(array, opts, threads))
+        plan._options = opts
+        return plan
     fields = _core.pack(
         array, opts.max_len, opts.strategy, opts.overlong, opts.reserve,
         opts.seed if opts.shuffle else None, threads, None, opts.long_max_len,

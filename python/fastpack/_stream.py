@@ -171,10 +171,7 @@ class Round:
         dtypes = [self.columns[n][0].dtype for n in names]
         plan = self.plan
         slots = separators(names, dtypes, plan.reserve, separator_id, separator_values)
-        out = _core.gather(
-            plan.sample_ids, plan.starts, plan.seqlens, plan.pack_offsets, plan.reserve,
-            plan.strategy, plan.overlong, packs, self.handles(), slots, position_ids, None,
-        )
+        out = _core.gather(plan, packs, self.handles(), slots, position_ids, None)
         columns = {}
         for name, dtype, buf in zip(names, dtypes, out["columns"]):
             if isinstance(buf, tuple):  # booleans come back as bits

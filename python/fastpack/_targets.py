@@ -45,8 +45,7 @@ def segment_targets(
             f"{len(tokens)} sequences"
         )
     result: np.ndarray = _core.segment_targets(
-        plan.sample_ids, plan.starts, plan.seqlens, plan.reserve, plan.strategy, plan.overlong,
-        tokens.column,
+        plan, tokens.column,
         None if labels is None else labels.column,
         None if loss_mask is None else loss_mask.column,
         separator_id, bool(train_separators), threads,

@@ -2,9 +2,9 @@
 tokens as trees (the shared tokens stored once), and :func:`tree_rows` builds a batch of
 such a plan with its target map.
 
-The trees come from the Rust core (``fastpack_core::tree``): samples sharing a ``group``
-value share their longest common token prefix (RL rollouts of one prompt, a preference
-pair); without groups, a trie over all samples shares every common prefix (branching
+The trees come from the Rust core (``fastpack_core::tree``): samples sharing a prompt id
+(``prompt_ids``) share their longest common token prefix (RL rollouts of one prompt, a
+preference pair); without prompt ids, a trie over all samples shares every common prefix (branching
 conversations). A tree is packed as one item of its distinct tokens through
 :func:`fastpack.pack`, so every strategy, shuffle and ``group_tokens`` applies; a tree
 larger than ``max_len`` is split into items that each repeat its prefix.
@@ -12,6 +12,7 @@ larger than ``max_len`` is split into items that each repeat its prefix.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -27,49 +28,63 @@ from ._plan import PackIndex, Plan, pack
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-__all__ = ["group_codes", "pack_trees", "path_targets", "preference_samples", "tree_rows"]
+__all__ = ["pack_trees", "path_targets", "preference_samples", "prompt_codes", "tree_rows"]
 
 
-def group_codes(groups: Any, count: int) -> np.ndarray:
-    """int64 codes, equal where the ``group`` values are equal: integers as they are,
-    any other hashable value (a prompt id string, a tuple) by its first appearance."""
-    if type(groups).__module__.startswith("torch"):
-        groups = groups.detach().cpu().numpy()
-    if isinstance(groups, (str, bytes, Mapping)) or not hasattr(groups, "__len__"):
+def prompt_codes(values: Any, count: int, name: str = "prompt_ids") -> np.ndarray:
+    """int64 codes, equal where the prompt ids ``values`` (``name`` in messages) are
+    equal: integers as they are, any other hashable value (a string, a tuple) by its first
+    appearance."""
+    if type(values).__module__.startswith("torch"):
+        values = values.detach().cpu().numpy()
+    if isinstance(values, (str, bytes, Mapping)) or not hasattr(values, "__len__"):
         raise FastpackTypeError(
-            f"groups: expected one group value per sample (a list or array), got "
-            f"{type(groups).__name__}"
+            f"{name}: expected one prompt id per sample (a list or array), got "
+            f"{type(values).__name__}"
         )
-    if len(groups) != count:
+    if len(values) != count:
         raise FastpackError(
-            f"groups: got {len(groups)} values for {count} samples; expected one per sample"
+            f"{name}: got {len(values)} values for {count} samples; expected one per sample"
         )
-    array = np.asarray(groups) if isinstance(groups, np.ndarray) else None
+    array = np.asarray(values) if isinstance(values, np.ndarray) else None
     if array is not None and array.ndim == 1 and array.dtype.kind in "iu":
         return np.ascontiguousarray(array, dtype=np.int64)
     codes: dict[Any, int] = {}
     out = np.empty(count, dtype=np.int64)
-    for i, value in enumerate(groups):
+    for i, value in enumerate(values):
         if isinstance(value, np.generic):
             value = value.item()
         try:
             out[i] = codes.setdefault(value, len(codes))
         except TypeError:
             raise FastpackTypeError(
-                f"groups: sample {i} has the unhashable group value {value!r}; expected an "
-                f"id (an int or a string)"
+                f"{name}: sample {i} has the unhashable value {value!r}; expected an id (an "
+                f"int or a string)"
             ) from None
     return out
+
+
+def renamed(new: str, old: str, new_value: Any, old_value: Any, stacklevel: int = 3) -> Any:
+    """The value of argument ``new`` given as ``new`` or, deprecated, as ``old`` (its
+    earlier name), with a ``DeprecationWarning``; both given raises."""
+    if old_value is None:
+        return new_value
+    if new_value is not None:
+        raise FastpackError(f"{old}: the old name of {new}; pass {new} alone")
+    warnings.warn(f"{old}= is deprecated: pass {new}= (one word per idea: a group is packs "
+                  f"under group_tokens)", DeprecationWarning, stacklevel=stacklevel)
+    return old_value
 
 
 def pack_trees(
     tokens: TokenData,
     max_len: int | None = None,
     *,
-    groups: Any = None,
+    prompt_ids: Any = None,
     split: bool = True,
     options: PackOptions | None = None,
     threads: int | None = None,
+    groups: Any = None,
     **kwargs: Unpack[PackArgs],
 ) -> Plan:
     """Plan ``tokens`` as shared-prefix trees packed into packs of at most ``max_len``
@@ -79,9 +94,10 @@ def pack_trees(
         tokens: the token data (see :func:`fastpack.as_ragged`): trees are found from the
             tokens themselves, not their lengths.
         max_len: tokens per pack, each shared token counted once.
-        groups: one value per sample (say the prompt id of each rollout): samples with one
-            value share their longest common prefix (nothing, if they share nothing). None:
-            a trie over all samples shares every common prefix.
+        prompt_ids: one value per sample, the id of the prompt it continues (RL rollouts
+            of one prompt, a preference pair): samples with one value share their longest
+            common prefix (nothing, if they share nothing). None: a trie over all samples
+            shares every common prefix.
         split: a tree larger than ``max_len`` becomes several items, each repeating its
             prefix (the prefix charged again). False: such a tree raises (preference
             pairs, which stay in one pack).
@@ -93,6 +109,8 @@ def pack_trees(
             ``shuffle``, ``seed`` and ``group_tokens`` order and group the packs. The plan
             shares prefixes whatever ``share_prefix`` says (its options record True).
         threads: worker threads; the plan does not depend on it.
+        groups: ``prompt_ids``' earlier name (deprecated: a group is packs under
+            ``group_tokens``).
 
     Returns:
         A :class:`fastpack.Plan` with ``parents``, ``path_sample_ids``, ``path_ends`` and
@@ -104,7 +122,8 @@ def pack_trees(
         opts = opts.replace(share_prefix=True)  # checks what a tree cannot take
     split = _bool_arg("split", split)
     threads = _threads(threads)
-    codes = None if groups is None else group_codes(groups, len(data))
+    prompt_ids = renamed("prompt_ids", "groups", prompt_ids, groups)
+    codes = None if prompt_ids is None else prompt_codes(prompt_ids, len(data))
     items = _core.tree_items(data.column, codes, opts.max_len, opts.overlong, split, threads)
     # Each item (a tree, or part of one) fits max_len: pack() never cuts it.
     packed = pack(items["item_costs"], options=opts.replace(share_prefix=False,
@@ -159,7 +178,7 @@ def path_targets(
     """Targets of every path of a tree plan (uint32 [M]): what :func:`tree_rows` lists for
     each sample, counted in one parallel pass in Rust without building a batch (labels and
     mask read in place)."""
-    parents, path_sample_ids, path_ends = check_tree_plan(plan)
+    check_tree_plan(plan)
     token_data = as_ragged(tokens, name="tokens")
     if plan.num_sequences != len(token_data):
         raise FastpackError(
@@ -169,8 +188,7 @@ def path_targets(
     label_data = None if labels is None else as_ragged(labels, name="labels")
     mask_data = None if loss_mask is None else as_ragged(loss_mask, mask=True, name="loss_mask")
     result: np.ndarray = _core.tree_path_targets(
-        plan.sample_ids, plan.starts, plan.seqlens, plan.pack_offsets, parents,
-        path_sample_ids, path_ends, token_data.column,
+        plan, token_data.column,
         None if label_data is None else label_data.column,
         None if mask_data is None else mask_data.column, _threads(threads),
     )
@@ -207,19 +225,17 @@ def tree_rows(
     first token of each of its children, so a logit may serve several targets, each
     counted once with its own label.
     """
-    parents, path_sample_ids, path_ends = check_tree_plan(plan)
+    check_tree_plan(plan)
     pad_to, multiple, pad_id = padding(pad_to, pad_to_multiple_of, pad_id)
     threads = _threads(threads)
     token_data, label_data, mask_data = token_sources(tokens, labels, loss_mask)
     chosen = plan._packs(packs)
     rows = _core.materialize(
-        plan.sample_ids, plan.starts, plan.seqlens, plan.pack_offsets, 0, plan.strategy,
-        "error", chosen, token_data.column, None, None, None, False, "flat", pad_to,
-        multiple, pad_id, threads, parents,
+        plan, chosen, token_data.column, None, None, None, False, "flat", pad_to, multiple,
+        pad_id, threads,
     )
     tree = _core.tree_rows(
-        plan.sample_ids, plan.starts, plan.seqlens, plan.pack_offsets, parents,
-        path_sample_ids, path_ends, chosen, token_data.column,
+        plan, chosen, token_data.column,
         None if label_data is None else label_data.column,
         None if mask_data is None else mask_data.column, threads,
     )
@@ -272,8 +288,8 @@ def preference_samples(
     features: Sequence[Mapping[str, Any]],
 ) -> tuple[Any, Any, np.ndarray]:
     """Preference pairs as samples: pair ``k`` becomes sample ``2k`` (prompt + chosen) and
-    ``2k + 1`` (prompt + rejected), both of group ``k``, with a loss mask on the
-    completions. Returns ``(tokens, loss_mask, groups)`` as Ragged data and int64 codes.
+    ``2k + 1`` (prompt + rejected), both of prompt ``k``, with a loss mask on the
+    completions. Returns ``(tokens, loss_mask, prompt_ids)`` as Ragged data and int64 codes.
 
     Raises when a pair lacks a key, when chosen and rejected given as whole sequences share
     no prefix (their prompts differ: pass the prompt under ``prompt``), or when a
@@ -318,5 +334,5 @@ def preference_samples(
             masks.append(mask)
     tokens = _from_rows(rows, mask=False, name="input_ids")
     loss_mask = _from_rows(masks, mask=True, name="loss_mask")
-    groups = np.repeat(np.arange(len(features), dtype=np.int64), 2)
-    return tokens, loss_mask, groups
+    prompt_ids = np.repeat(np.arange(len(features), dtype=np.int64), 2)
+    return tokens, loss_mask, prompt_ids

@@ -14,6 +14,7 @@ import numpy as np
 
 from . import DISTRIBUTION
 from ._errors import FastpackError
+from ._offline.formats import FORMATS
 from ._options import OVERLONG_POLICIES, STRATEGIES, PackOptions
 
 __all__ = ["main"]
@@ -179,11 +180,12 @@ def stats(inputs: Sequence[str], caps: list[int], column: str, quiet: bool, batc
 
 @main.command(short_help="Pack files into TRL-ready parquet shards in bounded memory (or on "
               "Ray).")
-@click.argument("inputs", nargs=-1, required=True, metavar="INPUT...")
+@click.argument("inputs", nargs=-1, required=False, metavar="INPUT...")
 @click.option("-o", "--output", "outdir", required=True, type=click.Path(file_okay=False),
               help="Output directory: shard-*.parquet, manifest.json, report.json, "
               "report.png.")
-@click.option("--max-len", type=int, required=True, help="Tokens per packed row.")
+@click.option("--max-len", type=int, default=None,
+              help="Tokens per packed row (required, but with --finalize).")
 @_input_options
 @click.option("--columns", "columns", callback=_columns, default=None,
               help="The other per-token columns to pack, comma-separated (e.g. "
@@ -216,6 +218,12 @@ def stats(inputs: Sequence[str], caps: list[int], column: str, quiet: bool, batc
               help="Shuffle the pack order (--no-shuffle: packs come sorted by size).")
 @click.option("--seed", type=int, default=0, show_default=True,
               help="Seed of the shuffle (0 to 2^64-1).")
+@click.option("--format", "out_format", type=click.Choice(FORMATS), default="parquet",
+              show_default=True,
+              help="parquet: TRL's columns; megatron: Megatron-LM/NeMo indexed datasets "
+              "(.bin/.idx, a pack per document); mds: MosaicML streaming shards and "
+              "index.json. The same packs in the same order in every format "
+              "(docs/cli.md, Formats trainers read).")
 @click.option("--shard-rows", type=click.IntRange(min=1), default=None,
               help="Packed rows per parquet shard [default: 2^25 tokens' worth, e.g. 8192 "
               "at --max-len 4096].")
@@ -244,12 +252,23 @@ def stats(inputs: Sequence[str], caps: list[int], column: str, quiet: bool, batc
 @click.option("--plot/--no-plot", default=None,
               help="Draw report.png (needs matplotlib, the cli extra) [default: where "
               "matplotlib is installed; elsewhere the summary says it was skipped].")
-def pack(inputs: Sequence[str], outdir: str, max_len: int, column: str, quiet: bool,
+@click.option("--mix", "mix_file", type=click.Path(dir_okay=False), default=None,
+              help="A mixture (YAML): sources (files, directories, globs) each with a token "
+              "weight or epochs, instead of INPUT...; every step carries each source's "
+              "share within one document. See docs/corpora.md.")
+@click.option("--shard", "part", default=None, metavar="i/N",
+              help="Job i of N (a Slurm array): plan everything, write only this job's "
+              "shards; then --finalize. The union is byte for byte one job's output.")
+@click.option("--finalize", is_flag=True,
+              help="After every --shard job: write report.json and manifest.json in OUTDIR "
+              "(needs only -o).")
+def pack(inputs: Sequence[str], outdir: str, max_len: int | None, column: str, quiet: bool,
          columns: tuple[str, ...] | None, text_column: str | None, tokenizer: str | None,
          strategy: str, overlong: str, long_max_len: int | None, group_tokens: int | None,
-         shuffle: bool, seed: int, shard_rows: int | None, plan_shards: int,
-         affinity_column: str | None, memory: str, spill: bool, resume: bool, overwrite: bool,
-         ray_address: str | None, plot: bool | None) -> None:
+         shuffle: bool, seed: int, out_format: str, shard_rows: int | None,
+         plan_shards: int, affinity_column: str | None, memory: str,
+         spill: bool, resume: bool, overwrite: bool, ray_address: str | None,
+         plot: bool | None, mix_file: str | None, part: str | None, finalize: bool) -> None:
     """Pack the documents of INPUT... (files or directories) into parquet shards of packed
     rows with the columns of fastpack.hf.pack_dataset(..., position_ids=True): every packed
     token column, seq_lengths (what TRL's SFTTrainer reads) and position_ids.
@@ -260,14 +279,24 @@ def pack(inputs: Sequence[str], outdir: str, max_len: int, column: str, quiet: b
     byte-identical shards.
 
     \b
-    Example:
+    Examples:
       fastpack pack data/*.jsonl.zst -o packed/ --max-len 4096 --overlong split
+      fastpack pack --mix mix.yaml -o packed/ --max-len 4096      (a mixture by tokens)
+      fastpack pack data/ -o packed/ --max-len 4096 --shard 2/8   (job 2 of 8), then:
+      fastpack pack -o packed/ --finalize
     """
     from ._offline.driver import pack_corpus
     from ._offline.report import summary_lines
     from ._offline.settings import PackSettings, parse_size
 
     _need_plot(plot)
+    if finalize:
+        _finalize(inputs, outdir, quiet, plot, mix_file, part, ray_address)
+        return
+    if max_len is None:
+        _fail(FastpackError("--max-len: required (tokens per packed row)"))
+    mix = _mix_of(inputs, mix_file)
+    job = _job(part, ray_address, mix)
     if (text_column is None) != (tokenizer is None):
         _fail(FastpackError("--text-column and --tokenizer go together: the text is "
                             "tokenized with the tokenizer"))
@@ -279,7 +308,8 @@ def pack(inputs: Sequence[str], outdir: str, max_len: int, column: str, quiet: b
             tokenizer=str(Path(tokenizer).resolve()) if tokenizer else None,
             strategy=strategy, overlong=overlong, long_max_len=long_max_len,
             group_tokens=group_tokens, shuffle=shuffle, seed=seed, shard_rows=shard_rows,
-            plan_shards=plan_shards, affinity_column=affinity_column)
+            plan_shards=plan_shards, format=out_format, mix=mix,
+            affinity_column=affinity_column)
     except FastpackError as e:
         _fail(_flagged(e))
     if affinity_column is not None and ray_address is not None:
@@ -293,12 +323,73 @@ def pack(inputs: Sequence[str], outdir: str, max_len: int, column: str, quiet: b
                                 overwrite=overwrite, quiet=quiet, plot=plot)
         else:
             report = pack_corpus(inputs, outdir, settings, memory=budget, spill=spill,
-                                 resume=resume,
-                                 overwrite=overwrite, quiet=quiet, plot=plot)
+                                 resume=resume, overwrite=overwrite, quiet=quiet, plot=plot,
+                                 part=job)
     except KeyboardInterrupt:
         click.echo(f"fastpack: interrupted; complete shards are kept: rerun with --resume "
                    f"to finish {outdir}", err=True)
         sys.exit(130)
+    except FastpackError as e:
+        _fail(e)
+    except OSError as e:
+        _fail(e, 1)
+    if job is not None:
+        i, n = job
+        count = len(report["shards"])
+        click.echo(f"job {i}/{n}: {count} shard{'s' if count != 1 else ''} "
+                   f"({report['rows']:,} packs, {report['tokens']:,} tokens) complete in "
+                   f"{outdir}; when all {n} jobs are "
+                   f"done: fastpack pack -o {outdir} --finalize")
+        return
+    for line in summary_lines(report, outdir):
+        click.echo(line)
+
+
+def _mix_of(inputs: Sequence[str], mix_file: str | None) -> dict[str, Any] | None:
+    """``--mix``'s mixture as the settings hold it (INPUT... or --mix, not both)."""
+    if mix_file is None:
+        if not inputs:
+            _fail(FastpackError("INPUT: no input given; expected files or directories (or "
+                                "--mix mix.yaml)"))
+        return None
+    if inputs:
+        _fail(FastpackError("--mix names the inputs (each source's paths); give no INPUT"))
+    from ._mix import Mixture
+
+    try:
+        return Mixture.from_yaml(mix_file).to_json()
+    except FastpackError as e:
+        _fail(e)
+
+
+def _job(part: str | None, ray_address: str | None,
+         mix: dict[str, Any] | None) -> tuple[int, int] | None:
+    if ray_address is not None and mix is not None:
+        _fail(FastpackError("--mix runs on one machine (or as --shard jobs); leave --ray out"))
+    if part is None:
+        return None
+    from ._offline.parts import parse_part
+
+    if ray_address is not None:
+        _fail(FastpackError("--shard splits the writing among jobs; --ray among a cluster's "
+                            "workers: pick one"))
+    try:
+        return parse_part(part)
+    except FastpackError as e:
+        _fail(e)
+
+
+def _finalize(inputs: Sequence[str], outdir: str, quiet: bool, plot: bool | None,
+              mix_file: str | None, part: str | None, ray_address: str | None) -> None:
+    """``--finalize``: the jobs recorded their settings and inputs; it takes only -o."""
+    from ._offline.parts import finalize
+    from ._offline.report import summary_lines
+
+    if inputs or mix_file or part or ray_address:
+        _fail(FastpackError("--finalize takes only -o (and --plot, -q): the jobs recorded "
+                            "their inputs and settings"))
+    try:
+        report = finalize(outdir, quiet=quiet, plot=plot)
     except FastpackError as e:
         _fail(e)
     except OSError as e:

@@ -131,17 +131,22 @@ class CostModel:
     def sequence_flops(self, lengths: Any) -> np.ndarray:
         """Training FLOPs of each sequence of ``lengths`` (float64, same shape)."""
         x = np.asarray(lengths, dtype=np.float64)
-        out = self.linear * x + self.quadratic * (x * x)
-        for w, c in self.windows:
-            m = np.maximum(x - w, 0.0)
-            out -= c * m * (m + 1.0)
-        return out
+        return self._less_windows(x, self.polynomial(x, x * x))
 
     def window_flops(self, lengths: Any) -> np.ndarray:
         """The window corrections alone (``≤ 0``, float64): ``sequence_flops`` minus its
         polynomial part; zeros for sequences no longer than the smallest window."""
         x = np.asarray(lengths, dtype=np.float64)
-        out = np.zeros(x.shape, dtype=np.float64)
+        return self._less_windows(x, np.zeros(x.shape, dtype=np.float64))
+
+    def polynomial(self, tokens: Any, squared: Any) -> np.ndarray:
+        """``linear·tokens + quadratic·squared`` (float64): the cost of sequences (or of
+        steps: ``tokens`` their Σl, ``squared`` their Σl²) without the window corrections."""
+        return self.linear * np.asarray(tokens, dtype=np.float64) + self.quadratic * np.asarray(
+            squared, dtype=np.float64)
+
+    def _less_windows(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """``out`` minus the window corrections of sequences of lengths ``x``, in place."""
         for w, c in self.windows:
             m = np.maximum(x - w, 0.0)
             out -= c * m * (m + 1.0)

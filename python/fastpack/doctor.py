@@ -12,11 +12,12 @@ import importlib.util
 import os
 import platform
 import shutil
+import sys
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
-__all__ = ["Package", "Path", "Report", "report"]
+__all__ = ["Compiler", "Package", "Path", "Report", "report"]
 
 #: transformers releases before this lack what PackedTrainerMixin needs
 #: (``Trainer.loss_is_scaled_for_ga``).
@@ -32,6 +33,16 @@ class Package:
     distribution: str
     used_for: str
     version: str | None
+
+
+@dataclass(frozen=True)
+class Compiler:
+    """What compiles flex attention's kernels on one kind of device: ``found`` is the
+    compiler's path or the package's version (``None``: missing)."""
+
+    name: str
+    found: str | None
+    used_for: str
 
 
 @dataclass(frozen=True)
@@ -54,6 +65,7 @@ class Report:
     threads: int
     device: str
     packages: list[Package] = field(default_factory=list)
+    compilers: list[Compiler] = field(default_factory=list)
     paths: list[Path] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
@@ -65,6 +77,7 @@ class Report:
             "threads": self.threads,
             "device": self.device,
             "packages": [vars(p) for p in self.packages],
+            "compilers": [vars(c) for c in self.compilers],
             "paths": [vars(p) for p in self.paths],
         }
 
@@ -80,6 +93,12 @@ class Report:
         for p in self.packages:
             shown = p.version if p.version is not None else "-"
             lines.append(f"  {p.module:<{width}}  {shown:<12}  {p.used_for}")
+        if self.compilers:
+            lines += ["", "compilers (flex attention)"]
+            width = max(len(c.name) for c in self.compilers)
+            for c in self.compilers:
+                shown = c.found if c.found is not None else "-"
+                lines.append(f"  {c.name:<{width}}  {shown:<12}  {c.used_for}")
         lines += ["", "paths on this machine"]
         width = max(len(path.name) for path in self.paths)
         for path in self.paths:
@@ -105,7 +124,6 @@ _PACKAGES: tuple[tuple[str, str, str], ...] = (
     ("mamba_ssm", "mamba-ssm", "Mamba2 scan kernels, seq_idx (CUDA)"),
     ("causal_conv1d", "causal-conv1d", "mixer convolutions, seq_idx (CUDA)"),
     ("ring_flash_attn", "ring-flash-attn", "context-parallel flash kernels (CUDA)"),
-    ("triton", "triton", "compiled flex attention"),
 )
 
 
@@ -151,10 +169,17 @@ def _torch_paths(have: dict[str, str | None]) -> tuple[str, list[Path]]:
              kernels[0] if cuda else "per-sequence SDPA"),
     ]
     # HF's flex_attention implementation compiles its kernel on every device.
-    paths.append(Path(
-        "flex batches (attn_implementation='flex_attention')", True, "compiled flex_attention",
-        "" if cuda else "compiles for ~50 s on its first CPU call"
-        + ("" if _compiler() else "; needs a C++ compiler, none found")))
+    # Without its compiler flex attention fails at its first call (an error, never a wrong
+    # result): not a path that runs here.
+    if cuda:
+        flex_runs = have["triton"] is not None
+        flex_note = "" if flex_runs else "needs triton (its compiler on CUDA), not installed"
+    else:
+        flex_runs = _compiler() is not None
+        flex_note = "compiles for ~50 s on its first CPU call" + (
+            "" if flex_runs else "; needs a C++ compiler (g++ or $CXX), none found")
+    paths.append(Path("flex batches (attn_implementation='flex_attention')", flex_runs,
+                      "compiled flex_attention", flex_note))
     # What prepare_model runs (strategy="auto"): the whole packed row through the kernels
     # with their own boundaries where they take them on CUDA, else right-padded groups.
     from .torch.mixers import kernel_problem
@@ -197,6 +222,7 @@ def report() -> Report:
     from ._core import default_threads
 
     have = {module: _version(module, dist) for module, dist, _ in _PACKAGES}
+    have["triton"] = _version("triton", "triton")  # reported with the compilers
     packages = [Package(module, dist, used, have[module]) for module, dist, used in _PACKAGES]
     if have["torch"] is not None:
         device, paths = _torch_paths(have)
@@ -205,6 +231,10 @@ def report() -> Report:
         paths = [Path("packed batches for training", False, "-",
                       "install torch for fastpack.torch; plans and the command work without")]
     location = os.path.dirname(os.path.abspath(fastpack.__file__))
+    compilers = [
+        Compiler("C++ (torch.compile, CPU)", _compiler(), "flex attention on the CPU"),
+        Compiler("triton", have["triton"], "flex attention on CUDA"),
+    ] if have["torch"] is not None else []
     return Report(
         python=platform.python_version(),
         platform=f"{platform.system()} {platform.machine()}",
@@ -213,11 +243,27 @@ def report() -> Report:
         threads=default_threads(),
         device=device,
         packages=packages,
+        compilers=compilers,
         paths=paths,
     )
 
 
 def _compiler() -> str | None:
-    """The C compiler torch.compile's CPU backend would call (flex attention on the CPU)."""
-    return shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
+    """The path of the C++ compiler torch.compile's CPU backend (inductor) calls, which
+    flex attention needs on the CPU; None when it is not on PATH. Inductor's own setting
+    says which (``torch._inductor.config.cpp.cxx``: ``$CXX``, else g++, clang++ on macOS)."""
+    names: list[str] = []
+    try:
+        from torch._inductor import config
 
+        cxx = config.cpp.cxx
+        names = [c for c in (cxx if isinstance(cxx, (list, tuple)) else (cxx,)) if c]
+    except Exception:  # an older or newer torch without that setting
+        pass
+    if not names:
+        names = [os.environ.get("CXX", "clang++" if sys.platform == "darwin" else "g++")]
+    for name in names:
+        found = shutil.which(name)
+        if found:
+            return found
+    return None

@@ -22,6 +22,7 @@ are detected and refused).
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, replace
@@ -32,9 +33,10 @@ import numpy as np
 import pyarrow as pa
 
 from ._errors import FastpackError
+from ._offline.formats import write_format_shard
 from ._offline.gather import shard_batches
-from ._offline.layout import output_schema, shard_name
-from ._offline.outdir import OutputDir, write_shard
+from ._offline.layout import output_schema
+from ._offline.outdir import OutputDir
 from ._offline.plan import (
     ROW_BITS,
     mix64,
@@ -101,7 +103,8 @@ def _ray() -> Any:
         import ray.data  # noqa: F401
     except ImportError:
         raise FastpackError(
-            "fastpack.ray needs Ray Data: pip install 'fastpack-seq[ray]'") from None
+            "fastpack.ray needs Ray Data: pip install 'ray[data]>=2.40' aiohttp "
+            "(the ray extra)") from None
     return ray
 
 
@@ -360,7 +363,8 @@ def _lengths_stage(table: pa.Table, *, columns: list[str], optional: list[str],
 
 
 def _route_stage(table: pa.Table, *, columns: list[str], order: str | None, planners: list[Any],
-                 shard_base: np.ndarray, skip: frozenset[int]) -> pa.Table:
+                 shard_base: np.ndarray, skip: frozenset[int],
+                 dtypes: dict[str, str] | None = None) -> pa.Table:
     ray = _ray()
     keys = _keys(table, columns[0], order)
     plan_of = shard_of(keys, len(planners))
@@ -375,6 +379,13 @@ def _route_stage(table: pa.Table, *, columns: list[str], order: str | None, plan
     rows = np.concatenate([r for r, _ in parts]) if parts else np.zeros(0, np.int64)
     outs = np.concatenate([o for _, o in parts]) if parts else np.zeros(0, np.int64)
     routed = table.select(columns).take(pa.array(rows))
+    if dtypes is not None:
+        # One type per column in every block: the shuffle concatenates blocks of several
+        # files, and parquet's list<element: int32> and JSON's list<item: int64> do not
+        # concatenate (the gather casts to the output's types anyway).
+        routed = routed.cast(pa.schema([
+            pa.field(c, pa.large_list(pa.from_numpy_dtype(np.dtype(dtypes[c]))))
+            for c in columns]))
     return routed.append_column(_KEY, pa.array(keys[rows])).append_column(
         _SHARD, pa.array(outs.astype(np.int64)))
 
@@ -404,8 +415,9 @@ def _gather_stage(table: pa.Table, *, columns: list[str], planners: list[Any],
         packed = pa.Table.from_batches(list(batches), schema=schema)
         return packed.append_column("pack_index", pa.array(
             np.arange(first, first + packed.num_rows, dtype=np.int64)))
-    entry = write_shard(Path(outdir), shard_name(out, num_out), schema, batches)
-    return pa.table({"shard": [out], **{k: [v] for k, v in entry.items()}})
+    entry = write_format_shard(settings_.format, Path(outdir), out, num_out, schema,
+                               settings_.token_columns, window.num_packs, batches)
+    return pa.table({"shard": [out], "entry": [json.dumps(entry)]})
 
 
 def _check_collisions(sorted_keys: np.ndarray, order: np.ndarray,
@@ -535,7 +547,7 @@ class _Pipeline:
         return self.ds.map_batches(
             _route_stage, batch_format="pyarrow",
             fn_kwargs={"columns": self.columns, "order": self.order, "planners": self.planners,
-                       "shard_base": self.shard_base, "skip": skip})
+                       "shard_base": self.shard_base, "skip": skip, "dtypes": self.dtypes})
 
     def gather(self, outdir: str | None, skip: frozenset[int] = frozenset()) -> Any:
         routed = self.routed(skip)
@@ -650,6 +662,9 @@ def pack_files(
 ) -> dict[str, Any]:
     """``fastpack pack --ray``: files to parquet shards, byte for byte those of the
     single-machine path, with the same manifest, report and resume."""
+    if settings.mix is not None:
+        raise FastpackError("mix: a mixture is planned on one machine (fastpack pack --mix, "
+                            "or --shard jobs); not on Ray")
     ray = _ray()
     check_plot(plot)
     if not ray.is_initialized():
@@ -688,7 +703,7 @@ def pack_files(
     entries = dict(done)
     if len(done) < pipeline.num_out:
         for row in _reraising(pipeline.gather(str(out.path), frozenset(done)).iter_rows()):
-            entry = {k: row[k] for k in ("file", "rows", "tokens", "bytes", "sha256")}
+            entry = json.loads(row["entry"])
             out.record(int(row["shard"]), entry)
             entries[int(row["shard"])] = entry
     pipeline.timings["gather"] = time.monotonic() - clock

@@ -437,7 +437,12 @@ def vision_cost(samples: Any, width: int) -> np.ndarray:
     patches (its projections, then attention within the frame: Qwen-VL encoders attend
     within each frame; Qwen2.5-VL's windowed layers do less, so this is an upper bound);
     ``width`` is the encoder's hidden size."""
-    terms = vision_terms(samples)
+    return vision_cost_of(vision_terms(samples), width)
+
+
+def vision_cost_of(terms: np.ndarray, width: int) -> np.ndarray:
+    """:func:`vision_cost` from samples' :func:`vision_terms` (the one statement of the
+    formula)."""
     return 6.0 * width * terms[:, 0] + terms[:, 1]
 
 

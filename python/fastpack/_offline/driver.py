@@ -38,18 +38,20 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from .._mix import MixedPlan
+from .._plan import Plan
 from .gather import gather_passes
 from .layout import output_schema
+from .mix import mix_inputs, plan_run
 from .outdir import OutputDir
-from .plan import make_plan
 from .progress import log
 from .report import PlanStats, make_report
-from .scan import lengths_pass
+from .scan import Scan, lengths_pass
 from .settings import PackSettings
 from .sources import expand_inputs
 from .stats import check_plot
 
-__all__ = ["pack_corpus"]
+__all__ = ["conclude", "pack_corpus"]
 
 
 def pack_corpus(
@@ -63,6 +65,7 @@ def pack_corpus(
     overwrite: bool = False,
     quiet: bool = False,
     plot: bool | None = None,
+    part: tuple[int, int] | None = None,
 ) -> dict[str, Any]:
     """Packs the documents of ``inputs`` into parquet shards in ``outdir``; returns the
     report (also written to ``outdir/report.json``).
@@ -71,18 +74,28 @@ def pack_corpus(
     memory). More passes than one read the inputs once more and ``spill`` each pass's
     documents to a temporary file (as many bytes as the tokens), or, without ``spill``,
     read the inputs again for every pass. ``plot``: draw report.png (None: where
-    matplotlib is installed; True: required, checked before any work)."""
+    matplotlib is installed; True: required, checked before any work). With
+    ``settings.mix``, ``inputs`` may be empty: the mixture's sources name the files.
+    ``part=(i, n)``: job ``i`` of ``n`` (``--shard i/n``) plans everything and writes
+    only its share of the shards; :func:`~fastpack._offline.parts.finalize` then writes
+    the manifest and report."""
+    from .parts import PartDir
+
     check_plot(plot)
+    if settings.mix is not None and not inputs:
+        inputs = mix_inputs(settings.mix)[0]
     seconds: dict[str, float] = {}
     clock = time.monotonic()
-    out = OutputDir(Path(outdir), settings, expand_inputs(inputs), quiet)
+    sources = expand_inputs(inputs)
+    out = OutputDir(Path(outdir), settings, sources, quiet) if part is None else \
+        PartDir(Path(outdir), settings, sources, quiet, part)
     resumed = out.prepare(resume=resume, overwrite=overwrite)
     with out.abandoned_on_error():
         scan, read_sources = lengths_pass(out, resumed)
         out.packing(scan.columns)
         seconds["lengths"] = time.monotonic() - clock
         clock = time.monotonic()
-        plan, pack_counts = make_plan(scan, out.settings, read_sources, out.sources)
+        plan, pack_counts, mixed = plan_run(scan, out.settings, read_sources, out.sources)
     seconds["plan"] = time.monotonic() - clock
     log(f"plan: {plan.num_packs:,} packs of {settings.max_len:,} tokens for "
         f"{len(scan.lengths):,} documents ({seconds['plan']:.2f} s)", quiet=quiet)
@@ -90,13 +103,27 @@ def pack_corpus(
     entries, passes, budget = gather_passes(out, read_sources, scan, plan, pack_counts,
                                             memory, spill)
     seconds["gather"] = time.monotonic() - clock
-    stats = PlanStats.of(plan, scan.lengths, out.settings)
-    columns = output_schema(out.settings, scan.dtypes).names
     extra = {"passes": passes, "memory_budget": budget, "spilled": spill and passes > 1,
              "seconds": {k: round(v, 3) for k, v in seconds.items()}}
+    if isinstance(out, PartDir):
+        return out.complete(entries, extra)
+    return conclude(out, scan, plan, mixed, entries, extra, plot=plot)
+
+
+def conclude(out: OutputDir, scan: Scan, plan: Plan, mixed: MixedPlan | None,
+             entries: Sequence[dict[str, Any]], extra: dict[str, Any], *,
+             plot: bool | None) -> dict[str, Any]:
+    """Pass 4: the report (report.json, report.png), then the manifest; returns the
+    report. The last step of a run, and of ``--finalize`` after ``--shard`` jobs."""
+    lengths = scan.lengths if mixed is None else mixed.lengths
+    stats = PlanStats.of(plan, lengths, out.settings)
+    columns = output_schema(out.settings, scan.dtypes).names
+    if mixed is not None:
+        extra = {**extra, "mix": mixed.report()}
     if plan.affinity is not None:
-        extra["affinity"] = asdict(plan.affinity)
+        extra = {**extra, "affinity": asdict(plan.affinity)}
     report = make_report(out, stats, entries, columns, extra, plot=plot,
                          left_out=scan.left_out)
-    out.finish(report, entries, columns, stats.packs, plan.group_offsets)
+    out.finish(report, entries, columns, stats.packs,
+               plan.group_offsets if mixed is None else mixed.step_offsets)
     return report

@@ -21,8 +21,9 @@ import pyarrow as pa
 from .._errors import FastpackError
 from .._gather import gather
 from .._plan import Plan, sub_plan
-from .layout import output_schema, row_group_packs, shard_bounds, shard_name
-from .outdir import OutputDir, write_shard
+from .formats import write_format_shard
+from .layout import output_schema, row_group_packs, shard_bounds
+from .outdir import OutputDir
 from .plan import sorted_unique
 from .progress import Progress, human_bytes, log
 from .scan import Scan
@@ -52,7 +53,7 @@ def gather_passes(out: OutputDir, sources: Sequence[Source], scan: Scan, plan: P
     bounds = shard_bounds(pack_counts, settings.shard_rows)
     n = len(bounds) - 1
     done = out.verified_done(n)
-    todo = [i for i in range(n) if i not in done]
+    todo = [i for i in out.wanted(n) if i not in done]
     itemsize = sum(np.dtype(scan.dtypes[c]).itemsize for c in settings.token_columns)
     budget = memory if memory is not None else memory_budget(len(scan.lengths))
     row_groups = _row_groups(bounds, todo, row_group_packs(settings))
@@ -70,13 +71,14 @@ def gather_passes(out: OutputDir, sources: Sequence[Source], scan: Scan, plan: P
     entries = dict(done)
     for i in todo:
         count = sum(1 for group in row_groups if group[0] == i)
-        entry = write_shard(out.path, shard_name(i, n), schema,
-                            itertools.islice(stream, count))
+        entry = write_format_shard(settings.format, out.path, i, n, schema,
+                                   settings.token_columns, int(bounds[i + 1] - bounds[i]),
+                                   itertools.islice(stream, count))
         out.record(i, entry)
         entries[i] = entry
         log(f"wrote {entry['file']} ({entry['rows']:,} packs, {human_bytes(entry['bytes'])})",
             quiet=out.quiet or len(todo) > 50)
-    return [entries[i] for i in range(n)], len(passes), budget
+    return [entries[i] for i in out.wanted(n)], len(passes), budget
 
 
 def memory_budget(documents: int) -> int:

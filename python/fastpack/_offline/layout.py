@@ -16,8 +16,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ROW_GROUP_TOKENS",
-    "SHARD_TOKENS",
-    "default_shard_rows",
     "output_schema",
     "row_group_packs",
     "shard_bounds",
@@ -26,14 +24,6 @@ __all__ = [
 
 # Tokens per output row group: the unit of the output side of the memory bound.
 ROW_GROUP_TOKENS = 1 << 20
-# Tokens per shard when --shard-rows is not given (about 100 MB of zstd parquet).
-SHARD_TOKENS = 1 << 25
-
-
-def default_shard_rows(max_len: int) -> int:
-    return max(1, SHARD_TOKENS // max_len)
-
-
 def shard_bounds(pack_counts: Sequence[int], shard_rows: int) -> np.ndarray:
     """Pack offsets (int64 [n+1]) of the output shards: ``shard_rows`` packs each, never
     across plan shards, so every plan shard's output is its own."""

@@ -22,6 +22,7 @@ import pyarrow as pa
 
 from .._errors import FastpackError
 from .._gather import WRITTEN
+from .formats import entry_files, finish_format, is_format_file
 from .progress import log
 from .settings import PackSettings
 from .sources import Source
@@ -169,7 +170,7 @@ class OutputDir:
                         "pass the same options and inputs, or --overwrite to start over")
             return True
         leftovers = sorted(p.name for p in out.iterdir())
-        ours = all(n.startswith(("shard-", ".shard-", "report.")) for n in leftovers)
+        ours = all(n.startswith("report.") or is_format_file(n) for n in leftovers)
         if leftovers and not (overwrite and ours):
             raise FastpackError(
                 f"-o {out}: not empty and holds no fastpack output ({', '.join(leftovers[:3])}"
@@ -183,7 +184,7 @@ class OutputDir:
             name = path.name
             if name == STATE_DIR:
                 shutil.rmtree(path)
-            elif (name.startswith(("shard-", ".shard-")) and ".parquet" in name) or name in (
+            elif is_format_file(name) or name in (
                     "manifest.json", "report.json", "report.png", "group_offsets.npy",
                     ".manifest.json.tmp", ".report.json.tmp"):
                 path.unlink()
@@ -205,8 +206,9 @@ class OutputDir:
                 entry = json.loads(line)
             except ValueError:
                 continue
-            path = self.path / entry["file"]
-            if path.exists() and path.stat().st_size == entry["bytes"]:
+            if all((self.path / f["file"]).exists()
+                   and (self.path / f["file"]).stat().st_size == f["bytes"]
+                   for f in entry_files(entry)):
                 done[entry["shard"]] = entry
         return done
 
@@ -215,7 +217,8 @@ class OutputDir:
         file of a shard interrupted halfway."""
         done = self.done()
         for i, entry in list(done.items()):
-            if i >= num_shards or sha256_file(self.path / entry["file"]) != entry["sha256"]:
+            if i >= num_shards or any(sha256_file(self.path / f["file"]) != f["sha256"]
+                                      for f in entry_files(entry)):
                 log(f"resume: {entry['file']} does not match its checksum; writing it again",
                     quiet=self.quiet)
                 del done[i]
@@ -225,6 +228,10 @@ class OutputDir:
             log(f"resume: {len(done)} of {num_shards} shards complete; writing "
                 f"{num_shards - len(done)}", quiet=self.quiet)
         return done
+
+    def wanted(self, num_shards: int) -> range:
+        """The output shards this run writes: all of them (a ``--shard`` job: its share)."""
+        return range(num_shards)
 
     def record(self, shard: int, entry: dict[str, Any]) -> None:
         with open(self.journal, "a") as f:
@@ -238,6 +245,7 @@ class OutputDir:
         """report.json, group_offsets.npy, and last the manifest (``columns``: the output's,
         ``entries``: every shard's journal entry); then the state directory goes."""
         self.write_json(self.path / "report.json", report)
+        finish_format(self.settings.format, self.path, entries)
         if group_offsets is not None:
             np.save(self.path / "group_offsets.npy", group_offsets)
         manifest = {
@@ -246,8 +254,8 @@ class OutputDir:
             "inputs": [s.fingerprint() for s in self.sources],
             "columns": list(columns),
             "num_packs": num_packs,
-            "shards": [{k: e[k] for k in ("file", "rows", "tokens", "bytes", "sha256")}
-                       for e in entries],
+            "shards": [{k: e[k] for k in ("file", "rows", "tokens", "bytes", "sha256", "parts")
+                        if k in e} for e in entries],
         }
         self.write_json(self.path / "manifest.json", manifest)
         shutil.rmtree(self.state_dir, ignore_errors=True)

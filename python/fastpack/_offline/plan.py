@@ -162,15 +162,20 @@ def plan_shard(lengths: np.ndarray, shard: int | None, options: PackOptions,
 
 
 def combine_plans(plans: Sequence[Plan], sample_maps: Sequence[np.ndarray],
-                  options: PackOptions) -> Plan:
+                  options: PackOptions,
+                  start_maps: Sequence[np.ndarray] | None = None) -> Plan:
     """Plans laid end to end as one plan; ``sample_maps[k]`` maps plan ``k``'s sample ids to
-    global document ids. The joined plan records ``options`` (``plan.options``: the shards
-    were made with them, each shuffled by its own seed derived from ``options.seed``)."""
+    global document ids (and ``start_maps[k]``, where plan ``k`` packed pieces of
+    documents, to each piece's first token in its document). The joined plan records
+    ``options`` (``plan.options``: the shards were made with them, each shuffled by its
+    own seed derived from ``options.seed``)."""
     first = plans[0]
     fields: dict[str, Any] = {}
     fields["sample_ids"] = np.concatenate(
         [m[p.sample_ids] for p, m in zip(plans, sample_maps)]).astype(np.int64)
-    fields["starts"] = np.concatenate([p.starts for p in plans])
+    fields["starts"] = np.concatenate(
+        [p.starts for p in plans] if start_maps is None else
+        [p.starts + m[p.sample_ids] for p, m in zip(plans, start_maps)]).astype(np.int64)
     fields["seqlens"] = np.concatenate([p.seqlens for p in plans])
     seg_base = np.cumsum([0] + [p.num_segments for p in plans])
     fields["pack_offsets"] = np.concatenate(

@@ -14,6 +14,7 @@ import numpy as np
 
 from .. import _core
 from .._plan import Plan
+from .formats import entry_files
 from .outdir import FORMAT, OutputDir
 from .progress import human_bytes
 from .settings import PackSettings
@@ -121,7 +122,8 @@ class PlanStats:
             "lengths": self.lengths.summary(),
         }
 
-def _picture(out: OutputDir, stats: PlanStats, plot: bool | None) -> str:
+def _picture(out: OutputDir, stats: PlanStats, plot: bool | None,
+             mix: dict[str, Any] | None = None) -> str:
     """Draws report.png; returns what became of it (for the report and summary)."""
     from .stats import plot_report, plot_unavailable
 
@@ -136,7 +138,7 @@ def _picture(out: OutputDir, stats: PlanStats, plot: bool | None) -> str:
     try:
         plot_report(stats.lengths, stats.fill_histogram, caps,
                     f"{stats.packs:,} packs, efficiency {stats.efficiency:.3%} "
-                    f"(lower bound {stats.lower_bound:,})", out.path / "report.png")
+                    f"(lower bound {stats.lower_bound:,})", out.path / "report.png", mix=mix)
     except Exception as e:  # the shards are written: a picture never undoes that
         return f"report.png not written: {type(e).__name__}: {e}"
     return "report.png"
@@ -149,7 +151,7 @@ def make_report(out: OutputDir, stats: PlanStats, entries: Sequence[dict[str, An
     shards are ``entries`` (journal entries) with ``columns``. ``plot``: None draws the
     picture where matplotlib is installed and notes why not elsewhere; a picture that
     fails is noted too, never the end of a run whose shards are written."""
-    picture = _picture(out, stats, plot)
+    picture = _picture(out, stats, plot, extra.get("mix"))
     return {
         "format": FORMAT,
         "inputs": [s.path for s in out.sources],
@@ -157,7 +159,7 @@ def make_report(out: OutputDir, stats: PlanStats, entries: Sequence[dict[str, An
         **stats.report(),
         "shards": len(entries),
         "rows": sum(e["rows"] for e in entries),
-        "bytes": sum(e["bytes"] for e in entries),
+        "bytes": sum(f["bytes"] for e in entries for f in entry_files(e)),
         "columns": list(columns),
         "left_out": dict(left_out),
         "picture": picture,
@@ -170,7 +172,8 @@ def summary_lines(report: dict[str, Any], outdir: str) -> Iterator[str]:
     r = report
     yield (f"packed {r['documents']:,} documents, {r['input_tokens']:,} tokens -> "
            f"{r['packs']:,} packs of {r['settings']['max_len']:,} in {r['shards']} "
-           f"shard{'s' if r['shards'] != 1 else ''} "
+           + (f"{r['settings']['format']} " if "format" in r["settings"] else "")
+           + f"shard{'s' if r['shards'] != 1 else ''} "
            f"({human_bytes(r['bytes'])}) in {outdir}")
     yield (f"efficiency {r['efficiency']:.4%}; packs over the lower bound: "
            f"{r['packs_over_lower_bound']:,} ({r['packs']:,} for {r['lower_bound']:,})")
@@ -185,6 +188,13 @@ def summary_lines(report: dict[str, Any], outdir: str) -> Iterator[str]:
         if r["left_out"] else "; none left out")
     if r["picture"] != "report.png":
         yield f"picture: {r['picture']}"
+    if r.get("mix"):
+        m = r["mix"]
+        yield (f"mix of {len(m['sources'])} sources in {m['steps']:,} steps of "
+               f"~{m['step_tokens']:,} tokens: " + "; ".join(
+                   f"{s['name']} {s['realised_share']:.2%} (target {s['target_share']:.2%}, "
+                   f"{s['repeated']:,} repeated, {s['left_out']:,} left out)"
+                   for s in m["sources"]))
     if r["groups"]:
         g = r["groups"]
         yield (f"groups of <= {g['group_tokens']:,} tokens: {g['groups']:,} (lower bound "
@@ -200,4 +210,6 @@ def summary_lines(report: dict[str, Any], outdir: str) -> Iterator[str]:
     else:
         how = (f"{r['passes']} gather pass{'es' if r['passes'] != 1 else ''} within a budget "
                f"of {human_bytes(r['memory_budget'])}")
+        if "parts" in r:
+            how = f"written by {r['parts']} --shard jobs, each {how} (the slowest's times)"
     yield f"{how}; time: " + ", ".join(f"{k} {v:.1f} s" for k, v in r["seconds"].items())

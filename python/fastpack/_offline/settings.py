@@ -11,12 +11,20 @@ from typing import TYPE_CHECKING, Any
 from .._checks import _int_arg
 from .._errors import FastpackError
 from .._options import PackArgs, PackOptions, WithOptions, resolve
-from .layout import default_shard_rows
+from .formats import check_format
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-__all__ = ["REFUSED", "PackSettings", "parse_size", "token_columns"]
+__all__ = ["REFUSED", "PackSettings", "default_shard_rows", "parse_size", "token_columns"]
+
+# Tokens per shard when --shard-rows is not given (about 100 MB of zstd parquet).
+SHARD_TOKENS = 1 << 25
+
+
+def default_shard_rows(max_len: int) -> int:
+    return max(1, SHARD_TOKENS // max_len)
+
 
 #: The packing options the command (and ``fastpack.ray``) cannot honour, with why: given
 #: another value than the default, they raise, naming it (so they are always at their
@@ -65,6 +73,23 @@ def token_columns(column: str, columns: Sequence[str] | None) -> list[str]:
     return [column] + [c for c in columns or () if c != column]
 
 
+def _checked_mix(mix: dict[str, Any] | None, options: PackOptions,
+                 plan_shards: int) -> dict[str, Any] | None:
+    """A mixture's JSON, checked (``fastpack.Mixture``'s messages) and in its canonical
+    form; what a mixture cannot be combined with is refused, naming it."""
+    if mix is None:
+        return None
+    from .._mix import Mixture
+
+    if plan_shards != 1:
+        raise FastpackError("plan_shards: a mixture is planned step by step in one plan; "
+                            "leave --plan-shards out with --mix")
+    if options.group_tokens is not None:
+        raise FastpackError("group_tokens: a mixture's steps are its groups (step_tokens "
+                            "in the mix file); leave --group-tokens out with --mix")
+    return Mixture.from_dict(mix).to_json()
+
+
 @dataclass(frozen=True, init=False)
 class PackSettings(WithOptions):
     """Everything that decides the output's bytes: the same settings and inputs give the
@@ -85,6 +110,12 @@ class PackSettings(WithOptions):
     #: Packs per output shard (default: 2^25 tokens' worth at ``max_len``).
     shard_rows: int | None = None
     plan_shards: int = 1
+    #: The output's format (:data:`~fastpack._offline.formats.FORMATS`): the same packs
+    #: in every one.
+    format: str = "parquet"
+    #: A mixture of sources by tokens (``fastpack.Mixture.to_json()``; ``--mix``): the
+    #: inputs are its sources' files, and it decides which documents the output holds.
+    mix: dict[str, Any] | None = None
     #: The column of each document's key (``fastpack.pack(..., affinity=keys)``), or None.
     affinity_column: str | None = None
 
@@ -99,6 +130,8 @@ class PackSettings(WithOptions):
         tokenizer: str | None = None,
         shard_rows: int | None = None,
         plan_shards: int = 1,
+        format: str = "parquet",
+        mix: dict[str, Any] | None = None,
         affinity_column: str | None = None,
         **kwargs: Unpack[PackArgs],
     ) -> None:
@@ -110,6 +143,8 @@ class PackSettings(WithOptions):
             "columns": None if columns is None else tuple(columns),
             "text_column": text_column, "tokenizer": tokenizer, "shard_rows": rows,
             "plan_shards": _int_arg("plan_shards", plan_shards, minimum=1),
+            "format": check_format(format),
+            "mix": _checked_mix(mix, made, plan_shards),
             "affinity_column": affinity_column,
         }
         if affinity_column is not None:
@@ -120,6 +155,9 @@ class PackSettings(WithOptions):
             except FastpackError as e:
                 raise FastpackError(
                     "affinity_column: " + str(e).removeprefix("affinity: ")) from None
+            if mix is not None:
+                raise FastpackError("affinity_column: not supported with a mixture (mix) "
+                                    "yet; pack without one of them")
         for name, value in values.items():
             object.__setattr__(self, name, value)
 
@@ -143,6 +181,10 @@ class PackSettings(WithOptions):
                        if f.name != "options"})
         if self.columns is not None:
             values["columns"] = list(self.columns)
+        if self.format == "parquet":
+            del values["format"]  # the settings of a parquet run keep their bytes
+        if self.mix is None:
+            del values["mix"]  # a run without a mixture records what it always did
         if self.affinity_column is None:
             del values["affinity_column"]  # the settings of a run without keys, unchanged
         ordered = {name: values.pop(name) for name in _ORDER}

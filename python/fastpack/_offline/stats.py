@@ -203,9 +203,8 @@ def plot_unavailable() -> str | None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        from .. import DISTRIBUTION
-
-        return f"matplotlib is not installed (pip install '{DISTRIBUTION}[cli]')"
+        # Named by the package, not the extra: fastpack-seq is not on the public index yet.
+        return "matplotlib is not installed (pip install matplotlib: the cli extra)"
     return None
 
 
@@ -270,10 +269,12 @@ def plot_stats(lengths: np.ndarray, results: list[dict[str, Any]], path: Any) ->
 
 
 def plot_report(lengths: LengthHistogram, fill_histogram: np.ndarray, caps: Sequence[int],
-                title: str, path: Any) -> None:
+                title: str, path: Any, mix: dict[str, Any] | None = None) -> None:
     """report.png of a pack run: the length histogram with the caps, and how full the
-    packs are (``fill_histogram``: packs per 2% of their cap filled)."""
-    fig, (left, right) = _figure(2)
+    packs are (``fill_histogram``: packs per 2% of their cap filled); with a mixture
+    (report.json's ``mix``), each source's target and realised share of the tokens."""
+    fig, axes = _figure(3 if mix else 2)
+    left, right = axes[0], axes[1]
     _histogram(left, lengths, caps)
     edges = np.linspace(0, 100, len(fill_histogram) + 1)
     right.bar(edges[:-1], fill_histogram, width=edges[1] - edges[0], align="edge",
@@ -283,4 +284,18 @@ def plot_report(lengths: LengthHistogram, fill_histogram: np.ndarray, caps: Sequ
     right.set_xlabel("pack fill (% of its cap)")
     right.set_ylabel("packs")
     right.set_title(title)
+    if mix:
+        ax = axes[2]
+        sources = mix["sources"]
+        x = np.arange(len(sources))
+        ax.bar(x - 0.2, [100 * s["target_share"] for s in sources], 0.4, label="target",
+               color="#cccccc")
+        ax.bar(x + 0.2, [100 * s["realised_share"] for s in sources], 0.4, label="realised",
+               color="#4c72b0")
+        ax.set_xticks(x, [f"{s['name']}\n{s['output_documents']:,} docs\n"
+                          f"+{s['repeated']:,} / -{s['left_out']:,}" for s in sources])
+        ax.set_ylabel("% of the output's tokens")
+        ax.set_title(f"mix: {mix['steps']:,} steps of ~{mix['step_tokens']:,} tokens "
+                     "(+repeated / -left out)")
+        ax.legend()
     _save(fig, path)

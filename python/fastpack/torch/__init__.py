@@ -31,9 +31,13 @@ Its modules are its layers:
   every sequence of a packed batch.
 - :mod:`~fastpack.torch.verify` — :func:`verify_packing`: a packed batch's samples run
   alone through the user's model and compared, naming the first module that differs.
-- :mod:`~fastpack.torch.hf` — Hugging Face integration (:func:`register_hf_attention`,
-  :func:`check_model_batch`, :class:`PackedTrainerMixin` for the ``Trainer`` / TRL
-  ``SFTTrainer`` on many ranks).
+- :mod:`~fastpack.torch.hf_attention` — :func:`register_hf_attention`: fastpack's
+  attention as a Hugging Face attention implementation.
+- :mod:`~fastpack.torch.hf_check` — :func:`check_model_batch`: whether a Hugging Face
+  model computes on a packed batch what it computes unpacked, before any forward.
+- :mod:`~fastpack.torch.trainer` — :class:`PackedTrainerMixin` for the ``Trainer`` / TRL
+  ``SFTTrainer`` on many ranks (``fastpack.torch.hf`` re-exports these three modules'
+  names).
 
 Every batch's ``labels`` are unshifted (the model shifts), -100 at the first token of
 every sequence, on padding and where the sample's loss mask is 0. The layers of the whole
@@ -53,11 +57,13 @@ from .context_parallel import (
 )
 from .data import PackedDataset, StepTable, first_item
 from .formats import BACKENDS, BatchFormat
-from .hf import PackedTrainerMixin, check_model_batch, register_hf_attention
+from .hf_attention import register_hf_attention
+from .hf_check import check_model_batch
 from .loss import WEIGHTINGS, packed_loss
 from .mixers import MIXERS, mixer_paths, prepare_model
 from .sampler import PackedSampler, Schedule, Step
 from .stream import SHARDINGS, PackedIterableDataset
+from .trainer import PackedTrainerMixin
 from .tree import per_sample, token_logprobs
 from .verify import VerifyReport, verify_packing
 

@@ -724,8 +724,9 @@ def varlen_attention(
         ``(total_tokens, Hq, D)`` in ``q``'s dtype.
 
     Raises:
-        fastpack.FastpackError (a ``ValueError``; ``FastpackTypeError`` for an argument of
-        the wrong type): invalid inputs or an unavailable forced kernel.
+        fastpack.FastpackError: invalid inputs or an unavailable forced kernel (a
+            ``ValueError``; ``FastpackTypeError``, also a ``TypeError``, for an argument of
+            the wrong type).
     """
     _check_qkv(q, k, v)
     longest = _check_max_seqlen(max_seqlen)

@@ -29,7 +29,7 @@ from .._options import (
     with_separator,
 )
 from .._plan import Plan, pack
-from .._tree import group_codes, pack_trees, pair_keys, preference_samples, tree_rows
+from .._tree import pack_trees, pair_keys, preference_samples, prompt_codes, tree_rows
 from ..vlm import VlmConfig
 from .formats import BACKENDS, MASK_MODES, RETURN_TENSORS, BatchFormat
 from .media import MEDIA_KEYS, media_batch, media_budgets, sample_media
@@ -50,8 +50,12 @@ KNOWN_KEYS = ("input_ids", "labels", *LOSS_MASK_KEYS, "attention_mask", "positio
 #: The padded backend's strategy: every sample in a row (a pack) of its own.
 _ONE_PER_ROW = "one_per_pack"
 #: The sample key whose value says which samples share their longest common prefix with
-#: ``share_prefix=True`` (RL rollouts of one prompt carry the prompt's id).
-GROUP_KEY = "group"
+#: ``share_prefix=True``: the id of the prompt a sample continues (RL rollouts of one
+#: prompt, a preference pair). Not a *group*, which is packs under ``group_tokens``.
+PROMPT_KEY = "prompt_id"
+#: :data:`PROMPT_KEY`'s earlier name (deprecated): read, with a warning, from samples that
+#: have no :data:`PROMPT_KEY`.
+OLD_PROMPT_KEY = "group"
 #: The backends that can express a tree batch (``share_prefix=True``): fastpack's
 #: registered attention reads the tree, Hugging Face's flex attention its ``BlockMask``.
 TREE_BACKENDS = ("flash", "flex")
@@ -363,18 +367,19 @@ class PackedCollator(WithOptions):
         if labels is not None:
             _warn_shifted(tokens, labels)
         if self.share_prefix:
-            groups = None
-            if any(GROUP_KEY in f for f in features):
-                groups = group_codes(self._column(features, GROUP_KEY), len(features))
+            prompts = None
+            key = prompt_key(features, stacklevel=3)
+            if key is not None:
+                prompts = prompt_codes(self._column(features, key), len(features), key)
             # One flat row holds every pack: the trees in the samples' order.
-            plan = pack_trees(tokens, groups=groups, options=self._batch_options,
+            plan = pack_trees(tokens, prompt_ids=prompts, options=self._batch_options,
                               threads=self.threads)
-            if groups is None and len(features) > 1 and plan.sample_tokens == plan.total_tokens:
+            if prompts is None and len(features) > 1 and plan.sample_tokens == plan.total_tokens:
                 warnings.warn(
                     f"share_prefix: True, but the {len(features)} samples of this batch share "
                     f"no prefix ({plan.total_tokens} tokens computed, 0 saved): no sample has "
-                    f"a {GROUP_KEY!r} key, so they form a trie, and no two start alike; give "
-                    f"RL rollouts of one prompt the prompt's id as {GROUP_KEY!r}",
+                    f"a {PROMPT_KEY!r} key, so they form a trie, and no two start alike; give "
+                    f"RL rollouts of one prompt the prompt's id as {PROMPT_KEY!r}",
                     stacklevel=2,
                 )
         elif self.options.budgets:
@@ -402,8 +407,8 @@ class PackedCollator(WithOptions):
                     f"preference pair is its prompt and two completions (the loss covers the "
                     f"completions), so pass one or the other"
                 )
-        tokens, loss_mask, groups = preference_samples(features)
-        plan = pack_trees(tokens, groups=groups, split=False, options=self._batch_options,
+        tokens, loss_mask, prompts = preference_samples(features)
+        plan = pack_trees(tokens, prompt_ids=prompts, split=False, options=self._batch_options,
                           threads=self.threads)
         return self.batch(plan, tokens, None, loss_mask=loss_mask)
 
@@ -417,12 +422,12 @@ class PackedCollator(WithOptions):
                 f"straight to the model"
             )
         for key in sorted(sample.keys() - self._known, key=str):
-            if key == GROUP_KEY and not self.share_prefix:
+            if key in (PROMPT_KEY, OLD_PROMPT_KEY) and not self.share_prefix:
                 raise FastpackError(
-                    f"features: sample {index} has {GROUP_KEY!r}, which says which samples "
+                    f"features: sample {index} has {key!r}, which says which samples "
                     f"share a prefix, but the collator packs them without sharing any; pass "
                     f"share_prefix=True (backend 'flash' or 'flex'), or ignore_keys="
-                    f"({GROUP_KEY!r},) to pack them plainly"
+                    f"({key!r},) to pack them plainly"
                 )
             if key in MEDIA_KEYS and sample[key] is not None:
                 raise FastpackError(
@@ -693,6 +698,25 @@ def _warn_shifted(tokens: Ragged, labels: Ragged) -> None:
             "(a copy of input_ids, -100 where there is no target)",
             stacklevel=3,
         )
+
+
+def prompt_key(names: Any, stacklevel: int = 2) -> str | None:
+    """The key (or column) of ``names`` that holds each sample's prompt id: every
+    sample's keys (a sequence of samples) or a dataset's column names. The key of earlier
+    releases, :data:`OLD_PROMPT_KEY`, is read with a ``DeprecationWarning``."""
+    def has(key: str) -> bool:
+        if isinstance(names, (list, tuple)) and names and isinstance(names[0], Mapping):
+            return any(key in f for f in names)
+        return key in names
+
+    if has(PROMPT_KEY):
+        return PROMPT_KEY
+    if has(OLD_PROMPT_KEY):
+        warnings.warn(f"the samples' {OLD_PROMPT_KEY!r} key is deprecated: name it "
+                      f"{PROMPT_KEY!r} (a group is packs under group_tokens)",
+                      DeprecationWarning, stacklevel=stacklevel + 1)
+        return OLD_PROMPT_KEY
+    return None
 
 
 def as_collator(value: Any) -> PackedCollator:

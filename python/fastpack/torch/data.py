@@ -20,9 +20,9 @@ from .._materialize import IGNORE_INDEX, Ragged, TokenData, _is_dataset, as_ragg
 from .._options import PackArgs, PackOptions, WithOptions, check_plan, layered
 from .._plan import Plan, select_plan, sub_plan
 from .._targets import segment_targets
-from .._tree import group_codes, pack_trees, path_targets
-from ..vlm import vision_terms
-from .collator import GROUP_KEY, PackedCollator, as_collator
+from .._tree import pack_trees, path_targets, prompt_codes, renamed
+from ..vlm import vision_cost_of, vision_terms
+from .collator import PackedCollator, as_collator, prompt_key
 from .step import Step
 
 if TYPE_CHECKING:
@@ -154,11 +154,14 @@ class PackedDataset(torch.utils.data.Dataset, WithOptions):  # type: ignore[type
             sequences over ``max_len``, never mixed with short ones in a pack or a group),
             ``shuffle`` and ``seed`` (shuffle the packs, or groups, of the plan, once). The
             per-batch options are the collator's: given here, they must equal them.
-        groups: with a collator made with ``share_prefix=True``: one value per sample (or,
-            with a ``datasets.Dataset``, a column name); samples of one value share their
-            longest common prefix. Default: the dataset's ``group`` column when it has one,
-            else a trie over all samples. The plan is then :func:`fastpack.pack_trees`'s:
-            a tree is never cut across steps or ranks.
+        prompt_ids: with a collator made with ``share_prefix=True``: one value per sample,
+            the id of the prompt it continues (or, with a ``datasets.Dataset``, a column
+            name); samples of one prompt share their longest common prefix. Default: the
+            dataset's ``prompt_id`` column when it has one (``group``, its earlier name,
+            with a ``DeprecationWarning``), else a trie over all samples. The plan is then
+            :func:`fastpack.pack_trees`'s: a tree is never cut across steps or ranks.
+        groups: ``prompt_ids``' earlier name (deprecated: a group is packs under
+            ``group_tokens``).
 
     Context parallelism: a collator with ``cp_size`` (and ``cp_mode``, ``pad_multiple``)
     plans every pack to fit ``max_len`` once padded for the CP group; every CP rank of a
@@ -186,6 +189,7 @@ class PackedDataset(torch.utils.data.Dataset, WithOptions):  # type: ignore[type
         plan: Plan | None = None,
         media: Any = None,
         options: PackOptions | None = None,
+        prompt_ids: Any = None,
         groups: Any = None,
         **kwargs: Unpack[PackArgs],
     ) -> None:
@@ -211,13 +215,15 @@ class PackedDataset(torch.utils.data.Dataset, WithOptions):  # type: ignore[type
                 "packs_per_batch, group_tokens: pass one: a fixed number of packs per step, "
                 "or a token budget per step"
             )
-        if groups is not None and not self.options.share_prefix:
+        prompt_ids = renamed("prompt_ids", "groups", prompt_ids, groups)
+        if prompt_ids is not None and not self.options.share_prefix:
             raise FastpackError(
-                "groups: apply with a collator made with share_prefix=True (they say which "
-                "samples share a prefix)"
+                "prompt_ids: apply with a collator made with share_prefix=True (they say "
+                "which samples share a prefix)"
             )
         if plan is None and self.options.share_prefix:
-            plan = pack_trees(self.tokens, groups=_groups(groups, dataset, len(self.tokens)),
+            plan = pack_trees(self.tokens,
+                              prompt_ids=_prompt_ids(prompt_ids, dataset, len(self.tokens)),
                               options=self.options, threads=collator.threads)
         elif plan is None:
             plan = collator._plan(self.tokens.lengths, self.options, media)
@@ -282,7 +288,7 @@ class PackedDataset(torch.utils.data.Dataset, WithOptions):  # type: ignore[type
         vision = patches = None
         if vlm is not None and vlm.mrope and self.media is not None:
             terms = vision_terms(self.media)[np.asarray(self.plan.sample_ids)]
-            vision = 6.0 * vlm.vision_hidden_size * terms[:, 0] + terms[:, 1]
+            vision = vision_cost_of(terms, vlm.vision_hidden_size)
             patches = terms
         return step_table(self.plan, self.step_pack_offsets, per_segment, vision, patches)
 
@@ -479,19 +485,20 @@ def tree_step_table(plan: Plan, step_pack_offsets: np.ndarray, per_path: np.ndar
     return table
 
 
-def _groups(groups: Any, dataset: Any, count: int) -> np.ndarray | None:
-    """The group codes of a dataset's samples: ``groups`` (values, or a column name of
-    ``dataset``), by default its ``group`` column if it has one, else None (a trie)."""
-    if isinstance(groups, str) or (groups is None and dataset is not None
-                                   and GROUP_KEY in dataset.column_names):
-        column = GROUP_KEY if groups is None else groups
+def _prompt_ids(values: Any, dataset: Any, count: int) -> np.ndarray | None:
+    """The prompt codes of a dataset's samples: ``values`` (ids, or a column name of
+    ``dataset``), by default its ``prompt_id`` column if it has one, else None (a trie)."""
+    column = values if isinstance(values, str) else None
+    if values is None and dataset is not None:
+        column = prompt_key(list(dataset.column_names), stacklevel=4)
+    if column is not None:
         if dataset is None or column not in dataset.column_names:
             raise FastpackError(
-                f"groups: {column!r} names a column, which needs a datasets.Dataset with it "
-                f"as tokens"
+                f"prompt_ids: {column!r} names a column, which needs a datasets.Dataset with "
+                f"it as tokens"
             )
-        groups = dataset[column]
-    return None if groups is None else group_codes(groups, count)
+        values = dataset[column]
+    return None if values is None else prompt_codes(values, count)
 
 
 def _resolve(data: Any, dataset: Any, *, mask: bool) -> Ragged | None:

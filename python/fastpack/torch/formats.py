@@ -18,6 +18,7 @@ into exactly what ``model(**batch)`` needs for the model's attention implementat
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -153,3 +154,55 @@ def _pad_cu(cu: np.ndarray, size: int) -> np.ndarray:
             f"{size - 1}; raise fixed_cu_seqlens"
         )
     return np.pad(cu, (0, size - len(cu)), mode="edge")
+
+
+class OncePerBatch:
+    """Remembers the last batch tensor checked (by identity and in-place version), so a
+    forward checks its ``cu_seqlens`` (a host read) once, not in every layer."""
+
+    def __init__(self) -> None:
+        self._ref: weakref.ref[torch.Tensor] | None = None
+        self._version = -1
+        self.value: Any = None
+
+    def hit(self, tensor: torch.Tensor) -> bool:
+        return (self._ref is not None and self._ref() is tensor
+                and self._version == tensor._version)
+
+    def remember(self, tensor: torch.Tensor, value: Any) -> None:
+        self._ref, self._version, self.value = weakref.ref(tensor), tensor._version, value
+
+
+_STARTS = OncePerBatch()
+
+
+def position_starts(position_ids: torch.Tensor, rows: int, width: int) -> torch.Tensor:
+    """``[rows, width]`` bool on the host: where a sequence starts — every row start and
+    wherever the position does not follow the previous one (Hugging Face's
+    ``find_packed_sequence_indices`` rule). Read once per batch: a prepared model's hook
+    and its attention layers read the same ``position_ids`` tensor."""
+    key = (rows, width)
+    if _STARTS.hit(position_ids) and _STARTS.value[0] == key:
+        return _STARTS.value[1]  # type: ignore[no-any-return]
+    host = position_ids.detach().to("cpu", torch.int64)
+    if host.ndim == 3 and host.shape[0] == 4:
+        host = host[0]  # mRoPE [4, B, T]: row 0 is the text position, where documents restart
+    elif host.ndim == 3:
+        raise FastpackError(
+            f"position_ids: got shape {tuple(position_ids.shape)}: 3-D positions without the "
+            f"text row (expected [4, batch, tokens], row 0 restarting in every document), so "
+            f"the documents' boundaries cannot be read; build the batch with "
+            f"PackedCollator(model_config=...)"
+        )
+    if host.ndim == 1:
+        host = host[None]
+    if host.ndim != 2 or host.shape[-1] != width or host.shape[0] not in (1, rows):
+        raise FastpackError(
+            f"position_ids: expected shape (batch, {width}) for {rows} rows of {width} "
+            f"tokens, got {tuple(position_ids.shape)}"
+        )
+    host = host.expand(rows, width)
+    starts = torch.ones(rows, width, dtype=torch.bool)
+    starts[:, 1:] = host[:, 1:] - host[:, :-1] != 1
+    _STARTS.remember(position_ids, (key, starts))
+    return starts

@@ -38,11 +38,12 @@ over it, a recurrent state).
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import sys
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +51,7 @@ import torch
 
 from .._checks import _choice
 from .._errors import FastpackError, FastpackTypeError
+from .formats import position_starts
 
 __all__ = ["MIXERS", "MIXER_KERNELS", "STRATEGIES", "current_layout", "is_prepared",
            "kernel_problem", "kernel_support", "mixer_paths", "prepare_model", "token_mixers"]
@@ -239,8 +241,6 @@ class _Prepared:
 def _batch_layout(kwargs: dict[str, Any]) -> tuple[_Layout | None, str | None]:
     """The layout of a model call's batch (``None`` when its rows hold one sequence each),
     or why its mixers cannot be kept apart."""
-    from .hf import _position_starts  # the attention's own rule for where positions restart
-
     if kwargs.get("tree_parents") is not None:
         return None, ("a tree batch (share_prefix=True): a token's past is its path, not the "
                       "tokens before it in the row, and a recurrent state runs along the row")
@@ -266,7 +266,7 @@ def _batch_layout(kwargs: dict[str, Any]) -> tuple[_Layout | None, str | None]:
         positions = kwargs.get("position_ids")
         if not isinstance(positions, torch.Tensor):
             return None, None
-        layout = _layout(_position_starts(positions, rows, width))
+        layout = _layout(position_starts(positions, rows, width))
     if not layout.packed:
         return None, None
     mask = kwargs.get("attention_mask")
@@ -478,6 +478,16 @@ class _Plan:
     kernels: list[tuple[_Kernel, Callable[..., Any] | None]]
 
 
+@functools.lru_cache(maxsize=64)
+def _parameters(fn: Callable[..., Any]) -> Mapping[str, inspect.Parameter]:
+    """A kernel's parameters, read once (not in every forward); none where Python cannot
+    read its signature."""
+    try:
+        return inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return {}
+
+
 def _resolve(k: _Kernel) -> tuple[Callable[..., Any] | None, str | None]:
     """The kernel itself, or why the kernel path cannot use it: not installed, missing,
     or a version whose signature takes no sequence boundaries."""
@@ -487,11 +497,7 @@ def _resolve(k: _Kernel) -> tuple[Callable[..., Any] | None, str | None]:
         return None, f"{k.package} is not installed ({k.module}: {type(e).__name__}: {e})"
     if fn is None:
         return None, f"{k.module}.{k.function} is missing (this {k.package} is too old)"
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        params = {}  # type: ignore[assignment]
-    if k.boundary not in params:
+    if k.boundary not in _parameters(fn):
         return None, (f"{k.module}.{k.function} takes no {k.boundary} (this {k.package} "
                       f"cannot keep packed sequences apart; install a version that takes it)")
     return fn, None
@@ -562,7 +568,7 @@ def _kernels(original: Callable[..., Any], plan: _Plan, hidden: torch.Tensor, la
     ran: set[str] = set()
 
     def call(k: _Kernel, fn: Callable[..., Any] | None) -> Callable[..., Any]:
-        params = inspect.signature(fn).parameters if fn is not None else {}
+        params = _parameters(fn) if fn is not None else {}
 
         def kernel(*args: Any, **kw: Any) -> Any:
             if fn is None:  # Hugging Face's own shortcut contract: None runs the steps

@@ -655,8 +655,7 @@ def _segment_cost(sampler: PackedSampler, table: StepTable, lo: int, hi: int) ->
     seqlens = sampler.dataset.plan.seqlens[lo:hi]
     lengths = seqlens.astype(np.float64)
     if sampler.balance == "flops":
-        squared = _squared(table, lo, hi, seqlens).astype(np.float64)
-        return sampler.cost.linear * lengths + sampler.cost.quadratic * squared
+        return sampler.cost.polynomial(lengths, _squared(table, lo, hi, seqlens))
     return lengths
 
 
@@ -706,7 +705,7 @@ def _flops(sampler: PackedSampler, tokens: np.ndarray, squared: np.ndarray,
     each sequence's causal pairs twice)."""
     cost = sampler.cost
     if cp is None:
-        return cost.linear * tokens + cost.quadratic * squared.astype(np.float64)
+        return cost.polynomial(tokens, squared)
     padded, work = cp
     ranks = work.shape[1]
     return (cost.linear * padded / ranks
@@ -1035,9 +1034,8 @@ def _unit_costs(sampler: PackedSampler, segments: np.ndarray) -> np.ndarray:
     seqlens = np.asarray(sampler.dataset.plan.seqlens)[segments].astype(np.float64)
     if sampler.balance != "flops":
         return seqlens
-    cost = sampler.cost
-    return (cost.linear * seqlens + cost.quadratic * seqlens * seqlens
-            + _vision(sampler, segments, segments + 1))
+    return sampler.cost.polynomial(seqlens, seqlens * seqlens) + _vision(
+        sampler, segments, segments + 1)
 
 
 def _split(sampler: PackedSampler, schedule: Schedule, ranks: int, first: int, end: int,

@@ -8,9 +8,9 @@
 //! segment it ends at. Two ways to find the trees, both exact and O(total tokens) apart
 //! from a sort:
 //!
-//! - **groups** (samples with one `group` value, as RL rollouts carry their prompt's id):
-//!   the group's longest common token prefix is the root, each sample's remainder a child;
-//!   a group sharing nothing is one root per sample;
+//! - **prompts** (samples with one prompt id, as RL rollouts of one prompt carry it):
+//!   the prompt's samples' longest common token prefix is the root, each sample's remainder
+//!   a child; samples of one prompt sharing nothing are one root each;
 //! - **a trie** over all samples (branching conversations): the samples sorted by their
 //!   tokens, the longest common prefix of neighbours, and a compressed trie built from them
 //!   in one pass. Every shared token is stored once; siblings start with different tokens.
@@ -138,10 +138,10 @@ impl<'a> From<&'a Items> for ItemsRef<'a> {
     }
 }
 
-/// Finds the trees of the samples in `tokens` (by `groups`, one value per sample, or by a
+/// Finds the trees of the samples in `tokens` (by `prompts`, one id per sample, or by a
 /// trie when `None`) and cuts them into items of at most `opts.max_len` tokens. The result
 /// does not depend on the thread count (run it inside [`crate::pool::install`]).
-pub fn build(tokens: &Column<'_>, groups: Option<&[i64]>, opts: &TreeOptions) -> Result<Items> {
+pub fn build(tokens: &Column<'_>, prompts: Option<&[i64]>, opts: &TreeOptions) -> Result<Items> {
     tokens.require_integers("tokens")?;
     crate::PackOptions::new(opts.max_len).validate()?; // the one check of max_len
     if opts.overlong == Overlong::Split {
@@ -155,23 +155,23 @@ pub fn build(tokens: &Column<'_>, groups: Option<&[i64]>, opts: &TreeOptions) ->
     if n as u64 > MAX_ITEMS {
         return Err(Error::overflow("tokens", format!("{n} samples; at most {MAX_ITEMS}")));
     }
-    if let Some(g) = groups {
+    if let Some(g) = prompts {
         if g.len() != n {
             return Err(Error::invalid(
-                "groups",
-                format!("{} values for {n} samples; expected one group value per sample", g.len()),
+                "prompt_ids",
+                format!("{} values for {n} samples; expected one prompt id per sample", g.len()),
             ));
         }
     }
     match tokens.dtype() {
-        Dtype::Int8 => typed::<i8>(tokens, groups, opts),
-        Dtype::Int16 => typed::<i16>(tokens, groups, opts),
-        Dtype::Int32 => typed::<i32>(tokens, groups, opts),
-        Dtype::Int64 => typed::<i64>(tokens, groups, opts),
-        Dtype::UInt8 => typed::<u8>(tokens, groups, opts),
-        Dtype::UInt16 => typed::<u16>(tokens, groups, opts),
-        Dtype::UInt32 => typed::<u32>(tokens, groups, opts),
-        Dtype::UInt64 => typed::<u64>(tokens, groups, opts),
+        Dtype::Int8 => typed::<i8>(tokens, prompts, opts),
+        Dtype::Int16 => typed::<i16>(tokens, prompts, opts),
+        Dtype::Int32 => typed::<i32>(tokens, prompts, opts),
+        Dtype::Int64 => typed::<i64>(tokens, prompts, opts),
+        Dtype::UInt8 => typed::<u8>(tokens, prompts, opts),
+        Dtype::UInt16 => typed::<u16>(tokens, prompts, opts),
+        Dtype::UInt32 => typed::<u32>(tokens, prompts, opts),
+        Dtype::UInt64 => typed::<u64>(tokens, prompts, opts),
         other => Err(Error::invalid(
             "tokens",
             format!("column '{}' holds {} values; expected integers", tokens.name(), other.name()),
@@ -185,7 +185,7 @@ impl<T: Native + Ord + Send + Sync> Token for T {}
 
 fn typed<T: Token>(
     tokens: &Column<'_>,
-    groups: Option<&[i64]>,
+    prompts: Option<&[i64]>,
     opts: &TreeOptions,
 ) -> Result<Items> {
     let n = tokens.rows();
@@ -241,8 +241,8 @@ fn typed<T: Token>(
         });
     }
     stats.sample_tokens = rows.iter().map(|r| r.len() as u64).sum();
-    let arena = match groups {
-        Some(g) => Arena::of_groups(&rows, g)?,
+    let arena = match prompts {
+        Some(g) => Arena::of_prompts(&rows, g)?,
         None => Arena::trie(&rows)?,
     };
     let forest = Forest::new(&arena)?;
@@ -357,16 +357,16 @@ impl Arena {
         Ok(id)
     }
 
-    /// One tree per group of samples: the group's longest common prefix as the root (when
+    /// One tree per prompt's samples: their longest common prefix as the root (when
     /// it has one), each sample's remainder a child of it. Groups come in the order of
     /// their first sample, samples in input order.
-    fn of_groups<T: Token>(rows: &[&[T]], groups: &[i64]) -> Result<Self> {
-        let mut kept: Vec<(i64, u32)> = memory::try_with_capacity(rows.len(), "tree groups")?;
+    fn of_prompts<T: Token>(rows: &[&[T]], prompts: &[i64]) -> Result<Self> {
+        let mut kept: Vec<(i64, u32)> = memory::try_with_capacity(rows.len(), "tree prompts")?;
         kept.extend(
-            (0..rows.len()).filter(|&i| !rows[i].is_empty()).map(|i| (groups[i], i as u32)),
+            (0..rows.len()).filter(|&i| !rows[i].is_empty()).map(|i| (prompts[i], i as u32)),
         );
         kept.par_sort_unstable();
-        // Runs of one group value, ordered by their first sample.
+        // Runs of one prompt id, ordered by their first sample.
         let mut runs: Vec<(u32, usize, usize)> = Vec::new();
         let mut lo = 0;
         for hi in 1..=kept.len() {
@@ -1176,7 +1176,7 @@ mod tests {
     }
 
     #[test]
-    fn groups_share_their_longest_common_prefix() {
+    fn prompts_share_their_longest_common_prefix() {
         let seqs = vec![vec![1, 2, 3, 4], vec![1, 2, 3], vec![1, 2, 5, 6, 7], vec![9], vec![8, 1]];
         let (v, o) = flat(&seqs);
         let items = build(&column(&v, &o), Some(&[7, 7, 7, -1, 3]), &TreeOptions::new(8)).unwrap();
@@ -1235,18 +1235,18 @@ mod tests {
         #[test]
         fn every_sample_is_one_path_with_its_own_tokens(
             seqs in proptest::collection::vec(proptest::collection::vec(0i64..3, 0..9), 0..40),
-            group_of in proptest::collection::vec(0i64..4, 40),
-            grouped in any::<bool>(),
+            prompt_of in proptest::collection::vec(0i64..4, 40),
+            with_prompts in any::<bool>(),
             max_len in 1u64..24,
             policy in 0usize..2,
         ) {
             let (v, o) = flat(&seqs);
             let col = column(&v, &o);
-            let groups = grouped.then(|| group_of[..seqs.len()].to_vec());
+            let prompts = with_prompts.then(|| prompt_of[..seqs.len()].to_vec());
             let overlong = [Overlong::Truncate, Overlong::Drop][policy];
             let opts = TreeOptions { overlong, ..TreeOptions::new(max_len) };
-            let one = crate::pool::install(Some(1), || build(&col, groups.as_deref(), &opts)).unwrap().unwrap();
-            let many = crate::pool::install(Some(3), || build(&col, groups.as_deref(), &opts)).unwrap().unwrap();
+            let one = crate::pool::install(Some(1), || build(&col, prompts.as_deref(), &opts)).unwrap().unwrap();
+            let many = crate::pool::install(Some(3), || build(&col, prompts.as_deref(), &opts)).unwrap().unwrap();
             prop_assert_eq!(&one, &many);
             for w in one.item_offsets.windows(2) {
                 let cost: i64 = one.seqlens[w[0] as usize..w[1] as usize].iter().map(|&n| n as i64).sum();
@@ -1278,7 +1278,7 @@ mod tests {
                 prop_assert_eq!(&spelled[..], want);
             }
             // A trie stores every shared token once: siblings start with different tokens.
-            if !grouped {
+            if !with_prompts {
                 for s in 0..plan.parents.len() {
                     for t in s + 1..plan.parents.len() {
                         if plan.parents[s] == plan.parents[t] && plan.parents[s] >= 0 {
@@ -1293,13 +1293,13 @@ mod tests {
         #[test]
         fn rows_give_every_target_once(
             seqs in proptest::collection::vec(proptest::collection::vec(1i64..4, 1..7), 1..12),
-            grouped in any::<bool>(),
+            with_prompts in any::<bool>(),
             masked in proptest::collection::vec(any::<bool>(), 84),
         ) {
             let (v, o) = flat(&seqs);
             let col = column(&v, &o);
-            let groups = vec![0i64; seqs.len()];
-            let items = build(&col, grouped.then_some(&groups[..]), &TreeOptions::new(16)).unwrap();
+            let prompts = vec![0i64; seqs.len()];
+            let items = build(&col, with_prompts.then_some(&prompts[..]), &TreeOptions::new(16)).unwrap();
             let plan = plan_of(&items, 16);
             let tree = tree_ref(&plan);
             let mask: Vec<u8> = masked[..v.len()].iter().map(|&m| m as u8).collect();

@@ -4,13 +4,13 @@
 
 use fastpack_core::column::{self, Column, Dtype, Indices, Ints, ListChunk, Values};
 use fastpack_core::gather::{self as core, Buffer, GatherOptions, PlanRef};
-use fastpack_core::{pool, Overlong, Strategy};
+use fastpack_core::pool;
 use numpy::prelude::*;
 use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1, PyUntypedArray};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
-use crate::{fastpack_error, guarded, plan_ref, to_py};
+use crate::{fastpack_error, guarded, to_py, PlanArgs};
 
 /// A list column read in place: chunks of `(offsets, values, value_offset, value_len)`
 /// — int32/int64 offsets, and the value buffer as any contiguous 1-D numpy array whose
@@ -197,68 +197,38 @@ pub fn column_lengths<'py>(
     Ok(lengths.into_pyarray(py))
 }
 
-/// `pack_tokens(seqlens, pack_offsets, packs)`: tokens (int64) in each of `packs`.
+/// `pack_tokens(plan, packs)`: tokens (int64) in each of `packs`.
 #[pyfunction]
 pub fn pack_tokens<'py>(
     py: Python<'py>,
-    seqlens: PyReadonlyArray1<'py, i32>,
-    pack_offsets: PyReadonlyArray1<'py, i64>,
+    plan: PlanArgs<'py>,
     packs: PyReadonlyArray1<'py, i64>,
 ) -> PyResult<Bound<'py, PyArray1<i64>>> {
-    let seqlens = seqlens.as_slice()?;
-    // Only the counts are read: a plan of segments with no sequences behind them.
-    let none: Vec<i64> = Vec::new();
-    let plan = PlanRef {
-        sample_ids: &none,
-        starts: &none,
-        seqlens,
-        pack_offsets: pack_offsets.as_slice()?,
-        reserve: 0,
-        strategy: Strategy::BestFitDecreasing,
-        overlong: Overlong::Error,
-        parents: None,
-    };
+    let plan = plan.plan_ref()?;
     let packs = packs.as_slice()?;
     let tokens = py.detach(|| guarded(|| core::pack_tokens(&plan, packs))).map_err(to_py)?;
     Ok(tokens.into_pyarray(py))
 }
 
-/// `gather(plan arrays..., packs, columns, separator_values, position_ids, threads)`: the
+/// `gather(plan, packs, columns, separator_values, position_ids, threads)`: the
 /// packs as packed columns; see `fastpack.gather`. `separator_values` holds each column's
 /// separator value as 8 little-endian bytes. Returns a dict of numpy arrays: `offsets`,
 /// `seq_offsets`, `position_ids` (int64), `seq_lengths` (int32), and `columns`, one entry per column:
 /// its values (uint8..uint64 by width), or `(bits, len)` for booleans.
 #[pyfunction]
 #[pyo3(signature = (
-    sample_ids, starts, seqlens, pack_offsets, reserve, strategy, overlong, packs, columns,
-    separator_values, position_ids=true, threads=None
+    plan, packs, columns, separator_values, position_ids=true, threads=None
 ))]
-#[allow(clippy::too_many_arguments)]
 pub fn gather<'py>(
     py: Python<'py>,
-    sample_ids: PyReadonlyArray1<'py, i64>,
-    starts: PyReadonlyArray1<'py, i64>,
-    seqlens: PyReadonlyArray1<'py, i32>,
-    pack_offsets: PyReadonlyArray1<'py, i64>,
-    reserve: u64,
-    strategy: &str,
-    overlong: &str,
+    plan: PlanArgs<'py>,
     packs: PyReadonlyArray1<'py, i64>,
     columns: Vec<PyRef<'py, ListColumn>>,
     separator_values: Vec<Vec<u8>>,
     position_ids: bool,
     threads: Option<usize>,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let plan = plan_ref(
-        &sample_ids,
-        &starts,
-        &seqlens,
-        pack_offsets.as_slice()?,
-        reserve,
-        strategy,
-        overlong,
-        None,
-    )?;
+    let plan = PlanRef { parents: None, ..plan.plan_ref()? }; // gather reads flat plans
     let packs = packs.as_slice()?;
     let mut separators = Vec::with_capacity(separator_values.len());
     for value in &separator_values {

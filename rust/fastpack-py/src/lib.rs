@@ -8,6 +8,7 @@ use fastpack_core::{
 use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyMemoryError, PyRuntimeError};
 use pyo3::prelude::*;
+use pyo3::pybacked::PyBackedStr;
 use pyo3::types::{PyDict, PyList};
 
 mod column;
@@ -38,29 +39,50 @@ pub(crate) fn guarded<T>(work: impl FnOnce() -> Result<T, Error>) -> Result<T, E
     })
 }
 
-/// A plan handed over as its arrays and options (`Plan.sample_ids`, ... `Plan.overlong`),
-/// borrowed for the core: what every binding that reads a plan's segments takes.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn plan_ref<'a>(
-    sample_ids: &'a PyReadonlyArray1<'_, i64>,
-    starts: &'a PyReadonlyArray1<'_, i64>,
-    seqlens: &'a PyReadonlyArray1<'_, i32>,
-    pack_offsets: &'a [i64],
+/// A `fastpack.Plan` as the binding reads it: its arrays and options, read by attribute
+/// name (one argument, `plan`, in every binding that reads a plan's segments) and borrowed
+/// in place for the core.
+#[derive(FromPyObject)]
+pub(crate) struct PlanArgs<'py> {
+    sample_ids: PyReadonlyArray1<'py, i64>,
+    starts: PyReadonlyArray1<'py, i64>,
+    seqlens: PyReadonlyArray1<'py, i32>,
+    pack_offsets: PyReadonlyArray1<'py, i64>,
     reserve: u64,
-    strategy: &str,
-    overlong: &str,
-    parents: Option<&'a [i64]>,
-) -> PyResult<fastpack_core::materialize::PlanRef<'a>> {
-    Ok(fastpack_core::materialize::PlanRef {
-        sample_ids: sample_ids.as_slice()?,
-        starts: starts.as_slice()?,
-        seqlens: seqlens.as_slice()?,
-        pack_offsets,
-        reserve,
-        strategy: Strategy::parse(strategy).map_err(to_py)?,
-        overlong: Overlong::parse(overlong).map_err(to_py)?,
-        parents,
-    })
+    strategy: PyBackedStr,
+    overlong: PyBackedStr,
+    /// A plan of shared-prefix trees: each segment's parent, and its paths.
+    parents: Option<PyReadonlyArray1<'py, i64>>,
+    path_sample_ids: Option<PyReadonlyArray1<'py, i64>>,
+    path_ends: Option<PyReadonlyArray1<'py, i64>>,
+}
+
+impl PlanArgs<'_> {
+    /// The plan borrowed for the core (`parents` set for a plan of trees).
+    pub(crate) fn plan_ref(&self) -> PyResult<fastpack_core::materialize::PlanRef<'_>> {
+        Ok(fastpack_core::materialize::PlanRef {
+            sample_ids: slice(&self.sample_ids)?,
+            starts: slice(&self.starts)?,
+            seqlens: slice(&self.seqlens)?,
+            pack_offsets: slice(&self.pack_offsets)?,
+            reserve: self.reserve,
+            strategy: Strategy::parse(&self.strategy).map_err(to_py)?,
+            overlong: Overlong::parse(&self.overlong).map_err(to_py)?,
+            parents: self.parents.as_ref().map(slice).transpose()?,
+        })
+    }
+
+    /// A plan of trees' paths: `(path_sample_ids, path_ends)`.
+    pub(crate) fn paths(&self) -> PyResult<(&[i64], &[i64])> {
+        match (&self.path_sample_ids, &self.path_ends) {
+            (Some(ids), Some(ends)) => Ok((slice(ids)?, slice(ends)?)),
+            _ => Err(fastpack_error("plan: not a plan of shared-prefix trees (no paths)")),
+        }
+    }
+}
+
+fn slice<'a, T: numpy::Element>(array: &'a PyReadonlyArray1<'_, T>) -> PyResult<&'a [T]> {
+    array.as_slice().map_err(|_| fastpack_error("plan: expected contiguous arrays"))
 }
 
 pub(crate) fn fastpack_error(message: &str) -> PyErr {

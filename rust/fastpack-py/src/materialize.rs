@@ -8,28 +8,22 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
 use crate::column::ListColumn;
-use crate::{fastpack_error, guarded, plan_ref, to_py};
+use crate::{fastpack_error, guarded, to_py, PlanArgs};
 
-/// `materialize(plan arrays..., packs, tokens, labels, loss_mask, ...)`: the chosen packs
+/// `materialize(plan, packs, tokens, labels, loss_mask, ...)`: the chosen packs
 /// as training rows; see `fastpack.materialize` for the arguments (the token data are
 /// `ListColumn`s). Returns a dict of flat numpy arrays (`rows * width` tokens, row-major)
 /// and counts.
 #[pyfunction]
 #[pyo3(signature = (
-    sample_ids, starts, seqlens, pack_offsets, reserve, strategy, overlong, packs,
-    tokens, labels=None, loss_mask=None, separator_id=None, train_separators=false,
-    layout="flat", pad_to=None, pad_to_multiple_of=1, pad_id=0, threads=None, parents=None
+    plan, packs, tokens, labels=None, loss_mask=None, separator_id=None,
+    train_separators=false, layout="flat", pad_to=None, pad_to_multiple_of=1, pad_id=0,
+    threads=None
 ))]
 #[allow(clippy::too_many_arguments)]
 pub fn materialize<'py>(
     py: Python<'py>,
-    sample_ids: PyReadonlyArray1<'py, i64>,
-    starts: PyReadonlyArray1<'py, i64>,
-    seqlens: PyReadonlyArray1<'py, i32>,
-    pack_offsets: PyReadonlyArray1<'py, i64>,
-    reserve: u64,
-    strategy: &str,
-    overlong: &str,
+    plan: PlanArgs<'py>,
     packs: PyReadonlyArray1<'py, i64>,
     tokens: PyRef<'py, ListColumn>,
     labels: Option<PyRef<'py, ListColumn>>,
@@ -41,19 +35,8 @@ pub fn materialize<'py>(
     pad_to_multiple_of: u64,
     pad_id: i64,
     threads: Option<usize>,
-    parents: Option<PyReadonlyArray1<'py, i64>>,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let parents = parents.as_ref().map(|p| p.as_slice()).transpose()?;
-    let plan = plan_ref(
-        &sample_ids,
-        &starts,
-        &seqlens,
-        pack_offsets.as_slice()?,
-        reserve,
-        strategy,
-        overlong,
-        parents,
-    )?;
+    let plan = plan.plan_ref()?;
     let layout = match layout {
         "flat" => Layout::Flat,
         "rows" => Layout::Rows,

@@ -5,31 +5,25 @@
 use fastpack_core::materialize::Sources;
 use fastpack_core::pool;
 use fastpack_core::targets as core;
-use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1, PyUntypedArrayMethods};
+use numpy::{IntoPyArray, PyArray1};
 use pyo3::prelude::*;
 
 use crate::column::ListColumn;
-use crate::{fastpack_error, guarded, plan_ref, to_py};
+use crate::{guarded, to_py, PlanArgs};
 
-/// `segment_targets(plan arrays..., tokens, labels, loss_mask, ...)`: labels other than
+/// `segment_targets(plan, tokens, labels, loss_mask, ...)`: labels other than
 /// -100 that `materialize` gives each segment (uint32 [S]), a token of `ignore_tokens`
 /// never one. The token values are read only with `ignore_tokens` (else only their row
 /// lengths); labels and mask are read in place.
 #[pyfunction]
 #[pyo3(signature = (
-    sample_ids, starts, seqlens, reserve, strategy, overlong, tokens, labels=None,
-    loss_mask=None, separator_id=None, train_separators=false, threads=None,
-    ignore_tokens=None
+    plan, tokens, labels=None, loss_mask=None, separator_id=None, train_separators=false,
+    threads=None, ignore_tokens=None
 ))]
 #[allow(clippy::too_many_arguments)]
 pub fn segment_targets<'py>(
     py: Python<'py>,
-    sample_ids: PyReadonlyArray1<'py, i64>,
-    starts: PyReadonlyArray1<'py, i64>,
-    seqlens: PyReadonlyArray1<'py, i32>,
-    reserve: u64,
-    strategy: &str,
-    overlong: &str,
+    plan: PlanArgs<'py>,
     tokens: PyRef<'py, ListColumn>,
     labels: Option<PyRef<'py, ListColumn>>,
     loss_mask: Option<PyRef<'py, ListColumn>>,
@@ -39,10 +33,8 @@ pub fn segment_targets<'py>(
     ignore_tokens: Option<Vec<i64>>,
 ) -> PyResult<Bound<'py, PyArray1<u32>>> {
     let ignore = ignore_tokens.unwrap_or_default();
-    if !(sample_ids.is_contiguous() && starts.is_contiguous() && seqlens.is_contiguous()) {
-        return Err(fastpack_error("plan: expected contiguous arrays"));
-    }
-    let plan = plan_ref(&sample_ids, &starts, &seqlens, &[], reserve, strategy, overlong, None)?;
+    // A segment's targets are its sequence's (a flat plan's segments; trees have theirs).
+    let plan = fastpack_core::materialize::PlanRef { parents: None, ..plan.plan_ref()? };
     let sources = Sources {
         tokens: tokens.column(py)?,
         labels: labels.as_ref().map(|c| c.column(py)).transpose()?,

@@ -10,17 +10,17 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::column::ListColumn;
-use crate::{guarded, plan_ref, to_py};
+use crate::{guarded, to_py, PlanArgs};
 
-/// `tree_items(tokens, groups, max_len, overlong, split, threads)`: the trees of the
-/// samples (by `groups`, int64 per sample, or a trie) cut into items of at most `max_len`
+/// `tree_items(tokens, prompt_ids, max_len, overlong, split, threads)`: the trees of the
+/// samples (by `prompt_ids`, int64 per sample, or a trie) cut into items of at most `max_len`
 /// tokens; a dict of the items' arrays and the counts of what was kept.
 #[pyfunction]
-#[pyo3(signature = (tokens, groups, max_len, overlong="error", split=true, threads=None))]
+#[pyo3(signature = (tokens, prompt_ids, max_len, overlong="error", split=true, threads=None))]
 pub fn tree_items<'py>(
     py: Python<'py>,
     tokens: PyRef<'py, ListColumn>,
-    groups: Option<PyReadonlyArray1<'py, i64>>,
+    prompt_ids: Option<PyReadonlyArray1<'py, i64>>,
     max_len: u64,
     overlong: &str,
     split: bool,
@@ -28,9 +28,9 @@ pub fn tree_items<'py>(
 ) -> PyResult<Bound<'py, PyDict>> {
     let opts = TreeOptions { max_len, overlong: Overlong::parse(overlong).map_err(to_py)?, split };
     let column = tokens.column(py)?;
-    let groups = groups.as_ref().map(|g| g.as_slice()).transpose()?;
+    let prompts = prompt_ids.as_ref().map(|g| g.as_slice()).transpose()?;
     let items = py
-        .detach(|| pool::install(threads, || guarded(|| core::build(column, groups, &opts))))
+        .detach(|| pool::install(threads, || guarded(|| core::build(column, prompts, &opts))))
         .map_err(to_py)?
         .map_err(to_py)?;
     let d = PyDict::new(py);
@@ -97,16 +97,6 @@ pub fn tree_expand<'py>(
     Ok(d)
 }
 
-type PlanArrays<'py> = (
-    PyReadonlyArray1<'py, i64>,
-    PyReadonlyArray1<'py, i64>,
-    PyReadonlyArray1<'py, i32>,
-    PyReadonlyArray1<'py, i64>,
-    PyReadonlyArray1<'py, i64>,
-    PyReadonlyArray1<'py, i64>,
-    PyReadonlyArray1<'py, i64>,
-);
-
 /// The token data a tree's targets are read from, as the core takes it.
 fn sources<'a>(
     py: Python<'_>,
@@ -121,48 +111,26 @@ fn sources<'a>(
     })
 }
 
-fn tree_ref<'a>(arrays: &'a PlanArrays<'_>) -> PyResult<TreeRef<'a>> {
-    let (sample_ids, starts, seqlens, pack_offsets, parents, path_sample_ids, path_ends) = arrays;
-    Ok(TreeRef {
-        plan: plan_ref(
-            sample_ids,
-            starts,
-            seqlens,
-            pack_offsets.as_slice()?,
-            0,
-            "bfd",
-            "error",
-            Some(parents.as_slice()?),
-        )?,
-        path_sample_ids: path_sample_ids.as_slice()?,
-        path_ends: path_ends.as_slice()?,
-    })
+fn tree_ref<'a>(plan: &'a PlanArgs<'_>) -> PyResult<TreeRef<'a>> {
+    let (path_sample_ids, path_ends) = plan.paths()?;
+    Ok(TreeRef { plan: plan.plan_ref()?, path_sample_ids, path_ends })
 }
 
-/// `tree_path_targets(plan arrays..., tokens, labels, loss_mask, threads)`: the targets of
+/// `tree_path_targets(plan, tokens, labels, loss_mask, threads)`: the targets of
 /// every path (uint32 [paths]), counted without building a batch.
 #[pyfunction]
 #[pyo3(signature = (
-    sample_ids, starts, seqlens, pack_offsets, parents, path_sample_ids, path_ends, tokens,
-    labels=None, loss_mask=None, threads=None
+    plan, tokens, labels=None, loss_mask=None, threads=None
 ))]
-#[allow(clippy::too_many_arguments)]
 pub fn tree_path_targets<'py>(
     py: Python<'py>,
-    sample_ids: PyReadonlyArray1<'py, i64>,
-    starts: PyReadonlyArray1<'py, i64>,
-    seqlens: PyReadonlyArray1<'py, i32>,
-    pack_offsets: PyReadonlyArray1<'py, i64>,
-    parents: PyReadonlyArray1<'py, i64>,
-    path_sample_ids: PyReadonlyArray1<'py, i64>,
-    path_ends: PyReadonlyArray1<'py, i64>,
+    plan: PlanArgs<'py>,
     tokens: PyRef<'py, ListColumn>,
     labels: Option<PyRef<'py, ListColumn>>,
     loss_mask: Option<PyRef<'py, ListColumn>>,
     threads: Option<usize>,
 ) -> PyResult<Bound<'py, PyArray1<u32>>> {
-    let arrays = (sample_ids, starts, seqlens, pack_offsets, parents, path_sample_ids, path_ends);
-    let tree = tree_ref(&arrays)?;
+    let tree = tree_ref(&plan)?;
     let sources = sources(py, &tokens, &labels, &loss_mask)?;
     let counts = py
         .detach(|| pool::install(threads, || guarded(|| core::path_targets(&tree, &sources))))
@@ -171,32 +139,23 @@ pub fn tree_path_targets<'py>(
     Ok(counts.into_pyarray(py))
 }
 
-/// `tree_rows(plan arrays..., packs, tokens, labels, loss_mask, threads)`: the batch of
+/// `tree_rows(plan, packs, tokens, labels, loss_mask, threads)`: the batch of
 /// `packs` laid end to end: each segment's parent in the batch, the target map and every
 /// sample's row positions (a dict of numpy arrays).
 #[pyfunction]
 #[pyo3(signature = (
-    sample_ids, starts, seqlens, pack_offsets, parents, path_sample_ids, path_ends, packs,
-    tokens, labels=None, loss_mask=None, threads=None
+    plan, packs, tokens, labels=None, loss_mask=None, threads=None
 ))]
-#[allow(clippy::too_many_arguments)]
 pub fn tree_rows<'py>(
     py: Python<'py>,
-    sample_ids: PyReadonlyArray1<'py, i64>,
-    starts: PyReadonlyArray1<'py, i64>,
-    seqlens: PyReadonlyArray1<'py, i32>,
-    pack_offsets: PyReadonlyArray1<'py, i64>,
-    parents: PyReadonlyArray1<'py, i64>,
-    path_sample_ids: PyReadonlyArray1<'py, i64>,
-    path_ends: PyReadonlyArray1<'py, i64>,
+    plan: PlanArgs<'py>,
     packs: PyReadonlyArray1<'py, i64>,
     tokens: PyRef<'py, ListColumn>,
     labels: Option<PyRef<'py, ListColumn>>,
     loss_mask: Option<PyRef<'py, ListColumn>>,
     threads: Option<usize>,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let arrays = (sample_ids, starts, seqlens, pack_offsets, parents, path_sample_ids, path_ends);
-    let tree = tree_ref(&arrays)?;
+    let tree = tree_ref(&plan)?;
     let sources = sources(py, &tokens, &labels, &loss_mask)?;
     let packs = packs.as_slice()?;
     let out = py

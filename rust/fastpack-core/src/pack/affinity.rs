@@ -33,7 +33,8 @@ use crate::shuffle::permutation;
 
 use super::classify::{Class, Rules};
 use super::histogram::Histogram;
-use super::placement::{best_fit, Placement, RoomSet, NONE};
+use super::placement::{best_fit, Placement, NONE};
+use super::room_set::RoomSet;
 use super::Input;
 
 /// How related a plan's packs are.

@@ -39,7 +39,7 @@ use crate::memory::{self, Slots};
 use crate::plan::{Overlong, PackOptions, Strategy};
 
 use super::histogram::Histogram;
-use super::placement::RoomSet;
+use super::room_set::RoomSet;
 
 /// Budgets besides tokens a plan can have.
 pub const MAX_LIMITS: usize = 4;

@@ -41,6 +41,7 @@ pub(crate) mod limits;
 mod order;
 mod placement;
 mod replay;
+mod room_set;
 mod sort;
 mod unpack;
 

@@ -1,0 +1,318 @@
+"""``fastpack pack --format``: every format holds the parquet output's packs, in its order,
+read back by the consumer's own library (megatron-core's ``IndexedDataset``,
+mosaicml-streaming's ``StreamingDataset``, a datatrove pipeline), and the same bytes
+however the gather is split. The consumers are not in the main test environment (one of
+them pins transformers < 5): CI installs them in a virtual environment of their own
+(requirements-formats.txt) and runs this file there; elsewhere their tests skip."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from corpus import LABEL_OFFSET, STRIDE, check_output, corpus, read_rows
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fastpack import FastpackError
+from fastpack._offline.driver import pack_corpus
+from fastpack._offline.settings import PackSettings
+
+
+def consumer(module: str) -> ModuleType:
+    """The consumer's module; the test skips where it is not installed, except in CI's
+    formats phase (FASTPACK_FORMATS=1), where a missing consumer is a failure."""
+    if os.environ.get("FASTPACK_FORMATS") == "1":
+        return importlib.import_module(module)
+    return pytest.importorskip(module)
+
+
+OPTIONS = {"max_len": 64, "overlong": "split", "shard_rows": 7, "seed": 5}
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One corpus (tokens and labels, a document over the cap) packed in every format."""
+    tmp = tmp_path_factory.mktemp("formats")
+    rng = np.random.default_rng(3)
+    lengths = [rng.integers(1, 50, 40).tolist() + [150], rng.integers(1, 60, 35).tolist()]
+    paths, docs = corpus(tmp, lengths, ["a.parquet", "b.jsonl"], labels=True)
+    out = {}
+    for fmt in ("parquet", "megatron", "mds"):
+        out[fmt] = tmp / fmt
+        pack_corpus(paths, out[fmt], PackSettings(format=fmt, **OPTIONS), quiet=True,
+                    plot=False)
+    check_output(out["parquet"], docs, max_len=64, overlong="split", labels=True)
+    return out
+
+
+def parquet_packs(outdir: Path) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    rows = read_rows(outdir)
+    return [(np.asarray(t), np.asarray(lab), np.asarray(n)) for t, lab, n in zip(
+        rows.column("input_ids").to_pylist(), rows.column("labels").to_pylist(),
+        rows.column("seq_lengths").to_pylist())]
+
+
+def test_the_shards_are_the_parquet_shards_in_another_layout(packed):
+    # Without the consumers: the manifest lists each format's files with their checksums,
+    # shard for shard the parquet output's rows and tokens.
+    import hashlib
+
+    base = json.loads((packed["parquet"] / "manifest.json").read_text())
+    for fmt in ("megatron", "mds"):
+        manifest = json.loads((packed[fmt] / "manifest.json").read_text())
+        assert manifest["settings"]["format"] == fmt
+        assert [(s["rows"], s["tokens"]) for s in manifest["shards"]] == \
+            [(s["rows"], s["tokens"]) for s in base["shards"]]
+        for shard in manifest["shards"]:
+            for f in [shard, *shard.get("parts", [])]:
+                data = (packed[fmt] / f["file"]).read_bytes()
+                assert (len(data), hashlib.sha256(data).hexdigest()) == (f["bytes"], f["sha256"])
+        written = sum(p.stat().st_size for p in packed[fmt].iterdir()
+                      if p.name.startswith("shard-"))
+        assert json.loads((packed[fmt] / "report.json").read_text())["bytes"] == written
+    assert "format" not in base["settings"]  # a parquet run's settings keep their bytes
+    names = sorted(p.name for p in packed["megatron"].iterdir())
+    assert "shard-00000-of-00005.bin" in names and "shard-00000-of-00005.labels.idx" in names
+    assert (packed["mds"] / "index.json").exists()
+
+
+def test_the_megatron_files_hold_the_parquet_packs(packed):
+    # Without megatron-core (the main suite, the base installs): its .idx layout read
+    # here with numpy -- header, sequence lengths, byte pointers, document indices.
+    manifest = json.loads((packed["megatron"] / "manifest.json").read_text())
+    got = []
+    for shard in manifest["shards"]:
+        idx = (packed["megatron"] / shard["file"]).with_suffix(".idx").read_bytes()
+        assert idx[:9] == b"MMIDIDX\x00\x00" and idx[9:17] == (1).to_bytes(8, "little")
+        assert idx[17] == 4  # int32 tokens
+        count, docs = np.frombuffer(idx, "<u8", 2, 18)
+        lengths = np.frombuffer(idx, "<i4", count, 34)
+        pointers = np.frombuffer(idx, "<i8", count, 34 + 4 * count)
+        bounds = np.frombuffer(idx, "<i8", docs, 34 + 12 * count)
+        assert len(idx) == 34 + 12 * count + 8 * docs
+        tokens = np.fromfile(packed["megatron"] / shard["file"], "<i4")
+        assert np.array_equal(pointers, 4 * np.concatenate([[0], np.cumsum(lengths)[:-1]]))
+        for p in range(docs - 1):
+            a, b = pointers[bounds[p]] // 4, (pointers[bounds[p + 1] - 1] // 4
+                                             + lengths[bounds[p + 1] - 1])
+            got.append((tokens[a:b], lengths[bounds[p]:bounds[p + 1]]))
+    expected = parquet_packs(packed["parquet"])
+    assert len(got) == len(expected)
+    for (t, n), (et, _, en) in zip(got, expected):
+        assert np.array_equal(t, et) and np.array_equal(n, en)
+
+
+def test_megatron_indexed_dataset_reads_every_pack(packed):
+    indexed = consumer("megatron.core.datasets.indexed_dataset")
+    manifest = json.loads((packed["megatron"] / "manifest.json").read_text())
+    expected = parquet_packs(packed["parquet"])
+    got = []
+    for shard in manifest["shards"]:
+        prefix = str(packed["megatron"] / shard["file"].removesuffix(".bin"))
+        tokens = indexed.IndexedDataset(prefix)
+        labels = indexed.IndexedDataset(prefix + ".labels")
+        docs = tokens.document_indices
+        assert len(docs) == shard["rows"] + 1 and np.array_equal(docs, labels.document_indices)
+        for p in range(len(docs) - 1):
+            sequences = tokens[int(docs[p]):int(docs[p + 1])]
+            got.append((np.concatenate(sequences),
+                        np.concatenate(labels[int(docs[p]):int(docs[p + 1])]),
+                        np.array(tokens.sequence_lengths[docs[p]:docs[p + 1]])))  # a copy: the
+            # index is unmapped when the dataset goes
+            for s in sequences:  # each sequence is one document (or piece), in order
+                assert np.array_equal(s, s[0] + np.arange(len(s))) and s[0] // STRIDE >= 0
+    assert len(got) == len(expected)
+    for (t, lab, n), (et, elab, en) in zip(got, expected):
+        assert np.array_equal(t, et) and np.array_equal(lab, elab) and np.array_equal(n, en)
+        assert np.array_equal(lab, t + LABEL_OFFSET)
+
+
+def test_mds_streaming_dataset_reads_every_pack(packed, tmp_path, monkeypatch):
+    streaming = consumer("streaming")
+    monkeypatch.chdir(tmp_path)
+    dataset = streaming.StreamingDataset(local=str(packed["mds"]), shuffle=False,
+                                         batch_size=1, replication=None)
+    expected = parquet_packs(packed["parquet"])
+    assert len(dataset) == len(expected)
+    for p, (t, lab, n) in enumerate(expected):
+        sample = dataset[p]
+        assert np.array_equal(sample["input_ids"], t)
+        assert np.array_equal(sample["labels"], lab)
+        assert np.array_equal(sample["seq_lengths"], n)
+        assert sample["position_ids"].dtype == np.int32
+        assert np.array_equal(sample["position_ids"],
+                              np.concatenate([np.arange(k) for k in n]))
+    assert [s["input_ids"].tolist() for s in dataset][:3] == [t.tolist() for t, _, _ in
+                                                              expected[:3]]
+
+
+def test_an_mds_shard_is_what_mdswriter_writes(packed, tmp_path):
+    # mosaicml-streaming's own writer, given each shard's packs as samples, writes the
+    # same bytes (fastpack writes them without it).
+    consumer("streaming")
+    from streaming import MDSWriter
+
+    manifest = json.loads((packed["mds"] / "manifest.json").read_text())
+    expected = parquet_packs(packed["parquet"])
+    first = 0
+    for k, shard in enumerate(manifest["shards"]):
+        columns = {c: "ndarray:int32" for c in ("input_ids", "labels", "position_ids",
+                                                "seq_lengths")}
+        with MDSWriter(columns=columns, out=str(tmp_path / str(k)), size_limit=None) as w:
+            for t, lab, n in expected[first:first + shard["rows"]]:
+                w.write({"input_ids": t.astype(np.int32), "labels": lab.astype(np.int32),
+                         "seq_lengths": n.astype(np.int32), "position_ids": np.concatenate(
+                             [np.arange(m, dtype=np.int32) for m in n])})
+        first += shard["rows"]
+        assert (tmp_path / str(k) / "shard.00000.mds").read_bytes() == \
+            (packed["mds"] / shard["file"]).read_bytes()
+    assert first == len(expected)
+
+
+@pytest.mark.parametrize("fmt", ["megatron", "mds"])
+def test_the_bytes_do_not_depend_on_the_gather_passes(packed, tmp_path, fmt):
+    # A tight memory budget gathers in several passes (spilled, or read again per pass):
+    # every file the same bytes as one pass.
+    paths = sorted(str(p) for p in packed["parquet"].parent.iterdir()
+                   if p.suffix in (".parquet", ".jsonl"))
+    for spill in (True, False):
+        out = tmp_path / f"{fmt}-{spill}"
+        report = pack_corpus(paths, out, PackSettings(format=fmt, **OPTIONS), memory=1500,
+                             spill=spill, quiet=True, plot=False)
+        assert report["passes"] > 1
+        for f in packed[fmt].iterdir():
+            if f.name != "report.json":
+                assert (out / f.name).read_bytes() == f.read_bytes(), f.name
+
+
+def test_an_interrupted_run_resumes_in_its_format(packed, tmp_path):
+    # A shard whose .idx is gone is written again; the others are kept.
+    paths = sorted(str(p) for p in packed["parquet"].parent.iterdir()
+                   if p.suffix in (".parquet", ".jsonl"))
+    out = tmp_path / "resumed"
+    settings = PackSettings(format="megatron", **OPTIONS)
+    pack_corpus(paths, out, settings, quiet=True, plot=False)
+    manifest = json.loads((out / "manifest.json").read_text())
+    # Make it an interrupted run: state, journal, no manifest, one shard's part missing.
+    (out / ".fastpack").mkdir()
+    (out / ".fastpack" / "state.json").write_text(json.dumps({
+        "format": "fastpack-packed/1", "settings": settings.to_json(),
+        "inputs": manifest["inputs"]}))
+    (out / ".fastpack" / "journal.jsonl").write_text("".join(
+        json.dumps({"shard": i, **s}) + "\n" for i, s in enumerate(manifest["shards"])))
+    (out / "manifest.json").unlink()
+    (out / "shard-00001-of-00005.labels.idx").unlink()
+    pack_corpus(paths, out, settings, resume=True, quiet=True, plot=False)
+    for f in packed["megatron"].iterdir():
+        if f.name != "report.json":
+            assert (out / f.name).read_bytes() == f.read_bytes(), f.name
+
+
+def test_a_format_name_is_checked(tmp_path):
+    with pytest.raises(FastpackError, match="format: got 'csv'; expected one of parquet"):
+        PackSettings(64, format="csv")
+    from click.testing import CliRunner
+
+    from fastpack.cli import main
+
+    result = CliRunner().invoke(main, ["pack", "x.parquet", "-o", str(tmp_path / "o"),
+                                       "--max-len", "8", "--format", "csv"])
+    assert result.exit_code == 2 and "--format" in result.output
+    paths, _ = corpus(tmp_path, [[5, 9, 3]], ["a.parquet"])
+    result = CliRunner().invoke(main, ["pack", *paths, "-o", str(tmp_path / "m"), "--max-len",
+                                       "16", "--format", "megatron", "-q", "--no-plot"])
+    assert result.exit_code == 0, result.output
+    assert "in 1 megatron shard" in result.output
+    assert (tmp_path / "m" / "shard-00000-of-00001.idx").exists()
+
+
+def test_datatrove_pipeline_packs_its_tokenizer_output(tmp_path):
+    consumer("datatrove")
+    tokenizers = pytest.importorskip("tokenizers")
+    from datatrove.data import Document
+    from datatrove.executor import LocalPipelineExecutor
+    from datatrove.pipeline.tokens import DocumentTokenizer
+
+    from fastpack.datatrove import PackTokenized
+
+    rng = np.random.default_rng(0)
+    words = [f"w{i}" for i in range(50)]
+    texts = [" ".join(rng.choice(words, rng.integers(1, 40))) for _ in range(120)]
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.train_from_iterator(texts, tokenizers.trainers.WordLevelTrainer(
+        special_tokens=["[UNK]"]))
+    tok.save(str(tmp_path / "tokenizer.json"))
+
+    def reader(data, rank=0, world_size=1):
+        for i in range(rank, len(texts), world_size):
+            yield Document(text=texts[i], id=str(i))
+
+    tokenize = LocalPipelineExecutor(
+        [reader, DocumentTokenizer(str(tmp_path / "tok"), str(tmp_path / "tokenizer.json"),
+                                   shuffle_documents=False)],
+        tasks=2, workers=1, logging_dir=str(tmp_path / "logs-tok"))
+    pack = LocalPipelineExecutor(
+        [PackTokenized(tmp_path / "tok", tmp_path / "packed", max_len=48, format="megatron",
+                       overlong="split")],
+        tasks=1, workers=1, logging_dir=str(tmp_path / "logs-pack"), depends=tokenize)
+    pack.run()
+
+    indexed = consumer("megatron.core.datasets.indexed_dataset")
+    # Every tokenized document is in the packs once: the sequences of the indexed
+    # datasets, joined per document, are the .ds files' documents.
+    documents = []
+    for ds in sorted((tmp_path / "tok").glob("*.ds")):
+        values = np.fromfile(ds, dtype="<u2")
+        ends = np.fromfile(str(ds) + ".index", dtype="<u8").astype(np.int64)
+        documents += [tuple(d) for d in np.split(values, ends[:-1])]
+    assert len(documents) == len(texts)
+    expected = sorted(tuple(int(t) for t in tok.encode(s).ids) for s in texts)
+    assert sorted(documents) == expected
+    manifest = json.loads((tmp_path / "packed" / "manifest.json").read_text())
+    sequences = []
+    for shard in manifest["shards"]:
+        data = indexed.IndexedDataset(str(tmp_path / "packed" / shard["file"][:-4]))
+        assert data.index.dtype == np.int32
+        sequences += [tuple(int(t) for t in data[s]) for s in range(len(data))]
+        assert (np.add.reduceat(data.sequence_lengths, data.document_indices[:-1]) <= 48).all()
+    # pieces of documents over the cap are joined back in order of their tokens
+    assert sum(map(len, sequences)) == sum(map(len, documents))
+    assert sorted(s for s in sequences if len(s) < 48) == sorted(
+        d for d in documents if len(d) < 48)
+    report = json.loads((tmp_path / "packed" / "report.json").read_text())
+    assert report["documents"] == len(texts)
+
+
+def test_the_datatrove_step_refuses_a_folder_without_tokens(tmp_path):
+    consumer("datatrove")
+    from fastpack.datatrove import PackTokenized
+
+    with pytest.raises(FastpackError, match="holds no .ds file"):
+        list(PackTokenized(tmp_path, tmp_path / "o", max_len=8).run())
+    with pytest.raises(FastpackError, match="format: got 'csv'"):
+        PackTokenized(tmp_path, tmp_path / "o", max_len=8, format="csv")
+
+
+def test_megatron_refuses_what_its_index_cannot_hold():
+    from fastpack._offline.formats import _megatron_dtype
+
+    with pytest.raises(FastpackError, match="column 'x' holds uint32"):
+        _megatron_dtype(np.dtype(np.uint32), "x")
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 2**31 - 1), max_size=20), max_size=30))
+def test_the_tokenize_pass_makes_the_arrow_array_of_its_ids(lists):
+    # --text-column's ids go to Arrow through numpy (pa.array on Python ints is the slow
+    # part of the pass): the same array, empty documents and batches included.
+    from fastpack._offline.scan import id_lists
+
+    assert id_lists(lists).equals(pa.array(lists, type=pa.list_(pa.int32())))
