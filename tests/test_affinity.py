@@ -265,3 +265,33 @@ def test_keys_from_json_lines_integers_or_strings(tmp_path: Path) -> None:
     sources = expand_inputs([str(path)])
     np.testing.assert_array_equal(read_keys(sources, "n"), [7, 2])
     np.testing.assert_array_equal(read_keys(sources, "d"), fastpack.affinity_keys(["x.org", "y"]))
+
+
+def test_cli_affinity_shard_jobs_write_one_jobs_bytes(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+    from corpus import shard_bytes
+
+    from fastpack.cli import main
+
+    paths, _, _ = _corpus_with_keys(tmp_path)
+    args = [*paths, "--max-len", "256", "--affinity-column", "domain", "--shard-rows", "9",
+            "--no-plot", "-q"]
+    run = CliRunner().invoke
+    assert run(main, ["pack", *args, "-o", str(tmp_path / "one")]).exit_code == 0
+    for i in (1, 0):
+        result = run(main, ["pack", *args, "-o", str(tmp_path / "split"), "--shard", f"{i}/2"])
+        assert result.exit_code == 0, result.output
+    result = run(main, ["pack", "-o", str(tmp_path / "split"), "--finalize", "--no-plot"])
+    assert result.exit_code == 0, result.output
+    assert shard_bytes(tmp_path / "split") == shard_bytes(tmp_path / "one")
+    reports = [json.loads((tmp_path / d / "report.json").read_text()) for d in ("one", "split")]
+    assert reports[0]["affinity"] == reports[1]["affinity"]
+    # A mixture decides which documents are packed: not combined with keys yet.
+    mix = tmp_path / "mix.yaml"
+    mix.write_text("step_tokens: 4096\nsources:\n"
+                   + "".join(f"  - {{name: s{i}, paths: [{p}], weight: 1}}\n"
+                             for i, p in enumerate(paths)))
+    result = run(main, ["pack", "-o", str(tmp_path / "m"), "--max-len", "256",
+                        "--affinity-column", "domain", "--mix", str(mix)])
+    assert result.exit_code == 2, result.output
+    assert "--affinity-column: affinity_column: not supported with a mixture" in result.output
