@@ -295,3 +295,6 @@ def test_cli_affinity_shard_jobs_write_one_jobs_bytes(tmp_path: Path) -> None:
                         "--affinity-column", "domain", "--mix", str(mix)])
     assert result.exit_code == 2, result.output
     assert "--affinity-column: affinity_column: not supported with a mixture" in result.output
+    result = run(main, ["pack", *paths, "-o", str(tmp_path / "r"), "--max-len", "256",
+                        "--affinity-column", "domain", "--ray", "local"])
+    assert result.exit_code == 2 and "not on Ray yet" in result.output, result.output

@@ -312,8 +312,6 @@ def pack(inputs: Sequence[str], outdir: str, max_len: int | None, column: str, q
             affinity_column=affinity_column)
     except FastpackError as e:
         _fail(_flagged(e))
-    if affinity_column is not None and ray_address is not None:
-        _fail(FastpackError("--affinity-column is not supported with --ray-address yet"))
     try:
         budget = None if memory == "auto" else parse_size(memory)
         if ray_address is not None:
