@@ -116,6 +116,8 @@ class PackSettings(WithOptions):
     #: A mixture of sources by tokens (``fastpack.Mixture.to_json()``; ``--mix``): the
     #: inputs are its sources' files, and it decides which documents the output holds.
     mix: dict[str, Any] | None = None
+    #: The column of each document's key (``fastpack.pack(..., affinity=keys)``), or None.
+    affinity_column: str | None = None
 
     def __init__(
         self,
@@ -130,6 +132,7 @@ class PackSettings(WithOptions):
         plan_shards: int = 1,
         format: str = "parquet",
         mix: dict[str, Any] | None = None,
+        affinity_column: str | None = None,
         **kwargs: Unpack[PackArgs],
     ) -> None:
         made = resolve(PackSettings, options, max_len, kwargs, refuse=REFUSED)
@@ -142,7 +145,19 @@ class PackSettings(WithOptions):
             "plan_shards": _int_arg("plan_shards", plan_shards, minimum=1),
             "format": check_format(format),
             "mix": _checked_mix(mix, made, plan_shards),
+            "affinity_column": affinity_column,
         }
+        if affinity_column is not None:
+            from .._affinity import check_options
+
+            try:
+                check_options(made)
+            except FastpackError as e:
+                raise FastpackError(
+                    "affinity_column: " + str(e).removeprefix("affinity: ")) from None
+            if mix is not None:
+                raise FastpackError("affinity_column: not supported with a mixture (mix) "
+                                    "yet; pack without one of them")
         for name, value in values.items():
             object.__setattr__(self, name, value)
 
@@ -170,6 +185,8 @@ class PackSettings(WithOptions):
             del values["format"]  # the settings of a parquet run keep their bytes
         if self.mix is None:
             del values["mix"]  # a run without a mixture records what it always did
+        if self.affinity_column is None:
+            del values["affinity_column"]  # the settings of a run without keys, unchanged
         ordered = {name: values.pop(name) for name in _ORDER}
         return {**ordered, **values}
 
