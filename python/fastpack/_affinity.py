@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -20,7 +20,20 @@ from ._errors import FastpackError, FastpackTypeError
 
 if TYPE_CHECKING:
     from ._options import PackOptions
-    from ._plan import Plan
+
+
+
+class PlanArrays(Protocol):
+    """What :func:`measure_affinity` reads of a :class:`fastpack.Plan` (a protocol, so this
+    module does not import ``_plan``, which imports it)."""
+
+    @property
+    def sample_ids(self) -> np.ndarray: ...
+    @property
+    def seqlens(self) -> np.ndarray: ...
+    @property
+    def pack_offsets(self) -> np.ndarray: ...
+
 
 __all__ = ["Affinity", "as_keys", "check_options", "affinity_keys", "measure_affinity"]
 
@@ -121,7 +134,7 @@ def pack_affinity(array: np.ndarray, keys: Any, opts: PackOptions,
     )
 
 
-def measure_affinity(plan: Plan, keys: Any) -> Affinity:
+def measure_affinity(plan: PlanArrays, keys: Any) -> Affinity:
     """How related the packs of any ``plan`` are under ``keys`` (one per input sequence of
     the plan): the same measure ``pack(..., affinity=keys)`` reports, for comparing with a
     plan made without keys.
