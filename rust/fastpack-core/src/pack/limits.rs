@@ -56,7 +56,7 @@ use crate::memory::{self, Slots};
 use crate::plan::{Overlong, PackOptions, Strategy};
 
 use super::histogram::Histogram;
-use super::placement::RoomSet;
+use super::placement::{PackCounts, RoomSet};
 
 /// Budgets besides tokens a plan can have.
 pub const MAX_LIMITS: usize = 4;
@@ -251,19 +251,22 @@ pub(crate) fn screen<L: Length>(
 pub(crate) struct NeedWords {
     /// Words per item: 1 (packed) or the number of budgets.
     pub words: usize,
-    /// Packed: each budget's first bit (its bits: those of its cap).
+    /// Packed: each budget's first bit and its mask (its bits: those of its cap).
     shift: [u32; MAX_LIMITS],
+    mask: [u32; MAX_LIMITS],
 }
 
 impl NeedWords {
     pub(crate) fn new(limits: &[Limit<'_>]) -> Self {
-        let mut shift = [0u32; MAX_LIMITS];
+        let (mut shift, mut mask) = ([0u32; MAX_LIMITS], [0u32; MAX_LIMITS]);
         let mut bits = 0u32;
         for (d, l) in limits.iter().enumerate() {
+            let width = 64 - l.cap.leading_zeros();
             shift[d] = bits;
-            bits += 64 - l.cap.leading_zeros();
+            mask[d] = ((1u64 << width.min(32)) - 1) as u32;
+            bits += width;
         }
-        Self { words: if bits <= 32 { 1 } else { limits.len() }, shift }
+        Self { words: if bits <= 32 { 1 } else { limits.len() }, shift, mask }
     }
 
     fn packed(&self) -> bool {
@@ -290,10 +293,9 @@ impl NeedWords {
     fn read<const K: usize>(&self, needs: &[u32], pos: usize) -> [u32; K] {
         let mut n = [0u32; K];
         if self.packed() {
-            let word = needs[pos] as u64;
+            let word = needs[pos];
             for (d, v) in n.iter_mut().enumerate() {
-                let end = if d + 1 < K { self.shift[d + 1] } else { 32 };
-                *v = ((word >> self.shift[d]) & ((1 << (end - self.shift[d])) - 1)) as u32;
+                *v = (word >> self.shift[d]) & self.mask[d];
             }
         } else {
             n.copy_from_slice(&needs[pos * K..pos * K + K]);
@@ -345,15 +347,44 @@ impl<'a> Needs<'a> {
 
 /// A bucket's placement under several budgets: per shard, its runs in sorted-position
 /// order (`(pack, items)`: the next `items` positions of the current length go to `pack`,
-/// packs numbered from 0 in the shard), each shard's packs, and each budget's use.
+/// packs numbered from 0 in the shard) and its packs' segments and tokens; each budget's
+/// use.
 pub(crate) struct LimitedRuns {
-    pub runs: Vec<Vec<(u32, u32)>>,
-    pub shard_packs: Vec<u32>,
+    pub shards: Vec<ShardRuns>,
     /// Per budget: (sum, fullest pack) over every pack of the bucket.
     pub used: Vec<(u64, u64)>,
 }
 
+/// One shard's runs, and each of its packs' segments and tokens.
+pub(crate) struct ShardRuns {
+    runs: Vec<(u32, u32)>,
+    segments: Vec<u32>,
+    fills: Vec<u32>,
+}
+
 impl LimitedRuns {
+    /// Each pack's segments and (when asked) tokens, shard after shard, after `full`
+    /// full-piece packs: what [`Placement::count`] counts by replaying the runs, counted
+    /// as they were placed.
+    pub(crate) fn counts(&self, full: usize, fills: bool, max_len: u32) -> Result<PackCounts> {
+        let packs = full + self.shards.iter().map(|s| s.segments.len()).sum::<usize>();
+        let mut segments = memory::try_with_capacity::<u32>(packs, "pack counts")?;
+        let mut all_fills =
+            memory::try_with_capacity::<u32>(if fills { packs } else { 0 }, "pack fills")?;
+        segments.resize(full, 1);
+        if fills {
+            all_fills.resize(full, max_len);
+        }
+        for s in &self.shards {
+            segments.extend_from_slice(&s.segments);
+            if fills {
+                all_fills.extend_from_slice(&s.fills);
+            }
+        }
+        let shard_packs = self.shards.iter().map(|s| s.segments.len()).collect();
+        Ok(PackCounts { packs, segments, fills: all_fills, shard_packs })
+    }
+
     /// Replays shard `shard`: `emit(pack, first sorted position, count, len)` for each run
     /// of consecutive positions in one pack, in placement order.
     pub(crate) fn run(
@@ -363,7 +394,7 @@ impl LimitedRuns {
         range: impl Fn(u32) -> (usize, usize),
         emit: &mut dyn FnMut(u32, usize, usize, u32),
     ) -> u32 {
-        let mut runs = self.runs[shard].iter();
+        let mut runs = self.shards[shard].runs.iter();
         for &len in lens {
             let (mut pos, count) = range(len);
             let end = pos + count;
@@ -373,7 +404,7 @@ impl LimitedRuns {
                 pos += k as usize;
             }
         }
-        self.shard_packs[shard]
+        self.shards[shard].segments.len() as u32
     }
 }
 
@@ -430,22 +461,20 @@ fn place_k<const K: usize, const L: usize>(
         })
         .collect();
     let mut runs = Vec::with_capacity(shards);
-    let mut shard_packs = Vec::with_capacity(shards);
     let mut used = vec![(0u64, 0u64); K];
     for r in placed {
-        let (shard_runs, packs, f) = r?;
+        let (shard_runs, f) = r?;
         runs.push(shard_runs);
-        shard_packs.push(packs);
         for d in 0..K {
             used[d].0 += f[d].0;
             used[d].1 = used[d].1.max(f[d].1);
         }
     }
-    Ok(LimitedRuns { runs, shard_packs, used })
+    Ok(LimitedRuns { shards: runs, used })
 }
 
-/// A shard's runs, its packs and, per budget, (sum, fullest pack).
-type Placed<const K: usize> = (Vec<(u32, u32)>, u32, [(u64, u64); K]);
+/// A shard's runs and, per budget, (sum, fullest pack).
+type Placed<const K: usize> = (ShardRuns, [(u64, u64); K]);
 
 /// One shard under the rule `fit`, in runs (see the module docs): the first item of a run
 /// goes where the rule puts it, the next items of its length follow it into that pack
@@ -456,7 +485,7 @@ fn place_shard<const K: usize, F: Fit<K>>(
     positions: &impl Fn(u32) -> (usize, usize),
     need: &impl Fn(usize) -> [u32; K],
 ) -> Result<Placed<K>> {
-    let mut runs = Vec::new();
+    let mut out = ShardRuns { runs: Vec::new(), segments: Vec::new(), fills: Vec::new() };
     for &len in &hist.present {
         let (first, count) = positions(len);
         let (mut pos, end) = (first, first + count);
@@ -464,7 +493,11 @@ fn place_shard<const K: usize, F: Fit<K>>(
             let mut n = need(pos);
             let (pack, mut room, mut left) = match fit.take(len, &n) {
                 Some(taken) => taken,
-                None => fit.open()?,
+                None => {
+                    memory::try_push(&mut out.segments, 0, "pack counts")?;
+                    memory::try_push(&mut out.fills, 0, "pack fills")?;
+                    fit.open()?
+                }
             };
             let start = pos;
             loop {
@@ -479,11 +512,14 @@ fn place_shard<const K: usize, F: Fit<K>>(
                     break;
                 }
             }
-            memory::try_push(&mut runs, (pack, (pos - start) as u32), "the placement")?;
+            let k = (pos - start) as u32;
+            memory::try_push(&mut out.runs, (pack, k), "the placement")?;
+            out.segments[pack as usize] += k;
+            out.fills[pack as usize] += k * len;
             fit.put(pack, room, left)?;
         }
     }
-    Ok((runs, fit.packs(), fit.used()))
+    Ok((out, fit.used()))
 }
 
 #[inline(always)]
@@ -525,7 +561,6 @@ trait Fit<const K: usize> {
     fn open(&mut self) -> Result<(u32, u32, [u32; K])>;
     /// Puts a taken pack back with its rooms.
     fn put(&mut self, pack: u32, room: u32, left: [u32; K]) -> Result<()>;
-    fn packs(&self) -> u32;
     /// Per budget: (sum, fullest pack) over the packs.
     fn used(&self) -> [(u64, u64); K];
 }
@@ -720,10 +755,6 @@ impl<const K: usize> Fit<K> for BestFit<K> {
         Ok(())
     }
 
-    fn packs(&self) -> u32 {
-        self.packs
-    }
-
     fn used(&self) -> [(u64, u64); K] {
         let mut out = self.closed;
         for entry in self.lists.iter().flatten() {
@@ -824,10 +855,6 @@ impl<const K: usize, const L: usize> Fit<K> for FirstFit<K, L> {
         lanes[1..].copy_from_slice(&left);
         self.set(pack as usize, lanes);
         Ok(())
-    }
-
-    fn packs(&self) -> u32 {
-        self.packs
     }
 
     fn used(&self) -> [(u64, u64); K] {

@@ -368,6 +368,9 @@ impl<'h> Placement<'h> {
     /// `fills` is set; `full` full-piece packs (one segment of `max_len`) come first.
     pub(crate) fn count(&self, full: usize, fills: bool) -> Result<PackCounts> {
         let max_len = self.max_len;
+        if let Some(limited) = self.limited {
+            return limited.counts(full, fills, max_len);
+        }
         let placed: Vec<Result<(Vec<u32>, Vec<u32>)>> = (0..self.shards)
             .into_par_iter()
             .map(|shard| {
