@@ -273,19 +273,36 @@ impl NeedWords {
         self.words == 1
     }
 
-    /// Item `id`'s needs (screened: each at most its cap, below 2^32) at position `pos`.
+    /// Writes item `id`'s needs at position `pos`: `(in bounds, every value within its
+    /// cap)`. A value out of range is written cut to 32 bits (the caller then discards
+    /// the needs and screens the values).
     #[inline(always)]
-    fn write(&self, slots: &Slots<'_, u32>, limits: &[Limit<'_>], pos: usize, id: u32) -> bool {
+    fn write(
+        &self,
+        slots: &Slots<'_, u32>,
+        limits: &[Limit<'_>],
+        pos: usize,
+        id: u32,
+    ) -> (bool, bool) {
         let id = id as usize;
+        let mut within = true;
         if self.packed() {
-            let word = limits
-                .iter()
-                .zip(&self.shift)
-                .fold(0u32, |w, (l, &s)| w | (l.values[id] as u32) << s);
-            return slots.try_set(pos, word);
+            let mut word = 0u32;
+            for (l, &s) in limits.iter().zip(&self.shift) {
+                let v = l.values[id];
+                within &= v as u64 <= l.cap;
+                word |= (v as u32) << s;
+            }
+            return (slots.try_set(pos, word), within);
         }
         let k = limits.len();
-        limits.iter().enumerate().all(|(d, l)| slots.try_set(pos * k + d, l.values[id] as u32))
+        let mut written = true;
+        for (d, l) in limits.iter().enumerate() {
+            let v = l.values[id];
+            within &= v as u64 <= l.cap;
+            written &= slots.try_set(pos * k + d, v as u32);
+        }
+        (written, within)
     }
 
     /// The needs at position `pos` of `needs`.
@@ -324,11 +341,11 @@ impl<'a> Needs<'a> {
     /// `false` if `pos` is out of the buffer (the caller changed the input meanwhile).
     #[inline(always)]
     pub(crate) fn write(&self, pos: usize, id: u32) -> bool {
-        let within = self.limits.iter().all(|l| l.values[id as usize] as u64 <= l.cap);
+        let (written, within) = self.words.write(&self.slots, self.limits, pos, id);
         if !within {
             self.out_of_range.store(true, Ordering::Relaxed);
         }
-        self.words.write(&self.slots, self.limits, pos, id)
+        written
     }
 
     /// An item the sort does not place (empty, dropped for its length, or routed to
