@@ -313,3 +313,30 @@ fn a_negative_value_is_refused_even_where_nothing_is_packed() {
     let e = pack_limited(&[40u32, 4, 4], &o, &Levels::default(), &limits).unwrap_err();
     assert!(e.to_string().contains("over the \"images\" budget"), "{e}");
 }
+
+#[test]
+fn caps_too_wide_to_share_a_word_keep_each_need_in_its_own() {
+    // 32 + 23 bits of caps: the needs are held one word per budget, not packed in one.
+    let mut x = 7u64;
+    let mut next = |m: u64| {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x % m
+    };
+    let n = 400;
+    let lengths: Vec<u32> = (0..n).map(|_| 1 + next(40) as u32).collect();
+    let caps = vec![3_000_000_000u64, 5_000_000];
+    let values: Vec<Vec<i64>> =
+        caps.iter().map(|&cap| (0..n).map(|_| next(cap / 3) as i64).collect()).collect();
+    let case = Case { lengths, values, caps, max_len: 64 };
+    for (strategy, best) in
+        [(Strategy::BestFitDecreasing, true), (Strategy::FirstFitDecreasing, false)]
+    {
+        let o = opts(case.max_len, strategy, Overlong::Drop);
+        let out = pack_limited(&case.lengths, &o, &Levels::default(), &case.limits()).unwrap();
+        check(&case, &out);
+        check_rule(&case, &out, best);
+        assert!(out.limits[0].max_used > 2_000_000_000, "the wide budget binds");
+    }
+}
