@@ -70,12 +70,16 @@ def processor():
 
 
 # ------------------------------------------------------------------ the mix
-def mix(n: int, seed: int = 0) -> dict[str, np.ndarray]:
-    """``n`` items: their token lengths (text + placeholders), vision patches, images."""
+KINDS = (0.5, 0.2, 0.1, 0.2)  # captions, multi-image documents, videos, text only
+
+
+def mix(n: int, seed: int = 0, kinds: tuple[float, ...] = KINDS) -> dict[str, np.ndarray]:
+    """``n`` items: their token lengths (text + placeholders), vision patches, images;
+    ``kinds`` the share of each kind of item (the module docs' mix by default)."""
     import fastpack.vlm as vlm
 
     rng = np.random.default_rng(seed)
-    kind = rng.choice(4, size=n, p=[0.5, 0.2, 0.1, 0.2])  # caption, multi-image, video, text
+    kind = rng.choice(4, size=n, p=list(kinds))  # caption, multi-image, video, text
     images = np.where(kind == 0, 1, np.where(kind == 1, rng.integers(2, 5, n), 0))
     shapes = np.array([(480, 640), (640, 480), (375, 500), (1080, 1920), (768, 1024),
                        (224, 224), (1024, 1024), (2048, 1536), (720, 1280), (600, 800)])

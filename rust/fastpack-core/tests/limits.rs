@@ -111,10 +111,12 @@ fn check(case: &Case, out: &TwoLevelPlan) {
 }
 
 /// Replays the plan item by item in the placement's order (tokens descending, input order
-/// within a length) and checks the rule at every item: a new pack is opened only when no
-/// open pack has room in every budget; otherwise best fit put the item in a pack of the
-/// least token room among those that have room in every budget (ties: any), first fit in
-/// the earliest opened one.
+/// within a length) and checks the rule at every item. Items of one length go in runs: an
+/// item follows the item before it (same length) into its pack while that pack has room
+/// for it in tokens and in every budget (exact needs). An item that starts a run goes to a
+/// new pack only when no open pack has room for it in every budget; otherwise best fit
+/// puts it in a pack of the least token room among those that have room (ties: any),
+/// first fit in the earliest opened one.
 fn check_rule(case: &Case, out: &TwoLevelPlan, best: bool) {
     let plan = &out.plan;
     let mut pack_of = vec![usize::MAX; case.lengths.len()];
@@ -129,28 +131,41 @@ fn check_rule(case: &Case, out: &TwoLevelPlan, best: bool) {
     // Per plan pack: (opened at, token room, budget rooms), once opened.
     let mut open: Vec<Option<(usize, u64, Vec<u64>)>> = vec![None; plan.num_packs()];
     let mut opened = 0;
+    // The item before, in placement order: (its length, its pack).
+    let mut before: Option<(u32, usize)> = None;
     for &i in &items {
         let len = case.lengths[i] as u64;
         let fits = |p: &(usize, u64, Vec<u64>)| {
             p.1 >= len && case.values.iter().zip(&p.2).all(|(v, &room)| v[i] as u64 <= room)
         };
-        let feasible: Vec<(usize, u64)> =
-            open.iter().flatten().filter(|p| fits(p)).map(|p| (p.0, p.1)).collect();
         let q = pack_of[i];
-        match &open[q] {
-            None => {
-                assert!(feasible.is_empty(), "item {i} opened a pack while {feasible:?} had room");
-                open[q] = Some((opened, case.max_len, case.caps.clone()));
-                opened += 1;
-            }
-            Some(p) => {
-                assert!(fits(p), "item {i} went to a pack without room");
-                if best {
-                    let least = feasible.iter().map(|f| f.1).min().unwrap();
-                    assert_eq!(p.1, least, "item {i}: not the least token room");
-                } else {
-                    let first = feasible.iter().map(|f| f.0).min().unwrap();
-                    assert_eq!(p.0, first, "item {i}: not the first pack with room");
+        let follows = match before {
+            Some((l, p)) if l == case.lengths[i] => open[p].as_ref().filter(|o| fits(o)).map(|_| p),
+            _ => None,
+        };
+        if let Some(p) = follows {
+            assert_eq!(q, p, "item {i}: its run's pack had room, yet it went elsewhere");
+        } else {
+            let feasible: Vec<(usize, u64)> =
+                open.iter().flatten().filter(|p| fits(p)).map(|p| (p.0, p.1)).collect();
+            match &open[q] {
+                None => {
+                    assert!(
+                        feasible.is_empty(),
+                        "item {i} opened a pack while {feasible:?} had room"
+                    );
+                    open[q] = Some((opened, case.max_len, case.caps.clone()));
+                    opened += 1;
+                }
+                Some(p) => {
+                    assert!(fits(p), "item {i} went to a pack without room");
+                    if best {
+                        let least = feasible.iter().map(|f| f.1).min().unwrap();
+                        assert_eq!(p.1, least, "item {i}: not the least token room");
+                    } else {
+                        let first = feasible.iter().map(|f| f.0).min().unwrap();
+                        assert_eq!(p.0, first, "item {i}: not the first pack with room");
+                    }
                 }
             }
         }
@@ -159,6 +174,7 @@ fn check_rule(case: &Case, out: &TwoLevelPlan, best: bool) {
         for (room, v) in p.2.iter_mut().zip(&case.values) {
             *room -= v[i] as u64;
         }
+        before = Some((case.lengths[i], q));
     }
 }
 
@@ -277,4 +293,50 @@ fn an_item_over_a_budget_is_refused_naming_it() {
     assert!(matches!(e, Error::InvalidArgument { arg: "limits", .. }), "{e}");
     let next_fit = opts(16, Strategy::NextFit, Overlong::Drop);
     assert!(pack_limited(&[4u32, 4, 4], &next_fit, &Levels::default(), &limits).is_err());
+}
+
+#[test]
+fn a_negative_value_is_refused_even_where_nothing_is_packed() {
+    // The values are checked as the sort reads them; an empty item and one dropped for
+    // its length are not sorted, yet a negative value there is still the caller's error.
+    for lengths in [[0u32, 4, 4], [40, 4, 4]] {
+        let images = [-1i64, 1, 1];
+        let limits = [Limit { name: "images", values: &images, cap: 2 }];
+        let o = opts(16, Strategy::BestFitDecreasing, Overlong::Drop);
+        let e = pack_limited(&lengths, &o, &Levels::default(), &limits).unwrap_err();
+        assert!(e.to_string().contains("negative value -1 at index 0"), "{e}");
+    }
+    // An item over a budget and over max_len: refused for the budget (checked first).
+    let images = [3i64, 1, 1];
+    let limits = [Limit { name: "images", values: &images, cap: 2 }];
+    let o = opts(16, Strategy::BestFitDecreasing, Overlong::Error);
+    let e = pack_limited(&[40u32, 4, 4], &o, &Levels::default(), &limits).unwrap_err();
+    assert!(e.to_string().contains("over the \"images\" budget"), "{e}");
+}
+
+#[test]
+fn caps_too_wide_to_share_a_word_keep_each_need_in_its_own() {
+    // 32 + 23 bits of caps: the needs are held one word per budget, not packed in one.
+    let mut x = 7u64;
+    let mut next = |m: u64| {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x % m
+    };
+    let n = 400;
+    let lengths: Vec<u32> = (0..n).map(|_| 1 + next(40) as u32).collect();
+    let caps = vec![3_000_000_000u64, 5_000_000];
+    let values: Vec<Vec<i64>> =
+        caps.iter().map(|&cap| (0..n).map(|_| next(cap / 3) as i64).collect()).collect();
+    let case = Case { lengths, values, caps, max_len: 64 };
+    for (strategy, best) in
+        [(Strategy::BestFitDecreasing, true), (Strategy::FirstFitDecreasing, false)]
+    {
+        let o = opts(case.max_len, strategy, Overlong::Drop);
+        let out = pack_limited(&case.lengths, &o, &Levels::default(), &case.limits()).unwrap();
+        check(&case, &out);
+        check_rule(&case, &out, best);
+        assert!(out.limits[0].max_used > 2_000_000_000, "the wide budget binds");
+    }
 }

@@ -9,7 +9,7 @@ use crate::memory::{self, Cursors, Slots};
 use crate::plan::MAX_ITEMS;
 
 use super::classify::{Class, Rules, Tally};
-use super::placement::PackCounts;
+use super::counts::PackCounts;
 use super::{slot_word, Input};
 
 /// Emits `(pack, id, start, len)` in input order, until `emit` returns false; returns how

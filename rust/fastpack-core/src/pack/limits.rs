@@ -2,18 +2,33 @@
 //! patches, images, frames, ...), each with its own per-item values and per-pack cap.
 //!
 //! The fit strategies keep their order — items sorted by tokens, longest first, each
-//! length in input order — and their rule on tokens, restricted to the packs whose every
-//! other budget still has room for the item: best fit takes the pack with the least token
-//! room, first fit the lowest-numbered one. An item is never cut (an image is never
-//! split); one over any budget follows `overlong` (`"error"` or `"drop"`, counted).
+//! length in input order — and place the items of one length in **runs**, as the
+//! one-budget placement does:
 //!
-//! Unlike the one-budget placement, items of one length are not interchangeable here, so
-//! the placement reads every item's needs — written at its sorted position by the
-//! counting sort, read here in order — and runs once, after the sort, recording each
-//! position's pack; the layout and the replay read those. Consecutive items of one
-//! length with identical needs go to one pack while it has room: the pack that best fits
-//! the first stays the best fit for an identical next one (the packs that could not take
-//! the first cannot take it either), so the per-item rule stays exact.
+//! - an item *starts a run* in the pack the strategy's rule picks among the packs with
+//!   room for it in tokens and in every other budget (its exact needs): best fit the one
+//!   with the least token room, first fit the lowest-numbered one; a new pack when none
+//!   has room;
+//! - the next item of the same length *follows it* into that pack while the pack has
+//!   room for it in tokens and in every budget; the first one that does not fit starts a
+//!   new run.
+//!
+//! Every room goes down by the exact needs placed, so no pack is ever over a cap. An item
+//! that starts a run is placed exactly as the per-item rule places it; one that follows
+//! may skip a pack of less token room (one the run's first item had no room for in a
+//! budget, but it has). That relaxation is what makes a run one index operation instead
+//! of one per item: needs are nearly unique per item (patches), so the per-item rule made
+//! about 9 searches per 10 items, runs make about 4 (bench_vlm's mix at 10^6 items), for
+//! packs within 0.05% of the per-item rule's (`benches/results/vlm_budgets.md`). With no
+//! budget binding, runs are exactly the one-budget placement's.
+//!
+//! An item is never cut (an image is never split); one over any budget follows
+//! `overlong` (`"error"` or `"drop"`, counted).
+//!
+//! The placement reads every item's needs — written at its sorted position by the
+//! counting sort (one packed word per item when the caps' bits fit in 32), read here in
+//! order — and runs once, after the sort, recording its runs; the layout and the replay
+//! read those.
 //!
 //! **Best fit**: the rooms that have a pack (the one-budget placement's bitset tree) give
 //! the least token room `>= len`, whose list usually holds a pack with room in every
@@ -31,6 +46,8 @@
 //! The placement is deterministic and depends on the data only (shards as for one
 //! budget), never on the thread count.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use rayon::prelude::*;
 
 use crate::error::{Error, Result};
@@ -38,6 +55,7 @@ use crate::length::Length;
 use crate::memory::{self, Slots};
 use crate::plan::{Overlong, PackOptions, Strategy};
 
+use super::counts::PackCounts;
 use super::histogram::Histogram;
 use super::room_set::RoomSet;
 
@@ -149,6 +167,14 @@ pub(crate) fn screen<L: Length>(
         .into_par_iter()
         .map(|c| {
             let (lo, hi) = (c * CHUNK, ((c + 1) * CHUNK).min(lengths.len()));
+            // The common case first, in one vectorized pass per budget: no value negative
+            // (huge as u64) or over its cap.
+            let within = |l: &Limit<'_>| {
+                l.values[lo..hi].iter().fold(0u64, |m, &v| m.max(v as u64)) <= l.cap
+            };
+            if limits.iter().all(within) {
+                return (None, None, 0);
+            }
             let (mut negative, mut over, mut count) = (None, None, 0u64);
             for (i, len) in lengths.iter().enumerate().take(hi).skip(lo) {
                 let mut is_over = false;
@@ -219,39 +245,164 @@ pub(crate) fn screen<L: Length>(
     Ok(Screened { kept: Some((kept_lengths, kept_ids)), dropped_sequences, dropped_tokens })
 }
 
-/// Writes each item's needs at its sorted position during the counting sort: `K` values
-/// per position (the values were screened: each at most its cap, below 2^32).
+/// How an item's needs are held at its sorted position: one `u32` word when the caps'
+/// bits fit in 32 (each need in its own bits: the sort writes a quarter to a half of the
+/// bytes it would write otherwise), else one word per budget.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct NeedWords {
+    /// Words per item: 1 (packed) or the number of budgets.
+    pub words: usize,
+    /// Packed: each budget's first bit and its mask (its bits: those of its cap).
+    shift: [u32; MAX_LIMITS],
+    mask: [u32; MAX_LIMITS],
+}
+
+impl NeedWords {
+    pub(crate) fn new(limits: &[Limit<'_>]) -> Self {
+        let (mut shift, mut mask) = ([0u32; MAX_LIMITS], [0u32; MAX_LIMITS]);
+        let mut bits = 0u32;
+        for (d, l) in limits.iter().enumerate() {
+            let width = 64 - l.cap.leading_zeros();
+            shift[d] = bits;
+            mask[d] = ((1u64 << width.min(32)) - 1) as u32;
+            bits += width;
+        }
+        Self { words: if bits <= 32 { 1 } else { limits.len() }, shift, mask }
+    }
+
+    fn packed(&self) -> bool {
+        self.words == 1
+    }
+
+    /// Writes item `id`'s needs at position `pos`: `(in bounds, every value within its
+    /// cap)`. A value out of range is written cut to 32 bits (the caller then discards
+    /// the needs and screens the values).
+    #[inline(always)]
+    fn write(
+        &self,
+        slots: &Slots<'_, u32>,
+        limits: &[Limit<'_>],
+        pos: usize,
+        id: u32,
+    ) -> (bool, bool) {
+        let id = id as usize;
+        let mut within = true;
+        if self.packed() {
+            let mut word = 0u32;
+            for (l, &s) in limits.iter().zip(&self.shift) {
+                let v = l.values[id];
+                within &= v as u64 <= l.cap;
+                word |= (v as u32) << s;
+            }
+            return (slots.try_set(pos, word), within);
+        }
+        let k = limits.len();
+        let mut written = true;
+        for (d, l) in limits.iter().enumerate() {
+            let v = l.values[id];
+            within &= v as u64 <= l.cap;
+            written &= slots.try_set(pos * k + d, v as u32);
+        }
+        (written, within)
+    }
+
+    /// The needs at position `pos` of `needs`.
+    #[inline(always)]
+    fn read<const K: usize>(&self, needs: &[u32], pos: usize) -> [u32; K] {
+        let mut n = [0u32; K];
+        if self.packed() {
+            let word = needs[pos];
+            for (d, v) in n.iter_mut().enumerate() {
+                *v = (word >> self.shift[d]) & self.mask[d];
+            }
+        } else {
+            n.copy_from_slice(&needs[pos * K..pos * K + K]);
+        }
+        n
+    }
+}
+
+/// Writes each item's needs at its sorted position during the counting sort. Unless the
+/// values were screened first, it checks them as it reads them: a value negative or over
+/// its cap (of an item it sorts; negative, of one it does not) is noted, and the caller
+/// screens and packs again (the values are read once when none is).
 pub(crate) struct Needs<'a> {
     slots: Slots<'a, u32>,
     limits: &'a [Limit<'a>],
+    words: NeedWords,
+    out_of_range: AtomicBool,
 }
 
 impl<'a> Needs<'a> {
     pub(crate) fn new(buffer: &'a mut [u32], limits: &'a [Limit<'a>]) -> Self {
-        Self { slots: Slots::new(buffer), limits }
+        let words = NeedWords::new(limits);
+        Self { slots: Slots::new(buffer), limits, words, out_of_range: AtomicBool::new(false) }
     }
 
     /// `false` if `pos` is out of the buffer (the caller changed the input meanwhile).
     #[inline(always)]
     pub(crate) fn write(&self, pos: usize, id: u32) -> bool {
-        let k = self.limits.len();
-        self.limits
-            .iter()
-            .enumerate()
-            .all(|(d, l)| self.slots.try_set(pos * k + d, l.values[id as usize] as u32))
+        let (written, within) = self.words.write(&self.slots, self.limits, pos, id);
+        if !within {
+            self.out_of_range.store(true, Ordering::Relaxed);
+        }
+        written
+    }
+
+    /// An item the sort does not place (empty, dropped for its length, or routed to
+    /// another bucket): only a negative value is wrong there.
+    pub(crate) fn skipped(&self, id: u32) {
+        if self.limits.iter().any(|l| l.values[id as usize] < 0) {
+            self.out_of_range.store(true, Ordering::Relaxed);
+        }
+    }
+
+    /// Whether a value the sort read was negative or over its cap.
+    pub(crate) fn out_of_range(&self) -> bool {
+        self.out_of_range.load(Ordering::Relaxed)
     }
 }
 
-/// A bucket's placement under several budgets: the pack of every sorted position (each
-/// shard numbers its packs from 0), each shard's packs, and each budget's use.
+/// A bucket's placement under several budgets: per shard, its runs in sorted-position
+/// order (`(pack, items)`: the next `items` positions of the current length go to `pack`,
+/// packs numbered from 0 in the shard) and its packs' segments and tokens; each budget's
+/// use.
 pub(crate) struct LimitedRuns {
-    pub pack_of: Vec<u32>,
-    pub shard_packs: Vec<u32>,
+    pub shards: Vec<ShardRuns>,
     /// Per budget: (sum, fullest pack) over every pack of the bucket.
     pub used: Vec<(u64, u64)>,
 }
 
+/// One shard's runs, and each of its packs' segments and tokens.
+pub(crate) struct ShardRuns {
+    runs: Vec<(u32, u32)>,
+    segments: Vec<u32>,
+    fills: Vec<u32>,
+}
+
 impl LimitedRuns {
+    /// Each pack's segments and (when asked) tokens, shard after shard, after `full`
+    /// full-piece packs: what [`Placement::count`] counts by replaying the runs, counted
+    /// as they were placed.
+    pub(crate) fn counts(&self, full: usize, fills: bool, max_len: u32) -> Result<PackCounts> {
+        let packs = full + self.shards.iter().map(|s| s.segments.len()).sum::<usize>();
+        let mut segments = memory::try_with_capacity::<u32>(packs, "pack counts")?;
+        let mut all_fills =
+            memory::try_with_capacity::<u32>(if fills { packs } else { 0 }, "pack fills")?;
+        segments.resize(full, 1);
+        if fills {
+            all_fills.resize(full, max_len);
+        }
+        for s in &self.shards {
+            segments.extend_from_slice(&s.segments);
+            if fills {
+                all_fills.extend_from_slice(&s.fills);
+            }
+        }
+        let shard_packs = self.shards.iter().map(|s| s.segments.len()).collect();
+        Ok(PackCounts { packs, segments, fills: all_fills, shard_packs })
+    }
+
     /// Replays shard `shard`: `emit(pack, first sorted position, count, len)` for each run
     /// of consecutive positions in one pack, in placement order.
     pub(crate) fn run(
@@ -261,22 +412,23 @@ impl LimitedRuns {
         range: impl Fn(u32) -> (usize, usize),
         emit: &mut dyn FnMut(u32, usize, usize, u32),
     ) -> u32 {
+        let mut runs = self.shards[shard].runs.iter();
         for &len in lens {
-            let (first, count) = range(len);
-            let mut pos = first;
-            while pos < first + count {
-                let pack = self.pack_of[pos];
-                let k = self.pack_of[pos..first + count].iter().take_while(|&&p| p == pack).count();
-                emit(pack, pos, k, len);
-                pos += k;
+            let (mut pos, count) = range(len);
+            let end = pos + count;
+            while pos < end {
+                let Some(&(pack, k)) = runs.next() else { break };
+                emit(pack, pos, k as usize, len);
+                pos += k as usize;
             }
         }
-        self.shard_packs[shard]
+        self.shards[shard].segments.len() as u32
     }
 }
 
 /// A best/first-fit bucket to place under `limits`: `needs` holds each sorted position's
-/// needs (`limits.len()` values each); `shards` as the one-budget placement cuts them.
+/// needs (as `NeedWords::new(limits)` lays them out); `shards` as the one-budget
+/// placement cuts them.
 pub(crate) struct Budgeted<'a> {
     pub hist: &'a Histogram,
     pub needs: &'a [u32],
@@ -307,84 +459,85 @@ fn place_k<const K: usize, const L: usize>(
     range: &(impl Fn(usize, u32) -> (usize, usize) + Sync),
 ) -> Result<LimitedRuns> {
     let Budgeted { hist, needs, limits, best, max_len, shards } = *bucket;
-    let items = needs.len() / K;
     let mut caps = [0u32; K];
     for d in 0..K {
         caps[d] = limits[d].cap as u32;
     }
-    let mut pack_of = memory::try_zeroed::<u32>(items, "the placement")?;
-    // Shards own disjoint positions (each its share of every length): the writes go
-    // through slots, each position once.
-    let placed: Vec<Result<Placed<K>>> = {
-        let slots = Slots::new(&mut pack_of);
-        let need = |pos: usize| -> [u32; K] {
-            let mut n = [0u32; K];
-            n.copy_from_slice(&needs[pos * K..pos * K + K]);
-            n
-        };
-        (0..shards)
-            .into_par_iter()
-            .map(|shard| {
-                let positions = |len: u32| range(shard, len);
-                if best {
-                    let fit = BestFit::<K>::new(max_len, caps)?;
-                    place_shard(fit, hist, &positions, &need, &slots)
-                } else {
-                    let fit = FirstFit::<K, L>::new(max_len, caps);
-                    place_shard(fit, hist, &positions, &need, &slots)
-                }
-            })
-            .collect()
-    };
-    let mut shard_packs = Vec::with_capacity(shards);
+    let words = NeedWords::new(limits);
+    let need = |pos: usize| words.read::<K>(needs, pos);
+    let placed: Vec<Result<Placed<K>>> = (0..shards)
+        .into_par_iter()
+        .map(|shard| {
+            let positions = |len: u32| range(shard, len);
+            if best {
+                let fit = BestFit::<K>::new(max_len, caps)?;
+                place_shard(fit, hist, &positions, &need)
+            } else {
+                let fit = FirstFit::<K, L>::new(max_len, caps);
+                place_shard(fit, hist, &positions, &need)
+            }
+        })
+        .collect();
+    let mut runs = Vec::with_capacity(shards);
     let mut used = vec![(0u64, 0u64); K];
     for r in placed {
-        let (packs, f) = r?;
-        shard_packs.push(packs);
+        let (shard_runs, f) = r?;
+        runs.push(shard_runs);
         for d in 0..K {
             used[d].0 += f[d].0;
             used[d].1 = used[d].1.max(f[d].1);
         }
     }
-    Ok(LimitedRuns { pack_of, shard_packs, used })
+    Ok(LimitedRuns { shards: runs, used })
 }
 
-/// A shard's packs and, per budget, (sum, fullest pack).
-type Placed<const K: usize> = (u32, [(u64, u64); K]);
+/// A shard's runs and, per budget, (sum, fullest pack).
+type Placed<const K: usize> = (ShardRuns, [(u64, u64); K]);
 
-/// One shard under the rule `fit`: each position's pack into `pack_of`; returns the
-/// shard's packs and each budget's (sum, fullest pack).
+/// One shard under the rule `fit`, in runs (see the module docs): the first item of a run
+/// goes where the rule puts it, the next items of its length follow it into that pack
+/// while they fit in every budget.
 fn place_shard<const K: usize, F: Fit<K>>(
     mut fit: F,
     hist: &Histogram,
     positions: &impl Fn(u32) -> (usize, usize),
     need: &impl Fn(usize) -> [u32; K],
-    pack_of: &Slots<'_, u32>,
-) -> Result<(u32, [(u64, u64); K])> {
+) -> Result<Placed<K>> {
+    let mut out = ShardRuns { runs: Vec::new(), segments: Vec::new(), fills: Vec::new() };
     for &len in &hist.present {
         let (first, count) = positions(len);
         let (mut pos, end) = (first, first + count);
         while pos < end {
-            let n = need(pos);
-            let (pack, room, mut left) = match fit.take(len, &n) {
+            let mut n = need(pos);
+            let (pack, mut room, mut left) = match fit.take(len, &n) {
                 Some(taken) => taken,
-                None => fit.open()?,
+                None => {
+                    memory::try_push(&mut out.segments, 0, "pack counts")?;
+                    memory::try_push(&mut out.fills, 0, "pack fills")?;
+                    fit.open()?
+                }
             };
-            let mut room = room - len;
-            sub(&mut left, &n);
-            pack_of.set(pos, pack);
-            pos += 1;
-            // A run: the pack stays the rule's choice for identical items while it has room.
-            while pos < end && room >= len && need(pos) == n && covers(&left, &n) {
+            let start = pos;
+            loop {
                 room -= len;
                 sub(&mut left, &n);
-                pack_of.set(pos, pack);
                 pos += 1;
+                if pos == end || room < len {
+                    break;
+                }
+                n = need(pos);
+                if !covers(&left, &n) {
+                    break;
+                }
             }
+            let k = (pos - start) as u32;
+            memory::try_push(&mut out.runs, (pack, k), "the placement")?;
+            out.segments[pack as usize] += k;
+            out.fills[pack as usize] += k * len;
             fit.put(pack, room, left)?;
         }
     }
-    Ok((fit.packs(), fit.used()))
+    Ok((out, fit.used()))
 }
 
 #[inline(always)]
@@ -426,7 +579,6 @@ trait Fit<const K: usize> {
     fn open(&mut self) -> Result<(u32, u32, [u32; K])>;
     /// Puts a taken pack back with its rooms.
     fn put(&mut self, pack: u32, room: u32, left: [u32; K]) -> Result<()>;
-    fn packs(&self) -> u32;
     /// Per budget: (sum, fullest pack) over the packs.
     fn used(&self) -> [(u64, u64); K];
 }
@@ -621,10 +773,6 @@ impl<const K: usize> Fit<K> for BestFit<K> {
         Ok(())
     }
 
-    fn packs(&self) -> u32 {
-        self.packs
-    }
-
     fn used(&self) -> [(u64, u64); K] {
         let mut out = self.closed;
         for entry in self.lists.iter().flatten() {
@@ -725,10 +873,6 @@ impl<const K: usize, const L: usize> Fit<K> for FirstFit<K, L> {
         lanes[1..].copy_from_slice(&left);
         self.set(pack as usize, lanes);
         Ok(())
-    }
-
-    fn packs(&self) -> u32 {
-        self.packs
     }
 
     fn used(&self) -> [(u64, u64); K] {

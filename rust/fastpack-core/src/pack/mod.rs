@@ -34,6 +34,7 @@
 
 pub(crate) mod affinity;
 mod classify;
+mod counts;
 mod groups;
 mod histogram;
 mod in_order;
@@ -54,10 +55,11 @@ use crate::two_level::{Bucket, Groups, Levels, TwoLevelPlan};
 
 pub use affinity::{measure as measure_affinity, pack_affinity, Affinity, AffinityPlan};
 use classify::Rules;
+use counts::PackCounts;
 use histogram::Histogram;
-use limits::{Limit, LimitedRuns, Needs};
+use limits::{Limit, LimitedRuns, NeedWords, Needs};
 pub use placement::best_fit_oldest;
-use placement::{PackCounts, Placement};
+use placement::Placement;
 use sort::Sorted;
 
 /// Until the unpack, a slot of `sample_ids` holds its segment's length and sample as one
@@ -237,12 +239,34 @@ pub fn pack_limited<L: Length>(
             format!("got {} sequences; at most {MAX_ITEMS} are supported", lengths.len()),
         ));
     }
+    if limits.is_empty() {
+        return Ok(pack_checked(lengths, opts, levels, limits, false)?.expect("no budgets"));
+    }
+    // Optimistic first: the sort checks the budgets' values as it reads them, so they are
+    // read once. Any value out of range (or an error before the sort: a budget's error
+    // comes first) sends the call to the screening path, which reports them as it always
+    // did.
+    if let Ok(Some(plan)) = pack_checked(lengths, opts, levels, limits, false) {
+        return Ok(plan);
+    }
+    Ok(pack_checked(lengths, opts, levels, limits, true)?.expect("screened"))
+}
+
+/// [`pack_limited`] after its checks; with budgets, either screening their values first
+/// (`screen`) or leaving them to the sort, then `None` if one was out of range.
+fn pack_checked<L: Length>(
+    lengths: &[L],
+    opts: &PackOptions,
+    levels: &Levels,
+    limits: &[Limit<'_>],
+    screen: bool,
+) -> Result<Option<TwoLevelPlan>> {
     #[cfg(feature = "trace")]
     let start = std::time::Instant::now();
 
     // Items over a budget besides tokens: refused, or dropped (counted) before packing.
-    let screened =
-        if limits.is_empty() { None } else { Some(limits::screen(lengths, limits, opts)?) };
+    let screened = if screen { Some(limits::screen(lengths, limits, opts)?) } else { None };
+    trace!(start, "screen");
     let input = match screened.as_ref().and_then(|s| s.kept.as_ref()) {
         Some((kept, ids)) => Input { lengths: kept.as_slice(), ids: Some(ids.as_slice()) },
         None => Input { lengths, ids: None },
@@ -295,26 +319,34 @@ pub fn pack_limited<L: Length>(
     // Under several budgets, each fit bucket's needs at its sorted positions (the sort
     // writes them).
     let k = limits.len();
+    let words = NeedWords::new(limits).words;
     let mut needs: Vec<Vec<u32>> = Vec::with_capacity(buckets.len());
     for b in &buckets {
-        let n = if k > 0 && b.hist.is_some() { b.items() * k } else { 0 };
+        let n = if k > 0 && b.hist.is_some() { b.items() * words } else { 0 };
         needs.push(memory::try_zeroed::<u32>(n, "the items' needs")?);
     }
-    let mut sort_all = || -> Result<Vec<Option<Sorted>>> {
+    // Also whether a value the sort read was out of range (unscreened values only).
+    let mut sort_all = || -> Result<(Vec<Option<Sorted>>, bool)> {
         let orders = std::iter::once(&mut seqlens).chain(scratch.iter_mut());
         let mut sorted = Vec::with_capacity(buckets.len());
+        let mut out_of_range = false;
         for ((bucket, order), need) in buckets.iter().zip(orders).zip(needs.iter_mut()) {
             sorted.push(match &bucket.hist {
                 Some(hist) => {
                     let max_len = bucket.rules.max_len as usize;
                     let tiles = sort::tiling(hist, max_len)?.over(order, "the sorted order")?;
                     let writer = (k > 0).then(|| Needs::new(need, limits));
-                    Some(sort::sort(bucket.input, &bucket.rules, hist, tiles, writer.as_ref())?)
+                    let s = sort::sort(bucket.input, &bucket.rules, hist, tiles, writer.as_ref())?;
+                    out_of_range |= writer.is_some_and(|w| w.out_of_range());
+                    Some(s)
                 }
                 None => None,
             });
         }
         trace!(start, "  counting sort");
+        if out_of_range && screened.is_none() {
+            return Ok((sorted, true));
+        }
         // The replay writes the outputs at random slots, sequentially: fault them in
         // now, on the threads the placement leaves idle.
         memory::prefault_spare(&mut sample_ids);
@@ -322,7 +354,7 @@ pub fn pack_limited<L: Length>(
             memory::prefault_zeroed(&mut starts);
         }
         trace!(start, "  prefault");
-        Ok(sorted)
+        Ok((sorted, false))
     };
     let mut runs: Vec<Option<LimitedRuns>> = buckets.iter().map(|_| None).collect();
     let (laid, sorted) = if limits.is_empty() {
@@ -332,10 +364,14 @@ pub fn pack_limited<L: Length>(
                 trace!(start, "  placement (counting) and layout");
                 laid
             },
-            sort_all,
+            || sort_all().map(|(sorted, _)| sorted),
         )
     } else {
-        let sorted = sort_all()?;
+        let (sorted, out_of_range) = sort_all()?;
+        if out_of_range {
+            // Values unscreened: screen them, and pack again.
+            return Ok(None);
+        }
         for (b, bucket) in buckets.iter().enumerate() {
             let Some(placement) = bucket.placement(None) else { continue };
             let hist = bucket.hist.as_ref().expect("a fit bucket");
@@ -433,13 +469,13 @@ pub fn pack_limited<L: Length>(
         overlong: opts.overlong,
         stats,
     };
-    Ok(TwoLevelPlan {
+    Ok(Some(TwoLevelPlan {
         plan,
         pack_caps: laid.pack_caps.take(),
         buckets: bucket_metrics,
         groups: laid.groups.take(),
         limits: limit_uses,
-    })
+    }))
 }
 
 /// Phases 3 and 4 for every bucket: count the packs, choose their order (groups, shuffle,

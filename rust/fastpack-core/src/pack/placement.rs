@@ -16,6 +16,7 @@ use crate::error::Result;
 use crate::memory;
 use crate::plan::Strategy;
 
+use super::counts::PackCounts;
 use super::histogram::Histogram;
 use super::limits::LimitedRuns;
 use super::room_set::RoomSet;
@@ -186,18 +187,6 @@ pub(crate) fn first_fit(
     Ok(packs)
 }
 
-/// Each pack's segments and (when asked) tokens, in placement order: full-piece packs
-/// first, then shard by shard.
-pub(crate) struct PackCounts {
-    /// Packs (the length of `segments` until the layout takes it).
-    pub packs: usize,
-    pub segments: Vec<u32>,
-    /// Empty unless asked for (level-2 groups need it).
-    pub fills: Vec<u32>,
-    /// Packs of each shard (full-piece packs not included).
-    pub shard_packs: Vec<usize>,
-}
-
 /// A new pack's counters (its tokens too when `fills`).
 #[inline(always)]
 fn open(segs: &mut Vec<u32>, tokens: &mut Vec<u32>, fills: bool) -> Result<()> {
@@ -293,6 +282,9 @@ impl<'h> Placement<'h> {
     /// `fills` is set; `full` full-piece packs (one segment of `max_len`) come first.
     pub(crate) fn count(&self, full: usize, fills: bool) -> Result<PackCounts> {
         let max_len = self.max_len;
+        if let Some(limited) = self.limited {
+            return limited.counts(full, fills, max_len);
+        }
         let placed: Vec<Result<(Vec<u32>, Vec<u32>)>> = (0..self.shards)
             .into_par_iter()
             .map(|shard| {

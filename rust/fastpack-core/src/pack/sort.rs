@@ -94,16 +94,21 @@ pub(crate) fn sort<L: Length>(
                 // One loop per kind of id, so the common one (the input itself) is a count;
                 // the needs are written by their own loops (none: nothing more to do).
                 let none = |_: usize, _: u32| true;
+                let pass = |_: u32| {};
                 match (input.ids, needs) {
-                    (None, None) => sort.run(c, lengths, cursors, |j| (base + j) as u32, none),
-                    (Some(ids), None) => sort.run(c, lengths, cursors, |j| ids[base + j], none),
+                    (None, None) => {
+                        sort.run(c, lengths, cursors, |j| (base + j) as u32, none, pass)
+                    }
+                    (Some(ids), None) => {
+                        sort.run(c, lengths, cursors, |j| ids[base + j], none, pass)
+                    }
                     (None, Some(n)) => {
-                        let write = |pos, id| n.write(pos, id);
-                        sort.run(c, lengths, cursors, |j| (base + j) as u32, write)
+                        let (write, skip) = (|pos, id| n.write(pos, id), |id| n.skipped(id));
+                        sort.run(c, lengths, cursors, |j| (base + j) as u32, write, skip)
                     }
                     (Some(ids), Some(n)) => {
-                        let write = |pos, id| n.write(pos, id);
-                        sort.run(c, lengths, cursors, |j| ids[base + j], write)
+                        let (write, skip) = (|pos, id| n.write(pos, id), |id| n.skipped(id));
+                        sort.run(c, lengths, cursors, |j| ids[base + j], write, skip)
                     }
                 }
             })
@@ -130,7 +135,8 @@ struct Chunk<'a> {
 impl Chunk<'_> {
     /// Sorts chunk `c` (its lengths, the cursors of its ranges, the id of its `j`-th
     /// length), calling `also(pos, id)` for every whole item placed (`false`: a slot out
-    /// of bounds); `false` if it finds other counts than the histogram did.
+    /// of bounds) and `skipped(id)` for every item it does not sort; `false` if it finds
+    /// other counts than the histogram did.
     #[inline(always)]
     fn run<L: Length>(
         &self,
@@ -139,6 +145,7 @@ impl Chunk<'_> {
         mut cursors: Cursors<'_, i32>,
         id: impl Fn(usize) -> u32,
         also: impl Fn(usize, u32) -> bool,
+        skipped: impl Fn(u32),
     ) -> bool {
         let (rules, hist) = (self.rules, self.hist);
         let mut r = hist.split_before[c] as usize;
@@ -160,7 +167,10 @@ impl Chunk<'_> {
                         }
                         (rest, r as u32 - 1, true)
                     }
-                    _ => continue,
+                    _ => {
+                        skipped(id(j));
+                        continue;
+                    }
                 },
             };
             let Some(pos) = cursors.push(len as usize, entry as i32) else {
