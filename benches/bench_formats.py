@@ -188,7 +188,7 @@ def tokenize_bench(megabytes: int = 8) -> list[str]:
         source = Path(tmp) / "texts.parquet"
         pq.write_table(pa.table({"text": texts}), source)
         tokens = sum(len(e.ids) for e in tok.encode_batch(texts))
-        hf = load_tokenizer(str(saved))
+        hf = load_tokenizer(str(saved)).encode
         settings = PackSettings(4096, text_column="text", tokenizer=str(saved))
         sources = expand_inputs([str(source)])
 

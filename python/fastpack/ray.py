@@ -185,7 +185,7 @@ def _checked_lengths(table: pa.Table, columns: Sequence[str], order: str | None,
 
 def _read_file(batch: dict[str, np.ndarray], *, columns: dict[str, str],
                tokenizer: str | None, token_column: str) -> Iterator[pa.Table]:
-    encode = load_tokenizer(tokenizer) if tokenizer else None
+    encode = load_tokenizer(tokenizer).encode if tokenizer else None
     for index, fields in zip(batch["index"], batch["source"]):
         source = Source(**fields)
         for part in iter_batches(source, columns):
