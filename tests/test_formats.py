@@ -198,6 +198,28 @@ def test_an_id_an_explicit_token_dtype_cannot_hold_is_refused(packed, tmp_path):
         PackSettings(64, format="megatron", token_dtype="int8")
 
 
+def test_the_tokenizers_vocabulary_decides_the_megatron_dtype(tmp_path):
+    # As Megatron's preprocessing: the vocabulary's size, not the ids the text happens to
+    # use, sizes the token column (a 66,000-word vocabulary is int32 even for small ids).
+    tokenizers = pytest.importorskip("tokenizers")
+    transformers = pytest.importorskip("transformers")
+    words = {"[UNK]": 0, "the": 1, "cat": 2, "sat": 3, **{f"w{i}": i for i in range(4, 66_000)}}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(words, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]") \
+        .save_pretrained(str(tmp_path / "tok"))
+    pa.parquet.write_table(pa.table({"text": ["the cat sat", "cat sat", "the the cat"] * 5}),
+                           tmp_path / "t.parquet")
+    for dtype, code in (("auto", 4), ("uint16", 8)):  # int32 / uint16 in the .idx
+        out = tmp_path / dtype
+        pack_corpus([str(tmp_path / "t.parquet")], out, PackSettings(
+            8, text_column="text", tokenizer=str(tmp_path / "tok"), format="megatron",
+            token_dtype=dtype), quiet=True, plot=False)
+        assert (out / "shard-00000-of-00001.idx").read_bytes()[17] == code
+        ids = np.fromfile(out / "shard-00000-of-00001.bin", "<i4" if code == 4 else "<u2")
+        assert sorted(ids.tolist()) == [1] * 15 + [2] * 15 + [3] * 10
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.one_of(st.none(), st.tuples(st.integers(-2**40, 2**40),
                                                st.integers(0, 2**40))), min_size=1,
