@@ -200,10 +200,11 @@ def test_an_id_an_explicit_token_dtype_cannot_hold_is_refused(packed, tmp_path):
 
 def test_the_tokenizers_vocabulary_decides_the_megatron_dtype(tmp_path):
     # As Megatron's preprocessing: the vocabulary's size, not the ids the text happens to
-    # use, sizes the token column (a 66,000-word vocabulary is int32 even for small ids).
+    # use, sizes the token column; 65,500 words is the first size that is int32 (below it,
+    # uint16), whatever ids the text uses.
     tokenizers = pytest.importorskip("tokenizers")
     transformers = pytest.importorskip("transformers")
-    words = {"[UNK]": 0, "the": 1, "cat": 2, "sat": 3, **{f"w{i}": i for i in range(4, 66_000)}}
+    words = {"[UNK]": 0, "the": 1, "cat": 2, "sat": 3, **{f"w{i}": i for i in range(4, 65_500)}}
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(words, unk_token="[UNK]"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]") \
