@@ -164,22 +164,6 @@ def test_megatron_stores_uint16_ids_in_half_the_bytes(small_vocab):
     assert manifest["settings"]["token_dtype"] == "auto"
 
 
-def test_megatron_indexed_dataset_reads_uint16_ids(small_vocab):
-    indexed = consumer("megatron.core.datasets.indexed_dataset")
-    _, out = small_vocab
-    manifest = json.loads((out["auto"] / "manifest.json").read_text())
-    for shard in manifest["shards"]:
-        name = shard["file"].removesuffix(".bin")
-        for suffix in ("", ".labels"):
-            narrow = indexed.IndexedDataset(str(out["auto"] / name) + suffix)
-            wide = indexed.IndexedDataset(str(out["int32"] / name) + suffix)
-            assert narrow.index.dtype == np.uint16 and wide.index.dtype == np.int32
-            assert len(narrow) == len(wide) > 0
-            assert np.array_equal(narrow.document_indices, wide.document_indices)
-            for s in range(len(narrow)):
-                assert np.array_equal(narrow[s], wide[s])
-
-
 def test_an_id_an_explicit_token_dtype_cannot_hold_is_refused(packed, tmp_path):
     # The corpus's largest id is over 65,535: refused after the lengths pass, before any
     # shard is written.
@@ -267,6 +251,22 @@ def test_megatron_indexed_dataset_reads_every_pack(packed):
     for (t, lab, n), (et, elab, en) in zip(got, expected):
         assert np.array_equal(t, et) and np.array_equal(lab, elab) and np.array_equal(n, en)
         assert np.array_equal(lab, t + LABEL_OFFSET)
+
+
+def test_megatron_indexed_dataset_reads_uint16_ids(small_vocab):
+    indexed = consumer("megatron.core.datasets.indexed_dataset")
+    _, out = small_vocab
+    manifest = json.loads((out["auto"] / "manifest.json").read_text())
+    for shard in manifest["shards"]:
+        name = shard["file"].removesuffix(".bin")
+        for suffix in ("", ".labels"):
+            narrow = indexed.IndexedDataset(str(out["auto"] / name) + suffix)
+            wide = indexed.IndexedDataset(str(out["int32"] / name) + suffix)
+            assert narrow.index.dtype == np.uint16 and wide.index.dtype == np.int32
+            assert len(narrow) == len(wide) > 0
+            assert np.array_equal(narrow.document_indices, wide.document_indices)
+            for s in range(len(narrow)):
+                assert np.array_equal(narrow[s], wide[s])
 
 
 def test_mds_streaming_dataset_reads_every_pack(packed, tmp_path, monkeypatch):
