@@ -127,7 +127,7 @@ PACK = [
     # The options object (fastpack.PackOptions) and the keywords that stand for it.
     Row("option-misspelt", _pack(stratgy="ffd"), T,
         r"^stratgy: not an option of pack\(\); did you mean 'strategy'\? it takes lengths, "
-        r"max_len, options, threads, strategy"),
+        r"max_len, options, threads, affinity, strategy"),
     Row("max_len-missing", lambda: fastpack.pack([3, 5]), T,
         r"^max_len: missing \(the tokens per pack\); pass it, or options="),
     Row("options-not-PackOptions", lambda: fastpack.pack([3, 5], options={"max_len": 8}), T,

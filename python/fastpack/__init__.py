@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
+from ._affinity import Affinity, affinity_keys, measure_affinity
 from ._context_parallel import CP_MODES, CPLayout, RankLayout, cp_layout
 from ._errors import FastpackError, FastpackTypeError
 from ._examples import example_lengths
@@ -48,6 +49,7 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
 __all__ = [
     "OVERLONG_POLICIES",
     "STRATEGIES",
+    "Affinity",
     "Bucket",
     "BudgetController",
     "CPLayout",
@@ -69,12 +71,14 @@ __all__ = [
     "StreamPacker",
     "StreamStats",
     "__version__",
+    "affinity_keys",
     "as_ragged",
     "cp_layout",
     "example_lengths",
     "gather",
     "loss_mask_from_spans",
     "materialize",
+    "measure_affinity",
     "mix",
     "pack",
     "pack_trees",

@@ -5,6 +5,7 @@ import numpy as np
 from fastpack._plan import Plan
 
 __all__ = [
+    "affinity_metrics",
     "best_fit_oldest",
     "bucket_metrics",
     "by_cost",
@@ -24,6 +25,7 @@ __all__ = [
     "materialize",
     "media_grids",
     "pack",
+    "pack_affinity",
     "plan_metrics",
     "permutation",
     "rope_index",
@@ -49,6 +51,19 @@ def pack(
     long_max_len: int | None = None,
     group_tokens: int | None = None,
     limits: list[tuple[str, np.ndarray, int]] | None = None,
+) -> dict[str, Any]: ...
+def pack_affinity(
+    lengths: np.ndarray,
+    keys: np.ndarray,
+    max_len: int,
+    overlong: str = "error",
+    reserve: int = 0,
+    seed: int | None = None,
+    threads: int | None = None,
+    slack: int | None = None,
+) -> dict[str, Any]: ...
+def affinity_metrics(
+    sample_ids: np.ndarray, seqlens: np.ndarray, pack_offsets: np.ndarray, keys: np.ndarray
 ) -> dict[str, Any]: ...
 def rope_index(
     input_ids: np.ndarray,

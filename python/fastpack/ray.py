@@ -691,6 +691,10 @@ def pack_files(
     if settings.mix is not None:
         raise FastpackError("mix: a mixture is planned on one machine (fastpack pack --mix, "
                             "or --shard jobs); not on Ray")
+    if settings.affinity_column is not None:
+        raise FastpackError("affinity_column: related documents are planned on one machine "
+                            "(fastpack pack --affinity-column, or --shard jobs); not on Ray "
+                            "yet")
     ray = _ray()
     check_plot(plot)
     if not ray.is_initialized():

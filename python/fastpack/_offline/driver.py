@@ -34,6 +34,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -95,7 +96,7 @@ def pack_corpus(
         scan.stored(out.settings)  # an id the --token-dtype cannot hold: refused now
         seconds["lengths"] = time.monotonic() - clock
         clock = time.monotonic()
-        plan, pack_counts, mixed = plan_run(scan, out.settings, read_sources)
+        plan, pack_counts, mixed = plan_run(scan, out.settings, read_sources, out.sources)
     seconds["plan"] = time.monotonic() - clock
     log(f"plan: {plan.num_packs:,} packs of {settings.max_len:,} tokens for "
         f"{len(scan.lengths):,} documents ({seconds['plan']:.2f} s)", quiet=quiet)
@@ -120,6 +121,8 @@ def conclude(out: OutputDir, scan: Scan, plan: Plan, mixed: MixedPlan | None,
     columns = output_schema(out.settings, scan.dtypes).names
     if mixed is not None:
         extra = {**extra, "mix": mixed.report()}
+    if plan.affinity is not None:
+        extra = {**extra, "affinity": asdict(plan.affinity)}
     report = make_report(out, stats, entries, columns, extra, plot=plot,
                          left_out=scan.left_out)
     out.finish(report, entries, columns, stats.packs,

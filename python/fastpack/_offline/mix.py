@@ -44,11 +44,13 @@ def mix_inputs(mix: dict[str, Any]) -> tuple[list[str], list[int]]:
 
 
 def plan_run(scan: Scan, settings: PackSettings, sources: Sequence[Source],
+             key_sources: Sequence[Source] | None = None,
              ) -> tuple[Plan, list[int], MixedPlan | None]:
     """The run's plan, the packs of each plan shard, and the mixture's plan (None without
-    ``--mix``)."""
+    ``--mix``); ``key_sources``: the files holding ``--affinity-column`` (default:
+    ``sources``)."""
     if settings.mix is None:
-        plan, counts = make_plan(scan, settings, sources)
+        plan, counts = make_plan(scan, settings, sources, key_sources)
         return plan, counts, None
     check_overlong(scan, settings, sources)
     _, files = mix_inputs(settings.mix)

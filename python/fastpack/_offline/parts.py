@@ -195,7 +195,7 @@ def finalize(outdir: str | Path, *, quiet: bool = False,
     assert saved is not None, "a complete job keeps its lengths"
     scan, read_sources = saved
     out.packing(scan.columns)
-    plan, pack_counts, mixed = plan_run(scan, out.settings, read_sources)
+    plan, pack_counts, mixed = plan_run(scan, out.settings, read_sources, sources)
     assert settings.shard_rows is not None
     total = len(shard_bounds(pack_counts, settings.shard_rows)) - 1
     entries: dict[int, dict[str, Any]] = {}

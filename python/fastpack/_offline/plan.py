@@ -47,14 +47,23 @@ __all__ = [
 ROW_BITS = 40
 
 
-def make_plan(scan: Scan, settings: PackSettings,
-              sources: Sequence[Source]) -> tuple[Plan, list[int]]:
-    """The plan and the packs of each plan shard (one entry for a global plan)."""
+def make_plan(scan: Scan, settings: PackSettings, sources: Sequence[Source],
+              key_sources: Sequence[Source] | None = None) -> tuple[Plan, list[int]]:
+    """The plan and the packs of each plan shard (one entry for a global plan);
+    ``key_sources``: the files holding ``--affinity-column`` (default: ``sources``)."""
     check_overlong(scan, settings, sources)
+    affinity = None
+    if settings.affinity_column is not None:
+        from .affinity import read_keys
+
+        affinity = read_keys(key_sources or sources, settings.affinity_column)
+        if len(affinity) != len(scan.lengths):
+            raise InputError(f"{len(affinity):,} keys for {len(scan.lengths):,} documents",
+                             column=settings.affinity_column)
     if settings.plan_shards > 1:
         return sharded_plan(scan.lengths, settings.plan_shards, settings.options,
-                            keys=file_keys(scan.file_rows))
-    plan = plan_shard(scan.lengths, None, settings.options)
+                            keys=file_keys(scan.file_rows), affinity=affinity)
+    plan = plan_shard(scan.lengths, None, settings.options, affinity=affinity)
     return plan, [plan.num_packs]
 
 
@@ -143,13 +152,13 @@ def shard_of(keys: np.ndarray, num_shards: int) -> np.ndarray:
 
 
 def plan_shard(lengths: np.ndarray, shard: int | None, options: PackOptions,
-               threads: int | None = None) -> Plan:
+               threads: int | None = None, affinity: np.ndarray | None = None) -> Plan:
     """The plan of one plan shard (None: the one global plan) from its documents' lengths
-    in key order: ``fastpack.pack`` with ``options``, each shard shuffled by its own seed
-    (:func:`shard_seed`)."""
+    in key order: ``fastpack.pack`` with ``options`` (and ``affinity`` keys), each shard
+    shuffled by its own seed (:func:`shard_seed`)."""
     if shard is not None:
         options = options.replace(seed=shard_seed(options.seed, shard))
-    return pack(lengths, options=options, threads=threads)
+    return pack(lengths, options=options, threads=threads, affinity=affinity)
 
 
 def combine_plans(plans: Sequence[Plan], sample_maps: Sequence[np.ndarray],
@@ -201,9 +210,11 @@ def combine_plans(plans: Sequence[Plan], sample_maps: Sequence[np.ndarray],
 
 
 def sharded_plan(lengths: np.ndarray, num_shards: int, options: PackOptions,
-                 keys: np.ndarray | None = None) -> tuple[Plan, list[int]]:
+                 keys: np.ndarray | None = None,
+                 affinity: np.ndarray | None = None) -> tuple[Plan, list[int]]:
     """The sharded plan of documents ``0..N`` (keys: their own index unless given), the one
-    a cluster computes shard by shard, and the packs of each shard."""
+    a cluster computes shard by shard, and the packs of each shard; with ``affinity``, each
+    shard packs its documents' affinity keys together, and the joined plan measures them."""
     keys = np.arange(len(lengths), dtype=np.int64) if keys is None else keys
     shards = shard_of(keys, num_shards)
     order = np.lexsort((keys, shards))  # by shard, then by key
@@ -211,6 +222,12 @@ def sharded_plan(lengths: np.ndarray, num_shards: int, options: PackOptions,
     plans, maps = [], []
     for s in range(num_shards):
         members = order[bounds[s]:bounds[s + 1]]
-        plans.append(plan_shard(lengths[members], s, options))
+        part = None if affinity is None else affinity[members]
+        plans.append(plan_shard(lengths[members], s, options, affinity=part))
         maps.append(members.astype(np.int64))
-    return combine_plans(plans, maps, options), [p.num_packs for p in plans]
+    plan = combine_plans(plans, maps, options)
+    if affinity is not None:
+        from .._affinity import measure_affinity
+
+        plan.affinity = measure_affinity(plan, affinity)
+    return plan, [p.num_packs for p in plans]

@@ -199,6 +199,11 @@ def summary_lines(report: dict[str, Any], outdir: str) -> Iterator[str]:
         g = r["groups"]
         yield (f"groups of <= {g['group_tokens']:,} tokens: {g['groups']:,} (lower bound "
                f"{g['lower_bound']:,}), group efficiency {g['efficiency']:.4%}")
+    if r.get("affinity"):
+        a = r["affinity"]
+        yield (f"affinity ({r['settings'].get('affinity_column')}): {a['num_keys']:,} keys; "
+               f"token pairs of one key in a pack {a['same_key_share']:.2%} (random packing "
+               f"{a['random_share']:.2%})")
     if "ray" in r:
         nodes = r["ray"]["nodes"]
         how = f"on Ray ({nodes} node{'s' if nodes != 1 else ''}, {r['ray']['cpus']} CPUs)"

@@ -119,6 +119,8 @@ class PackSettings(WithOptions):
     #: A mixture of sources by tokens (``fastpack.Mixture.to_json()``; ``--mix``): the
     #: inputs are its sources' files, and it decides which documents the output holds.
     mix: dict[str, Any] | None = None
+    #: The column of each document's key (``fastpack.pack(..., affinity=keys)``), or None.
+    affinity_column: str | None = None
 
     def __init__(
         self,
@@ -134,6 +136,7 @@ class PackSettings(WithOptions):
         format: str = "parquet",
         token_dtype: str = "auto",
         mix: dict[str, Any] | None = None,
+        affinity_column: str | None = None,
         **kwargs: Unpack[PackArgs],
     ) -> None:
         made = resolve(PackSettings, options, max_len, kwargs, refuse=REFUSED)
@@ -147,7 +150,19 @@ class PackSettings(WithOptions):
             "format": check_format(format),
             "token_dtype": check_token_dtype(token_dtype, format),
             "mix": _checked_mix(mix, made, plan_shards),
+            "affinity_column": affinity_column,
         }
+        if affinity_column is not None:
+            from .._affinity import check_options
+
+            try:
+                check_options(made)
+            except FastpackError as e:
+                raise FastpackError(
+                    "affinity_column: " + str(e).removeprefix("affinity: ")) from None
+            if mix is not None:
+                raise FastpackError("affinity_column: not supported with a mixture (mix) "
+                                    "yet; pack without one of them")
         for name, value in values.items():
             object.__setattr__(self, name, value)
 
@@ -177,6 +192,8 @@ class PackSettings(WithOptions):
             del values["token_dtype"]  # the other formats store the parquet output's dtypes
         if self.mix is None:
             del values["mix"]  # a run without a mixture records what it always did
+        if self.affinity_column is None:
+            del values["affinity_column"]  # the settings of a run without keys, unchanged
         ordered = {name: values.pop(name) for name in _ORDER}
         return {**ordered, **values}
 

@@ -194,7 +194,8 @@ class Batch:
 
 def _column_types(columns: dict[str, str]) -> pa.Schema:
     return pa.schema([
-        (name, pa.string() if kind == "text" else pa.list_(pa.int64()))
+        (name, pa.string() if kind == "text" else pa.int64() if kind == "int"
+         else pa.list_(pa.int64()))
         for name, kind in columns.items()
     ])
 

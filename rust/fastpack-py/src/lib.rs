@@ -392,6 +392,86 @@ fn bucket_metrics<'py>(
     Ok(d)
 }
 
+/// `pack_affinity(lengths, keys, max_len, overlong, reserve, seed, threads, slack)`: best
+/// fit preferring packs of one key (`fastpack_core::pack_affinity`); the plan's dict as
+/// `pack` returns it, with `affinity` (a dict of `fastpack_core::Affinity`'s fields).
+#[pyfunction]
+#[pyo3(signature = (lengths, keys, max_len, overlong="error", reserve=0, seed=None, threads=None, slack=None))]
+#[allow(clippy::too_many_arguments)]
+fn pack_affinity<'py>(
+    py: Python<'py>,
+    lengths: PyReadonlyArray1<'py, i64>,
+    keys: PyReadonlyArray1<'py, i64>,
+    max_len: u64,
+    overlong: &str,
+    reserve: u64,
+    seed: Option<u64>,
+    threads: Option<usize>,
+    slack: Option<u32>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let opts = options(max_len, "bfd", overlong, reserve, seed, None)?;
+    let lens =
+        lengths.as_slice().map_err(|_| fastpack_error("lengths: expected a contiguous array"))?;
+    let keys =
+        keys.as_slice().map_err(|_| fastpack_error("affinity: expected a contiguous array"))?;
+    let result = py.detach(|| {
+        pool::install(threads, || {
+            guarded(|| fastpack_core::pack_affinity(lens, keys, &opts, slack))
+        })
+    });
+    let out = result.map_err(to_py)?.map_err(to_py)?;
+    let a = out.affinity;
+    let s = &out.plan.stats;
+    let bucket = Bucket {
+        max_len: out.plan.max_len,
+        num_sequences: s.num_sequences - s.empty_sequences,
+        num_packs: out.plan.num_packs() as u64,
+        total_tokens: s.total_tokens,
+    };
+    let two = TwoLevelPlan {
+        plan: out.plan,
+        pack_caps: None,
+        buckets: vec![bucket],
+        groups: None,
+        limits: Vec::new(),
+    };
+    let d = plan_to_dict(py, two)?;
+    d.set_item("affinity", affinity_dict(py, &a)?)?;
+    Ok(d)
+}
+
+fn affinity_dict<'py>(
+    py: Python<'py>,
+    a: &fastpack_core::Affinity,
+) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("num_keys", a.num_keys)?;
+    d.set_item("same_key_share", a.same_key_share)?;
+    d.set_item("random_share", a.random_share)?;
+    d.set_item("pure_packs", a.pure_packs)?;
+    d.set_item("slack", a.slack)?;
+    d.set_item("bfd_packs", a.bfd_packs)?;
+    Ok(d)
+}
+
+/// How related a plan's packs are under `keys` (one per input sequence): the dict of
+/// `fastpack_core::measure_affinity` (its `slack` and `bfd_packs` are 0).
+#[pyfunction]
+fn affinity_metrics<'py>(
+    py: Python<'py>,
+    sample_ids: PyReadonlyArray1<'py, i64>,
+    seqlens: PyReadonlyArray1<'py, i32>,
+    pack_offsets: PyReadonlyArray1<'py, i64>,
+    keys: PyReadonlyArray1<'py, i64>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let (ids, lens, offs, keys) =
+        (sample_ids.as_slice()?, seqlens.as_slice()?, pack_offsets.as_slice()?, keys.as_slice()?);
+    let a = py
+        .detach(|| guarded(|| fastpack_core::measure_affinity(lens, offs, ids, keys)))
+        .map_err(to_py)?;
+    affinity_dict(py, &a)
+}
+
 /// The thread count used when `threads=None`.
 #[pyfunction]
 fn default_threads() -> usize {
@@ -418,6 +498,7 @@ mod _core {
     use super::vlm::{media_grids, rope_index};
     #[pymodule_export]
     use super::{
-        best_fit_oldest, bucket_metrics, cu_seqlens, default_threads, pack, plan_metrics, varlen,
+        affinity_metrics, best_fit_oldest, bucket_metrics, cu_seqlens, default_threads, pack,
+        pack_affinity, plan_metrics, varlen,
     };
 }

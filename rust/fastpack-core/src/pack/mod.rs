@@ -21,6 +21,9 @@
 //! The order-preserving strategies ([`in_order`]: `next_fit`, `wrapped`, `one_per_pack`)
 //! tally (phase 1), walk the input once to count (3) and once more to write (5).
 //!
+//! **Affinity** ([`affinity`]): best fit preferring packs of one key, over the same
+//! classification (phase 1) and plain best fit's pack count as its efficiency bound.
+//!
 //! **Groups** (level 2, [`groups`]): each bucket's packs are bin-packed by their fills into
 //! groups of at most `group_tokens`, and the layout puts each group's packs together.
 //!
@@ -29,6 +32,7 @@
 //! go through [`crate::memory::Tiles`] (fresh buffers, each position written once, read
 //! only once all are) and [`crate::memory::Slots`]; this module has no `unsafe`.
 
+pub(crate) mod affinity;
 mod classify;
 mod groups;
 mod histogram;
@@ -48,6 +52,7 @@ use crate::plan::{PackOptions, Plan, Stats, Strategy, MAX_ITEMS};
 use crate::shuffle::permutation;
 use crate::two_level::{Bucket, Groups, Levels, TwoLevelPlan};
 
+pub use affinity::{measure as measure_affinity, pack_affinity, Affinity, AffinityPlan};
 use classify::Rules;
 use histogram::Histogram;
 use limits::{Limit, LimitedRuns, Needs};
