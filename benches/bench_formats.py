@@ -3,12 +3,17 @@ benches/results/formats.md.
 
     python benches/bench_formats.py write      # each format's writer on the same packs
     python benches/bench_formats.py tokenize   # --text-column's pass vs encode_batch
+    python benches/bench_formats.py megatron   # megatron's uint16 tokens against int32
     python benches/bench_formats.py all
 
 ``write``: one corpus (SFT-like lengths, int32 ids and labels) planned once; its packs
 gathered once into record batches (as the command's gather pass hands them to a writer),
 then written by each format's writer, best of ``BENCH_REPEATS`` (3): MB/s of output and
 tokens/s. Also ``fastpack pack`` end to end per format (read, plan, gather, write).
+
+``megatron``: the same documents with ids below 32,000 (a Llama-2-size vocabulary), which
+``--token-dtype auto`` stores as uint16: the megatron writer with uint16 and with int32
+tokens on the same batches, and ``fastpack pack --format megatron`` end to end with each.
 
 ``tokenize``: texts (CPython's standard library sources, one document per file piece) in
 a parquet file; the tokenizer is a byte-level BPE trained here (tokenizers) and saved with
@@ -24,6 +29,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -45,10 +51,11 @@ def _best(fn, repeats: int = REPEATS) -> float:
     return min(times)
 
 
-def write_bench(docs: int = 100_000, max_len: int = 4096) -> list[str]:
+def _packed(docs: int, max_len: int, vocab: int) -> tuple[Any, ...]:
+    """SFT-like documents with ids below ``vocab`` (labels: ids + 1), their plan and the
+    record batches of the packs: (ids, labels, total tokens, settings, schema, plan,
+    batches)."""
     import fastpack
-    from fastpack._offline.driver import pack_corpus
-    from fastpack._offline.formats import FORMATS, write_format_shard
     from fastpack._offline.gather import shard_batches
     from fastpack._offline.layout import output_schema
     from fastpack._offline.settings import PackSettings
@@ -56,17 +63,25 @@ def write_bench(docs: int = 100_000, max_len: int = 4096) -> list[str]:
     lengths = sft(docs, seed=0)
     total = int(lengths.sum())
     rng = np.random.default_rng(0)
-    values = rng.integers(0, 128_000, total, dtype=np.int32)
+    values = rng.integers(0, vocab - 1, total, dtype=np.int32)
     offsets = np.zeros(docs + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
     ids = pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(values))
     labels = pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(values + 1))
     settings = PackSettings(max_len, columns=("labels",), seed=1)
-    dtypes = {"input_ids": "int32", "labels": "int32"}
-    schema = output_schema(settings, dtypes)
+    schema = output_schema(settings, {"input_ids": "int32", "labels": "int32"})
     plan = fastpack.pack(lengths, options=settings.options)
     batches = list(shard_batches({"input_ids": ids, "labels": labels}, plan, settings,
                                  schema))
+    return ids, labels, total, settings, schema, plan, batches
+
+
+def write_bench(docs: int = 100_000, max_len: int = 4096) -> list[str]:
+    from fastpack._offline.driver import pack_corpus
+    from fastpack._offline.formats import FORMATS, write_format_shard
+    from fastpack._offline.settings import PackSettings
+
+    ids, labels, total, settings, schema, plan, batches = _packed(docs, max_len, 128_000)
     lines = [
         "## Write throughput per format",
         "",
@@ -113,6 +128,67 @@ def write_bench(docs: int = 100_000, max_len: int = 4096) -> list[str]:
             whole = sum(s.values())
             lines.append(f"| {fmt} | {s['lengths']:.2f} s | {s['plan']:.2f} s | "
                          f"{s['gather']:.2f} s | {whole:.2f} s | {total / whole / 1e6:.1f} M |")
+    return lines
+
+
+def megatron_bench(docs: int = 100_000, max_len: int = 4096) -> list[str]:
+    from fastpack._offline.driver import pack_corpus
+    from fastpack._offline.formats import write_format_shard
+    from fastpack._offline.settings import PackSettings
+
+    ids, labels, total, settings, schema, plan, batches = _packed(docs, max_len, 32_000)
+    lines = [
+        "## megatron: uint16 tokens (`--token-dtype auto`) against int32",
+        "",
+        f"The same {docs:,} documents ({total:,} tokens, {plan.num_packs:,} packs) with ids "
+        "below 32,000 (a Llama-2-size vocabulary; labels = ids + 1), which `--token-dtype "
+        "auto` stores as uint16, as Megatron's preprocessing does. The megatron writer on "
+        f"the same {len(batches)} record batches, best of {REPEATS}, run in turn; then "
+        f"`fastpack pack --format megatron` end to end (best of {REPEATS}, in turn).",
+        "",
+        "| tokens | bytes written | time | MB/s | tokens/s |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    times: dict[str, list[float]] = {"uint16": [], "int32": []}
+    sizes: dict[str, int] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for _ in range(REPEATS):
+            for dtype in times:
+                out = Path(tmp) / dtype
+                out.mkdir(exist_ok=True)
+                stored = {"input_ids": dtype, "labels": dtype}
+                start = time.perf_counter()
+                entry = write_format_shard("megatron", out, 0, 1, schema,
+                                           settings.token_columns, plan.num_packs,
+                                           iter(batches), stored)
+                times[dtype].append(time.perf_counter() - start)
+                sizes[dtype] = sum(f["bytes"] for f in [entry, *entry["parts"]])
+        for dtype, runs in times.items():
+            seconds = min(runs)
+            lines.append(f"| {dtype} | {sizes[dtype] / 1e6:,.1f} MB | {seconds:.3f} s | "
+                         f"{sizes[dtype] / seconds / 1e6:,.0f} | {total / seconds / 1e6:,.1f} M |")
+        lines += ["", "| `fastpack pack --format megatron` | lengths | plan | gather + write "
+                  "| total | tokens/s | .bin + .idx bytes |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
+        source = Path(tmp) / "in.parquet"
+        pq.write_table(pa.table({"input_ids": ids, "labels": labels}), source,
+                       row_group_size=20_000)
+        best: dict[str, dict[str, Any]] = {}
+        for _ in range(REPEATS):  # in turn, the fastest run of each
+            for dtype in ("auto", "int32"):
+                report = pack_corpus(
+                    [str(source)], Path(tmp) / f"cmd-{dtype}", PackSettings(
+                        max_len, columns=("labels",), seed=1, format="megatron",
+                        token_dtype=dtype), quiet=True, plot=False, overwrite=True)
+                if dtype not in best or sum(report["seconds"].values()) < sum(
+                        best[dtype]["seconds"].values()):
+                    best[dtype] = report
+        for dtype, report in best.items():
+            s = report["seconds"]
+            whole = sum(s.values())
+            lines.append(f"| `--token-dtype {dtype}` | {s['lengths']:.2f} s | "
+                         f"{s['plan']:.2f} s | {s['gather']:.2f} s | {whole:.2f} s | "
+                         f"{total / whole / 1e6:.1f} M | {report['bytes'] / 1e6:,.1f} MB |")
     return lines
 
 
@@ -188,7 +264,7 @@ def tokenize_bench(megabytes: int = 8) -> list[str]:
         source = Path(tmp) / "texts.parquet"
         pq.write_table(pa.table({"text": texts}), source)
         tokens = sum(len(e.ids) for e in tok.encode_batch(texts))
-        hf = load_tokenizer(str(saved))
+        hf = load_tokenizer(str(saved)).encode
         settings = PackSettings(4096, text_column="text", tokenizer=str(saved))
         sources = expand_inputs([str(source)])
 
@@ -246,6 +322,8 @@ def main() -> None:
              f"{what}`.", ""]
     if what in ("write", "all"):
         lines += write_bench() + [""]
+    if what in ("megatron", "all"):
+        lines += megatron_bench() + [""]
     if what in ("tokenize", "all"):
         lines += tokenize_bench() + [""]
     lines.append(f"Load average at start: {started}; at end: {load()}.")

@@ -83,30 +83,149 @@ def test_the_shards_are_the_parquet_shards_in_another_layout(packed):
     assert (packed["mds"] / "index.json").exists()
 
 
-def test_the_megatron_files_hold_the_parquet_packs(packed):
-    # Without megatron-core (the main suite, the base installs): its .idx layout read
-    # here with numpy -- header, sequence lengths, byte pointers, document indices.
-    manifest = json.loads((packed["megatron"] / "manifest.json").read_text())
-    got = []
+# megatron-core's .idx dtype codes (DType in megatron/core/datasets/indexed_dataset.py).
+IDX_CODES = {4: "<i4", 5: "<i8", 8: "<u2"}
+
+
+def read_megatron(outdir: Path, suffix: str = "") -> tuple[list[tuple[np.ndarray, np.ndarray]],
+                                                             set[str]]:
+    """Without megatron-core (the main suite, the base installs): its .idx layout read
+    with numpy -- header, sequence lengths, byte pointers, document indices; every pack's
+    tokens and sequence lengths, and the token dtypes the files hold."""
+    manifest = json.loads((outdir / "manifest.json").read_text())
+    got, dtypes = [], set()
     for shard in manifest["shards"]:
-        idx = (packed["megatron"] / shard["file"]).with_suffix(".idx").read_bytes()
+        prefix = outdir / (shard["file"].removesuffix(".bin") + suffix)
+        idx = Path(f"{prefix}.idx").read_bytes()
         assert idx[:9] == b"MMIDIDX\x00\x00" and idx[9:17] == (1).to_bytes(8, "little")
-        assert idx[17] == 4  # int32 tokens
+        dtype = np.dtype(IDX_CODES[idx[17]])
+        dtypes.add(dtype.name)
         count, docs = np.frombuffer(idx, "<u8", 2, 18)
         lengths = np.frombuffer(idx, "<i4", count, 34)
         pointers = np.frombuffer(idx, "<i8", count, 34 + 4 * count)
         bounds = np.frombuffer(idx, "<i8", docs, 34 + 12 * count)
         assert len(idx) == 34 + 12 * count + 8 * docs
-        tokens = np.fromfile(packed["megatron"] / shard["file"], "<i4")
-        assert np.array_equal(pointers, 4 * np.concatenate([[0], np.cumsum(lengths)[:-1]]))
+        tokens = np.fromfile(f"{prefix}.bin", dtype)
+        size = dtype.itemsize
+        assert np.array_equal(pointers, size * np.concatenate([[0], np.cumsum(lengths)[:-1]]))
         for p in range(docs - 1):
-            a, b = pointers[bounds[p]] // 4, (pointers[bounds[p + 1] - 1] // 4
-                                             + lengths[bounds[p + 1] - 1])
+            a, b = pointers[bounds[p]] // size, (pointers[bounds[p + 1] - 1] // size
+                                                 + lengths[bounds[p + 1] - 1])
             got.append((tokens[a:b], lengths[bounds[p]:bounds[p + 1]]))
+    return got, dtypes
+
+
+def test_the_megatron_files_hold_the_parquet_packs(packed):
+    got, dtypes = read_megatron(packed["megatron"])
+    assert dtypes == {"int32"}  # ids up to 75,000: over Megatron's uint16 cardinality
     expected = parquet_packs(packed["parquet"])
     assert len(got) == len(expected)
     for (t, n), (et, _, en) in zip(got, expected):
         assert np.array_equal(t, et) and np.array_equal(n, en)
+
+
+@pytest.fixture(scope="module")
+def small_vocab(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[str], dict[str, Path]]:
+    """Ids (and labels) under 65,500, packed with --token-dtype auto and
+    int32, and auto again in several gather passes."""
+    tmp = tmp_path_factory.mktemp("vocab")
+    rng = np.random.default_rng(4)
+    paths, _ = corpus(tmp, [rng.integers(1, 40, 30).tolist(), rng.integers(1, 40, 20).tolist()],
+                      ["a.parquet", "b.jsonl"], labels=True)
+    out = {}
+    for name, dtype, memory in (("auto", "auto", None), ("int32", "int32", None),
+                                ("passes", "auto", 800)):
+        out[name] = tmp / name
+        report = pack_corpus(paths, out[name], PackSettings(
+            format="megatron", token_dtype=dtype, **OPTIONS), memory=memory, quiet=True,
+            plot=False)
+        assert (report["passes"] > 1) == (memory is not None)
+    return paths, out
+
+
+def test_megatron_stores_uint16_ids_in_half_the_bytes(small_vocab):
+    # As Megatron's preprocessing: ids below 65,500 are uint16, the .bin half the int32
+    # one; the same packs, and the same bytes in one gather pass or several.
+    _, out = small_vocab
+    for suffix in ("", ".labels"):
+        auto, dtypes = read_megatron(out["auto"], suffix)
+        wide, wide_dtypes = read_megatron(out["int32"], suffix)
+        assert (dtypes, wide_dtypes) == ({"uint16"}, {"int32"})
+        assert len(auto) == len(wide) > 0
+        for (t, n), (wt, wn) in zip(auto, wide):
+            assert np.array_equal(t, wt) and np.array_equal(n, wn)
+    for name in (p.name for p in out["auto"].iterdir()):
+        if name.endswith(".bin"):
+            half = (out["auto"] / name).stat().st_size
+            assert 2 * half == (out["int32"] / name).stat().st_size > 0
+        if name != "report.json":
+            assert (out["passes"] / name).read_bytes() == (out["auto"] / name).read_bytes()
+    manifest = json.loads((out["auto"] / "manifest.json").read_text())
+    assert manifest["settings"]["token_dtype"] == "auto"
+
+
+def test_an_id_an_explicit_token_dtype_cannot_hold_is_refused(packed, tmp_path):
+    # The corpus's largest id is over 65,535: refused after the lengths pass, before any
+    # shard is written.
+    paths = sorted(str(p) for p in packed["parquet"].parent.iterdir()
+                   if p.suffix in (".parquet", ".jsonl"))
+    largest = max(max(d) for d in read_rows(packed["parquet"]).column(
+        "input_ids").to_pylist())
+    settings = PackSettings(format="megatron", token_dtype="uint16", **OPTIONS)
+    with pytest.raises(FastpackError, match=f"token_dtype: column 'input_ids' holds the "
+                       f"value {largest:,}, which uint16 cannot hold"):
+        pack_corpus(paths, tmp_path / "o", settings, quiet=True, plot=False)
+    assert not list((tmp_path / "o").glob("shard-*"))
+    with pytest.raises(FastpackError, match="token_dtype: got 'uint16' with format 'mds'"):
+        PackSettings(64, format="mds", token_dtype="uint16")
+    with pytest.raises(FastpackError, match="token_dtype: got 'int8'; expected one of auto"):
+        PackSettings(64, format="megatron", token_dtype="int8")
+
+
+def test_the_tokenizers_vocabulary_decides_the_megatron_dtype(tmp_path):
+    # As Megatron's preprocessing: the vocabulary's size, not the ids the text happens to
+    # use, sizes the token column; 65,500 words is the first size that is int32 (below it,
+    # uint16), whatever ids the text uses.
+    tokenizers = pytest.importorskip("tokenizers")
+    transformers = pytest.importorskip("transformers")
+    words = {"[UNK]": 0, "the": 1, "cat": 2, "sat": 3, **{f"w{i}": i for i in range(4, 65_500)}}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(words, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]") \
+        .save_pretrained(str(tmp_path / "tok"))
+    pa.parquet.write_table(pa.table({"text": ["the cat sat", "cat sat", "the the cat"] * 5}),
+                           tmp_path / "t.parquet")
+    for dtype, code in (("auto", 4), ("uint16", 8)):  # int32 / uint16 in the .idx
+        out = tmp_path / dtype
+        pack_corpus([str(tmp_path / "t.parquet")], out, PackSettings(
+            8, text_column="text", tokenizer=str(tmp_path / "tok"), format="megatron",
+            token_dtype=dtype), quiet=True, plot=False)
+        assert (out / "shard-00000-of-00001.idx").read_bytes()[17] == code
+        ids = np.fromfile(out / "shard-00000-of-00001.bin", "<i4" if code == 4 else "<u2")
+        assert sorted(ids.tolist()) == [1] * 15 + [2] * 15 + [3] * 10
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.one_of(st.none(), st.tuples(st.integers(-2**40, 2**40),
+                                               st.integers(0, 2**40))), min_size=1,
+                max_size=3), st.one_of(st.none(), st.integers(1, 2**20)))
+def test_auto_picks_megatrons_dtype_per_column(bounds, vocab):
+    # auto: the narrowest of uint16 (ids below Megatron's 65,500), int32, int64 holding
+    # the column; the tokenizer's vocabulary sizes the first column as Megatron does.
+    from fastpack._offline.formats import megatron_dtypes
+
+    ranges = {f"c{k}": None if b is None else (min(b), max(b)) for k, b in enumerate(bounds)}
+    chosen = megatron_dtypes("auto", ranges, vocab)
+    assert list(chosen) == list(ranges)
+    for k, (c, r) in enumerate(ranges.items()):
+        lo, hi = r or (0, 0)
+        cardinality = max(hi + 1, vocab) if k == 0 and vocab else hi + 1
+        if lo >= 0 and cardinality < 65_500:
+            assert chosen[c] == "uint16"
+        else:
+            assert chosen[c] == ("int32" if -2**31 <= lo and hi < 2**31 else "int64")
+        info = np.iinfo(chosen[c])
+        assert info.min <= lo and hi <= info.max
 
 
 def test_megatron_indexed_dataset_reads_every_pack(packed):
@@ -132,6 +251,22 @@ def test_megatron_indexed_dataset_reads_every_pack(packed):
     for (t, lab, n), (et, elab, en) in zip(got, expected):
         assert np.array_equal(t, et) and np.array_equal(lab, elab) and np.array_equal(n, en)
         assert np.array_equal(lab, t + LABEL_OFFSET)
+
+
+def test_megatron_indexed_dataset_reads_uint16_ids(small_vocab):
+    indexed = consumer("megatron.core.datasets.indexed_dataset")
+    _, out = small_vocab
+    manifest = json.loads((out["auto"] / "manifest.json").read_text())
+    for shard in manifest["shards"]:
+        name = shard["file"].removesuffix(".bin")
+        for suffix in ("", ".labels"):
+            narrow = indexed.IndexedDataset(str(out["auto"] / name) + suffix)
+            wide = indexed.IndexedDataset(str(out["int32"] / name) + suffix)
+            assert narrow.index.dtype == np.uint16 and wide.index.dtype == np.int32
+            assert len(narrow) == len(wide) > 0
+            assert np.array_equal(narrow.document_indices, wide.document_indices)
+            for s in range(len(narrow)):
+                assert np.array_equal(narrow[s], wide[s])
 
 
 def test_mds_streaming_dataset_reads_every_pack(packed, tmp_path, monkeypatch):
@@ -280,7 +415,7 @@ def test_datatrove_pipeline_packs_its_tokenizer_output(tmp_path):
     sequences = []
     for shard in manifest["shards"]:
         data = indexed.IndexedDataset(str(tmp_path / "packed" / shard["file"][:-4]))
-        assert data.index.dtype == np.int32
+        assert data.index.dtype == np.uint16  # a vocabulary of 51, as Megatron stores it
         sequences += [tuple(int(t) for t in data[s]) for s in range(len(data))]
         assert (np.add.reduceat(data.sequence_lengths, data.document_indices[:-1]) <= 48).all()
     # pieces of documents over the cap are joined back in order of their tokens

@@ -237,19 +237,23 @@ def test_pack_dataset_of_read_parquet_gives_the_commands_packs(cluster, tmp_path
     check_output(tmp_path / "cmd", docs, max_len=256, overlong="split", labels=True)
 
 
-def test_ray_writes_another_format_byte_for_byte(cluster, tmp_path):
+@pytest.mark.parametrize(("fmt", "docs"), [("mds", 90), ("megatron", 30)])
+def test_ray_writes_another_format_byte_for_byte(cluster, tmp_path, fmt, docs):
     # A format's files (shards gathered by two Ray workers, their journal entries sent
     # back to the driver) are the single-machine run's, and so are MDS's index.json and
-    # the manifest. One format: a Ray run costs seconds; the writers are the same code.
+    # the manifest. megatron's: ids under 65,500, stored as uint16 from the ranges the
+    # workers' lengths pass found (the writers are the same code; a Ray run costs seconds).
     from fastpack.ray import pack_files
 
     rng = np.random.default_rng(4)
-    paths, _ = corpus(tmp_path, [rng.integers(1, 300, 90).tolist()] * 2,
+    paths, _ = corpus(tmp_path, [rng.integers(1, 300, docs).tolist()] * 2,
                       ["a.parquet", "b.jsonl"], labels=True)
-    settings = PackSettings(max_len=256, overlong="split", seed=1, shard_rows=9, format="mds")
+    settings = PackSettings(max_len=256, overlong="split", seed=1, shard_rows=9, format=fmt)
     pack_corpus(paths, tmp_path / "local", settings, quiet=True, plot=False)
     pack_files(paths, str(tmp_path / "ray"), settings, quiet=True, plot=False)
     local = {p.name: p.read_bytes() for p in (tmp_path / "local").iterdir()
              if p.name != "report.json"}
     assert len(local) > 8
     assert {n: (tmp_path / "ray" / n).read_bytes() for n in local} == local
+    if fmt == "megatron":
+        assert {local[n][17] for n in local if n.endswith(".idx")} == {8}  # uint16

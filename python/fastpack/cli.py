@@ -14,7 +14,7 @@ import numpy as np
 
 from . import DISTRIBUTION
 from ._errors import FastpackError
-from ._offline.formats import FORMATS
+from ._offline.formats import FORMATS, TOKEN_DTYPES
 from ._options import OVERLONG_POLICIES, STRATEGIES, PackOptions
 
 __all__ = ["main"]
@@ -224,6 +224,12 @@ def stats(inputs: Sequence[str], caps: list[int], column: str, quiet: bool, batc
               "(.bin/.idx, a pack per document); mds: MosaicML streaming shards and "
               "index.json. The same packs in the same order in every format "
               "(docs/cli.md, Formats trainers read).")
+@click.option("--token-dtype", type=click.Choice(TOKEN_DTYPES), default="auto",
+              show_default=True,
+              help="The dtype of --format megatron's tokens. auto: as Megatron's own "
+              "preprocessing, uint16 for a vocabulary (the --tokenizer's, else the largest "
+              "id + 1) under 65,500, else int32 (int64 for larger ids), per column; an "
+              "explicit dtype refuses a value it cannot hold.")
 @click.option("--shard-rows", type=click.IntRange(min=1), default=None,
               help="Packed rows per parquet shard [default: 2^25 tokens' worth, e.g. 8192 "
               "at --max-len 4096].")
@@ -265,8 +271,8 @@ def stats(inputs: Sequence[str], caps: list[int], column: str, quiet: bool, batc
 def pack(inputs: Sequence[str], outdir: str, max_len: int | None, column: str, quiet: bool,
          columns: tuple[str, ...] | None, text_column: str | None, tokenizer: str | None,
          strategy: str, overlong: str, long_max_len: int | None, group_tokens: int | None,
-         shuffle: bool, seed: int, out_format: str, shard_rows: int | None,
-         plan_shards: int, affinity_column: str | None, memory: str,
+         shuffle: bool, seed: int, out_format: str, token_dtype: str,
+         shard_rows: int | None, plan_shards: int, affinity_column: str | None, memory: str,
          spill: bool, resume: bool, overwrite: bool, ray_address: str | None,
          plot: bool | None, mix_file: str | None, part: str | None, finalize: bool) -> None:
     """Pack the documents of INPUT... (files or directories) into parquet shards of packed
@@ -308,7 +314,7 @@ def pack(inputs: Sequence[str], outdir: str, max_len: int | None, column: str, q
             tokenizer=str(Path(tokenizer).resolve()) if tokenizer else None,
             strategy=strategy, overlong=overlong, long_max_len=long_max_len,
             group_tokens=group_tokens, shuffle=shuffle, seed=seed, shard_rows=shard_rows,
-            plan_shards=plan_shards, format=out_format, mix=mix,
+            plan_shards=plan_shards, format=out_format, token_dtype=token_dtype, mix=mix,
             affinity_column=affinity_column)
     except FastpackError as e:
         _fail(_flagged(e))

@@ -33,7 +33,7 @@ import numpy as np
 import pyarrow as pa
 
 from ._errors import FastpackError
-from ._offline.formats import write_format_shard
+from ._offline.formats import megatron_dtypes, write_format_shard
 from ._offline.gather import shard_batches
 from ._offline.layout import output_schema
 from ._offline.outdir import OutputDir
@@ -53,9 +53,11 @@ from ._offline.scan import (
     column_dtype,
     default_columns,
     load_tokenizer,
+    merge_ranges,
     resolve_columns,
     text_left_out,
     uneven_reason,
+    value_range,
 )
 from ._offline.settings import REFUSED, PackSettings, token_columns
 from ._offline.sources import (
@@ -185,7 +187,7 @@ def _checked_lengths(table: pa.Table, columns: Sequence[str], order: str | None,
 
 def _read_file(batch: dict[str, np.ndarray], *, columns: dict[str, str],
                tokenizer: str | None, token_column: str) -> Iterator[pa.Table]:
-    encode = load_tokenizer(tokenizer) if tokenizer else None
+    encode = load_tokenizer(tokenizer).encode if tokenizer else None
     for index, fields in zip(batch["index"], batch["source"]):
         source = Source(**fields)
         for part in iter_batches(source, columns):
@@ -348,18 +350,29 @@ def _expand(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndar
 # the Ray Data stages (plain functions: tasks, not actors)
 
 
+_INT64 = np.iinfo(np.int64)
+
+
 def _lengths_stage(table: pa.Table, *, columns: list[str], optional: list[str],
-                   order: str | None, num_shards: int) -> pa.Table:
+                   order: str | None, num_shards: int, ranges: bool = False) -> pa.Table:
     lengths, uneven = _checked_lengths(table, columns, order, optional)
     keys = _keys(table, columns[0], order)
     # Bit i: column i (of columns, then optional) needs int64 in the output (as
     # column_dtype decides on one machine).
     wide = sum(1 << i for i, c in enumerate([*columns, *optional])
                if column_dtype(table.column(c)) == "int64")
-    return pa.table({_KEY: keys, "length": lengths.astype(np.int32),
-                     _PLAN: shard_of(keys, num_shards).astype(np.int32),
-                     "wide": np.full(len(keys), wide, dtype=np.int64),
-                     "uneven": np.full(len(keys), uneven, dtype=np.int64)})
+    out = pa.table({_KEY: keys, "length": lengths.astype(np.int32),
+                    _PLAN: shard_of(keys, num_shards).astype(np.int32),
+                    "wide": np.full(len(keys), wide, dtype=np.int64),
+                    "uneven": np.full(len(keys), uneven, dtype=np.int64)})
+    if ranges:  # the megatron format's dtypes: each column's block range, lo{i} and hi{i}
+        for i, c in enumerate([*columns, *optional]):
+            lo, hi = value_range(table.column(c)) or (_INT64.max, _INT64.min)
+            out = out.append_column(f"lo{i}", pa.array(np.full(len(keys), max(lo, _INT64.min),
+                                                                dtype=np.int64)))
+            out = out.append_column(f"hi{i}", pa.array(np.full(len(keys), min(hi, _INT64.max),
+                                                                dtype=np.int64)))
+    return out
 
 
 def _route_stage(table: pa.Table, *, columns: list[str], order: str | None, planners: list[Any],
@@ -392,7 +405,8 @@ def _route_stage(table: pa.Table, *, columns: list[str], order: str | None, plan
 
 def _gather_stage(table: pa.Table, *, columns: list[str], planners: list[Any],
                   shard_base: np.ndarray, pack_base: np.ndarray, settings: dict[str, Any],
-                  dtypes: dict[str, str], outdir: str | None, num_out: int) -> pa.Table:
+                  dtypes: dict[str, str], outdir: str | None, num_out: int,
+                  stored: dict[str, str] | None = None) -> pa.Table:
     ray = _ray()
     settings_ = PackSettings.from_json(settings)
     out = int(table.column(_SHARD)[0].as_py())
@@ -416,7 +430,7 @@ def _gather_stage(table: pa.Table, *, columns: list[str], planners: list[Any],
         return packed.append_column("pack_index", pa.array(
             np.arange(first, first + packed.num_rows, dtype=np.int64)))
     entry = write_format_shard(settings_.format, Path(outdir), out, num_out, schema,
-                               settings_.token_columns, window.num_packs, batches)
+                               settings_.token_columns, window.num_packs, batches, stored)
     return pa.table({"shard": [out], "entry": [json.dumps(entry)]})
 
 
@@ -485,15 +499,22 @@ class _Pipeline:
         lengths = self.ds.map_batches(
             _lengths_stage, batch_format="pyarrow",
             fn_kwargs={"columns": self.columns, "optional": self.candidates,
-                       "order": self.order, "num_shards": k})
+                       "order": self.order, "num_shards": k,
+                       "ranges": settings.format == "megatron"})
         pending: list[Any] = []
         wide = uneven = 0
+        bounds: list[tuple[int, int] | None] = [None] * (len(self.columns)
+                                                         + len(self.candidates))
         documents = 0
         for batch in _reraising(lengths.iter_batches(batch_format="numpy",
                                                      batch_size=1 << 20)):
             keys, lens, shard = batch[_KEY], batch["length"], batch[_PLAN]
             wide |= int(np.bitwise_or.reduce(batch["wide"])) if len(keys) else 0
             uneven |= int(np.bitwise_or.reduce(batch["uneven"])) if len(keys) else 0
+            if settings.format == "megatron" and len(keys):
+                for i in range(len(bounds)):
+                    lo, hi = int(batch[f"lo{i}"].min()), int(batch[f"hi{i}"].max())
+                    bounds[i] = merge_ranges(bounds[i], (lo, hi) if lo <= hi else None)
             documents += len(keys)
             for s in np.unique(shard):
                 mine = shard == s
@@ -526,6 +547,10 @@ class _Pipeline:
                 self.columns.append(c)
         self.dtypes = {c: "int64" if wide >> everything.index(c) & 1 else "int32"
                        for c in self.columns}
+        # As the single-machine path: the whole input's ranges decide, before any shard.
+        self.stored = None if settings.format != "megatron" else megatron_dtypes(
+            settings.token_dtype, {c: bounds[everything.index(c)] for c in self.columns},
+            load_tokenizer(settings.tokenizer).vocab_size if settings.tokenizer else None)
         self.settings = replace(settings, columns=tuple(self.columns[1:]))
         self.stats = PlanStats.merge([r["stats"] for r in results])
         outputs = [r["outputs"] for r in results]
@@ -558,6 +583,7 @@ class _Pipeline:
             fn_kwargs={"columns": self.columns, "planners": self.planners,
                        "shard_base": self.shard_base, "pack_base": self.pack_base,
                        "settings": self.settings.to_json(), "dtypes": self.dtypes,
+                       "stored": self.stored,
                        "outdir": outdir, "num_out": self.num_out})
 
 

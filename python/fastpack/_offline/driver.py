@@ -93,6 +93,7 @@ def pack_corpus(
     with out.abandoned_on_error():
         scan, read_sources = lengths_pass(out, resumed)
         out.packing(scan.columns)
+        scan.stored(out.settings)  # an id the --token-dtype cannot hold: refused now
         seconds["lengths"] = time.monotonic() - clock
         clock = time.monotonic()
         plan, pack_counts, mixed = plan_run(scan, out.settings, read_sources, out.sources)

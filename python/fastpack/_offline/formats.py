@@ -8,7 +8,11 @@ token), and each shard's files are written atomically as a parquet shard is.
   ``shard-i-of-n.bin`` / ``.idx`` (``shard-i-of-n.<column>.bin`` / ``.idx`` for the other
   token columns): every pack is a *document* and its pieces of input documents are the
   document's *sequences*, so ``IndexedDataset(prefix)[s]`` is one input document (or
-  piece) and ``document_indices`` cut the sequences into packs.
+  piece) and ``document_indices`` cut the sequences into packs. Tokens are stored as
+  Megatron's own preprocessing stores them (``--token-dtype auto``): uint16 when the
+  vocabulary (the tokenizer's, else the largest id + 1) is under 65,500, else int32 (int64
+  for ids of 2^31 and more); the choice is made once, from the whole input, before any
+  shard is written, so every shard (and worker) stores the same dtype.
 - ``mds``: MosaicML streaming shards (``shard-i-of-n.mds``, written without compression or
   hashes) and, when the run completes, the ``index.json`` that ``StreamingDataset`` reads;
   a sample is a pack with the parquet output's columns as ``ndarray`` columns
@@ -38,10 +42,13 @@ if TYPE_CHECKING:  # the command's help is drawn without pyarrow
 
 __all__ = [
     "FORMATS",
+    "TOKEN_DTYPES",
     "check_format",
+    "check_token_dtype",
     "entry_files",
     "finish_format",
     "is_format_file",
+    "megatron_dtypes",
     "write_format_shard",
 ]
 
@@ -51,6 +58,12 @@ FORMATS = ("parquet", "megatron", "mds")
 # the arrays (sequence lengths int32, sequence byte pointers int64, document indices int64).
 _IDX_MAGIC = b"MMIDIDX\x00\x00"
 _IDX_DTYPES = {"uint8": 1, "int8": 2, "int16": 3, "int32": 4, "int64": 5, "uint16": 8}
+
+#: ``--token-dtype``: the dtype of the megatron format's tokens (auto: as Megatron picks).
+TOKEN_DTYPES = ("auto", "uint16", "int32", "int64")
+# megatron-core's DType.optimal_dtype: uint16 below this cardinality (not 2^16: Megatron
+# keeps a margin), int32 above.
+_UINT16_CARDINALITY = 65_500
 
 # MDS: ndarray column values' dtype codes are part of the encoding string, the shape of a
 # 1-d array is written per sample as one byte (ndim << 2 | width code) and the length.
@@ -64,6 +77,46 @@ def check_format(value: str) -> str:
     if value not in FORMATS:
         raise FastpackError(f"format: got {value!r}; expected one of {', '.join(FORMATS)}")
     return value
+
+
+def check_token_dtype(value: str, fmt: str) -> str:
+    if value not in TOKEN_DTYPES:
+        raise FastpackError(f"token_dtype: got {value!r}; expected one of "
+                            f"{', '.join(TOKEN_DTYPES)}")
+    if value != "auto" and fmt != "megatron":
+        raise FastpackError(f"token_dtype: got {value!r} with format {fmt!r}; it chooses "
+                            "the dtype of --format megatron's .bin files only")
+    return value
+
+
+def megatron_dtypes(token_dtype: str, ranges: dict[str, tuple[int, int] | None],
+                    vocab_size: int | None = None) -> dict[str, str]:
+    """The dtype each token column's .bin stores, from the smallest and largest value of
+    the column over the whole input (``ranges``; None for a column without values), in
+    the columns' order; ``vocab_size`` (the tokenizer's, when the run tokenizes) sizes
+    the first column as Megatron's preprocessing does. ``auto``: per column, uint16 when
+    the values are ids below 65,500, else int32, else int64. An explicit dtype is every
+    column's, and a value it cannot hold is refused, naming the column."""
+    dtypes = {}
+    for k, (column, bounds) in enumerate(ranges.items()):
+        lo, hi = bounds if bounds is not None else (0, 0)
+        if token_dtype == "auto":
+            cardinality = hi + 1 if k or vocab_size is None else max(vocab_size, hi + 1)
+            if lo >= 0 and cardinality < _UINT16_CARDINALITY:
+                dtypes[column] = "uint16"
+            else:
+                fits = np.iinfo(np.int32)
+                dtypes[column] = "int32" if fits.min <= lo and hi <= fits.max else "int64"
+            continue
+        info = np.iinfo(np.dtype(token_dtype))
+        bad = lo if lo < info.min else hi if hi > info.max else None
+        if bad is not None:
+            raise FastpackError(
+                f"token_dtype: column {column!r} holds the value {bad:,}, which {token_dtype} "
+                f"cannot hold ({info.min:,} to {info.max:,}); pass a wider --token-dtype "
+                "or auto (which chooses per column)")
+        dtypes[column] = token_dtype
+    return dtypes
 
 
 def _shard_name(i: int, n: int) -> str:
@@ -147,9 +200,12 @@ def _sha256(path: Path) -> str:
 
 def write_format_shard(fmt: str, outdir: Path, i: int, n: int, schema: pa.Schema,
                        token_columns: Sequence[str], packs: int,
-                       batches: Iterator[pa.RecordBatch]) -> dict[str, Any]:
+                       batches: Iterator[pa.RecordBatch],
+                       stored: dict[str, str] | None = None) -> dict[str, Any]:
     """Writes output shard ``i`` of ``n`` (the record batches of its ``packs`` packs, in
-    the output ``schema``) in format ``fmt``; returns its journal entry: ``file``, ``rows``,
+    the output ``schema``) in format ``fmt``; ``stored``: the dtype of each token column
+    in a megatron .bin (:func:`megatron_dtypes`; None: the schema's). Returns the shard's
+    journal entry: ``file``, ``rows``,
     ``tokens``, ``bytes``, ``sha256`` (of the main file), and ``parts`` (the other files)
     and ``mds`` (its line of index.json) where the format has them."""
     if fmt == "parquet":
@@ -160,7 +216,7 @@ def write_format_shard(fmt: str, outdir: Path, i: int, n: int, schema: pa.Schema
     try:
         if fmt == "megatron":
             rows, tokens = _write_megatron(files, _base(i, n), schema, token_columns,
-                                           batches)
+                                           batches, stored)
             extra: dict[str, Any] = {}
         else:
             rows, tokens, extra = _write_mds(files, _base(i, n), schema, packs, batches)
@@ -192,14 +248,14 @@ def _megatron_dtype(dtype: np.dtype, column: str) -> np.dtype:
 
 
 def _write_megatron(files: _Files, base: str, schema: pa.Schema,
-                    token_columns: Sequence[str],
-                    batches: Iterator[pa.RecordBatch]) -> tuple[int, int]:
+                    token_columns: Sequence[str], batches: Iterator[pa.RecordBatch],
+                    stored: dict[str, str] | None) -> tuple[int, int]:
     """Each token column's values go to its .bin as they come (a pack's tokens are
     contiguous in a batch); the .idx, which needs every sequence's length first, is
     written at the end from the seq_lengths column (4 bytes per sequence kept)."""
     names = {c: base if k == 0 else f"{base}.{c}" for k, c in enumerate(token_columns)}
-    dtypes = {c: _megatron_dtype(np.dtype(schema.field(c).type.value_type.to_pandas_dtype()),
-                                 c) for c in token_columns}
+    dtypes = {c: _megatron_dtype(np.dtype(stored[c]) if stored else np.dtype(
+        schema.field(c).type.value_type.to_pandas_dtype()), c) for c in token_columns}
     for c in token_columns:  # .bin before .idx for each column: the main file is first
         files(f"{names[c]}.bin")
     seqlens: list[np.ndarray] = []

@@ -66,6 +66,7 @@ def gather_passes(out: OutputDir, sources: Sequence[Source], scan: Scan, plan: P
         _distribute(out, sources, scan, plan, [_segments(plan, p) for p in passes],
                     spill_dir)
     schema = output_schema(settings, scan.dtypes)
+    stored = scan.stored(settings)
     stream = _batches(out, sources, scan, plan, passes, spill_dir if spilled else None,
                       schema)
     entries = dict(done)
@@ -73,7 +74,7 @@ def gather_passes(out: OutputDir, sources: Sequence[Source], scan: Scan, plan: P
         count = sum(1 for group in row_groups if group[0] == i)
         entry = write_format_shard(settings.format, out.path, i, n, schema,
                                    settings.token_columns, int(bounds[i + 1] - bounds[i]),
-                                   itertools.islice(stream, count))
+                                   itertools.islice(stream, count), stored)
         out.record(i, entry)
         entries[i] = entry
         log(f"wrote {entry['file']} ({entry['rows']:,} packs, {human_bytes(entry['bytes'])})",

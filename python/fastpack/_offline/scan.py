@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,6 +38,7 @@ __all__ = [
     "text_left_out",
     "tokenize_inputs",
     "uneven_reason",
+    "value_range",
 ]
 
 
@@ -45,16 +46,33 @@ __all__ = [
 class Scan:
     """What the lengths pass learns: every document's length, each file's rows, the dtype
     each packed column takes (the packed columns, in output order) and the columns left
-    out with the reason."""
+    out with the reason. For ``--format megatron``, which stores the narrowest dtype the
+    values need, also each packed column's ``ranges`` (smallest and largest value; None for
+    a column without values) and, when the run tokenizes, the tokenizer's ``vocab_size``."""
 
     lengths: np.ndarray
     file_rows: list[int]
     dtypes: dict[str, str]
     left_out: dict[str, str]
+    ranges: dict[str, tuple[int, int] | None] | None = None
+    vocab_size: int | None = None
 
     @property
     def columns(self) -> list[str]:
         return list(self.dtypes)
+
+    def stored(self, settings: PackSettings) -> dict[str, str] | None:
+        """The dtype each token column is stored in by ``--format megatron`` (None for the
+        other formats: they store :attr:`dtypes`); refuses a value an explicit
+        ``--token-dtype`` cannot hold."""
+        if settings.format != "megatron":
+            return None
+        from .formats import megatron_dtypes
+
+        ranges = self.ranges or {}
+        return megatron_dtypes(settings.token_dtype,
+                               {c: ranges.get(c) for c in settings.token_columns},
+                               self.vocab_size)
 
     @property
     def row_starts(self) -> np.ndarray:
@@ -71,6 +89,7 @@ class Scan:
         np.save(out.state_dir / "lengths.npy", self.lengths)
         out.write_json(out.state_dir / "scan.json", {
             "file_rows": self.file_rows, "dtypes": self.dtypes, "left_out": self.left_out,
+            "ranges": self.ranges, "vocab_size": self.vocab_size,
             "sources": [asdict(s) for s in sources]})
 
     @classmethod
@@ -81,7 +100,11 @@ class Scan:
             return None
         saved = json.loads(path.read_text())
         lengths = np.load(out.state_dir / "lengths.npy")
-        return (cls(lengths, saved["file_rows"], saved["dtypes"], saved.get("left_out", {})),
+        ranges = saved.get("ranges")
+        return (cls(lengths, saved["file_rows"], saved["dtypes"], saved.get("left_out", {}),
+                    None if ranges is None else {
+                        c: None if r is None else (r[0], r[1]) for c, r in ranges.items()},
+                    saved.get("vocab_size")),
                 [Source(**s) for s in saved["sources"]])
 
 
@@ -90,6 +113,8 @@ def lengths_pass(out: OutputDir, resumed: bool) -> tuple[Scan, list[Source]]:
     gather passes read (the inputs, or for text the tokenized ids)."""
     settings = out.settings
     saved = Scan.saved(out) if resumed else None
+    if saved is not None and settings.format == "megatron" and saved[0].ranges is None:
+        saved = None  # saved by a version that did not keep the ranges: scan again
     if saved is not None:
         log(f"resume: lengths of {len(saved[0].lengths):,} documents from the interrupted "
             "run", quiet=out.quiet)
@@ -103,7 +128,7 @@ def lengths_pass(out: OutputDir, resumed: bool) -> tuple[Scan, list[Source]]:
         named, candidates, left_out = resolve_columns(sources, settings.column,
                                                       settings.columns)
         scan = scan_lengths(sources, named, candidates=candidates, left_out=left_out,
-                            quiet=out.quiet)
+                            quiet=out.quiet, ranges=settings.format == "megatron")
     scan.save(out, sources)
     return scan, sources
 
@@ -114,19 +139,35 @@ def lengths_pass(out: OutputDir, resumed: bool) -> tuple[Scan, list[Source]]:
 _NARROW = (pa.int8(), pa.int16(), pa.int32(), pa.uint8(), pa.uint16())
 
 
+def value_range(column: pa.ChunkedArray) -> tuple[int, int] | None:
+    """The smallest and largest value of a list column (None: no values)."""
+    import pyarrow.compute as pc
+
+    values = pc.list_flatten(column)
+    if len(values) == 0:
+        return None
+    bounds = pc.min_max(values)
+    return bounds["min"].as_py(), bounds["max"].as_py()
+
+
+def merge_ranges(a: tuple[int, int] | None, b: tuple[int, int] | None
+                 ) -> tuple[int, int] | None:
+    if a is None or b is None:
+        return a if b is None else b
+    return min(a[0], b[0]), max(a[1], b[1])
+
+
+def _dtype_of(bounds: tuple[int, int] | None) -> str:
+    return "int32" if bounds is None or (-(2**31) <= bounds[0] and bounds[1] < 2**31) \
+        else "int64"
+
+
 def column_dtype(column: pa.ChunkedArray) -> str:
     """The dtype a packed column needs for these rows: int32 when every value fits (the
     same whatever the file format: JSON has no integer widths), else int64."""
     if column.type.value_type in _NARROW:
         return "int32"
-    import pyarrow.compute as pc
-
-    values = pc.list_flatten(column)
-    if len(values) == 0:
-        return "int32"
-    bounds = pc.min_max(values)
-    lo, hi = bounds["min"].as_py(), bounds["max"].as_py()
-    return "int32" if -(2**31) <= lo and hi < 2**31 else "int64"
+    return _dtype_of(value_range(column))
 
 
 def resolve_columns(
@@ -185,15 +226,17 @@ def uneven_reason(column: str) -> str:
 
 def scan_lengths(
     sources: Sequence[Source], columns: Sequence[str], *, candidates: Sequence[str] = (),
-    left_out: dict[str, str] | None = None, quiet: bool = False
+    left_out: dict[str, str] | None = None, quiet: bool = False, ranges: bool = False
 ) -> Scan:
     """Pass 1: every document's length from the first of ``columns``; the others must have
     the same length on every row. Each of ``candidates`` is packed too if it has, and
-    otherwise left out (added to ``left_out``)."""
+    otherwise left out (added to ``left_out``). ``ranges``: keep each packed column's
+    smallest and largest value (one min/max per batch and column)."""
     parts: list[np.ndarray] = []
     file_rows: list[int] = []
     alive = list(candidates)
     dtypes: dict[str, str] = {c: "int32" for c in [*columns, *alive]}
+    bounds: dict[str, tuple[int, int] | None] = {c: None for c in dtypes}
     left = dict(left_out or {})
     with Progress("lengths", sum(s.size for s in sources), unit="B", quiet=quiet) as bar:
         docs = 0
@@ -225,8 +268,11 @@ def scan_lengths(
                                      columns[0])
                     for c in [*columns, *alive]:
                         value_type = table.column(c).type.value_type
-                        if column_dtype(table.column(c)) == "int64":
-                            dtypes[c] = "int64"
+                        if ranges or value_type not in _NARROW:
+                            here = value_range(table.column(c))
+                            bounds[c] = merge_ranges(bounds[c], here)
+                            if value_type not in _NARROW and _dtype_of(here) == "int64":
+                                dtypes[c] = "int64"
                         if value_type == pa.uint64():
                             _check_uint64(table.column(c), source, batch.row, c)
                     if lengths.size and lengths.max() >= 2**31:
@@ -249,7 +295,8 @@ def scan_lengths(
             docs += rows
             bar.set_postfix(f"{docs:,} documents")
     lengths = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
-    return Scan(lengths, file_rows, dtypes, left)
+    return Scan(lengths, file_rows, dtypes, left,
+                {c: bounds[c] for c in dtypes} if ranges else None)
 
 
 def _check_token_ids(column: pa.ChunkedArray, lengths: np.ndarray, source: Source,
@@ -283,9 +330,18 @@ def _check_uint64(column: pa.ChunkedArray, source: Source, row: int, name: str) 
 # text: tokenized once, in this pass
 
 
-def load_tokenizer(directory: str) -> Any:
-    """A function from a list of texts to their token ids, from a tokenizer saved with
-    ``save_pretrained`` in ``directory`` (transformers if installed, else tokenizers)."""
+@dataclass(frozen=True)
+class Tokenizer:
+    """A tokenizer saved with ``save_pretrained``: ``encode`` maps a list of texts to their
+    token ids; ``vocab_size`` counts every id it gives (added tokens included)."""
+
+    encode: Callable[[list[str]], list[list[int]]]
+    vocab_size: int
+
+
+def load_tokenizer(directory: str) -> Tokenizer:
+    """The tokenizer saved with ``save_pretrained`` in ``directory`` (transformers if
+    installed, else tokenizers)."""
     path = Path(directory)
     if not path.is_dir():
         raise InputError("no such tokenizer directory; expected a directory written by "
@@ -297,16 +353,17 @@ def load_tokenizer(directory: str) -> Any:
         if not (path / "tokenizer.json").exists():
             raise InputError("no tokenizer.json here (and transformers is not installed)",
                              path=directory) from None
-        from tokenizers import Tokenizer
+        import tokenizers
 
-        raw = Tokenizer.from_file(str(path / "tokenizer.json"))
-        return lambda texts: [e.ids for e in raw.encode_batch(texts)]
+        raw = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
+        return Tokenizer(lambda texts: [e.ids for e in raw.encode_batch(texts)],
+                         raw.get_vocab_size(with_added_tokens=True))
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError) as e:
         raise InputError(f"not a tokenizer saved with save_pretrained ({e})",
                          path=directory) from None
-    return lambda texts: tokenizer(texts)["input_ids"]
+    return Tokenizer(lambda texts: tokenizer(texts)["input_ids"], len(tokenizer))
 
 
 def id_lists(lists: list[list[int]]) -> pa.ListArray:
@@ -332,7 +389,8 @@ def tokenize_inputs(
     import pyarrow.parquet as pq
 
     assert settings.text_column and settings.tokenizer
-    encode = load_tokenizer(settings.tokenizer)
+    tokenizer = load_tokenizer(settings.tokenizer)
+    largest = -1
     spill.mkdir(parents=True, exist_ok=True)
     schema = pa.schema([(settings.column, pa.list_(pa.int32()))])
     parts: list[np.ndarray] = []
@@ -345,7 +403,9 @@ def tokenize_inputs(
             with pq.ParquetWriter(path, schema, compression="zstd") as writer:
                 for batch in iter_batches(source, {settings.text_column: "text"}):
                     texts = batch.table.column(settings.text_column).to_pylist()
-                    ids = id_lists(encode(texts))
+                    ids = id_lists(tokenizer.encode(texts))
+                    if len(ids.values):
+                        largest = max(largest, int(np.max(ids.values)))
                     writer.write_table(pa.table({settings.column: ids}))
                     parts.append(list_lengths(pa.chunked_array([ids])).astype(np.int32))
                     rows += len(texts)
@@ -356,4 +416,6 @@ def tokenize_inputs(
             st = path.stat()
             spilled.append(Source(str(path), "parquet", None, st.st_size, st.st_mtime_ns))
     lengths = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
-    return spilled, Scan(lengths, file_rows, {settings.column: "int32"}, {})
+    return spilled, Scan(lengths, file_rows, {settings.column: "int32"}, {},
+                         {settings.column: (0, largest) if largest >= 0 else None},
+                         tokenizer.vocab_size)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from .._checks import _int_arg
 from .._errors import FastpackError
 from .._options import PackArgs, PackOptions, WithOptions, resolve
-from .formats import check_format
+from .formats import check_format, check_token_dtype
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -113,6 +113,9 @@ class PackSettings(WithOptions):
     #: The output's format (:data:`~fastpack._offline.formats.FORMATS`): the same packs
     #: in every one.
     format: str = "parquet"
+    #: The dtype of the megatron format's tokens (``--token-dtype``;
+    #: :data:`~fastpack._offline.formats.TOKEN_DTYPES`): auto chooses as Megatron does.
+    token_dtype: str = "auto"
     #: A mixture of sources by tokens (``fastpack.Mixture.to_json()``; ``--mix``): the
     #: inputs are its sources' files, and it decides which documents the output holds.
     mix: dict[str, Any] | None = None
@@ -131,6 +134,7 @@ class PackSettings(WithOptions):
         shard_rows: int | None = None,
         plan_shards: int = 1,
         format: str = "parquet",
+        token_dtype: str = "auto",
         mix: dict[str, Any] | None = None,
         affinity_column: str | None = None,
         **kwargs: Unpack[PackArgs],
@@ -144,6 +148,7 @@ class PackSettings(WithOptions):
             "text_column": text_column, "tokenizer": tokenizer, "shard_rows": rows,
             "plan_shards": _int_arg("plan_shards", plan_shards, minimum=1),
             "format": check_format(format),
+            "token_dtype": check_token_dtype(token_dtype, format),
             "mix": _checked_mix(mix, made, plan_shards),
             "affinity_column": affinity_column,
         }
@@ -183,6 +188,8 @@ class PackSettings(WithOptions):
             values["columns"] = list(self.columns)
         if self.format == "parquet":
             del values["format"]  # the settings of a parquet run keep their bytes
+        if self.format != "megatron":
+            del values["token_dtype"]  # the other formats store the parquet output's dtypes
         if self.mix is None:
             del values["mix"]  # a run without a mixture records what it always did
         if self.affinity_column is None:
