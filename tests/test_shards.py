@@ -65,6 +65,7 @@ def test_shard_jobs_write_one_jobs_output(tmp_path, inputs):
     assert run["passes"] == max(j["passes"] for j in run["jobs"]) == 1
     assert set(run["seconds"]) == {"lengths", "plan", "gather"}
     assert "parts" not in json.loads((tmp_path / "one" / "run.json").read_text())
+    assert "run.json" not in (split / "manifest.json").read_text()  # no checksum covers it
     # Each job wrote its own consecutive shards, none twice.
     one = json.loads((tmp_path / "one" / "manifest.json").read_text())
     assert len(one["shards"]) > 10 and len(written[0]) > 1
