@@ -193,7 +193,7 @@ from fastpack.ray import pack_files
 settings = PackSettings(max_len=1024, shuffle=True, seed=0)
 start = time.perf_counter()
 report = pack_files([sys.argv[2]], sys.argv[3], settings, quiet=True, plot=False)
-print(json.dumps({"seconds": time.perf_counter() - start, "phases": report["seconds"],
+print(json.dumps({"seconds": time.perf_counter() - start, "phases": report["run"]["seconds"],
                   "packs": report["packs"]}))
 """
 
@@ -204,7 +204,7 @@ from fastpack._offline.settings import PackSettings
 settings = PackSettings(max_len=1024, shuffle=True, seed=0)
 start = time.perf_counter()
 report = pack_corpus([sys.argv[1]], sys.argv[2], settings, quiet=True, plot=False)
-print(json.dumps({"seconds": time.perf_counter() - start, "phases": report["seconds"],
+print(json.dumps({"seconds": time.perf_counter() - start, "phases": report["run"]["seconds"],
                   "packs": report["packs"]}))
 """
 
@@ -300,7 +300,10 @@ def _command(pythonpath: str | None, args: list[str]) -> tuple[float, float, dic
     seconds = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
-    report = json.loads((Path(args[args.index("-o") + 1]) / "report.json").read_text())
+    out = Path(args[args.index("-o") + 1])
+    report = json.loads((out / "report.json").read_text())
+    if (out / "run.json").exists():  # a baseline tree before run.json kept it in the report
+        report["run"] = json.loads((out / "run.json").read_text())
     return seconds, cpu, report
 
 
@@ -312,7 +315,7 @@ def bench_compare(baseline: str) -> list[str]:
              f"The same corpora as above (`--max-len 1024`, shuffled), packed by this tree and "
              f"by `{baseline}` in turn, {repeats} fresh processes each (medians); wall = the "
              "whole process (start, imports, `ray.init`), passes = lengths + plan + gather "
-             "from report.json, CPU = user + system seconds of the command's process and its "
+             "from run.json, CPU = user + system seconds of the command's process and its "
              "threads (for Ray, not its workers'). Ray: a local cluster of all cores "
              "(`--ray=local`). Every run's shards are checked across the two trees: "
              "byte-identical (same: bytes), or the same values in every row and column with "
@@ -343,7 +346,7 @@ def bench_compare(baseline: str) -> list[str]:
                             [str(root / "in"), "-o", str(out), "--max-len", "1024", *extra])
                         wall[tree].append(seconds)
                         cpus[tree].append(cpu)
-                        passes[tree].append(sum(report["seconds"].values()))
+                        passes[tree].append(sum(report.get("run", report)["seconds"].values()))
                         size[tree] = report["bytes"]
                     kind = _same_rows(root / f"base-{path}", root / f"this-{path}")
                     assert kind is not None, "the two trees wrote other rows"

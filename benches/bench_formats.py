@@ -124,7 +124,7 @@ def write_bench(docs: int = 100_000, max_len: int = 4096) -> list[str]:
             report = pack_corpus([str(source)], Path(tmp) / f"cmd-{fmt}",
                                  PackSettings(max_len, columns=("labels",), seed=1,
                                               format=fmt), quiet=True, plot=False)
-            s = report["seconds"]
+            s = report["run"]["seconds"]
             whole = sum(s.values())
             lines.append(f"| {fmt} | {s['lengths']:.2f} s | {s['plan']:.2f} s | "
                          f"{s['gather']:.2f} s | {whole:.2f} s | {total / whole / 1e6:.1f} M |")
@@ -180,11 +180,11 @@ def megatron_bench(docs: int = 100_000, max_len: int = 4096) -> list[str]:
                     [str(source)], Path(tmp) / f"cmd-{dtype}", PackSettings(
                         max_len, columns=("labels",), seed=1, format="megatron",
                         token_dtype=dtype), quiet=True, plot=False, overwrite=True)
-                if dtype not in best or sum(report["seconds"].values()) < sum(
-                        best[dtype]["seconds"].values()):
+                if dtype not in best or sum(report["run"]["seconds"].values()) < sum(
+                        best[dtype]["run"]["seconds"].values()):
                     best[dtype] = report
         for dtype, report in best.items():
-            s = report["seconds"]
+            s = report["run"]["seconds"]
             whole = sum(s.values())
             lines.append(f"| `--token-dtype {dtype}` | {s['lengths']:.2f} s | "
                          f"{s['plan']:.2f} s | {s['gather']:.2f} s | {whole:.2f} s | "

@@ -142,3 +142,25 @@ def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 300,
 
 def shard_bytes(outdir: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(outdir.glob("shard-*.parquet"))}
+
+
+# How a run went (seconds, passes, Ray, --shard jobs): the one file of an output directory
+# that differs between ways of writing the same output.
+RUN_FILE = "run.json"
+
+
+def output_files(outdir: Path) -> dict[str, bytes]:
+    """Every file of a complete output directory (hidden ones too) by name, but run.json."""
+    return {p.name: p.read_bytes() for p in sorted(outdir.iterdir())
+            if p.is_file() and p.name != RUN_FILE}
+
+
+def assert_same_output(a: Path, b: Path) -> None:
+    """``a`` and ``b`` hold the same files, byte for byte (report.json included), and
+    neither keeps a state directory."""
+    fa, fb = output_files(a), output_files(b)
+    assert sorted(fa) == sorted(fb), (sorted(fa), sorted(fb))
+    assert not (a / ".fastpack").exists() and not (b / ".fastpack").exists()
+    differ = [n for n in fa if fa[n] != fb[n]]
+    assert not differ, f"{a} and {b} differ in {differ}"
+    assert (a / RUN_FILE).exists() and (b / RUN_FILE).exists()

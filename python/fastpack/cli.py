@@ -183,7 +183,7 @@ def stats(inputs: Sequence[str], caps: list[int], column: str, quiet: bool, batc
 @click.argument("inputs", nargs=-1, required=False, metavar="INPUT...")
 @click.option("-o", "--output", "outdir", required=True, type=click.Path(file_okay=False),
               help="Output directory: shard-*.parquet, manifest.json, report.json, "
-              "report.png.")
+              "report.png; run.json: how the run went (times, passes).")
 @click.option("--max-len", type=int, default=None,
               help="Tokens per packed row (required, but with --finalize).")
 @_input_options

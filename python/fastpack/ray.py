@@ -737,12 +737,12 @@ def pack_files(
             out.record(int(row["shard"]), entry)
             entries[int(row["shard"])] = entry
     pipeline.timings["gather"] = time.monotonic() - clock
-    extra = {"ray": {"cpus": int(ray.cluster_resources().get("CPU", 0)),
-                     "nodes": len(ray.nodes()), "plan_shards": settings.plan_shards},
-             "seconds": {k: round(v, 3) for k, v in pipeline.timings.items()}}
+    run = {"ray": {"cpus": int(ray.cluster_resources().get("CPU", 0)),
+                   "nodes": len(ray.nodes()), "plan_shards": settings.plan_shards},
+           "seconds": {k: round(v, 3) for k, v in pipeline.timings.items()}}
     shards = [entries[i] for i in range(pipeline.num_out)]
     columns = output_schema(out.settings, pipeline.dtypes).names
-    report = make_report(out, pipeline.stats, shards, columns, extra, plot=plot,
+    report = make_report(out, pipeline.stats, shards, columns, {}, plot=plot,
                          left_out=pipeline.left_out)
-    out.finish(report, shards, columns, pipeline.stats.packs, pipeline.group_offsets)
-    return report
+    return out.finish(report, run, shards, columns, pipeline.stats.packs,
+                      pipeline.group_offsets)

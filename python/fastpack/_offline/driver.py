@@ -17,7 +17,8 @@
    and gathers their rows in Rust (``fastpack.gather``), shard by shard.
 4. :mod:`.report` — **report**: the plan's numbers, report.json, report.png and the
    summary: every token dropped, truncated or split is counted, every column left out
-   named.
+   named. How the run went (times, passes) goes to run.json, apart: every other file is
+   the same bytes however the output was written.
 
 Memory: about ``33 bytes × documents`` (lengths, plan, pass mask) + ``--memory`` (one
 pass's tokens) + one input batch (``BATCH_BYTES`` of decoded rows, or one parquet row
@@ -68,7 +69,9 @@ def pack_corpus(
     part: tuple[int, int] | None = None,
 ) -> dict[str, Any]:
     """Packs the documents of ``inputs`` into parquet shards in ``outdir``; returns the
-    report (also written to ``outdir/report.json``).
+    report (also written to ``outdir/report.json``) with, under ``run``, how the run went
+    (``outdir/run.json``: seconds, gather passes, memory budget; not part of the output's
+    bytes, which are the same however it was written).
 
     ``memory``: bytes of token data one gather pass may hold (default: half the available
     memory). More passes than one read the inputs once more and ``spill`` each pass's
@@ -104,27 +107,28 @@ def pack_corpus(
     entries, passes, budget = gather_passes(out, read_sources, scan, plan, pack_counts,
                                             memory, spill)
     seconds["gather"] = time.monotonic() - clock
-    extra = {"passes": passes, "memory_budget": budget, "spilled": spill and passes > 1,
-             "seconds": {k: round(v, 3) for k, v in seconds.items()}}
+    run = {"passes": passes, "memory_budget": budget, "spilled": spill and passes > 1,
+           "seconds": {k: round(v, 3) for k, v in seconds.items()}}
     if isinstance(out, PartDir):
-        return out.complete(entries, extra)
-    return conclude(out, scan, plan, mixed, entries, extra, plot=plot)
+        return out.complete(entries, run)
+    return conclude(out, scan, plan, mixed, entries, run, plot=plot)
 
 
 def conclude(out: OutputDir, scan: Scan, plan: Plan, mixed: MixedPlan | None,
-             entries: Sequence[dict[str, Any]], extra: dict[str, Any], *,
+             entries: Sequence[dict[str, Any]], run: dict[str, Any], *,
              plot: bool | None) -> dict[str, Any]:
-    """Pass 4: the report (report.json, report.png), then the manifest; returns the
-    report. The last step of a run, and of ``--finalize`` after ``--shard`` jobs."""
+    """Pass 4: the report (report.json, report.png), the run record (``run``: run.json),
+    then the manifest; returns the report with the run record under ``run``. The last
+    step of a run, and of ``--finalize`` after ``--shard`` jobs."""
     lengths = scan.lengths if mixed is None else mixed.lengths
     stats = PlanStats.of(plan, lengths, out.settings)
     columns = output_schema(out.settings, scan.dtypes).names
+    extra: dict[str, Any] = {}
     if mixed is not None:
-        extra = {**extra, "mix": mixed.report()}
+        extra["mix"] = mixed.report()
     if plan.affinity is not None:
-        extra = {**extra, "affinity": asdict(plan.affinity)}
+        extra["affinity"] = asdict(plan.affinity)
     report = make_report(out, stats, entries, columns, extra, plot=plot,
                          left_out=scan.left_out)
-    out.finish(report, entries, columns, stats.packs,
-               plan.group_offsets if mixed is None else mixed.step_offsets)
-    return report
+    return out.finish(report, run, entries, columns, stats.packs,
+                      plan.group_offsets if mixed is None else mixed.step_offsets)

@@ -1,7 +1,8 @@
 """The output directory, where nothing is half-written: a shard is written to a hidden
 temporary name, flushed to disk and renamed; every complete shard is appended to a journal
 with its rows and sha256; ``manifest.json`` (every shard with its checksum) is written last
-and is the mark of a complete output. An interrupted run keeps its state in
+and is the mark of a complete output. Every file but ``run.json`` (how the run went) is
+the same bytes however the output was written. An interrupted run keeps its state in
 ``.fastpack/`` (its settings and inputs, the lengths pass's result, the journal) and
 resumes from it."""
 
@@ -27,10 +28,13 @@ from .progress import log
 from .settings import PackSettings
 from .sources import Source
 
-__all__ = ["FORMAT", "STATE_DIR", "OutputDir", "sha256_file", "write_shard"]
+__all__ = ["FORMAT", "RUN_FILE", "STATE_DIR", "OutputDir", "sha256_file", "write_shard"]
 
 FORMAT = "fastpack-packed/1"
 STATE_DIR = ".fastpack"
+# How this run went (seconds, passes, budget, Ray, --shard jobs): beside the output, not
+# part of its bytes -- no manifest checksum covers it, and it differs from run to run.
+RUN_FILE = "run.json"
 
 
 def _fsync_dir(path: Path) -> None:
@@ -170,7 +174,8 @@ class OutputDir:
                         "pass the same options and inputs, or --overwrite to start over")
             return True
         leftovers = sorted(p.name for p in out.iterdir())
-        ours = all(n.startswith("report.") or is_format_file(n) for n in leftovers)
+        ours = all(n.startswith("report.") or n == RUN_FILE or is_format_file(n)
+                   for n in leftovers)
         if leftovers and not (overwrite and ours):
             raise FastpackError(
                 f"-o {out}: not empty and holds no fastpack output ({', '.join(leftovers[:3])}"
@@ -186,7 +191,7 @@ class OutputDir:
                 shutil.rmtree(path)
             elif is_format_file(name) or name in (
                     "manifest.json", "report.json", "report.png", "group_offsets.npy",
-                    ".manifest.json.tmp", ".report.json.tmp"):
+                    RUN_FILE, ".manifest.json.tmp", ".report.json.tmp", f".{RUN_FILE}.tmp"):
                 path.unlink()
 
     def abandon(self) -> None:
@@ -239,12 +244,15 @@ class OutputDir:
             f.flush()
             os.fsync(f.fileno())
 
-    def finish(self, report: dict[str, Any], entries: Sequence[dict[str, Any]],
-               columns: Sequence[str], num_packs: int,
-               group_offsets: np.ndarray | None) -> None:
-        """report.json, group_offsets.npy, and last the manifest (``columns``: the output's,
-        ``entries``: every shard's journal entry); then the state directory goes."""
+    def finish(self, report: dict[str, Any], run: dict[str, Any],
+               entries: Sequence[dict[str, Any]], columns: Sequence[str], num_packs: int,
+               group_offsets: np.ndarray | None) -> dict[str, Any]:
+        """report.json, run.json (``run``: how this run went, outside the manifest),
+        group_offsets.npy, and last the manifest (``columns``: the output's, ``entries``:
+        every shard's journal entry); then the state directory goes. Returns the report
+        with the run record under ``run`` (what ``pack_corpus`` returns)."""
         self.write_json(self.path / "report.json", report)
+        self.write_json(self.path / RUN_FILE, run)
         finish_format(self.settings.format, self.path, entries)
         if group_offsets is not None:
             np.save(self.path / "group_offsets.npy", group_offsets)
@@ -259,3 +267,4 @@ class OutputDir:
         }
         self.write_json(self.path / "manifest.json", manifest)
         shutil.rmtree(self.state_dir, ignore_errors=True)
+        return {**report, "run": run}

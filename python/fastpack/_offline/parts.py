@@ -11,8 +11,9 @@ with ``--resume`` as a single run does, touching nothing of the others'. A finis
 writes ``complete.json`` there. ``--finalize`` checks that every part is complete with the
 same settings and inputs, plans once more from the saved lengths, and writes
 report.json, report.png, group_offsets.npy and last manifest.json: the output is byte for
-byte the output of one job (report.json differs only in how it ran: ``seconds``,
-``passes``, ``parts``).
+byte the output of one job. Only ``run.json`` (how the run went, not part of the output's
+bytes) says it was written by jobs: each job's passes, budget and seconds, and the
+slowest's.
 """
 
 from __future__ import annotations
@@ -123,13 +124,14 @@ class PartDir(OutputDir):
         return done
 
     def complete(self, entries: Sequence[dict[str, Any]],
-                 extra: dict[str, Any]) -> dict[str, Any]:
-        """Marks this job done (``complete.json``); returns what the summary says."""
+                 run: dict[str, Any]) -> dict[str, Any]:
+        """Marks this job done (``complete.json``, with how its run went: ``run``, for
+        finalize's run.json); returns what the summary says."""
         i, n = self.part
         value = {"part": [i, n], "shards": [e["file"] for e in entries],
                  "rows": sum(e["rows"] for e in entries),
                  "tokens": sum(e["tokens"] for e in entries),
-                 "bytes": sum(e["bytes"] for e in entries), **extra}
+                 "bytes": sum(e["bytes"] for e in entries), **run}
         self.write_json(self.state_dir / "complete.json", value)
         return value
 
@@ -212,9 +214,11 @@ def finalize(outdir: str | Path, *, quiet: bool = False,
     for d in done:
         for k, v in d["seconds"].items():
             seconds[k] = max(seconds.get(k, 0.0), v)
-    extra = {"passes": max(d["passes"] for d in done),
-             "memory_budget": max(d["memory_budget"] for d in done),
-             "spilled": any(d["spilled"] for d in done), "parts": n, "seconds": seconds}
+    keys = ("passes", "memory_budget", "spilled", "seconds")
+    run = {"passes": max(d["passes"] for d in done),
+           "memory_budget": max(d["memory_budget"] for d in done),
+           "spilled": any(d["spilled"] for d in done), "parts": n, "seconds": seconds,
+           "jobs": [{"part": d["part"], **{k: d[k] for k in keys}} for d in done]}
     log(f"finalize: {len(entries):,} shards written by {n} jobs", quiet=quiet)
-    return conclude(out, scan, plan, mixed, [entries[i] for i in range(total)], extra,
+    return conclude(out, scan, plan, mixed, [entries[i] for i in range(total)], run,
                     plot=plot)

@@ -2,7 +2,12 @@
 report.png and the summary a person reads -- every token dropped, truncated or split is
 counted, and every input column left out is named with the reason. The metrics (lower
 bounds, efficiencies) are the core's, from the buckets' totals, so shards merged on Ray
-report what one plan of theirs would."""
+report what one plan of theirs would.
+
+report.json holds what the output is, never how it was made, so the whole output
+directory is the same bytes whoever writes it (any ``--memory``, threads, Ray, ``--shard``
+jobs). How this run went (seconds, gather passes, memory budget, Ray's CPUs, the jobs)
+goes to ``run.json`` (:data:`.outdir.RUN_FILE`), which no manifest checksum covers."""
 
 from __future__ import annotations
 
@@ -148,9 +153,11 @@ def make_report(out: OutputDir, stats: PlanStats, entries: Sequence[dict[str, An
                 columns: Sequence[str], extra: dict[str, Any], *, plot: bool | None,
                 left_out: dict[str, str]) -> dict[str, Any]:
     """Draws report.png and returns the report (what report.json holds) of a run whose
-    shards are ``entries`` (journal entries) with ``columns``. ``plot``: None draws the
-    picture where matplotlib is installed and notes why not elsewhere; a picture that
-    fails is noted too, never the end of a run whose shards are written."""
+    shards are ``entries`` (journal entries) with ``columns``; ``extra``: more of what
+    the output is (``mix``, ``affinity``), never how the run went (``run.json``).
+    ``plot``: None draws the picture where matplotlib is installed and notes why not
+    elsewhere; a picture that fails is noted too, never the end of a run whose shards
+    are written."""
     picture = _picture(out, stats, plot, extra.get("mix"))
     return {
         "format": FORMAT,
@@ -168,8 +175,9 @@ def make_report(out: OutputDir, stats: PlanStats, entries: Sequence[dict[str, An
 
 
 def summary_lines(report: dict[str, Any], outdir: str) -> Iterator[str]:
-    """The final summary a person reads: nothing lost goes unmentioned."""
-    r = report
+    """The final summary a person reads (``report``: what a run returns, report.json's
+    with run.json's under ``run``): nothing lost goes unmentioned."""
+    r, run = report, report["run"]
     yield (f"packed {r['documents']:,} documents, {r['input_tokens']:,} tokens -> "
            f"{r['packs']:,} packs of {r['settings']['max_len']:,} in {r['shards']} "
            + (f"{r['settings']['format']} " if "format" in r["settings"] else "")
@@ -204,12 +212,12 @@ def summary_lines(report: dict[str, Any], outdir: str) -> Iterator[str]:
         yield (f"affinity ({r['settings'].get('affinity_column')}): {a['num_keys']:,} keys; "
                f"token pairs of one key in a pack {a['same_key_share']:.2%} (random packing "
                f"{a['random_share']:.2%})")
-    if "ray" in r:
-        nodes = r["ray"]["nodes"]
-        how = f"on Ray ({nodes} node{'s' if nodes != 1 else ''}, {r['ray']['cpus']} CPUs)"
+    if "ray" in run:
+        nodes = run["ray"]["nodes"]
+        how = f"on Ray ({nodes} node{'s' if nodes != 1 else ''}, {run['ray']['cpus']} CPUs)"
     else:
-        how = (f"{r['passes']} gather pass{'es' if r['passes'] != 1 else ''} within a budget "
-               f"of {human_bytes(r['memory_budget'])}")
-        if "parts" in r:
-            how = f"written by {r['parts']} --shard jobs, each {how} (the slowest's times)"
-    yield f"{how}; time: " + ", ".join(f"{k} {v:.1f} s" for k, v in r["seconds"].items())
+        how = (f"{run['passes']} gather pass{'es' if run['passes'] != 1 else ''} within a "
+               f"budget of {human_bytes(run['memory_budget'])}")
+        if "parts" in run:
+            how = f"written by {run['parts']} --shard jobs, each {how} (the slowest's times)"
+    yield f"{how}; time: " + ", ".join(f"{k} {v:.1f} s" for k, v in run["seconds"].items())
