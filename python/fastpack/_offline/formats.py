@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 import numpy as np
 
 from .._errors import FastpackError
+from .._gather import _value_dtype
 
 if TYPE_CHECKING:  # the command's help is drawn without pyarrow
     import pyarrow as pa
@@ -254,8 +255,8 @@ def _write_megatron(files: _Files, base: str, schema: pa.Schema,
     contiguous in a batch); the .idx, which needs every sequence's length first, is
     written at the end from the seq_lengths column (4 bytes per sequence kept)."""
     names = {c: base if k == 0 else f"{base}.{c}" for k, c in enumerate(token_columns)}
-    dtypes = {c: _megatron_dtype(np.dtype(stored[c]) if stored else np.dtype(
-        schema.field(c).type.value_type.to_pandas_dtype()), c) for c in token_columns}
+    dtypes = {c: _megatron_dtype(np.dtype(stored[c]) if stored else _value_dtype(
+        schema.field(c).type), c) for c in token_columns}
     for c in token_columns:  # .bin before .idx for each column: the main file is first
         files(f"{names[c]}.bin")
     seqlens: list[np.ndarray] = []
@@ -300,7 +301,7 @@ def _mds_columns(schema: pa.Schema) -> list[tuple[str, np.dtype]]:
     """The MDS columns (sorted by name, as MDS orders them) and the dtype of each."""
     columns = []
     for field in schema:
-        dtype = np.dtype(field.type.value_type.to_pandas_dtype())
+        dtype = _value_dtype(field.type)
         if field.name in ("position_ids", "seq_lengths"):
             dtype = np.dtype(np.int32)  # positions and lengths are below max_len
         if dtype.name not in _MDS_DTYPES:
