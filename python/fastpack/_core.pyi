@@ -52,6 +52,17 @@ def pack(
     group_tokens: int | None = None,
     limits: list[tuple[str, np.ndarray, int]] | None = None,
 ) -> dict[str, Any]: ...
+def pack_segments(
+    lengths: np.ndarray,
+    offsets: np.ndarray,
+    max_len: int,
+    strategy: str = "bfd",
+    overlong: str = "error",
+    reserve: int = 0,
+    seeds: np.ndarray | None = None,
+    threads: int | None = None,
+    long_max_len: int | None = None,
+) -> dict[str, Any]: ...
 def pack_affinity(
     lengths: np.ndarray,
     keys: np.ndarray,
