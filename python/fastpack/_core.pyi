@@ -26,6 +26,7 @@ __all__ = [
     "media_grids",
     "pack",
     "pack_affinity",
+    "pack_segments",
     "plan_metrics",
     "permutation",
     "rope_index",
