@@ -3,11 +3,11 @@
 //! Segment `k` is `lengths[offsets[k]..offsets[k + 1]]`, packed exactly as [`pack_two_level`]
 //! packs it alone (shuffled by `seeds[k]` when given). Segments are packed in parallel,
 //! each whole on one thread, and joined in segment order: the plan does not depend on the
-//! thread count. One call instead of one per segment saves the per-call overhead (the
+//! thread count (nor does a failure: the first failed segment's error). One call instead of one per segment saves the per-call overhead (the
 //! binding's arrays and dicts, the Python loop and the join), which dominated a mixture
 //! of thousands of small steps.
 
-use rayon::prelude::*;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use super::pack_two_level;
 use crate::error::{Error, Result};
@@ -73,17 +73,57 @@ pub fn pack_segments<L: Length>(
     check(lengths.len(), offsets, seeds, levels)?;
     opts.validate()?;
     levels.validate(opts)?;
-    let parts: Vec<TwoLevelPlan> = (0..offsets.len() - 1)
-        .into_par_iter()
-        .with_max_len(1)
-        .map(|k| {
-            let mut own = opts.clone();
-            if let Some(seeds) = seeds {
-                own.shuffle_seed = Some(seeds[k]);
-            }
-            pack_two_level(&lengths[offsets[k]..offsets[k + 1]], &own, levels)
-        })
-        .collect::<Result<_>>()?;
+    let segments = offsets.len() - 1;
+    let one = |k: usize| {
+        let mut own = opts.clone();
+        if let Some(seeds) = seeds {
+            own.shuffle_seed = Some(seeds[k]);
+        }
+        pack_two_level(&lengths[offsets[k]..offsets[k + 1]], &own, levels)
+    };
+    let workers = rayon::current_num_threads().min(segments);
+    let parts: Vec<TwoLevelPlan> = if workers <= 1 {
+        (0..segments).map(one).collect::<Result<_>>()?
+    } else {
+        // One plain thread per worker, each packing whole segments (the next one not
+        // taken) on a pool of its own thread only: nested inside the caller's pool, every
+        // segment's own parallel phases (joins, pipelined writers) would contend with the
+        // other segments and cost more than they save on a small step.
+        let next = AtomicUsize::new(0);
+        let done: Vec<Vec<(usize, Result<TwoLevelPlan>)>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = (0..workers)
+                .map(|_| {
+                    scope.spawn(|| {
+                        let mut mine = Vec::new();
+                        loop {
+                            let k = next.fetch_add(1, Ordering::Relaxed);
+                            if k >= segments {
+                                break mine;
+                            }
+                            let plan = crate::pool::install(Some(1), || one(k)).and_then(|r| r);
+                            let failed = plan.is_err();
+                            mine.push((k, plan));
+                            if failed {
+                                next.store(segments, Ordering::Relaxed);
+                            }
+                        }
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
+                .collect()
+        });
+        let mut all: Vec<(usize, Result<TwoLevelPlan>)> = done.into_iter().flatten().collect();
+        all.sort_unstable_by_key(|(k, _)| *k);
+        // The first failed segment's error (every segment before it was packed).
+        let mut parts = Vec::with_capacity(segments);
+        for (_, plan) in all {
+            parts.push(plan?);
+        }
+        parts
+    };
     join(parts, offsets, opts, levels)
 }
 
