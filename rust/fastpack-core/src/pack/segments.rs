@@ -56,12 +56,14 @@ fn check(n: usize, offsets: &[usize], seeds: Option<&[u64]>, levels: &Levels) ->
 /// Packs each segment of `lengths` on its own (see the module docs).
 ///
 /// ```
-/// use fastpack_core::{pack, pack_segments, Levels, PackOptions};
+/// use fastpack_core::{pack_segments, Levels, PackOptions};
 /// let lengths = [5u32, 3, 4, 4, 2];
 /// let opts = PackOptions::new(8);
 /// let out = pack_segments(&lengths, &[0, 2, 5], None, &opts, &Levels::default()).unwrap();
 /// assert_eq!(out.pack_starts, vec![0, 1, 3]);
-/// assert_eq!(out.plan.plan.sample_ids[1..], [1, 2, 4, 3]);
+/// // Step 0: 5 + 3 in one pack; step 1 (ids 2..5): 4 + 4, then 2 on its own.
+/// assert_eq!(out.plan.plan.pack_offsets, vec![0, 2, 4, 5]);
+/// assert_eq!(out.plan.plan.sample_ids, vec![0, 1, 2, 3, 4]);
 /// ```
 pub fn pack_segments<L: Length>(
     lengths: &[L],
