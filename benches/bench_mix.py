@@ -250,6 +250,75 @@ def bench_command(lines: list[str], scale: float = 0.01) -> None:
               "shards.", "", f"Load average before: {load_before}; after: {load()}.", ""]
 
 
+def per_step_calls(lengths: np.ndarray, bounds: np.ndarray, opts, doc_order: np.ndarray,
+                   start_order: np.ndarray, threads: int | None):
+    """The planner before one core call packed every step: one ``_core.pack`` per step on
+    a pool of threads, joined by ``combine_plans`` (the reference the speed table beats;
+    its plans must be byte-identical)."""
+    from concurrent.futures import ThreadPoolExecutor
+    from types import SimpleNamespace
+
+    from fastpack import _core
+    from fastpack._mix import _step_seeds
+    from fastpack._offline.plan import combine_plans
+
+    steps = len(bounds) - 1
+    seeds = _step_seeds(opts.seed, steps).tolist()
+
+    def one(k: int):
+        fields = _core.pack(
+            lengths[int(bounds[k]):int(bounds[k + 1])], opts.max_len, opts.strategy,
+            opts.overlong, opts.reserve, seeds[k] if opts.shuffle else None, 1, None,
+            opts.long_max_len, None, [])
+        buckets = [SimpleNamespace(**b) for b in fields.pop("buckets", None) or ()]
+        return SimpleNamespace(**{**fields, "buckets": buckets, "group_offsets": None,
+                                  "long_max_len": opts.long_max_len,
+                                  "num_segments": len(fields["seqlens"]),
+                                  "num_packs": len(fields["pack_offsets"]) - 1})
+
+    with ThreadPoolExecutor(min(threads or _core.default_threads(), steps)) as pool:
+        plans = list(pool.map(one, range(steps), chunksize=64))
+    maps = [doc_order[bounds[k]:bounds[k + 1]] for k in range(steps)]
+    starts = [start_order[bounds[k]:bounds[k + 1]] for k in range(steps)]
+    plan = combine_plans(plans, maps, opts, starts)
+    return plan, np.concatenate([[0], np.cumsum([p.num_packs for p in plans])]).astype(np.int64)
+
+
+def bench_speed(lines: list[str], scale: float = 1.0) -> None:
+    """Planning time of one core call for every step against one call per step, in the
+    same run, on the same documents; the two plans are checked byte for byte."""
+    import fastpack._mix as mix_module
+
+    src = sources(scale)
+    lengths = list(src.values())
+    n = sum(len(a) for a in lengths)
+    lines += [f"## One core call for every step against one per step ({n:,} documents)", "",
+              "The mixture and sources of the planning table, `overlong='split'`, `bfd`; best of 2 runs "
+              "each; both plans compared array by array (identical).", "",
+              "| max len | steps | one call per step (s) | one call (s) | speed-up |",
+              "|---:|---|---:|---:|---:|"]
+    load_before = load()
+    new = mix_module._pack_steps
+    for max_len, step in ((MAX_LEN, 1 << 19), (MAX_LEN, 1 << 21), (65536, 1 << 21),
+                          (65536, 1 << 23)):
+        mixture = Mixture(MIX, step_tokens=step)
+        def run(m: Mixture = mixture, cap: int = max_len):
+            return fastpack.mix(lengths, m, cap, overlong="split")
+
+        t_new, a = timed(run, 2)
+        mix_module._pack_steps = per_step_calls
+        try:
+            t_old, b = timed(run, 2)
+        finally:
+            mix_module._pack_steps = new
+        for name in ("sample_ids", "starts", "seqlens", "pack_offsets"):
+            assert np.array_equal(getattr(a.plan, name), getattr(b.plan, name)), name
+        assert np.array_equal(a.step_offsets, b.step_offsets)
+        lines.append(f"| {max_len:,} | 2^{step.bit_length() - 1} tokens ({a.num_steps:,}) | "
+                     f"{t_old:.2f} | {t_new:.2f} | {t_old / t_new:.1f}x |")
+    lines += ["", f"Load average before: {load_before}; after: {load()}.", ""]
+
+
 def main() -> None:
     what = sys.argv[1] if len(sys.argv) > 1 else "all"
     lines = ["# Mixtures by tokens: planning time, efficiency and proportions per step", "",
@@ -258,6 +327,8 @@ def main() -> None:
              "(all cores: 2, shared with other jobs; see the load).", ""]
     if what in ("plan", "all"):
         bench_plan(lines, float(os.environ.get("BENCH_SCALE", "1")))
+    if what in ("speed", "all"):
+        bench_speed(lines, float(os.environ.get("BENCH_SCALE", "1")))
     if what in ("command", "all"):
         bench_command(lines, float(os.environ.get("BENCH_COMMAND_SCALE", "0.01")))
     RESULTS.mkdir(exist_ok=True)

@@ -26,6 +26,7 @@ __all__ = [
     "media_grids",
     "pack",
     "pack_affinity",
+    "pack_segments",
     "plan_metrics",
     "permutation",
     "rope_index",
@@ -51,6 +52,17 @@ def pack(
     long_max_len: int | None = None,
     group_tokens: int | None = None,
     limits: list[tuple[str, np.ndarray, int]] | None = None,
+) -> dict[str, Any]: ...
+def pack_segments(
+    lengths: np.ndarray,
+    offsets: np.ndarray,
+    max_len: int,
+    strategy: str = "bfd",
+    overlong: str = "error",
+    reserve: int = 0,
+    seeds: np.ndarray | None = None,
+    threads: int | None = None,
+    long_max_len: int | None = None,
 ) -> dict[str, Any]: ...
 def pack_affinity(
     lengths: np.ndarray,

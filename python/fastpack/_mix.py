@@ -364,36 +364,34 @@ def _step_seeds(seed: int, num_steps: int) -> np.ndarray:
 
 
 def _pack_steps(lengths: np.ndarray, bounds: np.ndarray, opts: PackOptions,
-                threads: int | None) -> list[Any]:
-    """Each step's plan (``lengths[bounds[k]:bounds[k+1]]``, int64, shuffled by the step's
-    own seed), as the core's fields with what :func:`combine_plans` reads. Steps are
-    independent: several are packed at once on a pool of threads (the core releases the
-    GIL), each on one thread, so the plans do not depend on how many. The core is called
-    directly: ``opts`` are checked, and a step's Python overhead would otherwise cost as
-    much as packing it."""
-    from types import SimpleNamespace
-
-    num_steps = len(bounds) - 1
-    seeds = _step_seeds(opts.seed, num_steps).tolist()
-
-    def one(k: int) -> Any:
-        fields = _core.pack(
-            lengths[int(bounds[k]):int(bounds[k + 1])], opts.max_len, opts.strategy,
-            opts.overlong, opts.reserve, seeds[k] if opts.shuffle else None, 1, None,
-            opts.long_max_len, None, [])
-        buckets = [SimpleNamespace(**b) for b in fields.pop("buckets", None) or ()]
-        return SimpleNamespace(**{**fields, "buckets": buckets, "group_offsets": None,
-                                  "long_max_len": opts.long_max_len,
-                                  "num_segments": len(fields["seqlens"]),
-                                  "num_packs": len(fields["pack_offsets"]) - 1})
-
-    workers = min(threads or _core.default_threads(), num_steps)
-    if workers <= 1:
-        return [one(k) for k in range(num_steps)]
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(workers) as pool:
-        return list(pool.map(one, range(num_steps), chunksize=64))
+                doc_order: np.ndarray, start_order: np.ndarray,
+                threads: int | None) -> tuple[Plan, np.ndarray]:
+    """The steps' plans laid end to end (step ``k``: ``lengths[bounds[k]:bounds[k+1]]``,
+    shuffled by the step's own seed) and where each step's packs begin. One core call packs
+    every step, each whole on one thread: the plan does not depend on how many. (One call
+    per step cost a fixed overhead per step that dominated thousands of small steps.)"""
+    seeds = _step_seeds(opts.seed, len(bounds) - 1) if opts.shuffle else None
+    fields = _core.pack_segments(
+        np.ascontiguousarray(lengths, dtype=np.int64), np.ascontiguousarray(bounds, np.int64),
+        opts.max_len, opts.strategy, opts.overlong, opts.reserve, seeds, threads,
+        opts.long_max_len)
+    # As combine_plans joins shards: documents and pieces' first tokens by position, the
+    # options recorded, each bucket's sequences kept (every metric is recomputed by Plan).
+    positions = fields["sample_ids"]
+    out: dict[str, Any] = {
+        "sample_ids": doc_order[positions].astype(np.int64),
+        "starts": (fields["starts"] + start_order[positions]).astype(np.int64),
+        "seqlens": fields["seqlens"], "pack_offsets": fields["pack_offsets"],
+        "buckets": [{"num_sequences": b["num_sequences"]} for b in fields["buckets"]]}
+    for name in ("max_len", "reserve", "strategy", "overlong", "long_max_len", "group_tokens",
+                 "shuffle", "seed"):
+        out[name] = getattr(opts, name)
+    for name in ("num_sequences", "empty_sequences", "dropped_sequences", "dropped_tokens",
+                 "truncated_sequences", "truncated_tokens", "split_sequences", "total_tokens"):
+        out[name] = fields[name]
+    if opts.long_max_len is not None:
+        out["pack_caps"] = fields["pack_caps"]
+    return Plan(out), fields["pack_starts"]
 
 
 def mix(
@@ -509,14 +507,7 @@ def plan_mixture(per_source: Sequence[np.ndarray], mixture: Mixture, opts: PackO
     src_order = np.concatenate(src_all)[order]
     start_order = np.concatenate(piece_starts)[order]
     bounds = np.searchsorted(step_of, np.arange(num_steps + 1))
-    plans = _pack_steps(len_order, bounds, opts, threads)
-    maps = [doc_order[bounds[k]:bounds[k + 1]] for k in range(num_steps)]
-    start_maps = [start_order[bounds[k]:bounds[k + 1]] for k in range(num_steps)]
-    from ._offline.plan import combine_plans
-
-    plan = combine_plans(plans, maps, opts, start_maps)
-    step_offsets = np.concatenate([[0], np.cumsum([p.num_packs for p in plans])]
-                                  ).astype(np.int64)
+    plan, step_offsets = _pack_steps(len_order, bounds, opts, doc_order, start_order, threads)
     copies = np.zeros(int(doc_base[-1]), dtype=np.int32)
     for i, q in enumerate(queues):
         copies[doc_base[i]:doc_base[i + 1]] = np.bincount(q, minlength=int(counts[i]))

@@ -70,8 +70,8 @@ pub(crate) fn proptest_cases(default: u32) -> u32 {
 pub use length::Length;
 pub use pack::limits::{Limit, LimitUse, LIMIT_CAP, MAX_LIMITS};
 pub use pack::{
-    best_fit_oldest, measure_affinity, pack, pack_affinity, pack_limited, pack_two_level, Affinity,
-    AffinityPlan,
+    best_fit_oldest, measure_affinity, pack, pack_affinity, pack_limited, pack_segments,
+    pack_two_level, Affinity, AffinityPlan, SegmentsPlan,
 };
 pub use plan::{Overlong, PackOptions, Plan, Stats, Strategy, MAX_ITEMS, MAX_LEN_LIMIT};
 pub use two_level::{

@@ -2,8 +2,8 @@
 //! core's errors to `fastpack.FastpackError`. No algorithm lives here.
 
 use fastpack_core::{
-    layout, pack_limited, pool, Bucket, Error, Levels, Limit, Metrics, Overlong, PackOptions,
-    PlanArrays, Strategy, TwoLevelPlan,
+    layout, pack_limited, pack_segments as core_pack_segments, pool, Bucket, Error, Levels, Limit,
+    Metrics, Overlong, PackOptions, PlanArrays, Strategy, TwoLevelPlan,
 };
 use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyMemoryError, PyRuntimeError};
@@ -245,6 +245,54 @@ fn pack<'py>(
         .collect::<PyResult<Vec<_>>>()?;
     pack_dtypes!(py, lengths, opts, levels, budgets, threads, i64, i32, u32, u16, u64, u8, i8, i16);
     Err(fastpack_error("lengths: expected a 1-D numpy array of an integer dtype"))
+}
+
+/// `pack_segments(lengths, offsets, max_len, strategy, overlong, reserve, seeds, threads,
+/// long_max_len)`: each segment `lengths[offsets[k]:offsets[k + 1]]` packed on its own
+/// (shuffled by `seeds[k]` when given), the plans joined in segment order
+/// (`fastpack_core::pack_segments`); the plan's dict (its `sample_ids` index `lengths`)
+/// with `pack_starts` (int64, segments + 1: where each segment's packs begin).
+#[pyfunction]
+#[pyo3(signature = (lengths, offsets, max_len, strategy="bfd", overlong="error", reserve=0, seeds=None, threads=None, long_max_len=None))]
+#[allow(clippy::too_many_arguments)]
+fn pack_segments<'py>(
+    py: Python<'py>,
+    lengths: PyReadonlyArray1<'py, i64>,
+    offsets: PyReadonlyArray1<'py, i64>,
+    max_len: u64,
+    strategy: &str,
+    overlong: &str,
+    reserve: u64,
+    seeds: Option<PyReadonlyArray1<'py, u64>>,
+    threads: Option<usize>,
+    long_max_len: Option<u64>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let opts = options(max_len, strategy, overlong, reserve, None, None)?;
+    let levels = Levels { long_max_len, group_tokens: None };
+    let lengths =
+        lengths.as_slice().map_err(|_| fastpack_error("lengths: expected a contiguous array"))?;
+    let bounds = offsets
+        .as_slice()
+        .map_err(|_| fastpack_error("offsets: expected a contiguous array"))?
+        .iter()
+        .map(|&o| usize::try_from(o))
+        .collect::<Result<Vec<usize>, _>>()
+        .map_err(|_| fastpack_error("offsets: expected non-negative bounds"))?;
+    let seeds = match &seeds {
+        Some(s) => {
+            Some(s.as_slice().map_err(|_| fastpack_error("seeds: expected a contiguous array"))?)
+        }
+        None => None,
+    };
+    let result = py.detach(|| {
+        pool::install(threads, || {
+            guarded(|| core_pack_segments(lengths, &bounds, seeds, &opts, &levels))
+        })
+    });
+    let out = result.map_err(to_py)?.map_err(to_py)?;
+    let d = plan_to_dict(py, out.plan)?;
+    d.set_item("pack_starts", out.pack_starts.into_pyarray(py))?;
+    Ok(d)
 }
 
 type Csr<'py> =
@@ -499,6 +547,6 @@ mod _core {
     #[pymodule_export]
     use super::{
         affinity_metrics, best_fit_oldest, bucket_metrics, cu_seqlens, default_threads, pack,
-        pack_affinity, plan_metrics, varlen,
+        pack_affinity, pack_segments, plan_metrics, varlen,
     };
 }

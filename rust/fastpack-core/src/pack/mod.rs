@@ -43,6 +43,7 @@ mod order;
 mod placement;
 mod replay;
 mod room_set;
+mod segments;
 mod sort;
 mod unpack;
 
@@ -60,6 +61,7 @@ use histogram::Histogram;
 use limits::{Limit, LimitedRuns, NeedWords, Needs};
 pub use placement::best_fit_oldest;
 use placement::Placement;
+pub use segments::{pack_segments, SegmentsPlan};
 use sort::Sorted;
 
 /// Until the unpack, a slot of `sample_ids` holds its segment's length and sample as one
