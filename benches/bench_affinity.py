@@ -15,8 +15,6 @@ together than any others).
 from __future__ import annotations
 
 import os
-import platform
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -25,25 +23,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _machine import cpu, load
 
 import fastpack
 from fastpack import _core
 
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def cpu() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        name = next(line.split(":", 1)[1].strip() for line in out.splitlines()
-                    if line.startswith("Model name"))
-    except (OSError, StopIteration):
-        name = platform.processor()
-    return f"{name}, {os.cpu_count()} cores (shared)"
-
-
-def load() -> str:
-    return ", ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
 def lengths_of(kind: str, n: int, seed: int) -> tuple[np.ndarray, int, str]:

@@ -29,22 +29,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+from _machine import cpu, load
 
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def cpu() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        name = next(line.split(":", 1)[1].strip() for line in out.splitlines()
-                    if line.startswith("Model name"))
-    except (OSError, StopIteration):
-        name = platform.processor()
-    return f"{name}, {os.cpu_count()} cores (shared)"
-
-
-def load() -> str:
-    return ", ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
 def sft(n: int, seed: int) -> np.ndarray:

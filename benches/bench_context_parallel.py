@@ -51,6 +51,7 @@ from fastpack import _core
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from _machine import load  # noqa: E402
 from bench_scale import gen_lengths  # noqa: E402
 
 MODES = fastpack.CP_MODES
@@ -317,10 +318,6 @@ def environment() -> str:
         pass
     return (f"{model}, {os.cpu_count()} cores, {platform.system()}, fastpack "
             f"{fastpack.__version__}, torch {torch.__version__}, numpy {np.__version__}")
-
-
-def load() -> str:
-    return ", ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
 def main() -> None:

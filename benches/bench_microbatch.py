@@ -47,8 +47,6 @@ import heapq
 import itertools
 import math
 import os
-import platform
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -59,6 +57,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "python"))
+from _machine import cpu  # noqa: E402
 from bench_scale import gen_lengths  # noqa: E402
 
 import fastpack  # noqa: E402
@@ -67,16 +66,6 @@ RANKS = 8
 LINEAR = 24576.0
 #: (global batch in sequences, token cap per micro-batch) per distribution.
 SETUPS = {"sft": (1024, 16384), "pretrain": (256, 65536), "rl": (512, 16384)}
-
-
-def cpu() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        name = next(line.split(":", 1)[1].strip() for line in out.splitlines()
-                    if line.startswith("Model name"))
-    except (OSError, StopIteration):
-        name = platform.processor()
-    return f"{name}, {os.cpu_count()} cores (shared)"
 
 
 def lengths_of(dist: str, n: int, seed: int = 0) -> np.ndarray:

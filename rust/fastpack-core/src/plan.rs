@@ -179,6 +179,28 @@ pub struct Plan {
 }
 
 impl Plan {
+    /// A plan of these arrays, with `opts`' cap, reserve, strategy and over-the-cap policy.
+    pub(crate) fn from_arrays(
+        sample_ids: Vec<i64>,
+        starts: Vec<i64>,
+        seqlens: Vec<i32>,
+        pack_offsets: Vec<i64>,
+        opts: &PackOptions,
+        stats: Stats,
+    ) -> Self {
+        Plan {
+            sample_ids,
+            starts,
+            seqlens,
+            pack_offsets,
+            max_len: opts.max_len,
+            reserve: opts.reserve,
+            strategy: opts.strategy,
+            overlong: opts.overlong,
+            stats,
+        }
+    }
+
     pub fn num_packs(&self) -> usize {
         self.pack_offsets.len() - 1
     }

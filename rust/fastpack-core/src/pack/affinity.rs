@@ -357,17 +357,7 @@ impl Items {
                 }
             });
         }
-        let plan = Plan {
-            sample_ids,
-            starts,
-            seqlens,
-            pack_offsets,
-            max_len: opts.max_len,
-            reserve: opts.reserve,
-            strategy: opts.strategy,
-            overlong: opts.overlong,
-            stats,
-        };
+        let plan = Plan::from_arrays(sample_ids, starts, seqlens, pack_offsets, opts, stats);
         Ok((plan, seg_keys))
     }
 }

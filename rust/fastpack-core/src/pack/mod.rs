@@ -460,17 +460,7 @@ fn pack_checked<L: Length>(
     let bucket_metrics = buckets.iter().zip(&laid.counts).map(|(b, c)| b.bucket(c.packs)).collect();
     let placed: Vec<&LimitedRuns> = runs.iter().flatten().collect();
     let limit_uses = limits::uses(limits, &placed);
-    let plan = Plan {
-        sample_ids,
-        starts,
-        seqlens,
-        pack_offsets,
-        max_len: opts.max_len,
-        reserve: opts.reserve,
-        strategy: opts.strategy,
-        overlong: opts.overlong,
-        stats,
-    };
+    let plan = Plan::from_arrays(sample_ids, starts, seqlens, pack_offsets, opts, stats);
     Ok(Some(TwoLevelPlan {
         plan,
         pack_caps: laid.pack_caps.take(),

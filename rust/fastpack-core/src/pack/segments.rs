@@ -184,17 +184,7 @@ fn join(
             all.total_tokens += own.total_tokens;
         }
     }
-    let plan = Plan {
-        sample_ids,
-        starts,
-        seqlens,
-        pack_offsets,
-        max_len: opts.max_len,
-        reserve: opts.reserve,
-        strategy: opts.strategy,
-        overlong: opts.overlong,
-        stats,
-    };
+    let plan = Plan::from_arrays(sample_ids, starts, seqlens, pack_offsets, opts, stats);
     let plan = TwoLevelPlan { plan, pack_caps, buckets, groups: None, limits: Vec::new() };
     Ok(SegmentsPlan { plan, pack_starts })
 }
