@@ -8,6 +8,18 @@ from pathlib import Path
 
 import fastpack
 
+try:
+    from hypothesis import settings
+except ImportError:  # the base installs run without hypothesis; its tests skip themselves
+    settings = None
+
+if settings is not None:
+    # CI draws the same examples on every run (`.ci/run` sets HYPOTHESIS_PROFILE=ci), so a
+    # red run is a reproducible one; `explore` draws new, many more, for a long local run.
+    settings.register_profile("ci", derandomize=True, database=None)
+    settings.register_profile("explore", max_examples=2000, deadline=None)
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
 SOURCE = Path(__file__).resolve().parent.parent / "python"
 
 

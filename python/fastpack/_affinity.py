@@ -57,7 +57,8 @@ class Affinity:
     pure_packs: float
     #: The slack (tokens) the plan was placed with; 0 when the placement preferring keys
     #: would have cost more than 0.1% of efficiency and plain best fit's placement was kept
-    #: (ties still go to the item's key). 0 for :func:`measure_affinity`.
+    #: (ties still go to the item's key), and when 0 was asked for (the default under
+    #: ``max_len`` 128). 0 for :func:`measure_affinity`.
     slack: int
     #: Packs plain best fit (``strategy="bfd"``) makes of the same lengths (0 for
     #: :func:`measure_affinity`); the plan has at most ``bfd_packs + bfd_packs // 1000``.
