@@ -305,8 +305,7 @@ def pack_for_context_parallel(lengths: np.ndarray, options: PackOptions,
                         o.reserve, o.seed if o.shuffle else None, threads, None, long_cap,
                         o.group_tokens)
     if zigzag:
-        _core.cp_real_seqlens(fields["seqlens"], fields["sample_ids"], fields["starts"],
-                              lengths, o.reserve, threads)
+        _core.cp_real_seqlens(fields, lengths, o.reserve, threads)
         if o.strategy != "wrapped":  # wrapped never drops nor truncates
             if o.overlong == "drop":
                 fields["dropped_tokens"] = over_tokens

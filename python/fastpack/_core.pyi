@@ -163,9 +163,7 @@ def cp_plan_lengths(
     threads: int | None = None,
 ) -> tuple[np.ndarray | None, int, int | None, int, int]: ...
 def cp_real_seqlens(
-    seqlens: np.ndarray,
-    sample_ids: np.ndarray,
-    starts: np.ndarray,
+    plan: dict[str, Any],
     lengths: np.ndarray,
     reserve: int,
     threads: int | None = None,

@@ -192,20 +192,29 @@ pub fn cp_plan_lengths<'py>(
     ))
 }
 
-/// `cp_real_seqlens(seqlens, sample_ids, starts, lengths, reserve, threads=None)`: a zigzag
-/// plan's `seqlens` (int32, written in place) mapped back from the planned lengths to the
-/// real ones (see `real_seqlens`).
-#[pyfunction]
-#[pyo3(signature = (seqlens, sample_ids, starts, lengths, reserve, threads=None))]
-pub fn cp_real_seqlens<'py>(
-    py: Python<'py>,
-    mut seqlens: PyReadwriteArray1<'py, i32>,
+/// The segments of a plan being built (the dict `pack` returns), read by key: zigzag
+/// writes their real lengths over the planned ones in place.
+#[derive(FromPyObject)]
+#[pyo3(from_item_all)]
+pub(crate) struct PlanFields<'py> {
+    seqlens: PyReadwriteArray1<'py, i32>,
     sample_ids: PyReadonlyArray1<'py, i64>,
     starts: PyReadonlyArray1<'py, i64>,
+}
+
+/// `cp_real_seqlens(plan, lengths, reserve, threads=None)`: a zigzag plan's `seqlens`
+/// (int32, written in place in `plan`, the dict `pack` returns) mapped back from the
+/// planned lengths to the real ones (see `real_seqlens`).
+#[pyfunction]
+#[pyo3(signature = (plan, lengths, reserve, threads=None))]
+pub fn cp_real_seqlens<'py>(
+    py: Python<'py>,
+    plan: PlanFields<'py>,
     lengths: &Bound<'py, PyAny>,
     reserve: u64,
     threads: Option<usize>,
 ) -> PyResult<()> {
+    let PlanFields { mut seqlens, sample_ids, starts } = plan;
     let (ids, st) = (contiguous("sample_ids", &sample_ids)?, contiguous("starts", &starts)?);
     let out = seqlens
         .as_slice_mut()
