@@ -5,6 +5,7 @@ unpacked batch of the same samples; resuming replays the schedule; bad setups ra
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -154,6 +155,36 @@ def test_resume_replays_the_schedule(tmp_path: Path) -> None:
     resumed = make_trainer(tmp_path / "full", args={"max_steps": 4})
     resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-2"))
     assert resumed.seen == full.seen[4:]
+
+
+def test_a_resume_on_another_schedule_is_refused_before_any_step(tmp_path: Path) -> None:
+    full = make_trainer(tmp_path / "full")
+    full.train()
+    checkpoint = tmp_path / "full" / "checkpoint-2"
+    saved = json.loads((checkpoint / PackedTrainerMixin.SAMPLER_STATE_NAME).read_text())
+    assert (saved["num_replicas"], saved["accumulation_steps"]) == (1, 2)
+    # Other accumulation steps: the Trainer would skip 2 steps of another schedule.
+    other = make_trainer(tmp_path / "full", args={"gradient_accumulation_steps": 1})
+    with pytest.raises(FastpackError, match=r"another accumulation_steps \(2 there, 1 here\)"):
+        other.train(resume_from_checkpoint=str(checkpoint))
+    assert other.seen == []
+    other = make_trainer(tmp_path / "full", args={"seed": 7})
+    with pytest.raises(FastpackError, match=r"another seed \(0 there, 7 here\)"):
+        other.train(resume_from_checkpoint=True)  # the last checkpoint: checkpoint-4
+    # Another packed dataset: its plan's fingerprint differs.
+    other = make_trainer(tmp_path / "full")
+    other.train_dataset = other.train_dataset.select(range(len(other.train_dataset) - 1))
+    with pytest.raises(FastpackError, match=r"another packed dataset"):
+        other.train(resume_from_checkpoint=str(checkpoint))
+    # A checkpoint without fastpack's file: its RNG files say 4 processes saved it.
+    (checkpoint / PackedTrainerMixin.SAMPLER_STATE_NAME).unlink()
+    rng = checkpoint / "rng_state.pth"
+    for rank in range(4):
+        (checkpoint / f"rng_state_{rank}.pth").write_bytes(rng.read_bytes())
+    rng.unlink()
+    other = make_trainer(tmp_path / "full")
+    with pytest.raises(FastpackError, match=r"saved by 4 process\(es\) and this run has 1"):
+        other.train(resume_from_checkpoint=str(checkpoint))
 
 
 def test_a_config_the_cost_model_cannot_read_falls_back_with_one_warning(

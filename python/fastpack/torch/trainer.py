@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -99,7 +101,9 @@ class PackedTrainerMixin:
       Either way the loss is already scaled for accumulation (``loss_is_scaled_for_ga``).
 
     Resuming from a checkpoint replays the schedule (the Trainer skips the consumed
-    steps' indices; no batch is built for them). Evaluation is untouched.
+    steps' indices; no batch is built for them); a checkpoint of another schedule (other
+    ranks, accumulation steps, seed or dataset) is refused first (:meth:`check_resume`).
+    Evaluation is untouched.
 
     Keyword args (besides the trainer's own):
         group_tokens, packs_per_batch: what a step is (see :class:`PackedDataset`);
@@ -251,6 +255,86 @@ class PackedTrainerMixin:
             self._fastpack_dataset = self._build_packed_dataset()
             self._check_context_parallel(self._fastpack_dataset)
         return self._fastpack_dataset
+
+    #: The file each checkpoint holds the sampler's state in (settings, plan, position):
+    #: a resume checks it against this run's sampler before skipping any step.
+    SAMPLER_STATE_NAME = "fastpack_sampler.json"
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any,
+              **kwargs: Any) -> Any:
+        """The Trainer's ``train``; a resume is refused first when the checkpoint's schedule
+        is not this run's (see :meth:`check_resume`)."""
+        if resume_from_checkpoint:
+            checkpoint = resume_from_checkpoint
+            if checkpoint is True:
+                from transformers.trainer_utils import get_last_checkpoint
+
+                checkpoint = get_last_checkpoint(self.args.output_dir)  # type: ignore[attr-defined]
+            if isinstance(checkpoint, (str, os.PathLike)):
+                self.check_resume(checkpoint)
+        return super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
+
+    def check_resume(self, checkpoint: str | os.PathLike[str]) -> None:
+        """Raise when ``checkpoint`` was saved on another schedule than this run's.
+
+        The Trainer resumes by skipping as many steps as the checkpoint counted, by index:
+        on another number of data-parallel ranks, other accumulation steps, another seed
+        or another packed dataset those indices are other steps, and samples would be
+        trained twice or never. A checkpoint saved by fastpack holds the sampler's state
+        (:attr:`SAMPLER_STATE_NAME`); one without it (saved by another trainer, or before
+        fastpack saved it) is checked on its number of processes, which the Trainer's RNG
+        files give. To resume on another world size, drive a :class:`PackedSampler`
+        yourself: its state re-plans the rest of the epoch for the new ranks."""
+        folder = os.fspath(checkpoint)
+        sampler = self.packed_sampler
+        how = ("resume with the data-parallel ranks and gradient_accumulation_steps it was "
+               "saved with, or drive a PackedSampler with a StatefulDataLoader, whose state "
+               "resumes on another world size")
+        path = os.path.join(folder, self.SAMPLER_STATE_NAME)
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                saved = json.load(f)
+            mine = sampler.state_dict()
+            for key in (*PackedSampler._SETTINGS, "num_steps", "plan"):
+                if key in saved and saved[key] != mine[key]:
+                    what = ("packed dataset (its plan)" if key == "plan"
+                            else "packed dataset (its steps)" if key == "num_steps" else key)
+                    values = ("" if key == "plan"
+                              else f" ({saved[key]!r} there, {mine[key]!r} here)")
+                    raise FastpackError(
+                        f"resume_from_checkpoint: {folder} was saved on another {what}"
+                        f"{values}: the Trainer resumes by skipping the steps it counted, "
+                        f"which are other steps of this run's schedule, so samples would be "
+                        f"trained twice or never; {how}"
+                    )
+            return
+        saved_ranks = len([n for n in os.listdir(folder)
+                           if n.startswith("rng_state_") and n.endswith(".pth")])
+        if saved_ranks == 0 and os.path.isfile(os.path.join(folder, "rng_state.pth")):
+            saved_ranks = 1
+        world = int(self.args.world_size)  # type: ignore[attr-defined]
+        if saved_ranks and saved_ranks != world:
+            raise FastpackError(
+                f"resume_from_checkpoint: {folder} was saved by {saved_ranks} process(es) and "
+                f"this run has {world}: the Trainer resumes by skipping the steps it counted, "
+                f"which are other steps of this run's schedule, so samples would be trained "
+                f"twice or never; {how}"
+            )
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        super()._save_checkpoint(model, trial)  # type: ignore[misc]
+        sampler = self._fastpack_sampler
+        args: Any = self.args  # type: ignore[attr-defined]
+        if sampler is None or not args.should_save:
+            return
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+        step = self.state.global_step  # type: ignore[attr-defined]
+        folder = os.path.join(self._get_output_dir(trial=trial),  # type: ignore[attr-defined]
+                              f"{PREFIX_CHECKPOINT_DIR}-{step}")
+        if os.path.isdir(folder):
+            with open(os.path.join(folder, self.SAMPLER_STATE_NAME), "w", encoding="utf-8") as f:
+                json.dump(sampler.state_dict(), f)
 
     @property
     def packed_sampler(self) -> PackedSampler:
