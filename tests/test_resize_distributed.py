@@ -1,7 +1,8 @@
 """Resuming an epoch on another world size with torch.distributed (gloo, CPU): 4 ranks
-train part of an epoch in micro-batches under a cap and stop (the processes end: a
-preemption), 2 ranks load rank 0's saved state and train some more, 3 ranks finish the
-epoch. Every rank takes its world size and rank from torch.distributed, and records the
+train part of an epoch in micro-batches under a cap, save at an optimizer step, train on
+and are killed (SIGKILL mid-step: a preemption; the work after the save is lost), 2 ranks
+load rank 0's saved state and train some more and are killed the same way, 3 ranks
+finish the epoch. Every rank takes its world size and rank from torch.distributed, and records the
 samples of the batches it was served; together they are the epoch's samples, each once.
 
 Processes are forked from the test process (torch is already imported there: the three
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -51,9 +53,9 @@ def _worker(rank: int, world: int, stop: int | None, port: int, phase: int, out:
         if phase:
             sampler.load_state_dict(torch.load(Path(out) / f"state-{phase - 1}.pt",
                                                weights_only=True))
-        loader = torch.utils.data.DataLoader(ds, batch_size=None, sampler=sampler)
+        batches = iter(torch.utils.data.DataLoader(ds, batch_size=None, sampler=sampler))
         seen, steps, tokens = [], 0, []
-        for batch in loader:
+        for batch in batches:
             seen.append(batch["sample_ids"].numpy().copy())
             tokens.append(int(batch["input_ids"].shape[1]))
             steps += bool(batch.pop("ends_optimizer_step"))
@@ -65,6 +67,10 @@ def _worker(rank: int, world: int, stop: int | None, port: int, phase: int, out:
         if rank == 0:
             torch.save(sampler.state_dict(), Path(out) / f"state-{phase}.pt")
         torch.save({"samples": seen, "tokens": tokens}, Path(out) / f"seen-{phase}-{rank}.pt")
+        if stop is not None:
+            dist.barrier()  # every rank's files are written
+            next(batches)  # the next step begins; it will not be in any checkpoint
+            os.kill(os.getpid(), signal.SIGKILL)
     finally:
         dist.destroy_process_group()
 
@@ -75,9 +81,15 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
     for phase, (world, stop) in enumerate(PHASES):
-        torch.multiprocessing.start_processes(
-            _worker, args=(world, stop, free_port(), phase, str(out)), nprocs=world,
-            join=True, start_method=method)
+        args = (world, stop, free_port(), phase, str(out))
+        if stop is None:
+            torch.multiprocessing.start_processes(_worker, args=args, nprocs=world,
+                                                  join=True, start_method=method)
+            continue
+        with pytest.raises(torch.multiprocessing.ProcessExitedException) as killed:
+            torch.multiprocessing.start_processes(_worker, args=args, nprocs=world,
+                                                  join=True, start_method=method)
+        assert killed.value.signal_name == "SIGKILL"
     return out
 
 
