@@ -126,6 +126,48 @@ def test_memory_model_from_config_calibrates_and_caps() -> None:
         fitted.token_cap(1e9)
 
 
+def test_memory_model_reads_dicts_and_experts() -> None:
+    dense = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, intermediate_size=512, vocab_size=100)
+    assert (MemoryModel.from_config(dense).bytes_per_token
+            == MemoryModel.from_config(SimpleNamespace(**dense)).bytes_per_token)
+    assert (MemoryModel.from_config({"text_config": dense}).bytes_per_token
+            == MemoryModel.from_config(dense).bytes_per_token)
+    moe = dict(dense, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+
+    def per_token(**changes: Any) -> float:
+        return MemoryModel.from_config({**moe, **changes}, dtype="bfloat16").bytes_per_token
+
+    # Every layer has experts: the dense width is not read, the experts a token visits are
+    # (each keeps 4 * 32 values and the token's copy of 64, in 2 bytes, in 4 layers).
+    assert per_token(intermediate_size=4096) == per_token()
+    assert per_token(num_experts_per_tok=3) - per_token() == 4 * (4 * 32 + 64) * 2
+    assert per_token() < MemoryModel.from_config(dense, dtype="bfloat16").bytes_per_token
+    # A dense first layer (DeepSeek's first_k_dense_replace) keeps the dense MLP's values.
+    assert per_token(first_k_dense_replace=1) - per_token() == (4 * 512 - 2 * (4 * 32 + 64)
+                                                                - 8) * 2
+    assert per_token(n_shared_experts=1) - per_token() == 4 * 4 * 32 * 2
+
+
+def test_memory_model_measures_a_step_on_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch = pytest.importorskip("torch")
+    held = {"now": 1e9, "peak": 0.0}
+    steps: list[int] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: held.update(peak=0.0))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: held["now"])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: held["peak"])
+
+    def step() -> None:  # a step of 2048 tokens peaking 0.25 GB over what was held
+        steps.append(1)
+        held["peak"] = held["now"] + 0.25e9
+
+    fitted = MemoryModel(bytes_per_token=1.0).measure(step, tokens=2048)
+    assert steps == [1]
+    assert (fitted.base_bytes, fitted.bytes_per_token) == (1e9, pytest.approx(0.25e9 / 2048))
+
+
 def test_the_controller_converges_and_never_exceeds_its_maximum() -> None:
     # Simulated: memory in use is 0.5 GB + 100 kB per token of the cap, over a 4 GB budget.
     def utilisation(cap: int) -> float:

@@ -43,6 +43,7 @@ import numpy as np
 from . import _core
 from ._checks import _int_arg
 from ._errors import FastpackError, FastpackTypeError
+from .cost import _get, _Moe
 
 __all__ = ["BudgetController", "MemoryModel", "MicroBatches", "plan_micro_batches",
            "sequence_cost"]
@@ -423,14 +424,18 @@ class MemoryModel:
         """The activations a decoder layer keeps per token for its backward pass, in
         ``dtype``: the inputs of its norms and projections, q/k/v, the attention output
         and the MLP's gate, up and activation (about ``6·h + 2·kv + 4·ffn`` values with a
-        gated MLP; attention scores are not stored, as with flash/SDPA kernels). With
-        ``checkpointing`` a layer keeps only its input (``h``) and one layer at a time is
-        recomputed in full. The logits add ``vocab`` values in ``dtype`` plus two float32
-        copies (the upcast for the loss and its gradient)."""
+        gated MLP; attention scores are not stored, as with flash/SDPA kernels). A layer
+        with experts keeps, instead of the MLP's, the ``top_k`` experts' (``4·moe_ffn``
+        each, plus the token's copy dispatched to each), the shared experts' and the
+        router's logits. With ``checkpointing`` a layer keeps only its input (``h``) and
+        one layer at a time is recomputed in full. The logits add ``vocab`` values in
+        ``dtype`` plus two float32 copies (the upcast for the loss and its gradient).
+        ``config``: ``model.config`` or its dict (``text_config`` read when present)."""
+        text = _get(config, "text_config") or config
+
         def get(*names: str, default: Any = None) -> Any:
-            text = getattr(config, "text_config", None) or config
             for name in names:
-                value = getattr(text, name, None)
+                value = _get(text, name)
                 if value is not None:
                     return value
             return default
@@ -438,6 +443,7 @@ class MemoryModel:
         hidden = get("hidden_size", "d_model", "n_embd")
         if hidden is None:
             raise FastpackError("config: has no hidden_size (nor d_model, n_embd)")
+        hidden = int(hidden)
         layers = int(get("num_hidden_layers", "n_layer", "num_layers", default=1))
         heads = int(get("num_attention_heads", "n_head", default=1))
         kv_heads = int(get("num_key_value_heads", default=heads))
@@ -447,8 +453,13 @@ class MemoryModel:
         if dtype not in _DTYPE_BYTES:
             raise FastpackError(f"dtype: got {dtype!r}; expected one of {sorted(_DTYPE_BYTES)}")
         size = _DTYPE_BYTES[dtype]
-        layer = (6 * hidden + 2 * kv_heads * head_dim + heads * head_dim + 4 * ffn) * size
-        kept = layers * hidden * size + layer if checkpointing else layers * layer
+        attention = 6 * hidden + 2 * kv_heads * head_dim + heads * head_dim
+        moe = _Moe.of(text, ffn)
+        expert_mlp = (moe.top_k * (4 * moe.inter + hidden)
+                      + (4 * moe.shared if moe.shared else 0) + moe.experts)
+        per_layer = [(attention + (expert_mlp if moe.is_moe(i) else 4 * ffn)) * size
+                     for i in range(layers)]
+        kept = layers * hidden * size + max(per_layer) if checkpointing else sum(per_layer)
         logits = vocab * (size + 8)
         return cls(bytes_per_token=float(kept + logits), base_bytes=float(base_bytes))
 

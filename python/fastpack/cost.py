@@ -213,6 +213,37 @@ def _layer_kinds(text: Any, n: int) -> list[str]:
     return ["sliding" if sliding else "full"] * n
 
 
+@dataclass(frozen=True)
+class _Moe:
+    """A text config's mixture of experts: how many, how many a token visits, their width,
+    the shared experts' width (0: none) and which layers have them."""
+
+    experts: int
+    top_k: int
+    inter: int
+    shared: int
+    step: int
+    dense_only: frozenset[int]
+    first_dense: int
+
+    @classmethod
+    def of(cls, text: Any, inter: int) -> _Moe:
+        experts = int(_get(text, "num_experts", 0) or _get(text, "num_local_experts", 0)
+                      or _get(text, "n_routed_experts", 0))
+        moe_inter = int(_get(text, "moe_intermediate_size", inter))
+        shared = int(_get(text, "shared_expert_intermediate_size", 0))
+        if _get(text, "n_shared_experts"):
+            shared = int(_get(text, "n_shared_experts")) * moe_inter
+        return cls(experts, int(_get(text, "num_experts_per_tok", 0)), moe_inter, shared,
+                   max(int(_get(text, "decoder_sparse_step", 1)), 1),
+                   frozenset(_get(text, "mlp_only_layers", ()) or ()),
+                   int(_get(text, "first_k_dense_replace", 0)))
+
+    def is_moe(self, layer: int) -> bool:
+        return (self.experts > 0 and self.top_k > 0 and layer not in self.dense_only
+                and layer >= self.first_dense and (layer + 1) % self.step == 0)
+
+
 def _text(text: Any, model_type: str) -> tuple[float, list[tuple[int, float]], dict[str, int]]:
     """Forward FLOPs per token of the products, each attention layer's ``(window or 0,
     FLOPs per (query, key) pair)``, and the layer counts."""
@@ -236,16 +267,8 @@ def _text(text: Any, model_type: str) -> tuple[float, list[tuple[int, float]], d
     q_width = heads * d * (2 if mlp_type == "qwen3_next" else 1)
     attention = 2 * h * (q_width + 2 * kv * d) + 2 * heads * d * h
 
-    experts = int(_get(text, "num_experts", 0) or _get(text, "num_local_experts", 0)
-                  or _get(text, "n_routed_experts", 0))
-    top_k = int(_get(text, "num_experts_per_tok", 0))
-    moe_inter = int(_get(text, "moe_intermediate_size", inter))
-    shared = int(_get(text, "shared_expert_intermediate_size", 0))
-    if _get(text, "n_shared_experts"):
-        shared = int(_get(text, "n_shared_experts")) * moe_inter
-    step = int(_get(text, "decoder_sparse_step", 1))
-    dense_only = set(_get(text, "mlp_only_layers", ()) or ())
-    first_dense = int(_get(text, "first_k_dense_replace", 0))
+    m = _Moe.of(text, inter)
+    experts, top_k, moe_inter, shared = m.experts, m.top_k, m.inter, m.shared
     moe = (2 * h * experts                      # router
            + top_k * gated * 2 * h * moe_inter  # the routed experts a token visits
            + (gated * 2 * h * shared + 2 * h if shared else 0))  # shared expert, its gate
@@ -258,8 +281,7 @@ def _text(text: Any, model_type: str) -> tuple[float, list[tuple[int, float]], d
     per_token = 2.0 * h * vocab  # the LM head (the embedding is a lookup)
     pairs: list[tuple[int, float]] = []
     for i, kind in enumerate(kinds):
-        is_moe = (experts > 0 and top_k > 0 and i not in dense_only and i >= first_dense
-                  and (i + 1) % max(step, 1) == 0)
+        is_moe = m.is_moe(i)
         per_token += moe if is_moe else dense
         if kind in ("full", "sliding", "chunked", "hybrid"):
             per_token += attention
