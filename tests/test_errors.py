@@ -1053,8 +1053,79 @@ def _tree_rows() -> list[Row]:
     ]
 
 
+def _mb(lengths: Any = (3, 4), **kwargs: Any) -> Callable[[], Any]:
+    return lambda: fastpack.plan_micro_batches(lengths, **kwargs)
+
+
+_WEB = {"web": {"weight": 1}}
+STEPS_AND_CORPORA = [
+    # Micro-batches under caps, the budget controller, the memory and cost models.
+    Row("micro-batches-no-cap", _mb(), E, r"^token_cap, cost_cap: pass at least one cap"),
+    Row("micro-batches-over-cap", _mb([3, 9], token_cap=8), E,
+        r"^lengths: 1 sequence\(s\) over the cap \(sequence 1: 9 tokens, .*token_cap 8.*"
+        r"pass overlong='drop'"),
+    Row("micro-batches-overlong", _mb([3], token_cap=8, overlong="split"), E,
+        r"^overlong: got 'split'; expected 'error' or 'drop'"),
+    Row("micro-batches-steps-shape", _mb(token_cap=8, steps=[0]), E,
+        r"^steps: expected an integer array of the shape of lengths \(2,\)"),
+    Row("micro-batches-steps-negative", _mb(token_cap=8, steps=[0, -1]), E,
+        r"^steps: every global step must be >= 0"),
+    Row("micro-batches-cost-cap", _mb(cost_cap=0), E, r"^cost_cap: got 0; expected a number > 0"),
+    Row("micro-batches-cost", _mb(token_cap=8, cost="flops"), T,
+        r"^cost: expected a number a .* or an object with sequence_flops\(lengths\), got str"),
+    Row("micro-batches-ranks", _mb(token_cap=8, ranks=0), E,
+        r"^ranks: got 0; expected an integer >= 1"),
+    Row("controller-alpha",
+        lambda: fastpack.BudgetController(10, target=0.9, maximum=20, alpha=1.5), E,
+        r"^alpha: got 1\.5; expected 0 < alpha <= 1"),
+    Row("controller-initial", lambda: fastpack.BudgetController(30, target=0.9, maximum=20), E,
+        r"^initial: got 30; expected an integer in 1\.\.=20"),
+    Row("memory-dtype", lambda: fastpack.MemoryModel.from_config({"hidden_size": 8},
+                                                                 dtype="int4"),
+        E, r"^dtype: got 'int4'; expected one of \["),
+    Row("memory-config", lambda: fastpack.MemoryModel.from_config({"n_layers": 8}), E,
+        r"^config: has no hidden_size \(nor d_model, n_embd\)"),
+    Row("memory-margin", lambda: fastpack.MemoryModel(1.0).token_cap(10, margin=1.0), E,
+        r"^margin: got 1\.0; expected 0 <= margin < 1"),
+    Row("cost-config-type", lambda: fastpack.CostModel.from_config("llama"), T,
+        r"^config: expected a Hugging Face model config \(model\.config\) or its dict, got str"),
+    Row("cost-config-missing", lambda: fastpack.CostModel.from_config({"hidden_size": 8}), E,
+        r"^config: num_hidden_layers is None; expected a positive integer"),
+    # Mixtures by tokens.
+    Row("mix-weight-and-epochs", lambda: fastpack.MixSource("web", weight=1, epochs=2), E,
+        r"^mix: source 'web': give exactly one of weight .* or epochs"),
+    Row("mix-no-name", lambda: fastpack.MixSource("", weight=1), E,
+        r"^mix: a source needs a name \(a non-empty string\), got ''"),
+    Row("mix-weight-negative", lambda: fastpack.MixSource("web", weight=-1), E,
+        r"^mix: source 'web': weight must be a positive number, got -1"),
+    Row("mix-spec-not-mapping", lambda: fastpack.Mixture({"web": 3}), E,
+        r"^mix: source 'web': expected a mapping with weight or epochs, got 3"),
+    Row("mix-no-sources", lambda: fastpack.Mixture([]), E, r"^mix: no sources"),
+    Row("mix-unknown-source",
+        lambda: fastpack.mix({"web": [3], "x": [4]}, fastpack.Mixture(_WEB), max_len=8), E,
+        r"^lengths: expected one array per source of the mixture \(web\); 'x' is not a source"),
+    Row("mix-missing-source", lambda: fastpack.mix({}, fastpack.Mixture(_WEB), max_len=8), E,
+        r"^lengths: expected one array per source of the mixture \(web\); missing 'web'"),
+    # Related documents packed together.
+    Row("affinity-negative", _pack([3, 4], affinity=[0, -1]), E,
+        r"^affinity: negative key -1 at index 1; keys must be non-negative integers"),
+    Row("affinity-length", _pack([3, 4], affinity=[0]), E,
+        r"^affinity: got 1 keys for 2 sequences; expected one key per sequence"),
+    Row("affinity-fraction", _pack([3, 4], affinity=[0.5, 1]), E,
+        r"^affinity: 0\.5 at index 0 is not a whole number"),
+    Row("affinity-first-fit", _pack([3, 4], strategy="ffd", affinity=[0, 1]), E,
+        r"^affinity: packs related documents together by best fit; strategy='ffd'"),
+    Row("affinity-group-tokens", _pack([3, 4], affinity=[0, 1], group_tokens=16), E,
+        r"^affinity: not supported with group_tokens \(level-2 groups\) yet"),
+    Row("measure-affinity-length",
+        lambda: fastpack.measure_affinity(fastpack.pack([3, 4], 8), [0]), E,
+        r"^affinity: got 1 keys; the plan has sequences up to index 1"),
+]
+
+
 ROWS = (PACK + LIMITS + PLAN + MATERIALIZE + RAGGED + CONTEXT_PARALLEL + _datasets_rows()
-        + _torch_rows() + _context_parallel_torch_rows() + _vlm_rows() + _tree_rows())
+        + _torch_rows() + _context_parallel_torch_rows() + _vlm_rows() + _tree_rows()
+        + STEPS_AND_CORPORA)
 
 
 def _param(row: Row) -> Any:
