@@ -26,7 +26,7 @@ FAST = settings(max_examples=40, deadline=None,
 
 # ---------------------------------------------------------------------- the planner
 def check_plan(mb: fastpack.MicroBatches, lengths: np.ndarray, steps: np.ndarray,
-               token_cap: int | None, cost_cap: float | None, pipeline_group: int) -> None:
+               token_cap: int | None, cost_cap: float | None, micro_batch_multiple: int) -> None:
     kept = np.setdiff1d(np.arange(len(lengths)), mb.dropped)
     assert np.array_equal(np.sort(mb.order), kept)  # every kept sequence once
     sizes = np.diff(mb.offsets)
@@ -43,7 +43,7 @@ def check_plan(mb: fastpack.MicroBatches, lengths: np.ndarray, steps: np.ndarray
         assert mb.batch_tokens.max(initial=0) <= token_cap
     if cost_cap is not None:
         assert mb.batch_cost.max(initial=0) <= cost_cap * (1 + 1e-12)
-    assert np.all(mb.num_micro % pipeline_group == 0)
+    assert np.all(mb.num_micro % micro_batch_multiple == 0)
     # Each micro-batch's sequences belong to its step; each rank has num_micro of them.
     assert np.array_equal(steps[mb.order], mb.batch_step[owner])
     per = np.zeros((len(mb.num_micro), mb.ranks), dtype=np.int64)
@@ -51,11 +51,19 @@ def check_plan(mb: fastpack.MicroBatches, lengths: np.ndarray, steps: np.ndarray
     assert np.array_equal(per, np.repeat(mb.num_micro[:, None], mb.ranks, axis=1))
 
 
+def test_pipeline_group_is_the_earlier_name_of_micro_batch_multiple() -> None:
+    with pytest.warns(DeprecationWarning, match="pass micro_batch_multiple"):
+        old = plan_micro_batches([7] * 8, token_cap=8, ranks=2, pipeline_group=3)
+    assert np.array_equal(old.num_micro, [6])  # 4 needed, rounded up to a multiple of 3
+    with pytest.raises(FastpackError, match="pass one of them"):
+        plan_micro_batches([7], token_cap=8, pipeline_group=3, micro_batch_multiple=2)
+
+
 def test_the_verl_counterexample_stays_under_the_cap() -> None:
     # ceil(56 / 8) = 7 micro-batches cannot hold eight sequences of 7 under a cap of 8.
     mb = plan_micro_batches([7] * 8, token_cap=8)
     assert int(mb.num_micro[0]) == 8 and int(mb.batch_tokens.max()) == 7
-    mb = plan_micro_batches([7] * 8, token_cap=8, ranks=2, pipeline_group=4)
+    mb = plan_micro_batches([7] * 8, token_cap=8, ranks=2, micro_batch_multiple=4)
     assert int(mb.num_micro[0]) == 4 and int(mb.batch_tokens.max()) == 7
 
 
@@ -63,15 +71,15 @@ def test_the_verl_counterexample_stays_under_the_cap() -> None:
 @given(st.lists(st.integers(1, 300), min_size=1, max_size=120), st.integers(1, 3),
        st.integers(300, 900), st.integers(1, 3), st.booleans(), st.integers(1, 4),
        st.booleans())
-def test_caps_are_never_exceeded(lengths: list[int], ranks: int, cap: int, group: int,
+def test_caps_are_never_exceeded(lengths: list[int], ranks: int, cap: int, multiple: int,
                                  order: bool, steps: int, by_cost: bool) -> None:
     values = np.asarray(lengths, dtype=np.int64)
     step = np.arange(len(values)) % steps
     cost_cap = float(600 * cap + cap * cap) if by_cost else None  # cost 600·l + l²
     # Steps with fewer sequences than R·k (even fewer than R) are planned too: never raises.
     mb = plan_micro_batches(values, ranks=ranks, token_cap=cap, steps=step, cost=600,
-                            cost_cap=cost_cap, pipeline_group=group, pipeline_order=order)
-    check_plan(mb, values, step, cap, cost_cap, group)
+                            cost_cap=cost_cap, micro_batch_multiple=multiple, pipeline_order=order)
+    check_plan(mb, values, step, cap, cost_cap, multiple)
     if order:  # light micro-batches at both ends of every rank's pipeline
         for s in range(len(mb.num_micro)):
             for r in range(ranks):
@@ -226,7 +234,7 @@ def test_sampler_micro_batches_cap_balance_and_normalise() -> None:
     rng = np.random.default_rng(1)
     ds = synthetic(rng.integers(1, 500, 300), group_tokens=4096, seed=2)
     ranks = samplers(ds, 2, micro_batch_tokens=1024, accumulation_steps=2,
-                     pipeline_group=2, pipeline_order=True)
+                     micro_batch_multiple=2, pipeline_order=True)
     out = run(ranks)
     assert len(out[0]) == len(ranks[0]) == len(out[1])
     check_once(ds, out[0] + out[1])

@@ -8,7 +8,7 @@ lengths (an RL rollout batch, a benchmark). Its guarantees, per global step:
 - no micro-batch holds more than the token cap or costs more than the cost cap (a
   sequence over a cap raises, or with ``overlong="drop"`` is left out and counted);
 - every rank gets the same number ``k`` of micro-batches, a multiple of
-  ``pipeline_group`` (the micro-batches a pipeline's virtual stages take at a time); a
+  ``micro_batch_multiple`` (a pipeline's stages, for an interleaved schedule); a
   micro-batch is empty only in a step with fewer sequences than ``R·k`` (a few long
   ones): each sequence then has a micro-batch to itself and the rest stay empty, so that
   every rank still runs ``k`` (the sampler turns an empty one into a filler batch with
@@ -22,7 +22,7 @@ lengths (an RL rollout batch, a benchmark). Its guarantees, per global step:
   ones in the middle (the pipeline's warm-up and cool-down expose the first and the last).
 
 ``k`` starts at the lower bound ``ceil(Σ tokens / (R·cap))`` (and the cost's) and grows
-by ``pipeline_group`` until the greedy placement fits every sequence under the caps: the
+by ``micro_batch_multiple`` until the greedy placement fits every sequence under the caps: the
 bound alone is not enough (8 sequences of 7 tokens under a cap of 8 need 8 micro-batches,
 not ``ceil(56/8) = 7``). The whole run is planned at once, vectorised over its global
 steps: one pass per rank of a sequence inside its step.
@@ -35,6 +35,7 @@ measured step, turned into a token cap) and :class:`BudgetController` (the seeds
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -51,6 +52,19 @@ __all__ = ["BudgetController", "MemoryModel", "MicroBatches", "plan_micro_batche
 #: The linear coefficient of the default cost ``a·l + l²``: ``6·hidden_size`` for a
 #: hidden size of 4096 (see :mod:`fastpack.torch.sampler`; verl uses the same constant).
 DEFAULT_LINEAR = 6 * 4096
+
+
+def micro_batch_multiple_arg(value: int, old: int | None, stacklevel: int = 3) -> int:
+    """``micro_batch_multiple``, or ``pipeline_group``, its earlier name (*group* now means
+    only packs under ``group_tokens``), with a ``DeprecationWarning``; both given raises."""
+    if old is not None:
+        if value != 1:
+            raise FastpackError("micro_batch_multiple, pipeline_group: pass one of them "
+                                "(pipeline_group is micro_batch_multiple's earlier name)")
+        warnings.warn("pipeline_group is deprecated: pass micro_batch_multiple (the same "
+                      "number)", DeprecationWarning, stacklevel=stacklevel)
+        value = old
+    return _int_arg("micro_batch_multiple", value, minimum=1)
 
 
 def sequence_cost(lengths: np.ndarray, cost: Any = None) -> np.ndarray:
@@ -201,7 +215,7 @@ def _one_each(step: np.ndarray, cost: np.ndarray, k: np.ndarray, ranks: int) -> 
 
 def split_steps(step: np.ndarray, tokens: np.ndarray, cost: np.ndarray, *, steps: int,
                 ranks: int, token_cap: float | None, cost_cap: float | None,
-                pipeline_group: int = 1, pipeline_order: bool = False,
+                micro_batch_multiple: int = 1, pipeline_order: bool = False,
                 min_micro_batches: int = 1) -> MicroBatches:
     """The planner: units of global step ``step[i]`` (``0 <= step[i] < steps``, any order)
     with ``tokens`` and ``cost``, into ``R·k_s`` micro-batches per step. Every unit must
@@ -219,7 +233,7 @@ def split_steps(step: np.ndarray, tokens: np.ndarray, cost: np.ndarray, *, steps
             np.ceil(np.bincount(index, weights=weights, minlength=count) / (share * tcap)),
             np.ceil(np.bincount(index, weights=cost, minlength=count) / (share * ccap)))
         k = np.maximum(need.astype(np.int64), floor)
-        return np.asarray(-(-k // pipeline_group) * pipeline_group, dtype=np.int64)
+        return np.asarray(-(-k // micro_batch_multiple) * micro_batch_multiple, dtype=np.int64)
 
     def units_of(chosen: np.ndarray) -> np.ndarray:
         """The units of steps ``chosen``, ascending."""
@@ -254,7 +268,7 @@ def split_steps(step: np.ndarray, tokens: np.ndarray, cost: np.ndarray, *, steps
                              np.repeat(k[todo], ranks), tcap, ccap)
         unit_bin[units] = rank[units] * k[step[units]] + slots
         todo = np.unique(groups[failed] // ranks)
-        k[todo] += pipeline_group
+        k[todo] += micro_batch_multiple
     # Pooled: the step's sequences into all its R·k micro-batches at once; a step with no
     # more sequences than that gives each its own (some left empty when fewer).
     k[pooled] = pooled_k[pooled]
@@ -274,7 +288,7 @@ def split_steps(step: np.ndarray, tokens: np.ndarray, cost: np.ndarray, *, steps
                             k[todo] * ranks, tcap, ccap)
         unit_bin[units] = bins
         todo = todo[failed]
-        k[todo] += pipeline_group
+        k[todo] += micro_batch_multiple
     # Bin b of step s: rank b // k, that rank's (b % k)-th micro-batch before ordering.
     step_first = np.concatenate(([0], np.cumsum(k * ranks)[:-1])).astype(np.int64)
     batch = step_first[step] + unit_bin
@@ -320,10 +334,11 @@ def plan_micro_batches(
     cost_cap: float | None = None,
     cost: Any = None,
     steps: Any = None,
-    pipeline_group: int = 1,
+    micro_batch_multiple: int = 1,
     pipeline_order: bool = False,
     min_micro_batches: int = 1,
     overlong: str = "error",
+    pipeline_group: int | None = None,
 ) -> MicroBatches:
     """Split the sequences of ``lengths`` over ``ranks`` data-parallel ranks into
     micro-batches under a hard cap (see the module docs for the guarantees).
@@ -335,11 +350,13 @@ def plan_micro_batches(
         cost: the cost of a sequence (see :func:`sequence_cost`; default ``6·4096·l + l²``).
         steps: the global step of each sequence (int array [N], values ``0..S-1``);
             default: all one step.
-        pipeline_group: every rank's micro-batch count is a multiple of it.
+        micro_batch_multiple: every rank's micro-batch count is a multiple of it (a
+            pipeline's stages, which an interleaved schedule takes micro-batches by).
         pipeline_order: light micro-batches first and last on every rank.
         min_micro_batches: at least this many micro-batches per rank.
         overlong: a sequence over a cap: ``"error"`` raises, ``"drop"`` leaves it out
             (listed in ``dropped``).
+        pipeline_group: ``micro_batch_multiple``'s earlier name (deprecated).
 
     >>> mb = plan_micro_batches([7] * 8, token_cap=8)
     >>> int(mb.num_micro[0]), int(mb.batch_tokens.max())
@@ -353,7 +370,7 @@ def plan_micro_batches(
     if values.size and values.min() < 1:
         raise FastpackError("lengths: every length must be >= 1")
     ranks = _int_arg("ranks", ranks, minimum=1)
-    pipeline_group = _int_arg("pipeline_group", pipeline_group, minimum=1)
+    micro_batch_multiple = micro_batch_multiple_arg(micro_batch_multiple, pipeline_group)
     min_micro_batches = _int_arg("min_micro_batches", min_micro_batches, minimum=1)
     if token_cap is None and cost_cap is None:
         raise FastpackError("token_cap, cost_cap: pass at least one cap")
@@ -394,7 +411,7 @@ def plan_micro_batches(
     kept = np.flatnonzero(~over)
     plan = split_steps(step[kept], values[kept].astype(np.int64), costs[kept], steps=count,
                        ranks=ranks, token_cap=token_cap, cost_cap=cost_cap,
-                       pipeline_group=pipeline_group, pipeline_order=pipeline_order,
+                       micro_batch_multiple=micro_batch_multiple, pipeline_order=pipeline_order,
                        min_micro_batches=min_micro_batches)
     return MicroBatches(**{**plan.__dict__, "order": kept[plan.order], "dropped": dropped})
 

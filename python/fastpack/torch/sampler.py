@@ -46,7 +46,7 @@ from .. import _core
 from .._checks import _int_arg
 from .._context_parallel import cp_rows
 from .._errors import FastpackError, FastpackTypeError
-from .._microbatch import MicroBatches, split_steps
+from .._microbatch import MicroBatches, micro_batch_multiple_arg, split_steps
 from ..cost import CostModel
 from .data import PackedDataset, StepTable
 from .step import Step
@@ -172,8 +172,9 @@ class PackedSampler(torch.utils.data.Sampler):  # type: ignore[type-arg]
             micro-batches. A sequence over the cap raises here (pack with ``max_len`` at
             most the cap: the plan's ``overlong`` policy counts what it cuts).
             :meth:`set_micro_batch_cap` moves the cap while training.
-        pipeline_group: with a cap, every rank's micro-batches per global step are a
-            multiple of it (a virtual pipeline's micro-batch group).
+        micro_batch_multiple: with a cap, every rank's micro-batches per global step are a
+            multiple of it (a pipeline's stages, which an interleaved schedule takes
+            micro-batches by). ``pipeline_group``: its earlier name (deprecated).
         pipeline_order: with a cap, each rank runs its light micro-batches first and last.
 
     ``set_epoch(e)`` chooses the epoch; ``state_dict()`` / ``load_state_dict()`` save and
@@ -200,8 +201,9 @@ class PackedSampler(torch.utils.data.Sampler):  # type: ignore[type-arg]
         cost: Any = None,
         micro_batch_tokens: int | None = None,
         micro_batch_cost: float | None = None,
-        pipeline_group: int = 1,
+        micro_batch_multiple: int = 1,
         pipeline_order: bool = False,
+        pipeline_group: int | None = None,
     ) -> None:
         if not isinstance(dataset, PackedDataset):
             raise FastpackTypeError(
@@ -261,7 +263,8 @@ class PackedSampler(torch.utils.data.Sampler):  # type: ignore[type-arg]
                 "ranks, so every step would be dropped; pass drop_last=False to cut them "
                 "into smaller steps"
             )
-        self.pipeline_group = _int_arg("pipeline_group", pipeline_group, minimum=1)
+        self.micro_batch_multiple = micro_batch_multiple_arg(micro_batch_multiple,
+                                                             pipeline_group)
         self.pipeline_order = bool(pipeline_order)
         #: The caps of this epoch: (first global step, tokens, cost) from that step on.
         self._caps: list[tuple[int, int | None, float | None]] = []
@@ -471,7 +474,7 @@ class PackedSampler(torch.utils.data.Sampler):  # type: ignore[type-arg]
 
     # ------------------------------------------------------------------ state
     _SETTINGS = ("seed", "num_replicas", "accumulation_steps", "balance", "hidden_size",
-                 "cost_key", "shuffle", "drop_last", "pipeline_group", "pipeline_order")
+                 "cost_key", "shuffle", "drop_last", "micro_batch_multiple", "pipeline_order")
     #: Settings a state may differ in: the rest of the epoch is planned again for them.
     _RESIZABLE = ("num_replicas", "accumulation_steps")
 
@@ -516,6 +519,9 @@ class PackedSampler(torch.utils.data.Sampler):  # type: ignore[type-arg]
         over another plan."""
         if not isinstance(state, dict):
             raise FastpackTypeError(f"state: expected a dict, got {type(state).__name__}")
+        if "pipeline_group" in state and "micro_batch_multiple" not in state:
+            # Saved before the setting's rename: the same number under its earlier name.
+            state = {**state, "micro_batch_multiple": state["pipeline_group"]}
         missing = [k for k in ("epoch", "position", "plan") if k not in state]
         if missing:
             raise FastpackError(f"state: missing {', '.join(missing)}; expected a state from "
@@ -1051,6 +1057,6 @@ def _split(sampler: PackedSampler, schedule: Schedule, ranks: int, first: int, e
     seqlens = np.asarray(sampler.dataset.plan.seqlens, dtype=np.int64)[segments]
     plan = split_steps(steps, seqlens, _unit_costs(sampler, segments), steps=end - first,
                        ranks=ranks, token_cap=tokens, cost_cap=cost,
-                       pipeline_group=sampler.pipeline_group,
+                       micro_batch_multiple=sampler.micro_batch_multiple,
                        pipeline_order=sampler.pipeline_order)
     return plan, segments
