@@ -296,6 +296,24 @@ def test_a_step_of_few_long_sequences_gets_filler_micro_batches() -> None:
     assert [x.segments.tolist() for x in rest[0]] == [x.segments.tolist() for x in out[0][n:]]
 
 
+def test_a_state_saved_under_the_earlier_name_loads() -> None:
+    ds = synthetic(np.full(40, 300), group_tokens=1024)
+    saved = PackedSampler(ds, num_replicas=1, rank=0, micro_batch_tokens=600,
+                          micro_batch_multiple=2)
+    batches = iter(saved)
+    next(batches)
+    state = saved.state_dict()
+    rest = [x.segments.tolist() for x in batches]
+    state["pipeline_group"] = state.pop("micro_batch_multiple")
+    same = PackedSampler(ds, num_replicas=1, rank=0, micro_batch_tokens=600,
+                         micro_batch_multiple=2)
+    same.load_state_dict(state)
+    assert [x.segments.tolist() for x in same] == rest and rest
+    other = PackedSampler(ds, num_replicas=1, rank=0, micro_batch_tokens=600)
+    with pytest.raises(FastpackError, match="micro_batch_multiple=2"):
+        other.load_state_dict(state)
+
+
 def test_sampler_refuses_a_cap_below_the_longest_sequence() -> None:
     ds = synthetic(np.full(40, 300), group_tokens=1024)
     with pytest.raises(FastpackError, match="max_len <= 200"):
