@@ -1,25 +1,21 @@
-"""Every Python example in README.md and docs/*.md runs, and every install line there names
-the distribution and extras that pyproject.toml defines."""
+"""Every Python example in README.md and docs/*.md runs as shown (what it prints too),
+and every install line there names the distribution and extras that pyproject.toml
+defines."""
 
 from __future__ import annotations
 
 import glob
 import re
 import shlex
+import tempfile
 from pathlib import Path
 
+import docblocks
 import pytest
+from docblocks import DOCS, ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
-# Every page of the site, in subfolders too (docs/reference/ holds the API pages).
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
-BLOCKS = [
-    (str(doc.relative_to(ROOT)), block)
-    for doc in DOCS
-    # docs/cli.md needs a Ray cluster and files on disk: tests/test_ray.py runs its examples.
-    if doc.name != "cli.md"
-    for block in re.findall(r"```python\n(.*?)```", doc.read_text(), flags=re.S)
-]
+# The blocks that name no other test (tests/docblocks.py says how a block names one).
+BLOCKS = docblocks.blocks()
 
 
 @pytest.mark.skipif(not BLOCKS, reason="no documentation files found")
@@ -28,9 +24,37 @@ def test_example_runs(index: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     for module in ("torch", "transformers", "datasets"):
         pytest.importorskip(module)
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # a block's mkdtemp goes here
     name, code = BLOCKS[index]
     code = code.replace("/tmp/fastpack-trainer", str(tmp_path / "out"))
-    exec(compile(code, f"{name}[{index}]", "exec"), {"__name__": "__doc_example__"})
+    docblocks.run(f"{name}[{index}]", code)
+
+
+def test_every_block_that_names_its_test_is_run_there() -> None:
+    # A runner misspelt, or a test that stopped asking for its blocks, would leave a block
+    # that no test runs.
+    for runner in docblocks.runners():
+        assert (ROOT / runner).is_file(), runner
+        assert f'blocks("{runner}")' in (ROOT / runner).read_text(), runner
+    assert docblocks.runners() == {"tests/test_ray.py", "tests/test_formats.py"}
+
+
+def test_every_python_example_of_the_command_runs() -> None:
+    # docs/cli.md's examples need files on disk, a Ray cluster or a trainer's reader:
+    # each is a ```python block that some test runs, none a ```py one that none does.
+    text = (ROOT / "docs" / "cli.md").read_text()
+    assert "```py\n" not in text
+    assert len(re.findall(r"```python\n", text)) == 6
+
+
+def test_shown_output_is_the_comments_after_a_print() -> None:
+    code = ("x = 1\nprint(x, 2)  # a remark\n# 1 2\nprint(' indented')\n#  indented\n\n"
+            "# a comment\ny = 2\n# another\nprint()\n#\n")
+    assert docblocks.shown_output(code) == "1 2\n indented\n\n"
+    assert docblocks.shown_output("print(1)\n\n# not output\n") is None
+    docblocks.run("shown", code)
+    with pytest.raises(AssertionError, match=r"prints '3\\n' but shows '4\\n'"):
+        docblocks.run("wrong", "print(3)\n# 4\n")
 
 
 # ---------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 from types import ModuleType
 
+import docblocks
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -446,3 +447,89 @@ def test_the_tokenize_pass_makes_the_arrow_array_of_its_ids(lists):
     from fastpack._offline.scan import id_lists
 
     assert id_lists(lists).equals(pa.array(lists, type=pa.list_(pa.int32())))
+
+
+# ---------------------------------------------------------------------------------------
+# docs/cli.md's readers, run as a user runs them: each block of the page that names this
+# file, unchanged, in a directory holding the files it reads.
+
+DOC_EXAMPLES = docblocks.blocks("tests/test_formats.py")
+
+
+def doc_example(reader: str) -> tuple[str, str]:
+    """``(page, code)`` of the block that reads with ``reader``'s package."""
+    (found,) = [(page, code) for page, code in DOC_EXAMPLES if code.startswith(f"from {reader}")]
+    return found
+
+
+def test_the_docs_reader_examples_are_run_here():
+    assert [code.split()[1].split(".")[0] for _, code in DOC_EXAMPLES] == [
+        "megatron", "streaming", "datatrove"]
+
+
+DOC_LENGTHS = [[30, 50, 20, 60, 10, 40, 25]]  # 4 packs of 64 tokens: 2 shards of 2 rows
+
+
+def test_the_docs_megatron_example_reads_a_pack(tmp_path, monkeypatch):
+    consumer("megatron.core.datasets.indexed_dataset")
+    monkeypatch.chdir(tmp_path)
+    paths, _ = corpus(tmp_path, DOC_LENGTHS, ["a.parquet"], labels=True)
+    pack_corpus(paths, "packed", PackSettings(64, format="megatron", shard_rows=2),
+                quiet=True, plot=False)
+    assert len(json.loads((tmp_path / "packed" / "manifest.json").read_text())["shards"]) == 2
+    scope = docblocks.run(*doc_example("megatron"))
+    packs, _ = read_megatron(tmp_path / "packed")
+    tokens, lengths = packs[0]
+    assert [len(s) for s in scope["pack"]] == scope["seq_lengths"].tolist() == lengths.tolist()
+    assert np.array_equal(np.concatenate(scope["pack"]), tokens)
+
+
+def test_the_docs_streaming_example_reads_a_pack(tmp_path, monkeypatch):
+    consumer("streaming")
+    monkeypatch.chdir(tmp_path)
+    paths, _ = corpus(tmp_path, DOC_LENGTHS, ["a.parquet"], labels=True)
+    for fmt, out in (("mds", "packed"), ("parquet", "rows")):
+        pack_corpus(paths, out, PackSettings(64, format=fmt, shard_rows=2), quiet=True,
+                    plot=False)
+    scope = docblocks.run(*doc_example("streaming"))
+    expected = parquet_packs(tmp_path / "rows")
+    sample = scope["sample"]
+    assert sorted(sample) == ["input_ids", "labels", "position_ids", "seq_lengths"]
+    assert all(isinstance(a, np.ndarray) for a in sample.values())
+    tokens, labels, lengths = expected[0]
+    assert np.array_equal(sample["input_ids"], tokens)
+    assert np.array_equal(sample["labels"], labels)
+    assert np.array_equal(sample["seq_lengths"], lengths)
+    assert len(scope["packs"]) == len(expected) == 4
+
+
+def test_the_docs_datatrove_example_packs_its_tokenizer_output(tmp_path, monkeypatch):
+    consumer("datatrove")
+    tokenizers = pytest.importorskip("tokenizers")
+    monkeypatch.chdir(tmp_path)
+    # What the block reads: raw/ (JSON lines with a "text") and tokenizer.json.
+    rng = np.random.default_rng(1)
+    words = [f"w{i}" for i in range(30)]
+    texts = [" ".join(rng.choice(words, rng.integers(1, 30))) for _ in range(40)]
+    (tmp_path / "raw").mkdir()
+    for k in range(8):  # a file per task
+        (tmp_path / "raw" / f"{k}.jsonl").write_text("".join(
+            json.dumps({"text": t, "id": str(i)}) + "\n" for i, t in enumerate(texts)
+            if i % 8 == k))
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.train_from_iterator(texts, tokenizers.trainers.WordLevelTrainer(
+        special_tokens=["[UNK]"]))
+    tok.save("tokenizer.json")
+    docblocks.run(*doc_example("datatrove"))
+    # Every document the tokenizer wrote is a sequence of the packs, once.
+    written = []
+    for ds in sorted((tmp_path / "tokens").glob("*.ds")):
+        values = np.fromfile(ds, dtype="<u2")
+        ends = np.fromfile(f"{ds}.index", dtype="<u8").astype(np.int64)
+        written += [tuple(d) for d in np.split(values, ends[:-1])]
+    assert sorted(written) == sorted(tuple(tok.encode(t).ids) for t in texts)
+    packed = [tuple(s) for tokens, lengths in read_megatron(tmp_path / "packed")[0]
+              for s in np.split(tokens, np.cumsum(lengths)[:-1])]
+    assert sorted(packed) == sorted(written)
+    assert json.loads((tmp_path / "packed" / "report.json").read_text())["documents"] == 40

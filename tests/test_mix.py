@@ -257,6 +257,53 @@ sources:
     assert pq.ParquetFile(out / f"shard-00000-of-{report['shards']:05d}.parquet").metadata
 
 
+def test_report_png_has_the_mix_panel(tmp_path, monkeypatch):
+    # A --mix run's report.png draws a third panel: each source's target and realised
+    # share of the tokens, as report.json's mix says; a run without --mix draws two.
+    pytest.importorskip("matplotlib")
+    import fastpack._offline.stats as stats
+
+    drawn = []
+    save = stats._save
+
+    def spy(fig, path):
+        drawn.append([(ax.get_title(), [t.get_text() for t in ax.get_xticklabels()],
+                       [bar.get_height() for bar in ax.patches]) for ax in fig.axes])
+        save(fig, path)
+
+    monkeypatch.setattr(stats, "_save", spy)
+    paths, _ = corpus(tmp_path, [[30, 50, 20, 70] * 5, [10, 40, 25] * 4],
+                      ["web.parquet", "code.jsonl"])
+    mix_file = write_mix(tmp_path, f"""
+step_tokens: 400
+sources:
+  - {{name: web, paths: {paths[0]}, weight: 3}}
+  - {{name: code, paths: {paths[1]}, epochs: 1.5}}
+""")
+    widths = []
+    for args in (["--mix", str(mix_file)], paths):
+        out = tmp_path / f"out{len(widths)}"
+        result = CliRunner().invoke(main, ["pack", *args, "-o", str(out), "--max-len", "128",
+                                           "-q"])
+        assert result.exit_code == 0, result.output
+        png = (out / "report.png").read_bytes()
+        assert png[:8] == b"\x89PNG\r\n\x1a\n"
+        widths.append(int.from_bytes(png[16:20], "big"))  # IHDR: width, height
+    mixed, plain = drawn
+    assert len(mixed) == 3 and len(plain) == 2
+    assert 2 * widths[0] == 3 * widths[1]  # three panels of the same size
+    mix = json.loads((tmp_path / "out0" / "report.json").read_text())["mix"]
+    sources = mix["sources"]
+    title, ticks, heights = mixed[2]
+    assert title.startswith(f"mix: {mix['steps']} steps of ~{mix['step_tokens']} tokens")
+    assert ticks == [f"{s['name']}\n{s['output_documents']} docs\n+{s['repeated']} / "
+                     f"-{s['left_out']}" for s in sources]
+    assert sources[1]["repeated"] == 6  # half of code's documents again: not quite its target
+    assert sources[1]["realised_share"] != pytest.approx(sources[1]["target_share"])
+    assert heights == pytest.approx([100 * s[k] for k in ("target_share", "realised_share")
+                                     for s in sources])
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (["a.parquet"], "--mix names the inputs"),
     (["--ray"], "--mix runs on one machine"),

@@ -135,20 +135,17 @@ def test_pack_dataset_orders_documents_by_content(cluster):
 
 
 def test_the_docs_python_examples_run(cluster, tmp_path, monkeypatch, capsys):
-    """docs/cli.md's Python blocks (loading the shards; fastpack.ray), as written."""
-    import re
-    from pathlib import Path
+    """docs/cli.md's Python blocks that need the shards on disk or a cluster (loading the
+    shards; fastpack.ray), as written."""
+    import docblocks
 
-    doc = (Path(__file__).resolve().parent.parent / "docs" / "cli.md").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", doc, flags=re.S)
-    assert len(blocks) == 2
+    blocks = docblocks.blocks("tests/test_ray.py")
+    assert [page for page, _ in blocks] == ["docs/cli.md"] * 2
     paths, _ = corpus(tmp_path, [[40, 90, 7]], ["a.parquet"])
     monkeypatch.chdir(tmp_path)
     pack_corpus(paths, "packed", PackSettings(max_len=128), quiet=True, plot=False)
     monkeypatch.setattr(ray, "init", lambda *a, **k: None)  # the cluster is up already
-    scopes = [{"__name__": "__doc_example__"} for _ in blocks]
-    for block, scope in zip(blocks, scopes):
-        exec(compile(block, "docs/cli.md", "exec"), scope)
+    scopes = [docblocks.run(page, code) for page, code in blocks]
     assert scopes[0]["packed"].column_names == ["input_ids", "seq_lengths", "position_ids"]
     assert len(scopes[0]["packed"]) == 2
     printed = capsys.readouterr().out.split()

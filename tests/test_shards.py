@@ -80,6 +80,32 @@ def test_shard_jobs_write_one_jobs_output(tmp_path, inputs):
     assert code == 2 and "already complete" in output
 
 
+@pytest.mark.parametrize("fmt", ["megatron", "mds"])
+def test_shard_jobs_write_one_jobs_output_in_every_format(tmp_path, inputs, fmt):
+    """The trainers' formats too: each job writes its shards' files (.bin/.idx per token
+    column, .mds), --finalize what needs every shard (MDS's index.json) and the report."""
+    paths, _ = inputs
+    args = [*paths, "--max-len", "512", "--overlong", "split", "--seed", "3",
+            "--shard-rows", "40", "--format", fmt, "-q", "--no-plot"]
+    code, output = invoke("pack", *args, "-o", str(tmp_path / "one"))
+    assert code == 0, output
+    split = tmp_path / "split"
+    for i in (1, 2, 0):
+        before = set(files(split)) if split.exists() else set()
+        code, output = invoke("pack", *args, "-o", str(split), "--shard", f"{i}/3")
+        assert code == 0, output
+        assert any(name.startswith("shard-") for name in set(files(split)) - before)
+    code, output = invoke("pack", "-o", str(split), "--finalize", "--no-plot")
+    assert code == 0 and "written by 3 --shard jobs" in output, output
+    assert_same_output(split, tmp_path / "one")
+    n = len(json.loads((split / "manifest.json").read_text())["shards"])
+    last, names = f"shard-{n - 1:05d}-of-{n:05d}", set(files(split))
+    if fmt == "megatron":  # labels is a packed token column: files of its own
+        assert {f"{last}.bin", f"{last}.idx", f"{last}.labels.bin"} <= names
+    else:
+        assert {"index.json", f"{last}.mds"} <= names
+
+
 def test_a_killed_mix_job_resumes_and_threads_do_not_matter(tmp_path, inputs):
     """A mixture written by 3 jobs with 1, 2 and 3 threads, the middle one killed halfway
     through a shard and resumed: the same bytes as one run."""
