@@ -47,6 +47,12 @@ def test_every_python_example_of_the_command_runs() -> None:
     assert len(re.findall(r"```python\n", text)) == 6
 
 
+def test_no_page_has_a_python_example_that_no_test_runs() -> None:
+    # A ```py fence shows Python that test_example_runs skips: the README's promise that
+    # every example runs would be false for it.
+    assert [p.name for p in DOCS if "```py\n" in p.read_text()] == []
+
+
 def test_shown_output_is_the_comments_after_a_print() -> None:
     code = ("x = 1\nprint(x, 2)  # a remark\n# 1 2\nprint(' indented')\n#  indented\n\n"
             "# a comment\ny = 2\n# another\nprint()\n#\n")
