@@ -226,12 +226,17 @@ def split_steps(step: np.ndarray, tokens: np.ndarray, cost: np.ndarray, *, steps
     sizes = np.bincount(step, minlength=steps)
     floor = max(1, min_micro_batches)
     weights = tokens.astype(np.float64)
+    # Two units each over half a cap never share a micro-batch: a second lower bound, which
+    # spares the placement the rounds that must fail (RL rollouts, many near the cap).
+    big = ((weights > tcap / 2) | (cost > ccap / 2)).astype(np.float64)
 
     def bound(index: np.ndarray, count: int, share: int) -> np.ndarray:
-        """The least micro-batches (a multiple of the group) for the sums by ``index``."""
-        need = np.maximum(
+        """The least micro-batches (a multiple of ``micro_batch_multiple``) that the units
+        by ``index`` can fit, by their sums and by their units over half a cap."""
+        need = np.maximum.reduce([
             np.ceil(np.bincount(index, weights=weights, minlength=count) / (share * tcap)),
-            np.ceil(np.bincount(index, weights=cost, minlength=count) / (share * ccap)))
+            np.ceil(np.bincount(index, weights=cost, minlength=count) / (share * ccap)),
+            np.ceil(np.bincount(index, weights=big, minlength=count) / share)])
         k = np.maximum(need.astype(np.int64), floor)
         return np.asarray(-(-k // micro_batch_multiple) * micro_batch_multiple, dtype=np.int64)
 
