@@ -286,6 +286,8 @@ class PackedTrainerMixin:
         files give. To resume on another world size, drive a :class:`PackedSampler`
         yourself: its state re-plans the rest of the epoch for the new ranks."""
         folder = os.fspath(checkpoint)
+        if not os.path.isdir(folder):
+            return  # the Trainer's own load names the missing checkpoint
         sampler = self.packed_sampler
         how = ("resume with the data-parallel ranks and gradient_accumulation_steps it was "
                "saved with, or drive a PackedSampler with a StatefulDataLoader, whose state "
