@@ -162,6 +162,20 @@ pub struct Stats {
     pub total_tokens: u64,
 }
 
+impl Stats {
+    /// Adds what `other` did with its sequences (every count but `num_sequences`, which
+    /// counts an input: a bucket or a segment of the same input must not add it twice).
+    pub fn add_outcomes(&mut self, other: &Stats) {
+        self.empty_sequences += other.empty_sequences;
+        self.dropped_sequences += other.dropped_sequences;
+        self.dropped_tokens += other.dropped_tokens;
+        self.truncated_sequences += other.truncated_sequences;
+        self.truncated_tokens += other.truncated_tokens;
+        self.split_sequences += other.split_sequences;
+        self.total_tokens += other.total_tokens;
+    }
+}
+
 /// A packing plan in CSR form. Segment `s` covers positions
 /// `starts[s] .. starts[s] + seqlens[s]` of sequence `sample_ids[s]` extended by `reserve`
 /// separator slots; pack `p` holds segments `pack_offsets[p] .. pack_offsets[p + 1]`.

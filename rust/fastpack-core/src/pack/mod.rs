@@ -448,14 +448,7 @@ fn pack_checked<L: Length>(
         stats.dropped_tokens += s.dropped_tokens as u64;
     }
     for b in &buckets {
-        let s = &b.stats;
-        stats.empty_sequences += s.empty_sequences;
-        stats.dropped_sequences += s.dropped_sequences;
-        stats.dropped_tokens += s.dropped_tokens;
-        stats.truncated_sequences += s.truncated_sequences;
-        stats.truncated_tokens += s.truncated_tokens;
-        stats.split_sequences += s.split_sequences;
-        stats.total_tokens += s.total_tokens;
+        stats.add_outcomes(&b.stats);
     }
     let bucket_metrics = buckets.iter().zip(&laid.counts).map(|(b, c)| b.bucket(c.packs)).collect();
     let placed: Vec<&LimitedRuns> = runs.iter().flatten().collect();

@@ -162,15 +162,8 @@ fn join(
         if let (Some(all), Some(own)) = (pack_caps.as_mut(), part.pack_caps.as_ref()) {
             all.extend_from_slice(own);
         }
-        let s = &p.stats;
-        stats.num_sequences += s.num_sequences;
-        stats.empty_sequences += s.empty_sequences;
-        stats.dropped_sequences += s.dropped_sequences;
-        stats.dropped_tokens += s.dropped_tokens;
-        stats.truncated_sequences += s.truncated_sequences;
-        stats.truncated_tokens += s.truncated_tokens;
-        stats.split_sequences += s.split_sequences;
-        stats.total_tokens += s.total_tokens;
+        stats.num_sequences += p.stats.num_sequences; // segments are separate inputs
+        stats.add_outcomes(&p.stats);
         if buckets.is_empty() {
             buckets = part
                 .buckets
