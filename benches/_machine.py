@@ -1,10 +1,14 @@
-"""What every benchmark's table names: the machine's CPU and its load at the time."""
+"""What every benchmark's table names (the machine's CPU and its load at the time), and the
+best-of-N timing loop the benches share."""
 
 from __future__ import annotations
 
 import os
 import platform
 import subprocess
+import time
+from collections.abc import Callable
+from typing import Any
 
 
 def cpu() -> str:
@@ -19,3 +23,13 @@ def cpu() -> str:
 
 def load() -> str:
     return ", ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def best_of(repeats: int, run: Callable[[], Any]) -> tuple[float, Any]:
+    """The fastest of ``repeats`` calls of ``run`` (seconds) and the last call's result."""
+    best, out = float("inf"), None
+    for _ in range(repeats):
+        t = time.perf_counter()
+        out = run()
+        best = min(best, time.perf_counter() - t)
+    return best, out

@@ -16,14 +16,11 @@ from __future__ import annotations
 
 import os
 import sys
-import time
-from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 import numpy as np
-from _machine import cpu, load
+from _machine import best_of, cpu, load
 
 import fastpack
 from fastpack import _core
@@ -42,15 +39,6 @@ def keys_of(num_keys: int, n: int, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed + 1)
     weights = 1.0 / np.arange(1, num_keys + 1) ** 0.8
     return rng.choice(num_keys, size=n, p=weights / weights.sum()).astype(np.int64)
-
-
-def best_of(repeats: int, run: Callable[[], Any]) -> tuple[float, Any]:
-    best, out = float("inf"), None
-    for _ in range(repeats):
-        t = time.perf_counter()
-        out = run()
-        best = min(best, time.perf_counter() - t)
-    return best, out
 
 
 def main(n: int) -> list[str]:

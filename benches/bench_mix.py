@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_cli import cpu, load  # noqa: E402
+from _machine import best_of, cpu, load  # noqa: E402
 
 import fastpack  # noqa: E402
 from fastpack import Mixture  # noqa: E402
@@ -55,15 +55,6 @@ def sources(scale: float = 1.0, seed: int = 0) -> dict[str, np.ndarray]:
 
 MIX = {"web": {"weight": 5}, "code": {"weight": 2}, "books": {"epochs": 2.5},
        "math": {"epochs": 0.5}}
-
-
-def timed(fn, repeats: int = 3):
-    best, result = float("inf"), None
-    for _ in range(repeats):
-        clock = time.perf_counter()
-        result = fn()
-        best = min(best, time.perf_counter() - clock)
-    return best, result
 
 
 def per_step(source_of: np.ndarray, step_of: np.ndarray, tokens: np.ndarray, k: int,
@@ -125,7 +116,7 @@ def bench_plan(lines: list[str], scale: float = 1.0) -> None:
               "the weighted source with the most tokens; the others scaled to their "
               "weights).", ""]
     load_before = load()
-    t_bfd, plain = timed(lambda: fastpack.pack(everything, MAX_LEN, overlong="split"), 3)
+    t_bfd, plain = best_of(3, lambda: fastpack.pack(everything, MAX_LEN, overlong="split"))
     lines += ["| plan | time (s) | documents packed | packs | lower bound | packs over LB | efficiency |",
               "|---|---:|---:|---:|---:|---:|---:|"]
     lines.append(f"| plain `bfd`, every document once | {t_bfd:.2f} | {n:,} | "
@@ -135,8 +126,8 @@ def bench_plan(lines: list[str], scale: float = 1.0) -> None:
     results = {}
     for step in (1 << 19, 1 << 21, 1 << 23):
         mixture = Mixture(MIX, step_tokens=step)
-        t_mix, planned = timed(lambda m=mixture: fastpack.mix(lengths, m, MAX_LEN,
-                                                               overlong="split"), 3)
+        t_mix, planned = best_of(3, lambda m=mixture: fastpack.mix(lengths, m, MAX_LEN,
+                                                                   overlong="split"))
         results[step] = planned
         p = planned.plan
         lines.append(f"| mix, steps of 2^{step.bit_length() - 1} tokens ({planned.num_steps:,} "
@@ -144,7 +135,7 @@ def bench_plan(lines: list[str], scale: float = 1.0) -> None:
                      f"{p.num_packs:,} | {p.lower_bound:,} | {p.num_packs - p.lower_bound:,} | "
                      f"{p.efficiency:.4%} |")
     planned = results[1 << 21]
-    t_one, one = timed(lambda: fastpack.pack(planned.lengths, MAX_LEN, overlong="split"), 3)
+    t_one, one = best_of(3, lambda: fastpack.pack(planned.lengths, MAX_LEN, overlong="split"))
     lines.append(f"| plain `bfd` of the mix's copies, no steps | {t_one:.2f} | "
                  f"{len(planned.lengths):,} copies | {one.num_packs:,} | {one.lower_bound:,} | "
                  f"{one.num_packs - one.lower_bound:,} | {one.efficiency:.4%} |")
@@ -305,10 +296,10 @@ def bench_speed(lines: list[str], scale: float = 1.0) -> None:
         def run(m: Mixture = mixture, cap: int = max_len):
             return fastpack.mix(lengths, m, cap, overlong="split")
 
-        t_new, a = timed(run, 2)
+        t_new, a = best_of(2, run)
         mix_module._pack_steps = per_step_calls
         try:
-            t_old, b = timed(run, 2)
+            t_old, b = best_of(2, run)
         finally:
             mix_module._pack_steps = new
         for name in ("sample_ids", "starts", "seqlens", "pack_offsets"):
