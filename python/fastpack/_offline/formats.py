@@ -173,7 +173,7 @@ class _Files:
         for name in self.open:
             tmp = self.outdir / f".{name}.tmp"
             infos.append({"file": name, "bytes": tmp.stat().st_size,
-                          "sha256": _sha256(tmp)})
+                          "sha256": sha256_file(tmp)})
         for name in self.open:
             os.replace(self.outdir / f".{name}.tmp", self.outdir / name)
         fd = os.open(self.outdir, os.O_RDONLY)
@@ -191,7 +191,8 @@ class _Files:
         self.open = {}
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """The hex SHA-256 of a file's bytes (the manifest's checksum of every file written)."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 20):

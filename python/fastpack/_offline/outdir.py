@@ -8,7 +8,6 @@ resumes from it."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -23,7 +22,7 @@ import pyarrow as pa
 
 from .._errors import FastpackError
 from .._gather import WRITTEN
-from .formats import entry_files, finish_format, is_format_file
+from .formats import entry_files, finish_format, is_format_file, sha256_file
 from .progress import log
 from .settings import PackSettings
 from .sources import Source
@@ -43,14 +42,6 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def write_shard(outdir: Path, name: str, schema: pa.Schema,
